@@ -1,0 +1,1 @@
+"""The batcher stage of the MARGE pipeline."""

@@ -1,0 +1,1 @@
+"""The indexer stage of the MARGE pipeline."""

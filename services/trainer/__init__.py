@@ -1,0 +1,1 @@
+"""The trainer stage of the MARGE pipeline."""

@@ -1,0 +1,499 @@
+"""MARGE: a Multilingual Autoencoder that Retrieves and GEnerates (Lewis et al. 2020, §2-3).
+
+The model reconstructs each target document x_i from a set of evidence documents z_1..M:
+
+* every evidence document is encoded on its own by a bidirectional encoder; the encoder states of all
+  evidence in the batch are concatenated into one memory that the decoder cross-attends over;
+* relevance f(x, z) = cos(g(x), g(z)), where g is the state of the first (BOS) token after the first
+  `relevance_layers` encoder layers (the same parameters as the encoder: paper §2.2);
+* every cross-attention logit from a token of z_j gets + beta * f(x_i, z_j) (paper Eq. 4), so the
+  reconstruction loss trains g through beta * f;
+* the decoder has `decoder_local_layers` self-attention-only layers at its base, then
+  `decoder_layers` layers with cross-attention (paper §3); its first input is a language token that
+  selects the output language.
+
+Tensor-shape legend (suffixes on variable names):
+    N  targets in the batch             T  target (decoder) positions
+    M  evidence documents in the batch  S  evidence (encoder) positions
+    L  keys of the concatenated evidence memory = M * S
+    R  rows given to the relevance encoder (any set of documents)
+    D  model width    H  attention heads    K  head width = D // H    V  vocabulary
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# ----------------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class MargeConfig:
+    """Architecture of one MARGE model. Built only through `MargeConfig(...)`/`preset()`, validated there."""
+
+    vocab_size: int
+    """Rows of the (tied) token embedding. Must be >= the tokenizer's vocabulary."""
+    d_model: int
+    num_heads: int
+    encoder_layers: int
+    encoder_ffn: int
+    relevance_layers: int = 4
+    """g = the BOS state after this many encoder layers (paper §2.2: 4)."""
+    decoder_local_layers: int = 4
+    """Self-attention + FFN layers at the decoder base, before any cross-attention (paper §3: 4)."""
+    decoder_local_ffn: int
+    decoder_layers: int
+    """Decoder layers with cross-attention over the evidence (paper: 12)."""
+    decoder_ffn: int
+    max_positions: int = 512
+    """Longest document / target in tokens, specials included (paper: 512-token chunks)."""
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    pad_id: int = 0
+    beta_init: float = 1.0
+    """Initial value of the relevance-bias weight beta (the paper does not give one)."""
+    beta_per_layer: bool = False
+    """False: one trainable scalar beta shared by all cross-attention layers (paper Eq. 4 says 'a
+    trainable scalar'). True: one beta per cross-attention layer (as in lucidrains/marge-pytorch)."""
+    relevance_centering: bool = False
+    """Deviation from the paper (off in `paper`): subtract the batch mean of g before the cosine, so
+    that a common direction shared by all documents does not make every pair look relevant."""
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "d_model", "num_heads", "encoder_layers", "encoder_ffn",
+                    "decoder_local_ffn", "decoder_layers", "decoder_ffn", "max_positions", "relevance_layers")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.decoder_local_layers < 0:
+            raise ValueError(f"model.decoder_local_layers must be >= 0, got {self.decoder_local_layers}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})")
+        if self.relevance_layers > self.encoder_layers:
+            raise ValueError(
+                f"model.relevance_layers ({self.relevance_layers}) cannot exceed model.encoder_layers "
+                f"({self.encoder_layers}): g shares the first layers of the encoder")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(f"model.pad_id ({self.pad_id}) must be a valid token id below vocab_size ({self.vocab_size})")
+        if self.max_positions < 3:
+            raise ValueError("model.max_positions must leave room for BOS, one token and EOS (>= 3)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "MargeConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**values)
+
+    def with_overrides(self, **overrides: Any) -> "MargeConfig":
+        return replace(self, **overrides)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Seconds on a laptop CPU; every test uses it.
+    "tiny": dict(vocab_size=8000, d_model=64, num_heads=4, encoder_layers=3, encoder_ffn=256,
+                 relevance_layers=2, decoder_local_layers=1, decoder_local_ffn=256, decoder_layers=2,
+                 decoder_ffn=512, max_positions=512, dropout=0.0),
+    # A single-GPU model for an hour-long run.
+    "base": dict(vocab_size=32000, d_model=512, num_heads=8, encoder_layers=6, encoder_ffn=2048,
+                 relevance_layers=4, decoder_local_layers=2, decoder_local_ffn=2048, decoder_layers=6,
+                 decoder_ffn=4096, max_positions=512, dropout=0.1),
+    # Paper §3 / Table 1: 12x1024 encoder (FFN 4096), 4 local decoder layers (FFN 4096), 12 decoder
+    # layers with FFN 16536, 250k vocabulary: 963M parameters.
+    "paper": dict(vocab_size=250_000, d_model=1024, num_heads=16, encoder_layers=12, encoder_ffn=4096,
+                  relevance_layers=4, decoder_local_layers=4, decoder_local_ffn=4096, decoder_layers=12,
+                  decoder_ffn=16536, max_positions=512, dropout=0.1),
+}
+
+
+def preset(name: str, **overrides: Any) -> MargeConfig:
+    """The named architecture, with optional field overrides (validated like any other config)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return MargeConfig(**{**PRESETS[name], **overrides})
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------------
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, d_ffn: int, dropout: float):
+        super().__init__()
+        self.fc_in = nn.Linear(d_model, d_ffn)
+        self.fc_out = nn.Linear(d_ffn, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.fc_out(self.dropout(F.gelu(self.fc_in(x)))))
+
+
+class Attention(nn.Module):
+    """Multi-head attention through F.scaled_dot_product_attention (scale = 1/sqrt(head width)).
+
+    `attn_bias` is added to the logits; it is either a boolean "may attend" mask or a float tensor
+    broadcastable to (batch, H, queries, keys) that may carry gradient (the beta * f path does).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, dropout: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def split_heads(self, x_BXD: Tensor) -> Tensor:
+        b, x, d = x_BXD.shape
+        return x_BXD.view(b, x, self.num_heads, d // self.num_heads).transpose(1, 2)  # B H X K
+
+    def project_kv(self, memory_BLD: Tensor) -> tuple[Tensor, Tensor]:
+        return self.split_heads(self.k_proj(memory_BLD)), self.split_heads(self.v_proj(memory_BLD))
+
+    def forward(self, x_BQD: Tensor, k_BHLK: Tensor, v_BHLK: Tensor, attn_bias: Tensor | None = None,
+                is_causal: bool = False) -> Tensor:
+        q_BHQK = self.split_heads(self.q_proj(x_BQD))
+        if attn_bias is not None and attn_bias.dtype != torch.bool:
+            attn_bias = attn_bias.to(q_BHQK.dtype)  # SDPA wants a float mask in the query's dtype (bf16 autocast)
+        out_BHQK = F.scaled_dot_product_attention(
+            q_BHQK, k_BHLK.to(q_BHQK.dtype), v_BHLK.to(q_BHQK.dtype), attn_mask=attn_bias,
+            dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal)
+        b, _, q, _ = out_BHQK.shape
+        return self.out_proj(out_BHQK.transpose(1, 2).reshape(b, q, -1))
+
+
+class EncoderLayer(nn.Module):
+    """Pre-LayerNorm bidirectional self-attention + FFN."""
+
+    def __init__(self, cfg: MargeConfig):
+        super().__init__()
+        self.self_attn_norm = nn.LayerNorm(cfg.d_model)
+        self.self_attn = Attention(cfg.d_model, cfg.num_heads, cfg.attention_dropout)
+        self.ffn_norm = nn.LayerNorm(cfg.d_model)
+        self.ffn = FeedForward(cfg.d_model, cfg.encoder_ffn, cfg.dropout)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BSD: Tensor, key_ok_B11S: Tensor) -> Tensor:
+        h = self.self_attn_norm(x_BSD)
+        k, v = self.self_attn.project_kv(h)
+        x_BSD = x_BSD + self.dropout(self.self_attn(h, k, v, attn_bias=key_ok_B11S))
+        return x_BSD + self.ffn(self.ffn_norm(x_BSD))
+
+
+def causal_attention(num_queries: int, num_keys: int, device: torch.device) -> dict[str, Any]:
+    """SDPA arguments so that query q (the last `num_queries` of `num_keys` positions) sees keys <= itself."""
+    past = num_keys - num_queries
+    if num_queries == 1:
+        return {}  # one new position sees every cached key
+    if past == 0:
+        return {"is_causal": True}  # lets SDPA pick its fused causal kernels
+    q_T1 = torch.arange(num_queries, device=device)[:, None]
+    return {"attn_bias": torch.arange(num_keys, device=device)[None, :] <= q_T1 + past}
+
+
+@dataclass
+class LayerCache:
+    """Keys/values a decoder layer keeps between incremental decoding steps."""
+
+    self_k: Tensor | None = None  # N H t K, grows by one position per step
+    self_v: Tensor | None = None
+    cross_k: Tensor | None = None  # N H L K, computed once from the evidence memory
+    cross_v: Tensor | None = None
+
+    def reorder(self, index_N: Tensor) -> None:
+        """Keep only rows `index_N` (beam search reorders hypotheses every step)."""
+        for name in ("self_k", "self_v", "cross_k", "cross_v"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.index_select(0, index_N))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-LayerNorm causal self-attention, optional biased cross-attention over the evidence, FFN."""
+
+    def __init__(self, cfg: MargeConfig, d_ffn: int, cross_attention: bool):
+        super().__init__()
+        self.self_attn_norm = nn.LayerNorm(cfg.d_model)
+        self.self_attn = Attention(cfg.d_model, cfg.num_heads, cfg.attention_dropout)
+        self.cross_attn_norm = nn.LayerNorm(cfg.d_model) if cross_attention else None
+        self.cross_attn = Attention(cfg.d_model, cfg.num_heads, cfg.attention_dropout) if cross_attention else None
+        self.ffn_norm = nn.LayerNorm(cfg.d_model)
+        self.ffn = FeedForward(cfg.d_model, d_ffn, cfg.dropout)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_NTD: Tensor, memory_NLD: Tensor | None, cross_bias_N11L: Tensor | None,
+                cache: LayerCache | None = None) -> Tensor:
+        h = self.self_attn_norm(x_NTD)
+        k, v = self.self_attn.project_kv(h)
+        if cache is not None:
+            if cache.self_k is not None:
+                k, v = torch.cat([cache.self_k, k], dim=2), torch.cat([cache.self_v, v], dim=2)
+            cache.self_k, cache.self_v = k, v
+        x_NTD = x_NTD + self.dropout(self.self_attn(h, k, v, **causal_attention(x_NTD.shape[1], k.shape[2], k.device)))
+        if self.cross_attn is not None:
+            h = self.cross_attn_norm(x_NTD)
+            if cache is not None and cache.cross_k is not None:
+                k, v = cache.cross_k, cache.cross_v
+            else:
+                k, v = self.cross_attn.project_kv(memory_NLD)
+                if cache is not None:
+                    cache.cross_k, cache.cross_v = k, v
+            x_NTD = x_NTD + self.dropout(self.cross_attn(h, k, v, attn_bias=cross_bias_N11L))
+        return x_NTD + self.ffn(self.ffn_norm(x_NTD))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MargeOutput:
+    loss: Tensor  # mean NLL per target token (padding excluded)
+    nll_per_target_N: Tensor  # summed NLL of each target
+    tokens_per_target_N: Tensor
+    relevance_NM: Tensor  # f(x_i, z_j) = cos(g(x_i), g(z_j)), with gradient
+    logits_NTV: Tensor | None = None
+
+
+@dataclass
+class EncodedEvidence:
+    """What the decoder needs from the evidence: the concatenated memory and each key's document."""
+
+    memory_1LD: Tensor  # all evidence states, flattened into one sequence of L = M * S keys
+    key_ok_L: Tensor  # False at padding positions
+    key_doc_L: Tensor  # index j of the evidence document each key belongs to
+    relevance_MD: Tensor  # g(z_j)
+
+
+class Marge(nn.Module):
+    def __init__(self, cfg: MargeConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
+        self.encoder_positions = nn.Embedding(cfg.max_positions, cfg.d_model)
+        self.decoder_positions = nn.Embedding(cfg.max_positions, cfg.d_model)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.encoder_norm = nn.LayerNorm(cfg.d_model)
+        self.decoder_local_layers = nn.ModuleList(
+            DecoderLayer(cfg, cfg.decoder_local_ffn, cross_attention=False) for _ in range(cfg.decoder_local_layers))
+        self.decoder_layers = nn.ModuleList(
+            DecoderLayer(cfg, cfg.decoder_ffn, cross_attention=True) for _ in range(cfg.decoder_layers))
+        self.decoder_norm = nn.LayerNorm(cfg.d_model)
+        self.beta = nn.Parameter(torch.full((cfg.decoder_layers if cfg.beta_per_layer else 1,), float(cfg.beta_init)))
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+        with torch.no_grad():
+            self.embed_tokens.weight[self.cfg.pad_id].zero_()
+            self.beta.fill_(self.cfg.beta_init)
+
+    # --- encoder and relevance ------------------------------------------------------------------
+
+    def _embed_encoder(self, tokens_RS: Tensor) -> Tensor:
+        self._check_lengths(tokens_RS, "document")
+        positions_S = torch.arange(tokens_RS.shape[1], device=tokens_RS.device)
+        return self.dropout(self.embed_tokens(tokens_RS) + self.encoder_positions(positions_S))
+
+    def _check_lengths(self, tokens: Tensor, what: str) -> None:
+        if tokens.dim() != 2:
+            raise ValueError(f"{what} tokens must be a 2-D (rows, positions) tensor, got shape {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.cfg.max_positions:
+            raise ValueError(f"{what} length {tokens.shape[1]} exceeds model.max_positions={self.cfg.max_positions}")
+
+    def encoder_states(self, tokens_RS: Tensor, num_layers: int | None = None) -> Tensor:
+        """States after the first `num_layers` encoder layers (all layers + final norm when None)."""
+        key_ok_R11S = (tokens_RS != self.cfg.pad_id)[:, None, None, :]
+        x = self._embed_encoder(tokens_RS)
+        layers = self.encoder_layers if num_layers is None else self.encoder_layers[:num_layers]
+        for layer in layers:
+            x = layer(x, key_ok_R11S)
+        return self.encoder_norm(x) if num_layers is None else x
+
+    def relevance_vectors(self, tokens_RS: Tensor) -> Tensor:
+        """g(x): the BOS state after the first `relevance_layers` encoder layers (R D)."""
+        return self.encoder_states(tokens_RS, self.cfg.relevance_layers)[:, 0]
+
+    def relevance(self, targets_ND: Tensor, evidence_MD: Tensor) -> Tensor:
+        """f(x_i, z_j) = cos(g(x_i), g(z_j)) for every target/evidence pair (N M), in [-1, 1]."""
+        if self.cfg.relevance_centering:
+            mean_D = torch.cat([targets_ND, evidence_MD]).mean(0, keepdim=True)
+            targets_ND, evidence_MD = targets_ND - mean_D, evidence_MD - mean_D
+        return F.normalize(targets_ND.float(), dim=-1) @ F.normalize(evidence_MD.float(), dim=-1).T
+
+    def encode_evidence(self, evidence_MS: Tensor) -> EncodedEvidence:
+        """Encode each evidence document separately, then concatenate (one pass gives g(z) too)."""
+        key_ok_MS = evidence_MS != self.cfg.pad_id
+        if not bool(key_ok_MS[:, 0].all()):
+            raise ValueError("every evidence document needs a non-padding first (BOS) token")
+        key_ok_M11S = key_ok_MS[:, None, None, :]
+        x = self._embed_encoder(evidence_MS)
+        relevance_MD = x[:, 0]
+        for i, layer in enumerate(self.encoder_layers):
+            x = layer(x, key_ok_M11S)
+            if i + 1 == self.cfg.relevance_layers:
+                relevance_MD = x[:, 0]
+        m, s, d = x.shape
+        memory_1LD = self.encoder_norm(x).reshape(1, m * s, d)
+        key_doc_L = torch.arange(m, device=x.device).repeat_interleave(s)
+        return EncodedEvidence(memory_1LD, key_ok_MS.reshape(-1), key_doc_L, relevance_MD)
+
+    def spread_over_keys(self, evidence: EncodedEvidence, relevance_NM: Tensor,
+                         allowed_NM: Tensor) -> tuple[Tensor, Tensor]:
+        """f(x_i, z_j) copied onto every key of z_j (N L), and which keys target i may see (N L).
+
+        Each cross-attention layer turns these into its logit bias beta * f + (0 or -inf) (paper Eq. 4).
+        """
+        if allowed_NM.shape != relevance_NM.shape:
+            raise ValueError(f"allowed mask shape {tuple(allowed_NM.shape)} != relevance shape {tuple(relevance_NM.shape)}")
+        if not bool(allowed_NM.any(dim=1).all()):
+            empty = (~allowed_NM.any(dim=1)).nonzero().flatten().tolist()
+            raise ValueError(f"target(s) {empty} have no evidence document they may attend to")
+        relevance_NL = relevance_NM[:, evidence.key_doc_L]
+        visible_NL = allowed_NM[:, evidence.key_doc_L] & evidence.key_ok_L[None, :]
+        return relevance_NL, visible_NL
+
+    # --- decoder --------------------------------------------------------------------------------
+
+    def _layer_beta(self, layer_index: int) -> Tensor:
+        return self.beta[layer_index if self.cfg.beta_per_layer else 0]
+
+    def decode(self, decoder_in_NT: Tensor, memory_1LD: Tensor | None, relevance_NL: Tensor, visible_NL: Tensor,
+               caches: list[LayerCache] | None = None, start_position: int = 0) -> Tensor:
+        """Decoder states (N T D) for `decoder_in_NT`, cross-attending over the evidence memory.
+
+        With `caches` the call is one step of incremental decoding: positions start at
+        `start_position` and every layer appends its keys/values to its cache.
+        """
+        n, t = decoder_in_NT.shape
+        if start_position + t > self.cfg.max_positions:
+            raise ValueError(f"target length {start_position + t} exceeds model.max_positions={self.cfg.max_positions}")
+        positions_T = torch.arange(start_position, start_position + t, device=decoder_in_NT.device)
+        x = self.dropout(self.embed_tokens(decoder_in_NT) + self.decoder_positions(positions_T))
+        memory_NLD = None if memory_1LD is None else memory_1LD.expand(n, -1, -1)
+        mask_N11L = torch.zeros(visible_NL.shape, dtype=relevance_NL.dtype, device=relevance_NL.device)
+        mask_N11L = mask_N11L.masked_fill(~visible_NL, float("-inf"))[:, None, None, :]
+        relevance_N11L = relevance_NL[:, None, None, :]
+        n_local = len(self.decoder_local_layers)
+        for i, layer in enumerate(self.decoder_local_layers):
+            x = layer(x, None, None, None if caches is None else caches[i])
+        for i, layer in enumerate(self.decoder_layers):
+            bias_N11L = self._layer_beta(i) * relevance_N11L + mask_N11L
+            x = layer(x, memory_NLD, bias_N11L, None if caches is None else caches[n_local + i])
+        return self.decoder_norm(x)
+
+    def logits(self, states_NTD: Tensor) -> Tensor:
+        return states_NTD @ self.embed_tokens.weight.T  # tied output projection
+
+    def new_caches(self) -> list[LayerCache]:
+        return [LayerCache() for _ in range(len(self.decoder_local_layers) + len(self.decoder_layers))]
+
+    # --- training objective -------------------------------------------------------------------
+
+    def forward(self, evidence_MS: Tensor, target_enc_NS: Tensor, decoder_in_NT: Tensor, labels_NT: Tensor,
+                allowed_NM: Tensor, return_logits: bool = False) -> MargeOutput:
+        """Negative log-likelihood of each target given the evidence and relevance scores (paper Eq. 2).
+
+        evidence_MS    evidence documents as encoder input (BOS ... EOS, padded)
+        target_enc_NS  the targets as encoder input, only used for g(x_i)
+        decoder_in_NT  language token, then the target's text tokens (padded)
+        labels_NT      the target's text tokens, then EOS (padded with pad_id: ignored)
+        allowed_NM     True where target i may attend to evidence j (never its own document)
+        """
+        self._check_lengths(decoder_in_NT, "target")
+        if decoder_in_NT.shape != labels_NT.shape:
+            raise ValueError(f"decoder input {tuple(decoder_in_NT.shape)} and labels {tuple(labels_NT.shape)} differ")
+        evidence = self.encode_evidence(evidence_MS)
+        relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD)
+        relevance_NL, visible_NL = self.spread_over_keys(evidence, relevance_NM, allowed_NM)
+        states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, relevance_NL, visible_NL)
+        logits_NTV = self.logits(states_NTD)
+        nll_NT = F.cross_entropy(logits_NTV.float().transpose(1, 2), labels_NT, ignore_index=self.cfg.pad_id,
+                                 reduction="none")
+        tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
+        nll_N = nll_NT.sum(1)
+        loss = nll_N.sum() / tokens_N.sum().clamp(min=1)
+        return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sizes and throughput
+# ----------------------------------------------------------------------------------------------------
+
+
+def build_on_meta(cfg: MargeConfig) -> Marge:
+    """The model with no storage behind its parameters: for counting and planning, not for running."""
+    with torch.device("meta"):
+        return Marge(cfg)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Parameters, counting the tied input/output embedding once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def parameter_breakdown(model: Marge) -> dict[str, int]:
+    def n(mod: nn.Module | nn.Parameter) -> int:
+        return mod.numel() if isinstance(mod, nn.Parameter) else count_parameters(mod)
+
+    return {
+        "embeddings": n(model.embed_tokens) + n(model.encoder_positions) + n(model.decoder_positions),
+        "encoder": n(model.encoder_layers) + n(model.encoder_norm),
+        "decoder_local": n(model.decoder_local_layers),
+        "decoder_cross": n(model.decoder_layers) + n(model.decoder_norm),
+        "beta": n(model.beta),
+    }
+
+
+def training_flops_per_token(cfg: MargeConfig, evidence_per_target_tokens: float = 1.0) -> float:
+    """Approximate training FLOPs per target token (6 x parameters touched), for MFU figures.
+
+    `evidence_per_target_tokens` is the ratio of encoded evidence tokens to target tokens in a batch.
+    """
+    d = cfg.d_model
+    enc_layer = 4 * d * d + 2 * d * cfg.encoder_ffn
+    dec_local = 4 * d * d + 2 * d * cfg.decoder_local_ffn
+    dec_cross = 8 * d * d + 2 * d * cfg.decoder_ffn
+    decoder = cfg.decoder_local_layers * dec_local + cfg.decoder_layers * dec_cross + d * cfg.vocab_size
+    encoder = cfg.encoder_layers * enc_layer * evidence_per_target_tokens
+    relevance = cfg.relevance_layers * enc_layer  # g(x) of the targets
+    return 6.0 * (decoder + encoder + relevance)
+
+
+__all__ = [
+    "PRESETS", "EncodedEvidence", "LayerCache", "Marge", "MargeConfig", "MargeOutput", "build_on_meta",
+    "count_parameters", "parameter_breakdown", "preset", "training_flops_per_token",
+]

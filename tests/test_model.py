@@ -1,0 +1,289 @@
+"""Properties of the MARGE model (tiny preset, CPU)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from marge.batch import Batch, SpecialTokens, to_model_inputs
+from marge.model import Marge, MargeConfig, build_on_meta, count_parameters, preset
+
+SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 10, "de": 11, "zh": 12})
+
+
+def tiny(**overrides) -> Marge:
+    torch.manual_seed(0)
+    return Marge(preset("tiny", vocab_size=200, **overrides)).eval()
+
+
+def make_batch(rng: np.random.Generator, lengths=(7, 12, 5, 9), targets=(0, 1), evidence=(1, 2, 3)) -> Batch:
+    tokens = tuple(rng.integers(20, 200, size=n).astype(np.int32) for n in lengths)
+    langs = tuple(["en", "de", "zh", "en"][i % 4] for i in range(len(lengths)))
+    edges = np.array([[t, 0] for t in range(len(targets))], dtype=np.int32)
+    return Batch("b0", 0, 0, np.arange(100, 100 + len(lengths), dtype=np.int64), langs, tokens,
+                 np.array(targets, dtype=np.int32), np.array(evidence, dtype=np.int32), edges,
+                 np.ones(len(edges), dtype=np.float32))
+
+
+def pad_more(t: torch.Tensor, extra: int, pad: int = 0) -> torch.Tensor:
+    return torch.cat([t, torch.full((t.shape[0], extra), pad, dtype=t.dtype)], dim=1)
+
+
+def test_shapes_and_finite_loss():
+    model = tiny()
+    inputs = to_model_inputs(make_batch(np.random.default_rng(0)), SPECIALS)
+    out = model(**inputs.as_kwargs(), return_logits=True)
+    n, t = inputs.decoder_in_NT.shape
+    assert out.logits_NTV.shape == (n, t, 200)
+    assert out.relevance_NM.shape == (2, 3)
+    assert out.nll_per_target_N.shape == (2,) and out.tokens_per_target_N.tolist() == [8, 13]
+    assert torch.isfinite(out.loss) and out.loss.item() == pytest.approx(math.log(200), rel=0.2)
+
+
+def test_target_never_attends_to_itself():
+    inputs = to_model_inputs(make_batch(np.random.default_rng(0)), SPECIALS)
+    # target 1 is document 1, which is also evidence 0
+    assert inputs.allowed_NM.tolist() == [[True, True, True], [False, True, True]]
+
+
+def test_padding_invariance():
+    model = tiny()
+    inputs = to_model_inputs(make_batch(np.random.default_rng(1)), SPECIALS)
+    ref = model(**inputs.as_kwargs())
+    padded = dict(inputs.as_kwargs())
+    for name, extra in (("evidence_MS", 5), ("target_enc_NS", 3), ("decoder_in_NT", 4), ("labels_NT", 4)):
+        padded[name] = pad_more(padded[name], extra)
+    out = model(**padded)
+    torch.testing.assert_close(out.nll_per_target_N, ref.nll_per_target_N, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.relevance_NM, ref.relevance_NM, rtol=1e-5, atol=1e-6)
+
+
+def test_relevance_is_a_true_cosine():
+    model = tiny()
+    rng = np.random.default_rng(2)
+    inputs = to_model_inputs(make_batch(rng), SPECIALS)
+    out = model(**inputs.as_kwargs())
+    g_x = model.relevance_vectors(inputs.target_enc_NS)
+    g_z = model.relevance_vectors(inputs.evidence_MS)
+    expected = F.cosine_similarity(g_x[:, None, :], g_z[None, :, :], dim=-1)
+    torch.testing.assert_close(out.relevance_NM, expected, rtol=1e-5, atol=1e-6)
+    assert out.relevance_NM.abs().max() <= 1.0 + 1e-6
+    # target 1 is evidence 0: the same document has cosine 1 with itself
+    assert out.relevance_NM[1, 0].item() == pytest.approx(1.0, abs=1e-5)
+    # g is the BOS state after exactly `relevance_layers` encoder layers
+    deeper = model.encoder_states(inputs.evidence_MS, model.cfg.relevance_layers + 1)[:, 0]
+    assert not torch.allclose(deeper, g_z)
+
+
+def plain_cross_attention_reference(model: Marge, inputs) -> torch.Tensor:
+    """Loss computed with textbook attention (no relevance term) over the concatenated evidence."""
+    evidence = model.encode_evidence(inputs.evidence_MS)
+    visible_NL = inputs.allowed_NM[:, evidence.key_doc_L] & evidence.key_ok_L[None, :]
+
+    def attend(layer_attn, x_NTD, mem_NLD, visible):
+        q = layer_attn.split_heads(layer_attn.q_proj(x_NTD))
+        k = layer_attn.split_heads(layer_attn.k_proj(mem_NLD))
+        v = layer_attn.split_heads(layer_attn.v_proj(mem_NLD))
+        logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if visible is not None:
+            logits = logits.masked_fill(~visible, float("-inf"))
+        out = logits.softmax(-1) @ v
+        return layer_attn.out_proj(out.transpose(1, 2).reshape(x_NTD.shape))
+
+    dec = inputs.decoder_in_NT
+    n, t = dec.shape
+    x = model.embed_tokens(dec) + model.decoder_positions(torch.arange(t))
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    mem = evidence.memory_1LD.expand(n, -1, -1)
+    for layer in [*model.decoder_local_layers, *model.decoder_layers]:
+        h = layer.self_attn_norm(x)
+        x = x + attend(layer.self_attn, h, h, causal)
+        if layer.cross_attn is not None:
+            x = x + attend(layer.cross_attn, layer.cross_attn_norm(x), mem, visible_NL[:, None, None, :])
+        x = x + layer.ffn(layer.ffn_norm(x))
+    logits = model.logits(model.decoder_norm(x))
+    return F.cross_entropy(logits.transpose(1, 2), inputs.labels_NT, ignore_index=0)
+
+
+def test_beta_zero_is_plain_cross_attention_over_the_concatenation():
+    model = tiny(beta_init=0.0)
+    inputs = to_model_inputs(make_batch(np.random.default_rng(3)), SPECIALS)
+    with torch.no_grad():
+        out = model(**inputs.as_kwargs())
+        torch.testing.assert_close(out.loss, plain_cross_attention_reference(model, inputs), rtol=1e-5, atol=1e-5)
+        # and with beta != 0 the relevance term matters
+        model.beta.fill_(3.0)
+        assert not torch.allclose(model(**inputs.as_kwargs()).loss, out.loss)
+
+
+def test_gradient_reaches_relevance_layers_through_beta_f():
+    """g(x) of the targets influences the loss only through beta * f: its gradient must reach the
+    first `relevance_layers` encoder layers when beta != 0, and vanish when beta == 0."""
+    inputs = to_model_inputs(make_batch(np.random.default_rng(4)), SPECIALS)
+
+    def target_path_grad(beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        model = tiny(beta_init=beta).train()
+        full = torch.autograd.grad(model(**inputs.as_kwargs()).loss, list(model.encoder_layers.parameters()),
+                                   allow_unused=True)
+        original = model.relevance_vectors
+        calls = {"n": 0}
+
+        def detach_targets(tokens):
+            calls["n"] += 1
+            return original(tokens).detach()  # only the target pass goes through relevance_vectors
+
+        model.relevance_vectors = detach_targets
+        no_target = torch.autograd.grad(model(**inputs.as_kwargs()).loss, list(model.encoder_layers.parameters()),
+                                        allow_unused=True)
+        assert calls["n"] == 1
+        diff = [(a if a is not None else 0) - (b if b is not None else 0) for a, b in zip(full, no_target)]
+        n_rel = sum(1 for _ in model.encoder_layers[: model.cfg.relevance_layers].parameters())
+        rel = torch.stack([torch.as_tensor(d).abs().sum() for d in diff[:n_rel]])
+        above = torch.stack([torch.as_tensor(d).abs().sum() for d in diff[n_rel:]])
+        return rel, above
+
+    rel, above = target_path_grad(2.0)
+    assert (rel > 0).any() and rel.sum() > 1e-6
+    assert above.sum() == 0  # layers above g see nothing of the target pass
+    rel0, _ = target_path_grad(0.0)
+    assert rel0.sum() == 0
+    # beta itself is trained
+    model = tiny().train()
+    model(**inputs.as_kwargs()).loss.backward()
+    assert model.beta.grad is not None and model.beta.grad.abs().item() > 0
+
+
+def test_evidence_with_minus_infinite_bias_has_no_effect():
+    rng = np.random.default_rng(5)
+    batch = make_batch(rng, lengths=(6, 8, 10, 7, 9), targets=(0,), evidence=(1, 2, 3, 4))
+    model = tiny()
+    inputs = to_model_inputs(batch, SPECIALS)
+    with torch.no_grad():
+        # drop evidence document 2 from the batch entirely...
+        keep = [0, 1, 3]
+        reduced = dict(inputs.as_kwargs(), evidence_MS=inputs.evidence_MS[keep], allowed_NM=inputs.allowed_NM[:, keep])
+        ref = model(**reduced).loss
+        # ...or keep it and drive its relevance bias to -inf
+        original = model.relevance
+
+        def minus_inf_for_doc2(gx, gz):
+            f = original(gx, gz).clone()
+            f[:, 2] = float("-inf")
+            return f
+
+        model.relevance = minus_inf_for_doc2
+        torch.testing.assert_close(model(**inputs.as_kwargs()).loss, ref, rtol=1e-5, atol=1e-5)
+        model.relevance = original
+        masked = dict(inputs.as_kwargs(), allowed_NM=inputs.allowed_NM.clone())
+        masked["allowed_NM"][:, 2] = False
+        torch.testing.assert_close(model(**masked).loss, ref, rtol=1e-5, atol=1e-5)
+        # the document did matter while visible
+        assert not torch.allclose(model(**inputs.as_kwargs()).loss, ref)
+
+
+def test_a_target_without_visible_evidence_is_an_error():
+    model = tiny()
+    inputs = to_model_inputs(make_batch(np.random.default_rng(6)), SPECIALS)
+    bad = dict(inputs.as_kwargs(), allowed_NM=torch.zeros_like(inputs.allowed_NM))
+    with pytest.raises(ValueError, match="no evidence"):
+        model(**bad)
+
+
+def test_decoder_is_causal():
+    model = tiny()
+    inputs = to_model_inputs(make_batch(np.random.default_rng(7)), SPECIALS)
+    out = model(**inputs.as_kwargs(), return_logits=True)
+    changed = dict(inputs.as_kwargs())
+    changed["decoder_in_NT"] = inputs.decoder_in_NT.clone()
+    changed["decoder_in_NT"][:, 4:] = 42
+    out2 = model(**changed, return_logits=True)
+    torch.testing.assert_close(out.logits_NTV[:, :4], out2.logits_NTV[:, :4])
+    assert not torch.allclose(out.logits_NTV[:, 4:], out2.logits_NTV[:, 4:])
+
+
+@pytest.mark.parametrize("beta_per_layer", [False, True])
+def test_kv_cached_decoding_equals_full_decoding(beta_per_layer):
+    model = tiny(beta_per_layer=beta_per_layer)
+    inputs = to_model_inputs(make_batch(np.random.default_rng(8)), SPECIALS)
+    with torch.no_grad():
+        evidence = model.encode_evidence(inputs.evidence_MS)
+        rel = model.relevance(model.relevance_vectors(inputs.target_enc_NS), evidence.relevance_MD)
+        rel_NL, vis_NL = model.spread_over_keys(evidence, rel, inputs.allowed_NM)
+        full = model.logits(model.decode(inputs.decoder_in_NT, evidence.memory_1LD, rel_NL, vis_NL))
+        caches = model.new_caches()
+        steps = []
+        # a two-token prefix first (a forced prefix), then one token at a time
+        steps.append(model.logits(model.decode(inputs.decoder_in_NT[:, :2], evidence.memory_1LD, rel_NL, vis_NL, caches, 0)))
+        for pos in range(2, inputs.decoder_in_NT.shape[1]):
+            steps.append(model.logits(model.decode(inputs.decoder_in_NT[:, pos:pos + 1], evidence.memory_1LD,
+                                                   rel_NL, vis_NL, caches, pos)))
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
+        # several new positions at once on top of a non-empty cache use a lower-right causal mask
+        caches = model.new_caches()
+        a = model.logits(model.decode(inputs.decoder_in_NT[:, :3], evidence.memory_1LD, rel_NL, vis_NL, caches, 0))
+        b = model.logits(model.decode(inputs.decoder_in_NT[:, 3:7], evidence.memory_1LD, rel_NL, vis_NL, caches, 3))
+        torch.testing.assert_close(torch.cat([a, b], dim=1), full[:, :7], rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_autocast_matches_fp32():
+    model = tiny()
+    inputs = to_model_inputs(make_batch(np.random.default_rng(9)), SPECIALS)
+    with torch.no_grad():
+        ref = model(**inputs.as_kwargs()).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(**inputs.as_kwargs())
+    assert torch.isfinite(out.loss)
+    assert out.loss.item() == pytest.approx(ref.item(), rel=0.02)
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**inputs.as_kwargs()).loss
+    loss.backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_tiny_model_overfits_a_handful_of_pairs():
+    torch.manual_seed(0)
+    rng = np.random.default_rng(10)
+    docs = [rng.integers(20, 200, size=int(n)).astype(np.int32) for n in rng.integers(8, 16, size=8)]
+    # 4 targets, each with its own "translation" (a permuted copy) as evidence
+    evidence = [np.roll(d, 1) for d in docs[:4]]
+    tokens = tuple(docs[:4] + evidence)
+    batch = Batch("overfit", 0, 0, np.arange(8, dtype=np.int64), ("en",) * 4 + ("de",) * 4, tokens,
+                  np.arange(4, dtype=np.int32), np.arange(4, 8, dtype=np.int32),
+                  np.array([[i, i] for i in range(4)], dtype=np.int32), np.full(4, 100.0, dtype=np.float32))
+    model = Marge(preset("tiny", vocab_size=200)).train()
+    inputs = to_model_inputs(batch, SPECIALS)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(150):
+        loss = model(**inputs.as_kwargs()).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] <= 0.1 * losses[0], f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def test_paper_preset_has_963m_parameters():
+    n = count_parameters(build_on_meta(preset("paper")))
+    assert abs(n - 963e6) / 963e6 <= 0.02, n
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="relevance_layers"):
+        preset("tiny", relevance_layers=9)
+    with pytest.raises(ValueError, match="num_heads"):
+        preset("tiny", d_model=65)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("huge")
+    with pytest.raises(ValueError, match="unknown model config field"):
+        MargeConfig.from_dict({**preset("tiny").to_dict(), "depth": 3})
+
+
+def test_beta_per_layer_has_one_beta_per_cross_attention_layer():
+    assert tiny(beta_per_layer=True).beta.shape == (2,)
+    assert tiny().beta.shape == (1,)
