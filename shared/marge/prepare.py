@@ -1,0 +1,383 @@
+"""`marge prepare`: raw multilingual documents -> a validated, sharded Parquet corpus (see marge.corpus).
+
+Steps (paper §3 "Data Pre-processing" and §2.4 "Data Sharding"):
+  1. read documents: JSONL files (one object per line with "text" and "language"; optional "id",
+     "group", "title") or folders laid out as <root>/<lang>/**/*.{html,htm,txt} (the language is the
+     first folder name; a page's path below it is its group, so the same page in every language
+     lands in one shard);
+  2. check each document: valid UTF-8, not empty, not oversized, an ISO 639-1 language that offline
+     language identification (fastText LID-176) does not contradict;
+  3. drop exact duplicates (same language, same normalised text);
+  4. train the tokenizer on the corpus (or load a given one);
+  5. cut documents into chunks of at most `max_chunk_tokens` tokens along paragraph boundaries, and
+     drop duplicate chunks;
+  6. assign groups to shards: all chunks of a group share a shard, groups are spread at random
+     (seeded) over shards of about `docs_per_shard` chunks;
+  7. write shards, tokenizer and manifest into a temporary folder and rename it into place.
+
+A bad document stops the run with an error naming the file, line and field (or, with
+`on_bad_document="skip"`, is dropped, logged and counted in the manifest). Nothing half-written is
+left behind either way.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import heapq
+import json
+import logging
+import math
+import time
+import unicodedata
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from marge import __version__
+from marge.corpus import CORPUS_FORMAT, CORPUS_SCHEMA_VERSION, write_shard
+from marge.html_text import extract_text
+from marge.langid import identify
+from marge.languages import normalize_language
+from marge.tokenizer import MargeTokenizer
+from marge.utils import atomic_directory, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = {".html": "html", ".htm": "html", ".txt": "text"}
+
+
+class PrepareError(ValueError):
+    """Bad input. The message names the file, the line or field, and what to do."""
+
+
+@dataclass
+class RawDocument:
+    source: str  # "<file>:<line>" or "<file>"
+    doc_id: str
+    group: str
+    lang: str
+    text: str
+
+
+@dataclass
+class PrepareOptions:
+    inputs: list[Path]
+    out: Path
+    tokenizer_dir: Path | None = None
+    vocab_size: int = 16000
+    max_chunk_tokens: int = 512
+    docs_per_shard: int = 512
+    num_shards: int | None = None
+    languages: tuple[str, ...] | None = None
+    lid: bool = True
+    lid_threshold: float = 0.5
+    lid_min_chars: int = 20
+    max_document_chars: int = 1_000_000
+    on_bad_document: str = "error"
+    seed: int = 0
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        self.inputs = [Path(p) for p in self.inputs]
+        self.out = Path(self.out)
+        if not self.inputs:
+            raise PrepareError("no input given: pass JSONL files or language folders to `marge prepare`")
+        if self.max_chunk_tokens < 3:
+            raise PrepareError(f"--max-chunk-tokens must be at least 3 (BOS, a token, EOS), got {self.max_chunk_tokens}")
+        if self.docs_per_shard < 1:
+            raise PrepareError(f"--docs-per-shard must be positive, got {self.docs_per_shard}")
+        if self.num_shards is not None and self.num_shards < 1:
+            raise PrepareError(f"--num-shards must be positive, got {self.num_shards}")
+        if self.on_bad_document not in ("error", "skip"):
+            raise PrepareError(f"on_bad_document must be 'error' or 'skip', got {self.on_bad_document!r}")
+        if self.languages is not None:
+            self.languages = tuple(normalize_language(lang) for lang in self.languages)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------
+
+
+def _decode(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{where}: invalid UTF-8 at byte {e.start} ({raw[max(0, e.start - 10):e.start + 10]!r}); "
+                           "convert the file to UTF-8 (e.g. `iconv -f LATIN1 -t UTF-8`)") from None
+
+
+def read_jsonl(path: Path) -> Iterator[RawDocument]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                where = f"{path}:{line_no}"
+                line = _decode(raw, where).strip()
+                if not line:
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise PrepareError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(obj, dict):
+                    raise PrepareError(f"{where}: each line must be a JSON object with 'text' and 'language'")
+                for key in ("text", "language"):
+                    if key not in obj:
+                        raise PrepareError(f"{where}: field {key!r} is missing (each line needs 'text' and 'language')")
+                    if not isinstance(obj[key], str):
+                        raise PrepareError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
+                doc_id = str(obj.get("id", f"{path.name}:{line_no}"))
+                yield RawDocument(where, doc_id, str(obj.get("group", doc_id)), obj["language"], obj["text"])
+    except (OSError, EOFError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise PrepareError(f"{path}: file not found") from None
+        raise PrepareError(f"{path}: cannot be read ({e}); is it a complete (gzip) JSONL file?") from None
+
+
+def read_folder(root: Path) -> Iterator[RawDocument]:
+    lang_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not lang_dirs:
+        raise PrepareError(f"{root}: no language folders; lay out HTML/text input as {root}/<lang>/...")
+    for lang_dir in lang_dirs:
+        try:
+            normalize_language(lang_dir.name)
+        except ValueError:
+            raise PrepareError(f"{lang_dir}: folder name {lang_dir.name!r} is not an ISO 639-1 language code; "
+                               f"name each folder under {root} after the language of its files (en, de, zh, ...)") from None
+        for path in sorted(p for p in lang_dir.rglob("*") if p.is_file() and not p.name.startswith(".")):
+            kind = TEXT_SUFFIXES.get(path.suffix.lower())
+            if kind is None:
+                log.warning("skipping %s: not .html, .htm or .txt", path)
+                continue
+            text = _decode(path.read_bytes(), str(path))
+            if kind == "html":
+                text = extract_text(text).text()
+            rel = path.relative_to(lang_dir).with_suffix("").as_posix()
+            yield RawDocument(str(path), f"{lang_dir.name}/{rel}", rel, lang_dir.name, text)
+
+
+def read_inputs(inputs: list[Path]) -> Iterator[RawDocument]:
+    for path in inputs:
+        if path.is_dir():
+            yield from read_folder(path)
+        elif path.name.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")):
+            yield from read_jsonl(path)
+        elif not path.exists():
+            raise PrepareError(f"{path}: no such file or folder")
+        else:
+            raise PrepareError(f"{path}: unsupported input; give .jsonl / .jsonl.gz files or a folder of <lang>/ subfolders")
+
+
+# --------------------------------------------------------------------------------------------------
+# Checking, de-duplication, chunking, sharding
+# --------------------------------------------------------------------------------------------------
+
+
+def normalized_hash(text: str) -> bytes:
+    norm = " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+    return hashlib.sha1(norm.encode("utf-8")).digest()
+
+
+def check_document(doc: RawDocument, opts: PrepareOptions) -> RawDocument:
+    """The document with its language normalised, or PrepareError saying what is wrong."""
+    try:
+        lang = normalize_language(doc.lang)
+    except ValueError as e:
+        raise PrepareError(f"{doc.source}: field 'language': {e}") from None
+    if not doc.text.strip():
+        raise PrepareError(f"{doc.source}: field 'text' is empty; remove the document or give it text")
+    if len(doc.text) > opts.max_document_chars:
+        raise PrepareError(f"{doc.source}: document has {len(doc.text):,} characters, more than --max-document-chars "
+                           f"{opts.max_document_chars:,}; split it into smaller documents or raise the limit")
+    if opts.lid and len(doc.text.strip()) >= opts.lid_min_chars:
+        guess = identify(doc.text[:4000])
+        if guess.lang != lang and guess.score >= opts.lid_threshold:
+            raise PrepareError(f"{doc.source}: field 'language' says {lang!r} but language identification says "
+                               f"{guess.lang!r} (confidence {guess.score:.2f}); fix the label, raise --lid-threshold, "
+                               "or pass --no-lid to trust the labels")
+    return RawDocument(doc.source, doc.doc_id, doc.group, lang, doc.text)
+
+
+def split_paragraphs(text: str) -> list[str]:
+    paras = [" ".join(p.split()) for p in text.replace("\r\n", "\n").split("\n\n")]
+    return [p for p in paras if p]
+
+
+def chunk_paragraphs(paragraphs: list[str], paragraph_tokens: list[list[int]], max_chunk_tokens: int,
+                     tokenizer: MargeTokenizer) -> list[tuple[list[int], str]]:
+    """Greedily pack whole paragraphs into chunks of <= max_chunk_tokens - 2 tokens (BOS and EOS are
+    added later); a paragraph longer than that is cut at token boundaries."""
+    budget = max_chunk_tokens - 2
+    chunks: list[tuple[list[int], str]] = []
+    tokens: list[int] = []
+    texts: list[str] = []
+
+    def flush() -> None:
+        if tokens:
+            chunks.append((list(tokens), "\n\n".join(texts)))
+            tokens.clear()
+            texts.clear()
+
+    for text, toks in zip(paragraphs, paragraph_tokens):
+        if not toks:
+            continue
+        if len(toks) > budget:
+            flush()
+            for start in range(0, len(toks), budget):
+                piece = toks[start:start + budget]
+                chunks.append((piece, tokenizer.decode(piece)))
+            continue
+        if len(tokens) + len(toks) > budget:
+            flush()
+        tokens.extend(toks)
+        texts.append(text)
+    flush()
+    return chunks
+
+
+def assign_shards(group_sizes: dict[str, int], num_shards: int, seed: int) -> dict[str, int]:
+    """Groups in random (seeded) order, each to the currently smallest shard: related documents stay
+    together, unrelated ones are spread at random, shards stay about the same size."""
+    groups = sorted(group_sizes)
+    np.random.default_rng(seed).shuffle(groups)
+    heap = [(0, s) for s in range(num_shards)]
+    out = {}
+    for g in groups:
+        size, s = heapq.heappop(heap)
+        out[g] = s
+        heapq.heappush(heap, (size + group_sizes[g], s))
+    return out
+
+
+@dataclass
+class _Chunk:
+    group: str
+    lang: str
+    doc_key: str
+    chunk_index: int
+    num_chunks: int
+    tokens: list[int]
+    text: str
+    source: str
+
+
+@dataclass
+class _Stats:
+    counts: Counter = field(default_factory=Counter)
+    skipped: list[str] = field(default_factory=list)
+
+
+def _collect(opts: PrepareOptions, stats: _Stats) -> list[RawDocument]:
+    docs, seen = [], set()
+    for raw in tqdm(read_inputs(opts.inputs), desc="reading documents", unit="doc", disable=None):
+        stats.counts["documents_read"] += 1
+        try:
+            doc = check_document(raw, opts)
+        except PrepareError as e:
+            if opts.on_bad_document == "error":
+                raise PrepareError(f"{e} (or pass --skip-bad-documents to drop such documents)") from None
+            stats.counts["documents_skipped_bad"] += 1
+            if len(stats.skipped) < 100:
+                stats.skipped.append(str(e))
+            log.warning("skipping: %s", e)
+            continue
+        if opts.languages is not None and doc.lang not in opts.languages:
+            stats.counts["documents_skipped_language"] += 1
+            continue
+        key = (doc.lang, normalized_hash(doc.text))
+        if key in seen:
+            stats.counts["documents_duplicate"] += 1
+            continue
+        seen.add(key)
+        docs.append(doc)
+    if not docs:
+        raise PrepareError(f"no usable documents in {', '.join(map(str, opts.inputs))}")
+    return docs
+
+
+def prepare(opts: PrepareOptions) -> dict:
+    """Run the whole preparation; returns the manifest that was written."""
+    started = time.time()
+    if opts.out.exists() and not opts.overwrite:
+        raise PrepareError(f"{opts.out} already exists; choose another --out or pass --overwrite to replace it")
+    stats = _Stats()
+    docs = _collect(opts, stats)
+    languages = sorted({d.lang for d in docs})
+    log.info("%d documents in %d languages after checks and de-duplication", len(docs), len(languages))
+
+    if opts.tokenizer_dir is not None:
+        tokenizer = MargeTokenizer.load(opts.tokenizer_dir)
+        missing = sorted(set(languages) - set(tokenizer.languages))
+        if missing:
+            raise PrepareError(f"{opts.tokenizer_dir}: the tokenizer has no language token for {missing}; "
+                               "train a new one (omit --tokenizer)")
+    else:
+        tokenizer = MargeTokenizer.train((d.text for d in docs), languages, opts.vocab_size)
+
+    chunks: list[_Chunk] = []
+    seen_chunks = set()
+    for doc in tqdm(docs, desc="chunking", unit="doc", disable=None):
+        paragraphs = split_paragraphs(doc.text)
+        pieces = chunk_paragraphs(paragraphs, tokenizer.encode_batch(paragraphs), opts.max_chunk_tokens, tokenizer)
+        for i, (tokens, text) in enumerate(pieces):
+            key = (doc.lang, normalized_hash(text))
+            if key in seen_chunks:
+                stats.counts["chunks_duplicate"] += 1
+                continue
+            seen_chunks.add(key)
+            chunks.append(_Chunk(doc.group, doc.lang, f"{doc.doc_id}#{i}", i, len(pieces), tokens, text, doc.source))
+    if not chunks:
+        raise PrepareError("every chunk was a duplicate or empty; nothing to write")
+
+    group_sizes = Counter(c.group for c in chunks)
+    num_shards = opts.num_shards or max(1, math.ceil(len(chunks) / opts.docs_per_shard))
+    num_shards = min(num_shards, len(group_sizes))
+    shard_of = assign_shards(dict(group_sizes), num_shards, opts.seed)
+    by_shard: dict[int, list[_Chunk]] = defaultdict(list)
+    for c in chunks:
+        by_shard[shard_of[c.group]].append(c)
+
+    next_id = 0
+    shard_infos = []
+    lang_counts: Counter = Counter()
+    with atomic_directory(opts.out, overwrite=opts.overwrite) as tmp:
+        (tmp / "shards").mkdir()
+        tokenizer.save(tmp)
+        for s in tqdm(range(num_shards), desc="writing shards", unit="shard", disable=None):
+            rows = sorted(by_shard[s], key=lambda c: (c.group, c.lang, c.chunk_index))
+            columns = {
+                "doc_id": list(range(next_id, next_id + len(rows))),
+                "doc_key": [c.doc_key for c in rows], "shard": [s] * len(rows), "group": [c.group for c in rows],
+                "lang": [c.lang for c in rows], "chunk_index": [c.chunk_index for c in rows],
+                "num_chunks": [c.num_chunks for c in rows], "text": [c.text for c in rows],
+                "tokens": [c.tokens for c in rows], "num_tokens": [len(c.tokens) for c in rows],
+                "source": [c.source for c in rows],
+            }
+            next_id += len(rows)
+            lang_counts.update(c.lang for c in rows)
+            info = write_shard(tmp / "shards" / f"shard-{s:05d}.parquet", columns)
+            info.file = f"shards/shard-{s:05d}.parquet"
+            info.shard = s
+            shard_infos.append(asdict(info))
+        manifest = {
+            "format": CORPUS_FORMAT, "schema_version": CORPUS_SCHEMA_VERSION, "marge_version": __version__,
+            "created_unix": int(time.time()), "num_documents": next_id, "num_shards": num_shards,
+            "num_groups": len(group_sizes), "num_tokens": int(sum(len(c.tokens) for c in chunks)),
+            "languages": dict(sorted(lang_counts.items())), "max_chunk_tokens": opts.max_chunk_tokens,
+            "tokenizer": {"files": ["tokenizer.model", "tokenizer.json"], "sha256": tokenizer.sha256,
+                          "vocab_size": tokenizer.vocab_size},
+            "inputs": [str(p) for p in opts.inputs],
+            "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()
+                        if k not in ("inputs", "out", "overwrite")},
+            "stats": dict(sorted(stats.counts.items())), "skipped_examples": stats.skipped[:20],
+            "shards": shard_infos,
+        }
+        atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    log.info("wrote %d chunks in %d shards to %s in %.1f s", next_id, num_shards, opts.out, time.time() - started)
+    return manifest

@@ -1,0 +1,92 @@
+"""Small helpers every stage uses: atomic publication of files and folders, logging set-up."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(level: str | int | None = None) -> None:
+    """Log to stderr (stdout stays for machine-readable results). MARGE_LOG_LEVEL overrides the level.
+
+    Leaves logging alone when the application (or pytest) has configured it already.
+    """
+    level = level or os.environ.get("MARGE_LOG_LEVEL", "INFO")
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary sibling, fsync, rename over `path`: readers see the old file or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Build a folder under a temporary name and move it into place only if the block succeeds.
+
+    Nothing half-written is ever visible at `target`; on error the temporary folder is removed and an
+    existing `target` is left untouched. With `overwrite`, an existing `target` is replaced.
+    """
+    target = Path(target)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} already exists; remove it or pass --overwrite to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        old = None
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(target, old)
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

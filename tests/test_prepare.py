@@ -1,0 +1,262 @@
+"""`marge prepare`: round trip on the demo fixture, and every kind of bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from marge.cli import main as marge_main
+from marge.corpus import CORPUS_SCHEMA, Corpus, CorpusError
+from marge.prepare import PrepareError, PrepareOptions, prepare
+from marge.utils import sha256_file
+
+GERMAN = "Die Tabellenkalkulation berechnet die Summe aller Zellen in der ausgewählten Spalte automatisch."
+ENGLISH = "The spreadsheet automatically calculates the sum of all cells in the selected column."
+CHINESE = "电子表格会自动计算所选列中所有单元格的总和。"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def good_rows() -> list[dict]:
+    return [{"id": "p1-en", "group": "p1", "language": "en", "text": ENGLISH},
+            {"id": "p1-de", "group": "p1", "language": "de", "text": GERMAN},
+            {"id": "p1-zh", "group": "p1", "language": "zh", "text": CHINESE}]
+
+
+def opts(inputs, out, **kw) -> PrepareOptions:
+    return PrepareOptions(inputs=inputs, out=out, vocab_size=kw.pop("vocab_size", 600), **kw)
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert not out.exists()
+    leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+    assert leftovers == []
+
+
+# --- round trip --------------------------------------------------------------------------------
+
+
+def test_demo_fixture_round_trip(demo_raw, tmp_path):
+    out = tmp_path / "demo"
+    manifest = prepare(opts([demo_raw / "documents.jsonl.gz"], out, vocab_size=4000, docs_per_shard=400))
+    corpus = Corpus.open(out)
+    tok = corpus.tokenizer()
+    assert len(corpus.languages) >= 8 and {"ru", "zh", "ja"} <= set(corpus.languages)  # non-Latin scripts
+    heldout = set((demo_raw / "heldout_pages.txt").read_text().split())
+    seen_ids, group_shard, total = set(), {}, 0
+    for s in range(corpus.num_shards):
+        table = corpus.read_table(s)
+        assert table.schema.equals(CORPUS_SCHEMA, check_metadata=False)
+        docs = corpus.read_shard(s)
+        total += len(docs)
+        for doc_id, group, lang, tokens, text in zip(docs.doc_ids, docs.groups, docs.langs, docs.tokens, docs.texts):
+            assert doc_id not in seen_ids
+            seen_ids.add(int(doc_id))
+            assert group_shard.setdefault(group, s) == s, "a group is split across shards"
+            assert group not in heldout, "a held-out page leaked into training"
+            assert 1 <= len(tokens) <= 510
+            assert tok.decode(tokens).split() == tok.decode(tok.encode(text)).split()
+    assert total == manifest["num_documents"] == sum(manifest["languages"].values())
+    # pages are in several languages in one shard (the paper's "same article in every language")
+    assert manifest["num_groups"] < total / 4
+
+
+def test_held_out_pairs_tsv(demo_raw):
+    rows = [line.split("\t") for line in (demo_raw / "heldout_pairs.tsv").read_text(encoding="utf-8").splitlines()]
+    assert len(rows) >= 700 and all(len(r) == 4 for r in rows)
+    assert {r[2] for r in rows} >= {"de", "fr", "ru", "zh", "ja"}
+    assert all(r[0] == "en" and r[1] != r[3] and len(r[1].split()) >= 5 for r in rows)
+    assert "Mozilla Public" in (demo_raw / "ATTRIBUTION.md").read_text()
+
+
+def test_duplicates_are_dropped_and_long_documents_chunked(tmp_path):
+    long_text = "\n\n".join(f"Paragraph number {i} explains another spreadsheet feature in detail." for i in range(60))
+    rows = good_rows() + [{"id": "dup", "group": "p9", "language": "en", "text": "  " + ENGLISH.upper() + " "},
+                          {"id": "long", "group": "p2", "language": "en", "text": long_text}]
+    out = tmp_path / "out"
+    manifest = prepare(opts([write_jsonl(tmp_path / "in.jsonl", rows)], out, max_chunk_tokens=64, lid=False))
+    assert manifest["stats"]["documents_duplicate"] == 1
+    all_docs = [Corpus.open(out).read_shard(s) for s in range(manifest["num_shards"])]
+    long_chunks = [t for d in all_docs for t, g in zip(d.tokens, d.groups) if g == "p2"]
+    assert len(long_chunks) > 1 and all(len(t) <= 62 for t in long_chunks)
+
+
+def test_html_folder_input(tmp_path):
+    root = tmp_path / "site"
+    for lang, text in (("en", ENGLISH), ("de", GERMAN)):
+        d = root / lang / "calc"
+        d.mkdir(parents=True)
+        (d / "sum.html").write_text(f"<html><head><title>x</title><script>var a=1;</script></head>"
+                                    f"<body><nav>Menu</nav><h1>Title</h1><p>{text}</p></body></html>", encoding="utf-8")
+    (root / "de" / "calc" / "notes.txt").write_text(GERMAN + "\n\nNoch ein Absatz über Zellen und Formeln.", encoding="utf-8")
+    out = tmp_path / "out"
+    manifest = prepare(opts([root], out))
+    docs = Corpus.open(out).read_shard(0)
+    assert manifest["languages"] == {"de": 2, "en": 1}
+    assert set(docs.groups) == {"calc/sum", "calc/notes"}
+    assert not any("var a" in t or "Menu" in t for t in docs.texts)
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda rows: rows.append({"language": "en", "text": "   "}), r"in\.jsonl:4: field 'text' is empty"),
+    (lambda rows: rows.append({"language": "xx", "text": ENGLISH + " More."}), r"in\.jsonl:4: field 'language'.*'xx'.*ISO 639-1"),
+    (lambda rows: rows.append({"language": "en", "text": GERMAN + " Noch mehr."}), r"in\.jsonl:4: field 'language' says 'en'.*'de'"),
+    (lambda rows: rows.append({"text": ENGLISH}), r"in\.jsonl:4: field 'language' is missing"),
+    (lambda rows: rows.append({"language": "en", "text": 5}), r"in\.jsonl:4: field 'text' must be a string"),
+    (lambda rows: rows.append({"language": "en", "text": "word " * 300}), r"in\.jsonl:4: document has 1,500 characters"),
+])
+def test_bad_documents_are_errors_naming_file_and_line(tmp_path, mutate, message):
+    rows = good_rows()
+    mutate(rows)
+    out = tmp_path / "out"
+    with pytest.raises(PrepareError, match=message):
+        prepare(opts([write_jsonl(tmp_path / "in.jsonl", rows)], out, max_document_chars=1000))
+    assert_nothing_written(out)
+
+
+def test_invalid_utf8_names_file_line_and_byte(tmp_path):
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, good_rows())
+    with open(path, "ab") as f:
+        f.write(b'{"language": "de", "text": "Gr\xfc\xdfe aus M\xfcnchen"}\n')
+    out = tmp_path / "out"
+    with pytest.raises(PrepareError, match=r"in\.jsonl:4: invalid UTF-8 at byte 30"):
+        prepare(opts([path], out))
+    assert_nothing_written(out)
+
+
+def test_invalid_utf8_in_a_folder_file(tmp_path):
+    (tmp_path / "site" / "de").mkdir(parents=True)
+    (tmp_path / "site" / "de" / "a.txt").write_bytes(b"Gr\xfc\xdfe")
+    with pytest.raises(PrepareError, match=r"a\.txt: invalid UTF-8 at byte 2"):
+        prepare(opts([tmp_path / "site"], tmp_path / "out"))
+
+
+def test_not_json_and_not_a_language_folder(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"language": "en", "text": "ok"}\nnot json\n', encoding="utf-8")
+    with pytest.raises(PrepareError, match=r"in\.jsonl:2: not valid JSON"):
+        prepare(opts([path], tmp_path / "out"))
+    (tmp_path / "site" / "english").mkdir(parents=True)
+    with pytest.raises(PrepareError, match=r"folder name 'english' is not an ISO 639-1"):
+        prepare(opts([tmp_path / "site"], tmp_path / "out"))
+
+
+def test_skip_mode_drops_and_counts_bad_documents(tmp_path):
+    rows = good_rows() + [{"language": "en", "text": ""}, {"language": "en", "text": GERMAN + " Noch mehr."}]
+    manifest = prepare(opts([write_jsonl(tmp_path / "in.jsonl", rows)], tmp_path / "out", on_bad_document="skip"))
+    assert manifest["stats"]["documents_skipped_bad"] == 2
+    assert manifest["num_documents"] == 3
+
+
+def test_failed_overwrite_keeps_the_existing_corpus(tmp_path):
+    out = tmp_path / "out"
+    prepare(opts([write_jsonl(tmp_path / "good.jsonl", good_rows())], out))
+    before = {p.name: sha256_file(p) for p in out.rglob("*") if p.is_file()}
+    bad = write_jsonl(tmp_path / "bad.jsonl", good_rows() + [{"language": "en", "text": ""}])
+    with pytest.raises(PrepareError):
+        prepare(opts([bad], out, overwrite=True))
+    assert before == {p.name: sha256_file(p) for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(PrepareError, match="already exists"):
+        prepare(opts([bad], out))
+
+
+# --- corrupt or wrong-schema Parquet -------------------------------------------------------------
+
+
+@pytest.fixture
+def built(tmp_path) -> Path:
+    out = tmp_path / "corpus"
+    prepare(opts([write_jsonl(tmp_path / "in.jsonl", good_rows())], out))
+    return out
+
+
+def shard_path(root: Path) -> Path:
+    return root / "shards" / "shard-00000.parquet"
+
+
+def test_corrupt_parquet_is_named(built):
+    path = shard_path(built)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorpusError, match=r"shard-00000\.parquet: sha256 differs.*marge prepare"):
+        Corpus.open(built).read_shard(0)
+    with pytest.raises(CorpusError, match=r"shard-00000\.parquet: not a readable Parquet file"):
+        Corpus.open(built, verify_checksums=False).read_shard(0)
+
+
+def rewrite_with(root: Path, table: pa.Table) -> None:
+    pq.write_table(table, shard_path(root))
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["shards"][0]["sha256"] = sha256_file(shard_path(root))
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_wrong_schema_parquet_names_the_column(built):
+    table = pq.read_table(shard_path(built))
+    rewrite_with(built, table.drop(["lang"]))
+    with pytest.raises(CorpusError, match=r"column\(s\) \['lang'\] missing"):
+        Corpus.open(built).read_shard(0)
+    rewrite_with(built, table.set_column(table.schema.get_field_index("doc_id"), "doc_id",
+                                         pa.array([str(i) for i in range(table.num_rows)])))
+    with pytest.raises(CorpusError, match=r"column 'doc_id' has type string, expected int64"):
+        Corpus.open(built).read_shard(0)
+    langs = table.column("lang").to_pylist()
+    langs[1] = "xx"
+    rewrite_with(built, table.set_column(table.schema.get_field_index("lang"), pa.field("lang", pa.string(), nullable=False),
+                                         pa.array(langs)))
+    with pytest.raises(CorpusError, match=r"row 1: lang 'xx'"):
+        Corpus.open(built).read_shard(0)
+
+
+def test_missing_or_foreign_manifest(built, tmp_path):
+    with pytest.raises(CorpusError, match="run `marge prepare"):
+        Corpus.open(tmp_path / "nowhere")
+    manifest = json.loads((built / "manifest.json").read_text())
+    (built / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 99}))
+    with pytest.raises(CorpusError, match="schema_version 99 is not supported"):
+        Corpus.open(built)
+
+
+def test_tokenizer_language_tokens_are_control_symbols(built):
+    tok = Corpus.open(built).tokenizer()
+    assert set(tok.languages) == {"en", "de", "zh"}
+    ids = tok.encode("[en] literal brackets")
+    assert tok.lang_id("en") not in ids
+    assert len(set(tok.specials.lang_ids.values())) == 3
+
+
+# --- CLI -------------------------------------------------------------------------------------------
+
+
+def test_cli_prepare_and_info(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "in.jsonl", good_rows())
+    assert marge_main(["prepare", str(path), "--out", str(tmp_path / "c"), "--vocab-size", "600"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["num_documents"] == 3
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"language": "en", "text": ""}])
+    assert marge_main(["prepare", str(bad), "--out", str(tmp_path / "d")]) == 2
+    assert "bad.jsonl:1: field 'text' is empty" in capsys.readouterr().err
+    assert marge_main(["info", "--preset", "paper", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert abs(info["num_parameters"] - 963e6) / 963e6 < 0.02
+    assert info["config"]["decoder_ffn"] == 16536
+
+
+def test_gzip_jsonl_is_read(tmp_path):
+    path = tmp_path / "in.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for r in good_rows():
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    assert prepare(opts([path], tmp_path / "out"))["num_documents"] == 3
