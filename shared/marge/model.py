@@ -449,6 +449,39 @@ class Marge(nn.Module):
         return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None)
 
 
+class RelevanceEncoder(nn.Module):
+    """g alone: token/position embeddings and the first `relevance_layers` encoder layers.
+
+    Its parameter names are those of `Marge`, so a snapshot of these tensors from a training model
+    loads here directly. Indexers and the retrieval service run this, not the whole model.
+    """
+
+    def __init__(self, cfg: MargeConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
+        self.encoder_positions = nn.Embedding(cfg.max_positions, cfg.d_model)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.relevance_layers))
+
+    def forward(self, tokens_RS: Tensor) -> Tensor:
+        """g(x) for each row (R D): the BOS state after the relevance layers."""
+        if tokens_RS.shape[1] > self.cfg.max_positions:
+            raise ValueError(f"document length {tokens_RS.shape[1]} exceeds model.max_positions={self.cfg.max_positions}")
+        key_ok_R11S = (tokens_RS != self.cfg.pad_id)[:, None, None, :]
+        positions_S = torch.arange(tokens_RS.shape[1], device=tokens_RS.device)
+        x = self.embed_tokens(tokens_RS) + self.encoder_positions(positions_S)
+        for layer in self.encoder_layers:
+            x = layer(x, key_ok_R11S)
+        return x[:, 0]
+
+
+def relevance_state_dict(model: Marge) -> dict[str, Tensor]:
+    """The tensors `RelevanceEncoder` needs, taken from a full model (what a snapshot publishes)."""
+    keep = ("embed_tokens.", "encoder_positions.")
+    layers = tuple(f"encoder_layers.{i}." for i in range(model.cfg.relevance_layers))
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(keep + layers)}
+
+
 # ----------------------------------------------------------------------------------------------------
 # Sizes and throughput
 # ----------------------------------------------------------------------------------------------------
@@ -494,6 +527,7 @@ def training_flops_per_token(cfg: MargeConfig, evidence_per_target_tokens: float
 
 
 __all__ = [
-    "PRESETS", "EncodedEvidence", "LayerCache", "Marge", "MargeConfig", "MargeOutput", "build_on_meta",
+    "PRESETS", "EncodedEvidence", "LayerCache", "Marge", "MargeConfig", "MargeOutput", "RelevanceEncoder",
+    "build_on_meta", "relevance_state_dict",
     "count_parameters", "parameter_breakdown", "preset", "training_flops_per_token",
 ]

@@ -1,0 +1,148 @@
+"""Batches as subgraphs of the evidence/target graph, by the paper's greedy local search (§2.4).
+
+The graph's edges go from a target to an evidence document; an edge weighs `crosslingual_weight` (the
+paper: 100) when the two are in different languages and `monolingual_weight` (1) otherwise. A batch
+is a set of targets T and evidence E whose cost (encoder tokens of E + decoder tokens of T) fits the
+token budget; its value is the summed weight of the edges between T and E.
+
+Greedy search, per shard:
+  1. seed: the next unused target in a seeded random order, with its heaviest edge's evidence;
+  2. repeat: add the evidence document or the (unused) target that adds the most edge weight and
+     still fits; a target only ever joins when it has an edge into E, so every target has evidence;
+  3. when no move adds weight, seed another component if one fits; stop when nothing fits.
+Each target is used once per pass over the graph; evidence may serve many batches.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BatcherWeights:
+    crosslingual_weight: float = 100.0
+    monolingual_weight: float = 1.0
+
+
+@dataclass
+class BatchPlan:
+    """Which documents form one batch (doc ids), before tokens are attached."""
+
+    targets: list[int] = field(default_factory=list)
+    evidence: list[int] = field(default_factory=list)
+    edges: list[tuple[int, int, float]] = field(default_factory=list)  # (target pos, evidence pos, weight)
+    cost: int = 0
+
+    @property
+    def weight(self) -> float:
+        return float(sum(w for _, _, w in self.edges))
+
+
+def target_cost(length: int) -> int:
+    return length + 1  # language token + text (labels: text + EOS)
+
+
+def evidence_cost(length: int) -> int:
+    return length + 2  # BOS + text + EOS
+
+
+def plan_shard_batches(target_ids: np.ndarray, evidence_ids: np.ndarray, cross_lingual: np.ndarray,
+                       scores: np.ndarray, lengths: dict[int, int], max_tokens: int, weights: BatcherWeights,
+                       rng: np.random.Generator, seed_lookahead: int = 64) -> tuple[list[BatchPlan], dict[str, int]]:
+    """Greedy batches over one shard's links. Returns the plans and counters (oversized seeds, ...)."""
+    w = np.where(cross_lingual, weights.crosslingual_weight, weights.monolingual_weight).astype(np.float64)
+    out_edges: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
+    in_edges: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for t, e, wt, sc in zip(target_ids.tolist(), evidence_ids.tolist(), w.tolist(), scores.tolist()):
+        out_edges[t].append((e, wt, sc))
+        in_edges[e].append((t, wt))
+    for t in out_edges:  # heaviest, then most similar first: the seed's evidence is the head
+        out_edges[t].sort(key=lambda x: (-x[1], -x[2], x[0]))
+    order = [int(t) for t in rng.permutation(np.array(sorted(out_edges), dtype=np.int64))]
+    used: set[int] = set()
+    counters = {"oversized_seeds": 0}
+    plans: list[BatchPlan] = []
+    cursor = 0
+
+    while True:
+        plan = BatchPlan()
+        in_t: set[int] = set()
+        in_e: set[int] = set()
+        gain_e: dict[int, float] = defaultdict(float)  # evidence outside E: weight of its edges from T
+        gain_t: dict[int, float] = defaultdict(float)  # unused targets outside T: weight of edges into E
+
+        def add_target(t: int) -> None:
+            in_t.add(t)
+            used.add(t)
+            gain_t.pop(t, None)
+            plan.targets.append(t)
+            plan.cost += target_cost(lengths[t])
+            for e, wt, _ in out_edges[t]:
+                if e not in in_e:
+                    gain_e[e] += wt
+
+        def add_evidence(e: int) -> None:
+            in_e.add(e)
+            gain_e.pop(e, None)
+            plan.evidence.append(e)
+            plan.cost += evidence_cost(lengths[e])
+            for t, wt in in_edges.get(e, ()):
+                if t not in in_t and t not in used:
+                    gain_t[t] += wt
+
+        def try_seed() -> bool:
+            nonlocal cursor
+            looked = 0
+            i = cursor
+            while i < len(order) and looked < seed_lookahead:
+                t = order[i]
+                i += 1
+                if t in used:
+                    if i - 1 == cursor:
+                        cursor = i
+                    continue
+                looked += 1
+                e = next((e for e, _, _ in out_edges[t] if e not in in_e), None)
+                need = target_cost(lengths[t]) + (evidence_cost(lengths[e]) if e is not None else 0)
+                if need > max_tokens:
+                    used.add(t)  # can never fit any batch
+                    counters["oversized_seeds"] += 1
+                    continue
+                if plan.cost + need <= max_tokens:
+                    add_target(t)
+                    if e is not None:
+                        add_evidence(e)
+                    return True
+                if not plan.targets:
+                    break
+            return False
+
+        if not try_seed():
+            break
+        while True:
+            room = max_tokens - plan.cost
+            best, best_gain, best_cost, is_target = None, 0.0, 0, False
+            for e, g in gain_e.items():
+                c = evidence_cost(lengths[e])
+                if c <= room and (g > best_gain or (g == best_gain and best is not None and c < best_cost)):
+                    best, best_gain, best_cost, is_target = e, g, c, False
+            for t, g in gain_t.items():
+                if t in used:
+                    continue
+                c = target_cost(lengths[t])
+                if c <= room and (g > best_gain or (g == best_gain and best is not None and c < best_cost)):
+                    best, best_gain, best_cost, is_target = t, g, c, True
+            if best is not None and best_gain > 0:
+                (add_target if is_target else add_evidence)(best)
+            elif not try_seed():
+                break
+        e_pos = {e: j for j, e in enumerate(plan.evidence)}
+        for i, t in enumerate(plan.targets):
+            for e, wt, _ in out_edges[t]:
+                if e in e_pos:
+                    plan.edges.append((i, e_pos[e], wt))
+        plans.append(plan)
+    return plans, counters

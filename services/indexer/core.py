@@ -1,0 +1,188 @@
+"""Indexing one shard with one relevance-encoder snapshot (no Ray here; the actor in `actor.py` calls it).
+
+For a shard (paper §2.4): embed every document with g (batched, no grad), put the unit vectors in a
+FAISS inner-product index (inner product of unit vectors = cosine = f), find each document's nearest
+neighbours within the shard in every language, and keep the strongest pairs across the whole shard:
+the top `links_monolingual * n` same-language pairs and the top `links_crosslingual * n`
+cross-language pairs ("we take on average 4 monolingual and 4 crosslingual links per target", §3).
+Some documents end up with no link; they wait for the next index.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from marge.batch import SpecialTokens, as_encoder_input, pad_rows
+from marge.corpus import ShardDocuments
+from marge.index_store import write_graph
+from marge.model import RelevanceEncoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    links_monolingual: float = 4.0
+    """Same-language links kept per document on average (paper §3: 4)."""
+    links_crosslingual: float = 4.0
+    """Cross-language links kept per document on average (paper §3: 4)."""
+    candidates_per_language: int = 32
+    """Nearest neighbours looked at per document in each language before the shard-wide top-k."""
+    min_score: float = -1.0
+    """Links with a cosine below this are never kept (the paper's threshold; -1 keeps the top-k rule alone)."""
+    center: bool = False
+    """Subtract the shard's mean vector before the cosine (must match model.relevance_centering)."""
+
+    def __post_init__(self) -> None:
+        if self.links_monolingual < 0 or self.links_crosslingual < 0:
+            raise ValueError("indexer.links_monolingual and indexer.links_crosslingual must be >= 0")
+        if self.candidates_per_language < 1:
+            raise ValueError("indexer.candidates_per_language must be >= 1")
+
+
+@torch.no_grad()
+def embed_documents(encoder: RelevanceEncoder, tokens: list[np.ndarray], specials: SpecialTokens,
+                    batch_tokens: int = 4096, device: str | torch.device = "cpu",
+                    autocast_dtype: torch.dtype | None = None) -> np.ndarray:
+    """g(x) of every document (n D, float32, not normalised), in input order.
+
+    Documents are sorted by length and packed into batches of about `batch_tokens` padded tokens, so
+    little compute goes to padding.
+    """
+    order = np.argsort([len(t) for t in tokens], kind="stable")
+    out = np.zeros((len(tokens), encoder.cfg.d_model), dtype=np.float32)
+    start = 0
+    while start < len(order):
+        stop = start + 1  # at least one document, however long
+        # rows pad to the longest, which is the last one (sorted by length)
+        while stop < len(order) and (stop - start + 1) * (len(tokens[order[stop]]) + 2) <= batch_tokens:
+            stop += 1
+        rows = [as_encoder_input(tokens[i], specials) for i in order[start:stop]]
+        batch = pad_rows(rows, specials.pad_id).to(device)
+        with torch.autocast(device_type=torch.device(device).type, dtype=autocast_dtype,
+                            enabled=autocast_dtype is not None):
+            vectors = encoder(batch)
+        out[order[start:stop]] = vectors.float().cpu().numpy()
+        start = stop
+    return out
+
+
+def unit_vectors(vectors: np.ndarray, center: bool) -> np.ndarray:
+    if center:
+        vectors = vectors - vectors.mean(0, keepdims=True)
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return (vectors / np.maximum(norms, 1e-12)).astype(np.float32)
+
+
+def faiss_index(unit: np.ndarray, doc_ids: np.ndarray, use_gpu: bool = False):
+    """An exact inner-product index with the corpus doc ids (on the GPU when asked and available)."""
+    import faiss
+
+    index = faiss.IndexIDMap2(faiss.IndexFlatIP(unit.shape[1]))
+    index.add_with_ids(unit, doc_ids.astype(np.int64))
+    if use_gpu and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
+        return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, index)
+    return index
+
+
+def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray, cfg: LinkConfig,
+                use_gpu: bool = False) -> dict[str, np.ndarray]:
+    """The kept directed links (target -> evidence) of one shard, strongest first within each kind."""
+    n = len(doc_ids)
+    targets, evidence, scores = [], [], []
+    all_rows = np.arange(n)
+    for lang in np.unique(langs):
+        members = np.nonzero(langs == lang)[0]
+        k = min(len(members), cfg.candidates_per_language + 1)  # +1: a document finds itself
+        if k == 0:
+            continue
+        index = faiss_index(unit[members], members.astype(np.int64), use_gpu)
+        sims, nbrs = index.search(unit, k)
+        targets.append(np.repeat(all_rows, k))
+        evidence.append(nbrs.reshape(-1))
+        scores.append(sims.reshape(-1))
+    t = np.concatenate(targets)
+    e = np.concatenate(evidence)
+    s = np.concatenate(scores)
+    ok = (e >= 0) & (e != t) & (s >= cfg.min_score)
+    t, e, s = t[ok], e[ok], s[ok]
+    cross = langs[t] != langs[e]
+    keep = []
+    for mask, per_doc in ((~cross, cfg.links_monolingual), (cross, cfg.links_crosslingual)):
+        idx = np.nonzero(mask)[0]
+        budget = int(round(per_doc * n))
+        if budget and len(idx):
+            # stable sort by score, ties broken by (target, evidence) order: deterministic
+            best = idx[np.argsort(-s[idx], kind="stable")[:budget]]
+            keep.append(best)
+    keep_idx = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
+    return {"target_id": doc_ids[t[keep_idx]], "evidence_id": doc_ids[e[keep_idx]],
+            "score": s[keep_idx].astype(np.float32), "cross_lingual": cross[keep_idx]}
+
+
+@dataclass
+class ShardIndexResult:
+    shard: int
+    num_documents: int
+    num_edges: int
+    cross_lingual_edges: int
+    targets_with_links: int
+    embed_seconds: float
+    link_seconds: float
+    index_file: str
+    graph_file: str
+    mean_positive_cosine: float
+    mean_random_cosine: float
+
+    def as_manifest_entry(self) -> dict:
+        return dict(self.__dict__)
+
+
+def index_shard(docs: ShardDocuments, encoder: RelevanceEncoder, specials: SpecialTokens, out_dir: Path,
+                cfg: LinkConfig, batch_tokens: int = 4096, device: str = "cpu", use_gpu_faiss: bool = False,
+                autocast_dtype: torch.dtype | None = None, seed: int = 0) -> ShardIndexResult:
+    """Embed, index and link one shard; writes shard-XXXXX.faiss and graph-XXXXX.parquet into `out_dir`."""
+    import faiss
+
+    t0 = time.perf_counter()
+    vectors = embed_documents(encoder, docs.tokens, specials, batch_tokens, device, autocast_dtype)
+    unit = unit_vectors(vectors, cfg.center)
+    t1 = time.perf_counter()
+    links = shard_links(docs.doc_ids, docs.langs, unit, cfg, use_gpu_faiss)
+    t2 = time.perf_counter()
+    index = faiss.IndexIDMap2(faiss.IndexFlatIP(unit.shape[1]))
+    index.add_with_ids(unit, docs.doc_ids.astype(np.int64))
+    index_file, graph_file = f"shard-{docs.shard:05d}.faiss", f"graph-{docs.shard:05d}.parquet"
+    faiss.write_index(index, str(Path(out_dir) / index_file))
+    write_graph(Path(out_dir) / graph_file, links["target_id"], links["evidence_id"], links["score"],
+                links["cross_lingual"])
+    # health figures: cosine of kept links vs of random pairs (how spread out g is)
+    rng = np.random.default_rng(seed)
+    a, b = rng.integers(0, len(unit), size=(2, min(2048, len(unit) * 4)))
+    random_cos = float(np.mean(np.sum(unit[a] * unit[b], axis=1)[a != b])) if len(unit) > 1 else 0.0
+    return ShardIndexResult(
+        shard=docs.shard, num_documents=len(docs), num_edges=len(links["target_id"]),
+        cross_lingual_edges=int(links["cross_lingual"].sum()),
+        targets_with_links=len(np.unique(links["target_id"])), embed_seconds=t1 - t0, link_seconds=t2 - t1,
+        index_file=index_file, graph_file=graph_file,
+        mean_positive_cosine=float(links["score"].mean()) if len(links["score"]) else 0.0,
+        mean_random_cosine=random_cos)
+
+
+def index_corpus(corpus, encoder: RelevanceEncoder, specials: SpecialTokens, root: Path, version: int,
+                 snapshot_step: int, cfg: LinkConfig, keep_versions: int = 3, **kwargs):
+    """Index every shard in this process and commit the version (the Ray indexer spreads the shards
+    over workers instead). Returns the committed IndexVersion."""
+    from marge.index_store import commit_version, staging_dir
+
+    staging = staging_dir(root, version)
+    staging.mkdir(parents=True, exist_ok=True)
+    entries = [index_shard(corpus.read_shard(s), encoder, specials, staging, cfg, **kwargs).as_manifest_entry()
+               for s in range(corpus.num_shards)]
+    return commit_version(root, version, snapshot_step, entries, keep_versions=keep_versions)

@@ -1,0 +1,157 @@
+"""One optimizer step of MARGE, shared by the in-process reference loop and the DDP trainer workers.
+
+A step consumes `batches_per_step` batches (world size x gradient accumulation): each batch's mean
+token loss is scaled by 1/batches_per_step before backward, so summed gradients equal the gradient of
+the average loss, whether the batches ran in one process or across DDP ranks (DDP averages across
+ranks). The optimizer refuses to step on a non-finite gradient.
+
+`reference_train` is the baseline the distributed trainer is checked against: the same model,
+optimizer, schedule and batches, in one process, without Ray or Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from marge.batch import Batch, SpecialTokens, to_model_inputs
+from marge.model import Marge
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate (paper: 1e-4 first, 2e-4 later; smaller at first for stability, footnote 3)."""
+    warmup_steps: int = 100
+    """Linear warm-up steps (paper: 10k)."""
+    total_steps: int = 1000
+    """The rate anneals linearly to 0 at this step (paper: linear annealing to 0)."""
+    weight_decay: float = 0.01
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-6
+    clip_norm: float = 1.0
+    """Gradient-norm clipping (0 turns it off)."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"trainer.lr must be positive, got {self.lr}")
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ValueError("trainer.warmup_steps must be >= 0 and trainer.total_steps >= 1")
+        if self.clip_norm < 0:
+            raise ValueError("trainer.clip_norm must be >= 0")
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    target_tokens: int
+    batch_ids: list[str]
+    lr: float
+    beta: list[float]
+    grad_norm: float
+    seconds: float
+    index_versions: list[int] = field(default_factory=list)
+    snapshot_steps: list[int] = field(default_factory=list)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases, LayerNorms, embeddings and beta."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim == 2 and "embed" not in name and "positions" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps)
+
+
+def lr_factor(step: int, cfg: OptimConfig) -> float:
+    """Linear warm-up to the peak, then linear annealing to 0 at total_steps (paper §3)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.total_steps - cfg.warmup_steps)
+    return max(0.0, 1.0 - (step - cfg.warmup_steps) / span)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+
+def unwrap(model: nn.Module) -> Marge:
+    return model.module if hasattr(model, "module") else model  # DDP wraps the model
+
+
+def forward_backward(model: nn.Module, batch: Batch, specials: SpecialTokens, scale: float,
+                     device: torch.device, bf16: bool = False, attend_to: str = "all") -> tuple[float, int]:
+    """Loss of one batch, backpropagated with weight `scale`. Returns (mean token loss, target tokens)."""
+    inputs = to_model_inputs(batch, specials, attend_to).to(device)
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = model(**inputs.as_kwargs())
+    (out.loss * scale).backward()
+    return float(out.loss.detach()), int(out.tokens_per_target_N.sum())
+
+
+class NonFiniteGradient(RuntimeError):
+    pass
+
+
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler, clip_norm: float) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if clip_norm > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip_norm))
+    else:
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])))
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteGradient("loss or gradient is not finite; stopping before the optimizer update "
+                                "(lower trainer.lr, or turn trainer.bf16 off)")
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def reference_train(model: Marge, step_batches: Iterable[list[Batch]], specials: SpecialTokens, cfg: OptimConfig,
+                    device: str | torch.device = "cpu", bf16: bool = False, attend_to: str = "all",
+                    optimizer: torch.optim.Optimizer | None = None, scheduler=None,
+                    start_step: int = 0) -> list[StepRecord]:
+    """Train in this process on the given batches, one list of batches per optimizer step."""
+    device = torch.device(device)
+    model.to(device).train()
+    optimizer = optimizer or build_optimizer(model, cfg)
+    scheduler = scheduler or build_scheduler(optimizer, cfg)
+    records = []
+    for step, batches in enumerate(step_batches, start=start_step):
+        t0 = time.perf_counter()
+        losses, tokens = [], 0
+        for batch in batches:
+            loss, n = forward_backward(model, batch, specials, 1.0 / len(batches), device, bf16, attend_to)
+            losses.append(loss)
+            tokens += n
+        lr = optimizer.param_groups[0]["lr"]
+        grad_norm = optimizer_step(model, optimizer, scheduler, cfg.clip_norm)
+        records.append(StepRecord(step, sum(losses) / len(losses), tokens, [b.batch_id for b in batches], lr,
+                                  model.beta.detach().cpu().tolist(), grad_norm, time.perf_counter() - t0,
+                                  [b.index_version for b in batches], [b.snapshot_step for b in batches]))
+    return records
+
+
+@contextlib.contextmanager
+def maybe_no_sync(model: nn.Module, skip_sync: bool):
+    """Inside gradient accumulation, DDP need not all-reduce until the last micro-batch."""
+    if skip_sync and hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    else:
+        yield
