@@ -48,6 +48,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from marge.config import load_config
+    from marge.driver.pipeline import run_pipeline
+
+    cfg = load_config(args.config, args.overrides)
+    summary = run_pipeline(cfg)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
 def parse_override(text: str) -> tuple[str, object]:
     """'key=value' with value parsed as YAML (numbers, booleans, lists)."""
     import yaml
@@ -80,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the shard assignment")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("pretrain", help="run MARGE pre-training on Ray (indexer -> batcher -> Redis -> DDP trainers)")
+    p.add_argument("--config", type=Path, default=Path("deploy/configs/tiny.yaml"),
+                   help="pipeline config (default deploy/configs/tiny.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="config overrides, e.g. run.max_steps=200")
+    p.set_defaults(func=cmd_pretrain)
 
     p = sub.add_parser("info", help="a model preset's configuration and parameter count")
     p.add_argument("--preset", required=True, help="tiny, base or paper")

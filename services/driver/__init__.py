@@ -1,0 +1,1 @@
+"""The driver that starts and watches every stage of a run."""

@@ -1,0 +1,114 @@
+"""Training checkpoints: the whole training state, in a folder Ray Train persists.
+
+    model.safetensors     model weights (what eval, translate and serve load)
+    model_config.json     the MargeConfig
+    training_state.pt     optimizer, LR schedule, step, RNG states, consumed batch ids (torch.save of
+                          tensors and plain containers only; loaded with weights_only=True)
+    tokenizer.model/.json the tokenizer the model was trained with
+    manifest.json         written last: format, step, sha256 of every file
+
+`marge eval retrieval --checkpoint PATH` and friends accept such a folder.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from marge.model import Marge, MargeConfig
+from marge.utils import atomic_write_text, sha256_file
+
+CHECKPOINT_FORMAT = "marge-checkpoint"
+CHECKPOINT_VERSION = 1
+FILES = ("model.safetensors", "model_config.json", "training_state.pt", "tokenizer.model", "tokenizer.json")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+             "python_pos": random.getstate()[2]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(int(x) for x in state["python"]), state["python_pos"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(directory: Path, model: Marge, optimizer, scheduler, step: int, tokenizer_dir: Path,
+                    training_state: dict[str, Any]) -> Path:
+    """Write a complete checkpoint into `directory` (manifest last)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(directory / "model.safetensors"))
+    atomic_write_text(directory / "model_config.json", json.dumps(model.cfg.to_dict(), indent=2) + "\n")
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                "rng": rng_state(), **training_state}, directory / "training_state.pt")
+    for name in ("tokenizer.model", "tokenizer.json"):
+        shutil.copyfile(Path(tokenizer_dir) / name, directory / name)
+    manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step, "created_unix": time.time(),
+                "sha256": {name: sha256_file(directory / name) for name in FILES}}
+    atomic_write_text(directory / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    return directory
+
+
+def read_manifest(directory: Path, verify: bool = True) -> dict[str, Any]:
+    directory = Path(directory)
+    path = directory / "manifest.json"
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing: {directory} is not a complete MARGE checkpoint "
+                              "(pass the folder printed as `checkpoint` by `marge pretrain`)")
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    if manifest.get("format") != CHECKPOINT_FORMAT or manifest.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path}: not a version-{CHECKPOINT_VERSION} {CHECKPOINT_FORMAT} manifest")
+    if verify:
+        for name, digest in manifest["sha256"].items():
+            if sha256_file(directory / name) != digest:
+                raise CheckpointError(f"{directory / name}: sha256 does not match the manifest (corrupt checkpoint)")
+    return manifest
+
+
+def load_training_state(directory: Path) -> dict[str, Any]:
+    read_manifest(directory)
+    return torch.load(Path(directory) / "training_state.pt", map_location="cpu", weights_only=True)
+
+
+def load_model(directory: Path, device: str | torch.device = "cpu") -> Marge:
+    """The trained model in a checkpoint folder (eval mode)."""
+    directory = Path(directory)
+    read_manifest(directory)
+    cfg = MargeConfig.from_dict(json.loads((directory / "model_config.json").read_text(encoding="utf-8")))
+    model = Marge(cfg)
+    model.load_state_dict(load_file(str(directory / "model.safetensors"), device="cpu"))
+    return model.to(device).eval()
+
+
+def save_model_weights(path: Path, model: Marge) -> None:
+    """Weights alone plus config next to them (the run's initial model)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path))
+    atomic_write_text(path.with_suffix(".json"), json.dumps(model.cfg.to_dict(), indent=2) + "\n")
+
+
+def load_model_weights(path: Path) -> Marge:
+    path = Path(path)
+    cfg = MargeConfig.from_dict(json.loads(path.with_suffix(".json").read_text(encoding="utf-8")))
+    model = Marge(cfg)
+    model.load_state_dict(load_file(str(path), device="cpu"))
+    return model
