@@ -108,6 +108,8 @@ def start_ray(cfg: PipelineConfig) -> bool:
     import ray
 
     namespace = f"marge-{cfg.run.name}"
+    if ray.is_initialized():  # embedded in a program (or a test) that already runs Ray
+        return False
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, namespace=namespace, log_to_driver=True)
         return False
@@ -151,6 +153,27 @@ class Progress:
         return out
 
 
+def make_trainer(cfg: PipelineConfig, redis_url: str, deadline_unix: float | None = None):
+    """The trainer stage: a Ray Train TorchTrainer whose DDP workers read batches from Redis.
+
+    `run.name` and `run.dir` name its Ray Train run: starting it again with the same pair resumes
+    from the run's latest checkpoint.
+    """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    resources = {"CPU": cfg.trainer.num_cpus_per_worker, **({"GPU": 1} if cfg.trainer.use_gpu else {})}
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"pipeline": cfg, "redis_url": redis_url, "deadline_unix": deadline_unix},
+        scaling_config=ScalingConfig(num_workers=cfg.trainer.num_workers, use_gpu=cfg.trainer.use_gpu,
+                                     resources_per_worker=resources),
+        torch_config=TorchConfig(backend="nccl" if cfg.trainer.use_gpu else "gloo"),
+        run_config=RunConfig(name=cfg.run.name, storage_path=str(Path(cfg.run.dir) / "ray_train"),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.trainer.keep_checkpoints),
+                             failure_config=FailureConfig(max_failures=0)))
+
+
 def run_pipeline(cfg: PipelineConfig) -> dict:
     started = time.time()
     cfg = environment_endpoints(cfg)
@@ -159,8 +182,6 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         for key, value in LOCAL_RAY_ENV.items():
             os.environ.setdefault(key, value)
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     from marge.batcher.actor import Batcher
     from marge.indexer.actor import IndexCoordinator, IndexerWorker
@@ -183,25 +204,18 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         stop_key = f"{queue.prefix}:control:stop"
         queue.r.delete(stop_key)
         use_gpu = cfg.indexer.use_gpu
-        workers = [IndexerWorker.options(name=f"marge-indexer-{i}", num_cpus=cfg.indexer.num_cpus_per_worker,
+        namespace = f"marge-{cfg.run.name}"  # actor names are unique per run, also on a shared cluster
+        workers = [IndexerWorker.options(name=f"marge-indexer-{i}", namespace=namespace,
+                                         num_cpus=cfg.indexer.num_cpus_per_worker,
                                          num_gpus=cfg.indexer.num_gpus_per_worker if use_gpu else 0)
                    .remote(cfg, i) for i in range(cfg.indexer.num_workers)]
-        coordinator = IndexCoordinator.options(name="marge-indexer-coordinator").remote(cfg, workers)
-        batcher = Batcher.options(name="marge-batcher").remote(cfg, redis_url)
+        coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(cfg, workers)
+        batcher = Batcher.options(name="marge-batcher", namespace=namespace).remote(cfg, redis_url)
         actors = [*workers, coordinator, batcher]
         background = {"indexer": coordinator.run.remote(), "batcher": batcher.run.remote()}
 
         deadline = started + 60 * cfg.run.max_minutes if cfg.run.max_minutes else None
-        trainer = TorchTrainer(
-            train_loop_per_worker,
-            train_loop_config={"pipeline": cfg, "redis_url": redis_url, "deadline_unix": deadline},
-            scaling_config=ScalingConfig(num_workers=cfg.trainer.num_workers, use_gpu=cfg.trainer.use_gpu,
-                                         resources_per_worker={"CPU": cfg.trainer.num_cpus_per_worker,
-                                                               **({"GPU": 1} if cfg.trainer.use_gpu else {})}),
-            torch_config=TorchConfig(backend="nccl" if cfg.trainer.use_gpu else "gloo"),
-            run_config=RunConfig(name=cfg.run.name, storage_path=str(run_dir / "ray_train"),
-                                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.trainer.keep_checkpoints),
-                                 failure_config=FailureConfig(max_failures=0)))
+        trainer = make_trainer(cfg, redis_url, deadline)
         outcome: dict = {}
 
         def fit() -> None:

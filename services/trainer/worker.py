@@ -102,7 +102,7 @@ def next_batch(queue: BatchQueue, consumer: str, cfg: PipelineConfig, step: int,
             continue
         staleness = step - delivery.batch.snapshot_step
         if cfg.trainer.max_staleness and staleness > cfg.trainer.max_staleness:
-            queue.dead_letter(delivery.entry_id, {b"batch_id": delivery.batch.batch_id.encode()},
+            queue.dead_letter(delivery.entry_id, delivery.fields,
                               f"stale: {staleness} updates behind (max {cfg.trainer.max_staleness})")
             continue
         return delivery

@@ -222,6 +222,11 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     if origin is None and typ in (int, float, str, bool):
         if typ is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
+        if typ is float and isinstance(value, str):
+            try:  # PyYAML (YAML 1.1) reads 2e-3 as a string; accept what float() accepts
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{key} must be a number, got {value!r}") from None
         if typ is int and isinstance(value, bool) or not isinstance(value, typ):
             raise ConfigError(f"{key} must be a {typ.__name__}, got {value!r}")
         return value

@@ -90,6 +90,7 @@ class Delivery:
     entry_id: bytes
     batch: Batch
     times_delivered: int
+    fields: dict[bytes, bytes]
 
 
 class BatchQueue:
@@ -163,7 +164,7 @@ class BatchQueue:
             if times > self.max_deliveries:
                 self.dead_letter(entry_id, fields, f"delivered {times} times (max {self.max_deliveries})")
                 continue
-            return Delivery(entry_id, batch, times)
+            return Delivery(entry_id, batch, times, fields)
 
     def _times_delivered(self, entry_id: bytes) -> int:
         info = self.r.xpending_range(self.stream, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1)

@@ -1,0 +1,102 @@
+"""Indexer links and batcher properties on a real (small) index built at random init."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from marge.batcher.core import BatcherConfig, DocumentStore, epoch_batches
+from marge.corpus import Corpus
+from marge.index_store import IndexStoreError, latest_version
+
+
+@pytest.fixture(scope="module")
+def docs(small_corpus):
+    return DocumentStore(Corpus.open(small_corpus))
+
+
+def batches(index, docs, **kw):
+    return list(epoch_batches(index, docs, BatcherConfig(**{"max_tokens": 400, **kw}), epoch=0))
+
+
+def test_index_links_follow_the_top_k_rule(small_index, small_corpus):
+    corpus = Corpus.open(small_corpus)
+    assert latest_version(small_index.path.parent).version == 0
+    for entry in small_index.shards:
+        shard = corpus.read_shard(entry["shard"])
+        graph = small_index.read_graph(entry["shard"])
+        n = len(shard)
+        cross = graph.column("cross_lingual").to_numpy(zero_copy_only=False)
+        # 4 monolingual and 4 cross-lingual links per document on average (paper §3), or every pair of
+        # that kind when the shard has fewer
+        _, per_lang = np.unique(shard.langs, return_counts=True)
+        mono_pairs = int((per_lang * (per_lang - 1)).sum())
+        assert (~cross).sum() == min(4 * n, mono_pairs)
+        assert cross.sum() == min(4 * n, n * (n - 1) - mono_pairs)
+        t, e = graph.column("target_id").to_numpy(), graph.column("evidence_id").to_numpy()
+        assert not np.any(t == e), "a document linked to itself"
+        members = set(shard.doc_ids.tolist())
+        assert set(t.tolist()) <= members and set(e.tolist()) <= members, "a link leaves its shard"
+        lang = dict(zip(shard.doc_ids.tolist(), shard.langs))
+        assert all((lang[a] != lang[b]) == c for a, b, c in zip(t.tolist(), e.tolist(), cross))
+        # the kept links are the strongest pairs of their kind across the whole shard: recompute every
+        # pair's cosine from the vectors in the shard's FAISS index
+        index = small_index.read_faiss(entry["shard"])
+        ids = shard.doc_ids
+        unit = np.stack([index.reconstruct(int(i)) for i in ids])
+        sims = unit @ unit.T
+        same = shard.langs[:, None] == shard.langs[None, :]
+        np.fill_diagonal(sims, np.nan)
+        scores = graph.column("score").to_numpy()
+        for kind_mask, kept in ((same, scores[~cross]), (~same, scores[cross])):
+            pairs = np.sort(sims[kind_mask & ~np.isnan(sims)])[::-1]
+            np.testing.assert_allclose(np.sort(kept)[::-1], pairs[: len(kept)], rtol=1e-5, atol=1e-6)
+
+
+def test_every_batch_is_within_budget_and_every_target_has_its_evidence(small_index, docs):
+    out = batches(small_index, docs)
+    assert len(out) > 5
+    seen_targets = []
+    for b in out:
+        assert b.cost_tokens() <= 400
+        linked = set(b.edges[:, 0].tolist())
+        assert linked == set(range(b.num_targets)), "a target without evidence in its batch"
+        for t, e in b.edges:
+            assert b.doc_ids[b.targets[t]] != b.doc_ids[b.evidence[e]]
+        seen_targets.extend(b.doc_ids[b.targets].tolist())
+    assert len(seen_targets) == len(set(seen_targets)), "a target used twice in one pass"
+    graph_targets = set(small_index.read_graph().column("target_id").to_pylist())
+    assert len(set(seen_targets)) >= 0.9 * len(graph_targets)
+
+
+def test_same_seed_same_batches_and_another_seed_other_batches(small_index, docs):
+    a, b = batches(small_index, docs, seed=3), batches(small_index, docs, seed=3)
+    assert [x.batch_id for x in a] == [x.batch_id for x in b]
+    assert all(np.array_equal(x.doc_ids, y.doc_ids) and np.array_equal(x.edges, y.edges) for x, y in zip(a, b))
+    c = batches(small_index, docs, seed=4)
+    assert [x.doc_ids.tolist() for x in a] != [x.doc_ids.tolist() for x in c]
+
+
+def test_raising_the_crosslingual_weight_raises_the_crosslingual_share(small_index, docs):
+    def share(weight):
+        out = batches(small_index, docs, crosslingual_weight=weight)
+        edges = sum(len(b.edges) for b in out)
+        return sum(b.cross_lingual_edge_share() * len(b.edges) for b in out) / edges
+
+    low, high = share(0.01), share(100.0)
+    assert high > low + 0.2, (low, high)
+
+
+def test_a_corrupt_index_file_is_detected(small_index, tmp_path):
+    import shutil
+
+    copy = tmp_path / "v"
+    shutil.copytree(small_index.path, copy)
+    from marge.index_store import read_version
+
+    version = read_version(copy)
+    version.verify()
+    graph = copy / version.shards[0]["graph_file"]
+    graph.write_bytes(graph.read_bytes()[:-10])
+    with pytest.raises(IndexStoreError, match="sha256"):
+        version.verify()

@@ -1,0 +1,98 @@
+"""The whole pipeline on a real local Ray cluster and a real redis-server (tiny model, small corpus)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from marge.batcher.core import BatcherConfig, DocumentStore, epoch_batches
+from marge.checkpoint import load_model_weights, read_manifest
+from marge.config import load_config
+from marge.corpus import Corpus
+from marge.protocol import BatchQueue
+from marge.training import reference_train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def small_config(tmp_path: Path, corpus: Path, redis_url: str, name: str, *extra: str):
+    return load_config(REPO / "deploy/configs/tiny.yaml", [
+        f"run.name={name}", f"run.dir={tmp_path / name}", f"data.corpus={corpus}", "data.max_chunk_tokens=128",
+        "model.max_positions=128", "batcher.max_tokens=400", f"redis.url={redis_url}", "run.progress_every_s=2",
+        "trainer.warmup_steps=2", "trainer.lr=2e-3", *extra])
+
+
+@pytest.mark.slow
+def test_training_through_redis_matches_the_in_process_reference(ray_cluster, redis_server, small_corpus, small_index,
+                                                                 tmp_path):
+    from marge.driver.pipeline import ensure_initial_model, make_trainer
+    from marge.trainer.worker import init_weights_path, optim_config
+
+    cfg = small_config(tmp_path, small_corpus, redis_server.url, "parity", "run.max_steps=6",
+                       "trainer.num_workers=2", "trainer.snapshot_every=100", "indexer.reindex_every=100",
+                       "trainer.checkpoint_every=100")
+    corpus = Corpus.open(small_corpus)
+    ensure_initial_model(cfg, corpus)
+    batches = list(epoch_batches(small_index, DocumentStore(corpus), BatcherConfig(max_tokens=400), epoch=0))[:12]
+    queue = BatchQueue.connect(redis_server.url, cfg.run.name)
+    queue.ensure_group()
+    for b in batches:
+        queue.put(b, max_depth=100)
+
+    make_trainer(cfg, redis_server.url).fit()
+
+    records = [json.loads(x) for x in queue.r.lrange(f"{queue.prefix}:steps", 0, -1)]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert all(len(r["batch_ids"]) == 2 for r in records)  # one batch per DDP rank per step
+    by_id = {b.batch_id: b for b in batches}
+    reference = reference_train(load_model_weights(init_weights_path(cfg)),
+                                [[by_id[i] for i in r["batch_ids"]] for r in records],
+                                corpus.tokenizer().specials, optim_config(cfg))
+    redis_losses = [r["loss"] for r in records]
+    reference_losses = [r.loss for r in reference]
+    assert redis_losses == pytest.approx(reference_losses, rel=1e-4, abs=1e-5)
+    assert reference_losses[-1] < reference_losses[0]
+    counts = queue.counts()
+    assert counts["acked"] == 12 and counts["depth"] == 0 and counts.get("trained_twice", 0) == 0
+
+
+@pytest.mark.slow
+def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpus, tmp_path, caplog):
+    from marge.driver.pipeline import run_pipeline
+
+    # staleness is bounded at 8 updates while snapshots come every 6: the last steps can only train on
+    # batches from an index built after step 15, so at least two re-indexes must reach the trainer
+    args = ("trainer.num_workers=2", "trainer.snapshot_every=6", "indexer.reindex_every=6",
+            "trainer.checkpoint_every=12", "trainer.max_staleness=8")
+    caplog.set_level(logging.INFO, logger="marge.pipeline")
+    summary = run_pipeline(small_config(tmp_path, small_corpus, redis_server.url, "e2e", "run.max_steps=24", *args))
+
+    assert summary["steps"] == 24
+    assert summary["index_versions_built"] >= 3 and len(summary["index_versions"]) >= 3
+    run_dir = Path(summary["run_dir"])
+    records = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 25))
+    newest = [max(r["index_versions"]) for r in records]
+    assert newest == sorted(newest) and newest[-1] > newest[0]  # new index versions reach the trainer
+    assert max(r["staleness_max"] for r in records) <= 8
+    assert min(records[-1]["snapshot_steps"]) >= 16
+    assert summary["batches_acked"] == 48 and summary["trained_twice"] == 0
+    assert summary["batches_produced"] == (summary["batches_acked"] + summary["batches_pending"]
+                                           + summary["batches_dead_lettered"])
+    for key in ("tokens_per_s", "checkpoint", "snapshot", "batches_pending"):
+        assert key in summary
+    read_manifest(Path(summary["checkpoint"]))
+    assert Path(summary["snapshot"]).name == "step-00000024"
+    text = caplog.text
+    assert "[indexer] v" in text and "[batcher] produced" in text and "[trainer] step" in text
+
+    # the same run submitted again with a higher step budget resumes from its checkpoint
+    resumed = run_pipeline(small_config(tmp_path, small_corpus, redis_server.url, "e2e", "run.max_steps=30", *args))
+    assert resumed["steps"] == 30
+    records = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 31))
+    trained = [b for r in records for b in r["batch_ids"]]
+    assert len(trained) == len(set(trained)) == 60
