@@ -153,19 +153,23 @@ class Progress:
         return out
 
 
-def make_trainer(cfg: PipelineConfig, redis_url: str, deadline_unix: float | None = None):
+def make_trainer(cfg: PipelineConfig, redis_url: str | None, deadline_unix: float | None = None,
+                 memory_batches: list[list] | None = None):
     """The trainer stage: a Ray Train TorchTrainer whose DDP workers read batches from Redis.
 
     `run.name` and `run.dir` name its Ray Train run: starting it again with the same pair resumes
-    from the run's latest checkpoint.
+    from the run's latest checkpoint. `memory_batches` (one list per rank) feeds the same loop from
+    memory instead of Redis: the in-process baseline of the benchmark.
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    resources = {"CPU": cfg.trainer.num_cpus_per_worker, **({"GPU": 1} if cfg.trainer.use_gpu else {})}
+    resources = {"CPU": cfg.trainer.num_cpus_per_worker, **({"GPU": 1} if cfg.trainer.use_gpu else {}),
+                 **cfg.trainer.resources}
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"pipeline": cfg, "redis_url": redis_url, "deadline_unix": deadline_unix},
+        train_loop_config={"pipeline": cfg, "redis_url": redis_url, "deadline_unix": deadline_unix,
+                           **({"memory_batches": memory_batches} if memory_batches is not None else {})},
         scaling_config=ScalingConfig(num_workers=cfg.trainer.num_workers, use_gpu=cfg.trainer.use_gpu,
                                      resources_per_worker=resources),
         torch_config=TorchConfig(backend="nccl" if cfg.trainer.use_gpu else "gloo"),
@@ -207,7 +211,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         namespace = f"marge-{cfg.run.name}"  # actor names are unique per run, also on a shared cluster
         workers = [IndexerWorker.options(name=f"marge-indexer-{i}", namespace=namespace,
                                          num_cpus=cfg.indexer.num_cpus_per_worker,
-                                         num_gpus=cfg.indexer.num_gpus_per_worker if use_gpu else 0)
+                                         num_gpus=cfg.indexer.num_gpus_per_worker if use_gpu else 0,
+                                         resources=dict(cfg.indexer.resources))
                    .remote(cfg, i) for i in range(cfg.indexer.num_workers)]
         coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(cfg, workers)
         batcher = Batcher.options(name="marge-batcher", namespace=namespace).remote(cfg, redis_url)
@@ -284,6 +289,7 @@ def summarize(cfg: PipelineConfig, queue: BatchQueue, coordinator, batcher, resu
         "loss_first": records[0]["loss"] if records else None, "loss_last": last.get("loss"),
         "beta": last.get("beta"), "staleness_max": max((r["staleness_max"] for r in records), default=0),
         "batch_crosslingual_share": bat["crosslingual_share"],
+        "index_builds": idx["history"],
         "checkpoint": checkpoint, "snapshot": str(snap.path) if snap else None,
         "run_dir": cfg.run.dir, "elapsed_s": round(time.time() - started, 1),
     }

@@ -108,6 +108,54 @@ def next_batch(queue: BatchQueue, consumer: str, cfg: PipelineConfig, step: int,
         return delivery
 
 
+class RedisSource:
+    """The pipeline's feed: the run's Redis stream, read through the consumer group."""
+
+    def __init__(self, cfg: PipelineConfig, redis_url: str, rank: int, consumed: list[str], deadline: float | None):
+        self.cfg, self.rank, self.deadline = cfg, rank, deadline
+        self.queue = BatchQueue.connect(redis_url, cfg.run.name, claim_idle_ms=cfg.queue.claim_idle_ms,
+                                        max_deliveries=cfg.queue.max_deliveries)
+        self.queue.ensure_group()
+        if rank == 0 and consumed:  # a fresh Redis (or a lost ledger) still learns what the checkpoint trained on
+            pipe = self.queue.r.pipeline(transaction=False)
+            for batch_id in consumed:
+                pipe.hsetnx(self.queue.ledger, batch_id, json.dumps({"step": -1, "rank": -1, "restored": True}))
+            pipe.execute()
+        self.consumer = f"rank{rank}-{uuid.uuid4().hex[:8]}"
+        self.stop_key = f"{self.queue.prefix}:control:stop"
+
+    def next(self, step: int) -> Delivery | None:
+        return next_batch(self.queue, self.consumer, self.cfg, step, self.stop_key, self.deadline)
+
+    def ack(self, deliveries: list[Delivery], step: int) -> None:
+        self.queue.ack(deliveries, step, self.rank)
+
+    def publish(self, record: dict) -> None:
+        line = json.dumps(record)
+        pipe = self.queue.r.pipeline()
+        pipe.rpush(f"{self.queue.prefix}:steps", line)
+        pipe.ltrim(f"{self.queue.prefix}:steps", -10000, -1)
+        pipe.hset(f"{self.queue.prefix}:trainer", mapping={"last": line})
+        pipe.execute()
+
+
+class MemorySource:
+    """The in-process baseline's feed: a fixed list of batches for this rank (no Redis, no other stages)."""
+
+    def __init__(self, batches: list):
+        self.batches = iter(batches)
+
+    def next(self, step: int) -> Delivery | None:
+        batch = next(self.batches, None)
+        return None if batch is None else Delivery(b"", batch, 1, {})
+
+    def ack(self, deliveries: list[Delivery], step: int) -> None:
+        pass
+
+    def publish(self, record: dict) -> None:
+        pass
+
+
 def train_loop_per_worker(config: dict) -> None:
     import ray.train
     import ray.train.torch
@@ -139,17 +187,11 @@ def train_loop_per_worker(config: dict) -> None:
         log.info("rank %d resumed from step %d (%d batches consumed)", rank, step, len(consumed))
     ddp_model = ray.train.torch.prepare_model(model)  # DDP (gloo on CPU, NCCL on GPU)
 
-    queue = BatchQueue.connect(config["redis_url"], cfg.run.name, claim_idle_ms=cfg.queue.claim_idle_ms,
-                               max_deliveries=cfg.queue.max_deliveries)
-    queue.ensure_group()
-    if rank == 0 and consumed:  # a fresh Redis (or a lost ledger) still learns what the checkpoint trained on
-        pipe = queue.r.pipeline(transaction=False)
-        for batch_id in consumed:
-            pipe.hsetnx(queue.ledger, batch_id, json.dumps({"step": -1, "rank": -1, "restored": True}))
-        pipe.execute()
-    consumer = f"rank{rank}-{uuid.uuid4().hex[:8]}"
-    stop_key = f"{queue.prefix}:control:stop"
     deadline = config.get("deadline_unix")
+    if "memory_batches" in config:  # the benchmark's in-process feed: the same loop without Redis
+        source = MemorySource(config["memory_batches"][rank])
+    else:
+        source = RedisSource(cfg, config["redis_url"], rank, consumed, deadline)
     metrics = Metrics(cfg.run.name, rank)
     speed = Throughput()
     run_dir = Path(cfg.run.dir)
@@ -160,7 +202,7 @@ def train_loop_per_worker(config: dict) -> None:
         t_wait = time.perf_counter()
         deliveries: list[Delivery] = []
         for _ in range(cfg.trainer.grad_accum):
-            d = next_batch(queue, consumer, cfg, step, stop_key, deadline)
+            d = source.next(step)
             if d is None:
                 break
             deliveries.append(d)
@@ -183,7 +225,7 @@ def train_loop_per_worker(config: dict) -> None:
         lr = optimizer.param_groups[0]["lr"]
         grad_norm = optimizer_step(ddp_model, optimizer, scheduler, cfg.trainer.clip_norm)
         step += 1
-        queue.ack(deliveries, step, rank)  # only after the optimizer step that used them
+        source.ack(deliveries, step)  # only after the optimizer step that used them
         consumed.extend(d.batch.batch_id for d in deliveries)
 
         # one record per step: every rank's batches and the mean loss over ranks
@@ -209,7 +251,9 @@ def train_loop_per_worker(config: dict) -> None:
                       "snapshot_steps": sorted({s for _, _, s in flat}),
                       "staleness_max": max(step - 1 - s for _, _, s in flat), "step_seconds": time.perf_counter() - t_step,
                       "tokens": int(stats[1]), "target_tokens": int(stats[2]), **perf, "time": time.time()}
-            _publish_step(queue, record, run_dir)
+            with open(run_dir / "train_log.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+            source.publish(record)
             metrics.loss.set(mean_loss)
             metrics.beta.set(sum(beta) / len(beta))
             metrics.step.set(step)
@@ -239,17 +283,6 @@ def recent_batches(batch_ids: list[str], keep_versions: int = 3) -> list[str]:
         return batch_ids
     newest = max(version(b) for b in batch_ids)
     return [b for b in batch_ids if version(b) > newest - keep_versions or version(b) < 0]
-
-
-def _publish_step(queue: BatchQueue, record: dict, run_dir: Path) -> None:
-    line = json.dumps(record)
-    with open(run_dir / "train_log.jsonl", "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-    pipe = queue.r.pipeline()
-    pipe.rpush(f"{queue.prefix}:steps", line)
-    pipe.ltrim(f"{queue.prefix}:steps", -10000, -1)
-    pipe.hset(f"{queue.prefix}:trainer", mapping={"last": line})
-    pipe.execute()
 
 
 def _report_checkpoint(ray, rank: int, step: int, model, optimizer, scheduler, tokenizer_dir: Path,

@@ -67,6 +67,8 @@ class IndexerSection:
     use_gpu: bool = False
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per worker, e.g. {marge_indexer: 1} to place indexers on their own node group."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +110,8 @@ class TrainerSection:
     checkpoint_every: int = 1000
     keep_checkpoints: int = 2
     num_cpus_per_worker: float = 1.0
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per worker, e.g. {marge_trainer: 1}."""
     torch_threads: int = 1
     max_staleness: int = 0
     """Batches whose snapshot is more than this many updates old are dead-lettered (0: no limit)."""
@@ -256,6 +260,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
         where = f"section {prefix!r}" if prefix else "the top level"
         raise ConfigError(f"unknown key(s) {unknown} in {where}; known keys: {sorted(known)}")
     kwargs = {}
+    defaults = {f.name: f for f in fields(cls)}
     for name, value in values.items():
         typ = hints[name]
         key = f"{prefix}.{name}" if prefix else name
@@ -263,6 +268,9 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
             kwargs[name] = _build(typ, value or {}, key)
         else:
             kwargs[name] = _coerce(key, value, typ)
+            factory = defaults[name].default_factory
+            if isinstance(kwargs[name], dict) and factory is not dataclasses.MISSING:
+                kwargs[name] = {**factory(), **kwargs[name]}  # e.g. model overrides keep the default preset
     return cls(**kwargs)
 
 
