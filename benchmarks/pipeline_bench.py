@@ -60,9 +60,10 @@ def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
     by_id = {k: v for part in found.values() for k, v in part.items()}
     world = cfg.trainer.num_workers
     memory = [[by_id[r["batch_ids"][rank]] for r in records] for rank in range(world)]
-    mem_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name="bench-memory",
-                                                               dir=str(workdir / "memory")))
-    from marge.driver.pipeline import ensure_initial_model, start_ray
+    from marge.driver.pipeline import ensure_initial_model, start_ray, with_absolute_paths
+
+    mem_cfg = with_absolute_paths(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name="bench-memory",
+                                                                                   dir=str(workdir / "memory"))))
 
     Path(mem_cfg.run.dir).mkdir(parents=True)
     (Path(mem_cfg.run.dir) / "init").mkdir()

@@ -25,7 +25,7 @@ class BatcherConfig:
     monolingual_weight: float = 1.0
     """Weight of an edge between documents in the same language (paper: 1)."""
     seed: int = 0
-    seed_lookahead: int = 64
+    seed_lookahead: int = 16
 
     def __post_init__(self) -> None:
         if self.max_tokens < 16:

@@ -51,7 +51,7 @@ def evidence_cost(length: int) -> int:
 
 def plan_shard_batches(target_ids: np.ndarray, evidence_ids: np.ndarray, cross_lingual: np.ndarray,
                        scores: np.ndarray, lengths: dict[int, int], max_tokens: int, weights: BatcherWeights,
-                       rng: np.random.Generator, seed_lookahead: int = 64) -> tuple[list[BatchPlan], dict[str, int]]:
+                       rng: np.random.Generator, seed_lookahead: int = 16) -> tuple[list[BatchPlan], dict[str, int]]:
     """Greedy batches over one shard's links. Returns the plans and counters (oversized seeds, ...)."""
     w = np.where(cross_lingual, weights.crosslingual_weight, weights.monolingual_weight).astype(np.float64)
     out_edges: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
@@ -61,11 +61,30 @@ def plan_shard_batches(target_ids: np.ndarray, evidence_ids: np.ndarray, cross_l
         in_edges[e].append((t, wt))
     for t in out_edges:  # heaviest, then most similar first: the seed's evidence is the head
         out_edges[t].sort(key=lambda x: (-x[1], -x[2], x[0]))
+    t_cost = {t: target_cost(lengths[t]) for t in out_edges}
+    e_cost = {e: evidence_cost(lengths[e]) for e in in_edges}
     order = [int(t) for t in rng.permutation(np.array(sorted(out_edges), dtype=np.int64))]
+    position = {t: i for i, t in enumerate(order)}
+    # next_free[i] leads to the first unused seed at or after position i (path-compressed), so finding
+    # the next seed never walks over used targets again: the search stays linear in the edges
+    next_free = list(range(len(order) + 1))
     used: set[int] = set()
     counters = {"oversized_seeds": 0}
     plans: list[BatchPlan] = []
-    cursor = 0
+
+    def first_unused(i: int) -> int:
+        root = i
+        while next_free[root] != root:
+            root = next_free[root]
+        while next_free[i] != root:
+            next_free[i], i = root, next_free[i]
+        return root
+
+    def mark_used(t: int) -> None:
+        used.add(t)
+        i = position.get(t)
+        if i is not None:
+            next_free[i] = i + 1
 
     while True:
         plan = BatchPlan()
@@ -76,10 +95,10 @@ def plan_shard_batches(target_ids: np.ndarray, evidence_ids: np.ndarray, cross_l
 
         def add_target(t: int) -> None:
             in_t.add(t)
-            used.add(t)
+            mark_used(t)
             gain_t.pop(t, None)
             plan.targets.append(t)
-            plan.cost += target_cost(lengths[t])
+            plan.cost += t_cost[t]
             for e, wt, _ in out_edges[t]:
                 if e not in in_e:
                     gain_e[e] += wt
@@ -88,27 +107,23 @@ def plan_shard_batches(target_ids: np.ndarray, evidence_ids: np.ndarray, cross_l
             in_e.add(e)
             gain_e.pop(e, None)
             plan.evidence.append(e)
-            plan.cost += evidence_cost(lengths[e])
+            plan.cost += e_cost[e]
             for t, wt in in_edges.get(e, ()):
                 if t not in in_t and t not in used:
                     gain_t[t] += wt
 
         def try_seed() -> bool:
-            nonlocal cursor
-            looked = 0
-            i = cursor
-            while i < len(order) and looked < seed_lookahead:
+            """Start a (new) component: the first unused seeds in order, the first that fits."""
+            i = first_unused(0)
+            for _ in range(seed_lookahead):
+                if i >= len(order):
+                    break
                 t = order[i]
-                i += 1
-                if t in used:
-                    if i - 1 == cursor:
-                        cursor = i
-                    continue
-                looked += 1
+                i = first_unused(i + 1)
                 e = next((e for e, _, _ in out_edges[t] if e not in in_e), None)
-                need = target_cost(lengths[t]) + (evidence_cost(lengths[e]) if e is not None else 0)
+                need = t_cost[t] + (e_cost[e] if e is not None else 0)
                 if need > max_tokens:
-                    used.add(t)  # can never fit any batch
+                    mark_used(t)  # can never fit any batch
                     counters["oversized_seeds"] += 1
                     continue
                 if plan.cost + need <= max_tokens:
@@ -126,13 +141,13 @@ def plan_shard_batches(target_ids: np.ndarray, evidence_ids: np.ndarray, cross_l
             room = max_tokens - plan.cost
             best, best_gain, best_cost, is_target = None, 0.0, 0, False
             for e, g in gain_e.items():
-                c = evidence_cost(lengths[e])
+                c = e_cost[e]
                 if c <= room and (g > best_gain or (g == best_gain and best is not None and c < best_cost)):
                     best, best_gain, best_cost, is_target = e, g, c, False
             for t, g in gain_t.items():
                 if t in used:
                     continue
-                c = target_cost(lengths[t])
+                c = t_cost[t]
                 if c <= room and (g > best_gain or (g == best_gain and best is not None and c < best_cost)):
                     best, best_gain, best_cost, is_target = t, g, c, True
             if best is not None and best_gain > 0:

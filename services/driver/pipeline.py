@@ -45,6 +45,12 @@ LOCAL_RAY_ENV = {
 }
 
 
+def with_absolute_paths(cfg: PipelineConfig) -> PipelineConfig:
+    """Ray workers do not share the driver's working directory: give them absolute paths."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, corpus=str(Path(cfg.data.corpus).resolve())),
+                               run=dataclasses.replace(cfg.run, dir=str(Path(cfg.run.dir).resolve())))
+
+
 def ensure_corpus(cfg: PipelineConfig) -> Corpus:
     """Open the prepared corpus, preparing it from `data.raw` first if it does not exist yet."""
     root = Path(cfg.data.corpus)
@@ -194,9 +200,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
     corpus = ensure_corpus(cfg)
-    run_dir = run_dir.resolve()  # Ray Train wants absolute storage paths; actors may run elsewhere
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, corpus=str(corpus.root.resolve())),
-                              run=dataclasses.replace(cfg.run, dir=str(run_dir)))
+    cfg = with_absolute_paths(cfg)
+    run_dir = Path(cfg.run.dir)
     ensure_initial_model(cfg, corpus)
     redis_url, redis_server = start_redis(cfg)
     started_ray = False

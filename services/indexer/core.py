@@ -176,7 +176,7 @@ def index_shard(docs: ShardDocuments, encoder: RelevanceEncoder, specials: Speci
 
 
 def index_corpus(corpus, encoder: RelevanceEncoder, specials: SpecialTokens, root: Path, version: int,
-                 snapshot_step: int, cfg: LinkConfig, keep_versions: int = 3, **kwargs):
+                 snapshot_step: int, cfg: LinkConfig, keep_versions: int = 3, extra: dict | None = None, **kwargs):
     """Index every shard in this process and commit the version (the Ray indexer spreads the shards
     over workers instead). Returns the committed IndexVersion."""
     from marge.index_store import commit_version, staging_dir
@@ -185,4 +185,4 @@ def index_corpus(corpus, encoder: RelevanceEncoder, specials: SpecialTokens, roo
     staging.mkdir(parents=True, exist_ok=True)
     entries = [index_shard(corpus.read_shard(s), encoder, specials, staging, cfg, **kwargs).as_manifest_entry()
                for s in range(corpus.num_shards)]
-    return commit_version(root, version, snapshot_step, entries, keep_versions=keep_versions)
+    return commit_version(root, version, snapshot_step, entries, keep_versions=keep_versions, extra=extra)

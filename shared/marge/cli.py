@@ -58,6 +58,177 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_config(run_dir: Path) -> dict:
+    """The resolved config a `marge pretrain` run saved in its directory."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: --run must be a directory written by `marge pretrain`")
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def load_eval_model(args: argparse.Namespace):
+    """(model, tokenizer, label) for --checkpoint / --snapshot / --random-init / --config."""
+    import torch
+
+    from marge.checkpoint import load_model
+    from marge.model import Marge, MargeConfig
+    from marge.snapshot import load_relevance_encoder, read_snapshot
+    from marge.tokenizer import MargeTokenizer
+
+    if args.snapshot:
+        info = read_snapshot(Path(args.snapshot))
+        tokenizer = MargeTokenizer.load(Path(args.corpus)) if args.corpus else None
+        if tokenizer is None:
+            raise ValueError("--snapshot needs --corpus (the tokenizer lives with the corpus)")
+        return load_relevance_encoder(info), tokenizer, f"snapshot step {info.step}"
+    if args.checkpoint:
+        model = load_model(Path(args.checkpoint))  # validates the checkpoint's manifest first
+        tokenizer = MargeTokenizer.load(Path(args.checkpoint))
+        if args.random_init:
+            torch.manual_seed(args.seed)
+            return Marge(MargeConfig.from_dict(model.cfg.to_dict())).eval(), tokenizer, "random init"
+        return model, tokenizer, "trained"
+    if args.config:
+        from marge.config import load_config
+        from marge.corpus import Corpus
+
+        cfg = load_config(args.config)
+        tokenizer = Corpus.open(args.corpus or cfg.data.corpus).tokenizer()
+        torch.manual_seed(args.seed)
+        return Marge(cfg.model_config(vocab_size=tokenizer.vocab_size)).eval(), tokenizer, "random init"
+    raise ValueError("give --checkpoint PATH (a folder printed as `checkpoint` by marge pretrain), "
+                     "--snapshot PATH --corpus DIR, or --config YAML --random-init")
+
+
+def cmd_eval_retrieval(args: argparse.Namespace) -> int:
+    from marge.evaluation import evaluate_model, evaluate_tfidf, mean_score, read_pairs
+
+    pairs = read_pairs(Path(args.pairs))
+    systems: dict[str, dict[str, float]] = {}
+    if args.compare:
+        if args.checkpoint:
+            args.random_init = False
+            model, tok, _ = load_eval_model(args)
+            systems["trained"] = evaluate_model(model, tok, pairs, args.layer, args.margin)
+        args.random_init = True
+        model, tok, _ = load_eval_model(args)
+        systems["random_init"] = evaluate_model(model, tok, pairs, args.layer, args.margin)
+        systems["tfidf"] = evaluate_tfidf(pairs, args.margin)
+        result: dict = systems
+    elif args.tfidf:
+        result = evaluate_tfidf(pairs, args.margin)
+        systems["tfidf"] = result
+    else:
+        model, tok, label = load_eval_model(args)
+        result = evaluate_model(model, tok, pairs, args.layer, args.margin)
+        systems[label] = result
+    if args.json:
+        print(json.dumps(result))
+    else:
+        keys = sorted({k for r in systems.values() for k in r})
+        print(f"{'pair':<10}" + "".join(f"{name:>14}" for name in systems))
+        for key in keys:
+            print(f"{key:<10}" + "".join(f"{systems[name].get(key, float('nan')):>14.3f}" for name in systems))
+        print(f"{'mean':<10}" + "".join(f"{mean_score(r):>14.3f}" for r in systems.values()))
+    return 0
+
+
+def read_document_pairs(path: Path, src: str, tgt: str, limit: int | None) -> list[tuple[str, str]]:
+    """(source text, reference text) for every group that has both languages in a documents JSONL."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    by_group: dict[str, dict[str, str]] = {}
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            by_group.setdefault(row.get("group", row.get("id")), {})[row["language"]] = row["text"]
+    pairs = [(langs[src], langs[tgt]) for _, langs in sorted(by_group.items()) if src in langs and tgt in langs]
+    if not pairs:
+        raise ValueError(f"{path}: no group has documents in both {src!r} and {tgt!r}")
+    return pairs[:limit] if limit else pairs
+
+
+def generation_config(args: argparse.Namespace):
+    from marge.generate import GenerationConfig
+
+    return GenerationConfig(beam=args.beam, no_repeat_ngram=args.no_repeat_ngram, max_len_a=args.max_len_a,
+                            max_len_b=args.max_len_b)
+
+
+def cmd_eval_translate(args: argparse.Namespace) -> int:
+    import sacrebleu
+
+    from marge.evaluation import read_pairs
+    from marge.generate import translate
+
+    model, tok, _ = load_eval_model(args)
+    if args.docs:
+        pairs = read_document_pairs(Path(args.docs), args.src, args.tgt, args.limit)
+    else:
+        sets = [p for p in read_pairs(Path(args.pairs)) if (p.src_lang, p.tgt_lang) == (args.src, args.tgt)]
+        if not sets:
+            raise ValueError(f"{args.pairs}: no {args.src}->{args.tgt} pairs")
+        pairs = list(zip(sets[0].sources, sets[0].targets))[: args.limit or None]
+    cfg = generation_config(args)
+    hypotheses = [" ".join(translate(model, tok, " ".join(src.split()), args.tgt, cfg).split()) for src, _ in pairs]
+    references = [" ".join(ref.split()) for _, ref in pairs]
+    # sacrebleu's own tokenizer for Chinese, characters for Japanese (mecab is not installed), 13a otherwise
+    tokenize = {"zh": "zh", "ja": "char"}.get(args.tgt, "13a")
+    bleu = sacrebleu.corpus_bleu(hypotheses, [references], tokenize=tokenize)
+    chrf = sacrebleu.corpus_chrf(hypotheses, [references])
+    result = {"src": args.src, "tgt": args.tgt, "documents": len(pairs), "bleu": bleu.score, "chrf": chrf.score,
+              "beam": cfg.beam, "no_repeat_ngram": cfg.no_repeat_ngram}
+    if args.out:
+        Path(args.out).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+    print(json.dumps(result) if args.json else f"{args.src}->{args.tgt}: BLEU {bleu.score:.2f}  chrF {chrf.score:.2f} "
+          f"({len(pairs)} documents)")
+    return 0
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    from marge.generate import translate
+
+    args.snapshot = None
+    model, tok, _ = load_eval_model(args)
+    cfg = generation_config(args)
+    for line in sys.stdin:
+        if line.strip():
+            print(translate(model, tok, line.rstrip("\n"), args.tgt_lang, cfg), flush=True)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from marge.retrieval.app import ServeSettings, create_app, is_loopback
+
+    token = os.environ.get("MARGE_API_TOKEN")
+    if args.token_file:
+        token = Path(args.token_file).read_text(encoding="utf-8").strip()
+    if not token and not is_loopback(args.host) and not args.insecure:
+        raise ValueError(f"refusing to serve on {args.host} without a token: set MARGE_API_TOKEN or --token-file "
+                         "(or pass --insecure if the network is trusted)")
+    corpus = args.corpus or run_config(Path(args.run))["data"]["corpus"]
+    settings = ServeSettings(run_dir=Path(args.run), corpus_dir=Path(corpus), token=token or None, max_k=args.max_k,
+                             max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
+                             max_in_flight=args.max_in_flight, poll_s=args.poll_s)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info",
+                limit_concurrency=4 * args.max_in_flight)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from marge.report import make_report
+
+    print(json.dumps(make_report(Path(args.run), Path(args.out), args.pairs, args.checkpoint, args.max_snapshots)))
+    return 0
+
+
 def parse_override(text: str) -> tuple[str, object]:
     """'key=value' with value parsed as YAML (numbers, booleans, lists)."""
     import yaml
@@ -96,6 +267,71 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline config (default deploy/configs/tiny.yaml)")
     p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="config overrides, e.g. run.max_steps=200")
     p.set_defaults(func=cmd_pretrain)
+
+    p = sub.add_parser("serve", help="the retrieval service (FastAPI on uvicorn) over a run's newest index")
+    p.add_argument("--run", required=True, type=Path, help="run directory of `marge pretrain` (its index/ is served)")
+    p.add_argument("--corpus", default=None, help="prepared corpus (default: the run's data.corpus)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--token-file", default=None, help="file with the bearer token (or set MARGE_API_TOKEN)")
+    p.add_argument("--max-k", type=int, default=100)
+    p.add_argument("--max-query-chars", type=int, default=2000)
+    p.add_argument("--max-body-bytes", type=int, default=64 * 1024)
+    p.add_argument("--max-in-flight", type=int, default=32)
+    p.add_argument("--poll-s", type=float, default=2.0, help="how often to look for a newer index version")
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
+    p.set_defaults(func=cmd_serve)
+
+    def model_args(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--checkpoint", default=None, help="a checkpoint folder (`checkpoint` in marge pretrain's summary)")
+        q.add_argument("--snapshot", default=None, help="a relevance-encoder snapshot folder (needs --corpus)")
+        q.add_argument("--config", default=None, help="pipeline config, for --random-init without a checkpoint")
+        q.add_argument("--corpus", default=None, help="prepared corpus whose tokenizer to use")
+        q.add_argument("--random-init", action="store_true", help="an untrained model of the same config")
+        q.add_argument("--seed", type=int, default=0)
+
+    def generation_args(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--beam", type=int, default=6, help="beam size (paper: 6)")
+        q.add_argument("--no-repeat-ngram", type=int, default=8, help="block repeated n-grams (paper: 8)")
+        q.add_argument("--max-len-a", type=float, default=1.5)
+        q.add_argument("--max-len-b", type=int, default=10)
+
+    p = sub.add_parser("eval", help="evaluation: retrieval P@1, translation BLEU/chrF")
+    eval_sub = p.add_subparsers(dest="eval_command", required=True)
+    q = eval_sub.add_parser("retrieval", help="cross-lingual sentence retrieval P@1 (paper §4.1)")
+    q.add_argument("--pairs", required=True, help="TSV: src_lang, src_text, tgt_lang, tgt_text")
+    model_args(q)
+    q.add_argument("--layer", type=int, default=None, help="encoder layer to mean-pool (default 5, the paper's)")
+    q.add_argument("--margin", action="store_true", help="ratio-margin scoring instead of cosine")
+    q.add_argument("--tfidf", action="store_true", help="evaluate the char n-gram TF-IDF baseline instead of a model")
+    q.add_argument("--compare", action="store_true", help="trained vs random init vs TF-IDF in one run")
+    q.add_argument("--json", action="store_true", help="one JSON object mapping 'src->tgt' to P@1")
+    q.set_defaults(func=cmd_eval_retrieval)
+    q = eval_sub.add_parser("translate", help="zero-shot document translation, scored with sacrebleu")
+    model_args(q)
+    q.add_argument("--docs", default=None, help="documents JSONL (pairs are documents of one group)")
+    q.add_argument("--pairs", default=None, help="or a pairs TSV")
+    q.add_argument("--src", required=True)
+    q.add_argument("--tgt", required=True)
+    q.add_argument("--limit", type=int, default=None, help="score only the first N pairs")
+    q.add_argument("--out", default=None, help="write the translations here")
+    q.add_argument("--json", action="store_true")
+    generation_args(q)
+    q.set_defaults(func=cmd_eval_translate)
+
+    p = sub.add_parser("translate", help="translate documents (one per stdin line) into --tgt-lang")
+    model_args(p)
+    p.add_argument("--tgt-lang", required=True)
+    generation_args(p)
+    p.set_defaults(func=cmd_translate)
+
+    p = sub.add_parser("report", help="link matrix (paper Fig. 2) and learning curves of a run")
+    p.add_argument("--run", required=True, help="run directory of `marge pretrain`")
+    p.add_argument("--out", required=True, help="folder for link_matrix.{csv,png}, curves.png, report.json")
+    p.add_argument("--pairs", default=None, help="held-out pairs TSV for P@1 per snapshot (default: the run's)")
+    p.add_argument("--checkpoint", default=None, help="build the link matrix from this checkpoint's own index")
+    p.add_argument("--max-snapshots", type=int, default=8)
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("info", help="a model preset's configuration and parameter count")
     p.add_argument("--preset", required=True, help="tiny, base or paper")

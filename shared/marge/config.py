@@ -76,7 +76,7 @@ class BatcherSection:
     max_tokens: int = 2048
     crosslingual_weight: float = 100.0
     monolingual_weight: float = 1.0
-    seed_lookahead: int = 64
+    seed_lookahead: int = 16
     attend_to: str = "all"
     """'all': each target cross-attends to every evidence document in its batch (paper Eq. 2); 'linked': only to linked ones."""
     epochs_per_version: int = 0

@@ -1,0 +1,1 @@
+"""The retrieval service: FastAPI over the newest committed index, deployable with uvicorn or Ray Serve."""

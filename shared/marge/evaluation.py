@@ -1,0 +1,203 @@
+"""Cross-lingual sentence retrieval without fine-tuning (paper §4.1), and a TF-IDF baseline.
+
+A sentence's vector is the mean of encoder layer L's states over its text tokens (the paper tuned
+L = 5 on BUCC). For every language pair in a TSV of translation pairs
+(`src_lang<TAB>src_text<TAB>tgt_lang<TAB>tgt_text`), each source is ranked against every target of that
+pair; P@1 is the share of sources whose best target is their own translation, in both directions.
+Scoring is cosine, or the ratio margin of Artetxe & Schwenk (2019) with `margin=True`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from marge.batch import SpecialTokens, pad_rows
+from marge.languages import normalize_language
+from marge.model import Marge, RelevanceEncoder
+
+log = logging.getLogger(__name__)
+
+
+class PairsError(ValueError):
+    pass
+
+
+@dataclass
+class PairSet:
+    """Aligned translation pairs of one language pair: sources[i] translates to targets[i]."""
+
+    src_lang: str
+    tgt_lang: str
+    sources: list[str]
+    targets: list[str]
+
+
+def read_pairs(path: Path) -> list[PairSet]:
+    """Read a pairs TSV; errors name the line and the field."""
+    groups: dict[tuple[str, str], PairSet] = {}
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8").rstrip("\n").rstrip("\r")
+            except UnicodeDecodeError as e:
+                raise PairsError(f"{path}:{line_no}: invalid UTF-8 at byte {e.start}") from None
+            if not line.strip():
+                continue
+            cells = line.split("\t")
+            if len(cells) != 4:
+                raise PairsError(f"{path}:{line_no}: expected 4 tab-separated fields "
+                                 f"(src_lang, src_text, tgt_lang, tgt_text), found {len(cells)}")
+            try:
+                src_lang, tgt_lang = normalize_language(cells[0]), normalize_language(cells[2])
+            except ValueError as e:
+                raise PairsError(f"{path}:{line_no}: {e}") from None
+            if not cells[1].strip() or not cells[3].strip():
+                raise PairsError(f"{path}:{line_no}: empty text")
+            key = (src_lang, tgt_lang)
+            pair = groups.setdefault(key, PairSet(src_lang, tgt_lang, [], []))
+            pair.sources.append(cells[1])
+            pair.targets.append(cells[3])
+    if not groups:
+        raise PairsError(f"{path}: no pairs")
+    return list(groups.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# Scoring
+# --------------------------------------------------------------------------------------------------
+
+
+def cosine_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+    b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+    return a @ b.T
+
+
+def margin_matrix(sim: np.ndarray, k: int = 4) -> np.ndarray:
+    """Ratio margin: cos(x, y) over the mean cosine of x's and y's k nearest neighbours (Artetxe & Schwenk 2019)."""
+    k_row, k_col = min(k, sim.shape[1]), min(k, sim.shape[0])
+    row_nn = np.sort(sim, axis=1)[:, -k_row:].mean(axis=1)
+    col_nn = np.sort(sim, axis=0)[-k_col:, :].mean(axis=0)
+    return sim / ((row_nn[:, None] + col_nn[None, :]) / 2 + 1e-12)
+
+
+def precision_at_1(scores: np.ndarray) -> float:
+    """scores[i, j]: score of source i against target j; the right target of source i is target i."""
+    if scores.shape[0] != scores.shape[1]:
+        raise ValueError(f"need a square score matrix, got {scores.shape}")
+    return float(np.mean(np.argmax(scores, axis=1) == np.arange(len(scores))))
+
+
+def both_directions(sim: np.ndarray, pair: PairSet, margin: bool) -> dict[str, float]:
+    forward = margin_matrix(sim) if margin else sim
+    backward = margin_matrix(sim.T) if margin else sim.T
+    return {f"{pair.src_lang}->{pair.tgt_lang}": precision_at_1(forward),
+            f"{pair.tgt_lang}->{pair.src_lang}": precision_at_1(backward)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Sentence vectors
+# --------------------------------------------------------------------------------------------------
+
+
+def encode_texts(tokenizer, texts: list[str], max_positions: int) -> list[list[int]]:
+    rows = []
+    for ids in tokenizer.encode_batch(texts):
+        ids = ids[: max_positions - 2]
+        rows.append([tokenizer.specials.bos_id, *ids, tokenizer.specials.eos_id])
+    return rows
+
+
+@torch.no_grad()
+def mean_layer_vectors(model: Marge | RelevanceEncoder, rows: list[list[int]], specials: SpecialTokens, layer: int,
+                       batch_size: int = 64, device: str = "cpu") -> np.ndarray:
+    """Mean of encoder layer `layer`'s states over each row's text tokens (BOS, EOS and padding excluded)."""
+    out = []
+    order = np.argsort([len(r) for r in rows], kind="stable")
+    vectors = [None] * len(rows)
+    for start in range(0, len(rows), batch_size):
+        idx = order[start:start + batch_size]
+        tokens = pad_rows([rows[i] for i in idx], specials.pad_id).to(device)
+        states = encoder_layer_states(model, tokens, layer)
+        keep = (tokens != specials.pad_id) & (tokens != specials.bos_id) & (tokens != specials.eos_id)
+        keep = keep.unsqueeze(-1).to(states.dtype)
+        mean = (states * keep).sum(1) / keep.sum(1).clamp(min=1)
+        for j, i in enumerate(idx):
+            vectors[i] = mean[j].float().cpu().numpy()
+    out = np.stack(vectors)
+    return out
+
+
+def encoder_layer_states(model: Marge | RelevanceEncoder, tokens_RS: torch.Tensor, layer: int) -> torch.Tensor:
+    if isinstance(model, Marge):
+        return model.encoder_states(tokens_RS, layer)
+    key_ok = (tokens_RS != model.cfg.pad_id)[:, None, None, :]
+    positions = torch.arange(tokens_RS.shape[1], device=tokens_RS.device)
+    x = model.embed_tokens(tokens_RS) + model.encoder_positions(positions)
+    for block in model.encoder_layers[:layer]:
+        x = block(x, key_ok)
+    return x
+
+
+def available_layers(model: Marge | RelevanceEncoder) -> int:
+    return len(model.encoder_layers)
+
+
+def resolve_layer(model: Marge | RelevanceEncoder, layer: int | None, paper_layer: int = 5) -> int:
+    """The encoder layer to pool: the given one, else the paper's 5 (or the deepest the model has)."""
+    depth = available_layers(model)
+    if layer is None:
+        chosen = min(paper_layer, depth)
+        if chosen != paper_layer:
+            log.info("the model has %d encoder layers: pooling layer %d (the paper's choice is %d)",
+                     depth, chosen, paper_layer)
+        return chosen
+    if not 1 <= layer <= depth:
+        raise ValueError(f"--layer {layer} is out of range: this model has encoder layers 1..{depth}")
+    return layer
+
+
+def evaluate_model(model: Marge | RelevanceEncoder, tokenizer, pairs: list[PairSet], layer: int | None = None,
+                   margin: bool = False, device: str = "cpu") -> dict[str, float]:
+    layer = resolve_layer(model, layer)
+    results = {}
+    for pair in pairs:
+        src = mean_layer_vectors(model, encode_texts(tokenizer, pair.sources, model.cfg.max_positions),
+                                 tokenizer.specials, layer, device=device)
+        tgt = mean_layer_vectors(model, encode_texts(tokenizer, pair.targets, model.cfg.max_positions),
+                                 tokenizer.specials, layer, device=device)
+        results.update(both_directions(cosine_matrix(src, tgt), pair, margin))
+    return results
+
+
+def evaluate_tfidf(pairs: list[PairSet], margin: bool = False, ngram_range: tuple[int, int] = (2, 4)) -> dict[str, float]:
+    """The char n-gram TF-IDF baseline: lexical overlap alone (no learning, no model)."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    results = {}
+    for pair in pairs:
+        vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=ngram_range, sublinear_tf=True)
+        vectorizer.fit(pair.sources + pair.targets)
+        src = vectorizer.transform(pair.sources)
+        tgt = vectorizer.transform(pair.targets)
+        sim = (src @ tgt.T).toarray()  # rows are L2-normalised: this is the cosine
+        results.update(both_directions(sim, pair, margin))
+    return results
+
+
+def mean_score(results: dict[str, float]) -> float:
+    return float(np.mean(list(results.values()))) if results else 0.0
+
+
+def by_language_pair(results: dict[str, float]) -> dict[str, dict[str, float]]:
+    table: dict[str, dict[str, float]] = defaultdict(dict)
+    for key, value in results.items():
+        src, tgt = key.split("->")
+        table[src][tgt] = value
+    return dict(table)

@@ -1,0 +1,198 @@
+"""What the retriever learned, as in the paper's Figure 2, and how training went.
+
+* link matrix: for an index, the share of a target language's kept links that point into each evidence
+  language (rows sum to 1), written as CSV and a PNG heat map;
+* learning curves: loss and beta per step from the run's train log, and held-out retrieval P@1 of
+  every snapshot (mean over language pairs), as PNG.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def link_matrix(graph_target_langs: list[str], graph_evidence_langs: list[str]) -> tuple[list[str], np.ndarray]:
+    langs = sorted(set(graph_target_langs) | set(graph_evidence_langs))
+    pos = {lang: i for i, lang in enumerate(langs)}
+    counts = np.zeros((len(langs), len(langs)), dtype=np.float64)
+    for t, e in zip(graph_target_langs, graph_evidence_langs):
+        counts[pos[t], pos[e]] += 1
+    shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    return langs, shares
+
+
+def write_link_matrix(langs: list[str], shares: np.ndarray, out_dir: Path, title: str) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = out_dir / "link_matrix.csv"
+    with open(csv_path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["target_lang", *langs])
+        for lang, row in zip(langs, shares):
+            writer.writerow([lang, *[f"{x:.4f}" for x in row]])
+    fig, ax = plt.subplots(figsize=(1.0 + 0.7 * len(langs), 0.8 + 0.6 * len(langs)))
+    image = ax.imshow(shares, cmap="viridis", vmin=0, vmax=max(0.01, float(shares.max())))
+    ax.set_xticks(range(len(langs)), langs)
+    ax.set_yticks(range(len(langs)), langs)
+    ax.set_xlabel("language of the retrieved evidence")
+    ax.set_ylabel("language of the target")
+    for i in range(len(langs)):
+        for j in range(len(langs)):
+            ax.text(j, i, f"{100 * shares[i, j]:.0f}", ha="center", va="center",
+                    color="white" if shares[i, j] < 0.6 * shares.max() else "black", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.046, label="share of the row's links")
+    fig.tight_layout()
+    png_path = out_dir / "link_matrix.png"
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return {"csv": csv_path, "png": png_path}
+
+
+def read_train_log(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "train_log.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def ema(values: list[float], alpha: float = 0.1) -> list[float]:
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None else (1 - alpha) * acc + alpha * v
+        out.append(acc)
+    return out
+
+
+def plot_curves(panels: list[dict], out_path: Path, title: str) -> Path:
+    """panels: [{"title", "ylabel", "series": [{"label", "x", "y", "style"?}]}] in one row of plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for series in panel["series"]:
+            if series.get("hline") is not None:
+                ax.axhline(series["hline"], linestyle="--", linewidth=1, label=series["label"],
+                           color=series.get("color"))
+            else:
+                ax.plot(series["x"], series["y"], series.get("style", "-"), label=series["label"],
+                        color=series.get("color"), markersize=3)
+        ax.set_title(panel["title"], fontsize=9)
+        ax.set_xlabel(panel.get("xlabel", "step"))
+        ax.set_ylabel(panel["ylabel"])
+        ax.grid(alpha=0.3)
+        if any(s.get("label") for s in panel["series"]):
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path
+
+
+def run_corpus_dir(run_dir: Path) -> Path:
+    import yaml
+
+    return Path(yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8"))["data"]["corpus"])
+
+
+def snapshot_curve(run_dir: Path, pairs_path: Path, corpus_dir: Path, max_snapshots: int) -> list[dict]:
+    """Held-out retrieval P@1 of each snapshot's relevance encoder (mean of its last layer's states)."""
+    from marge.evaluation import evaluate_model, mean_score, read_pairs
+    from marge.snapshot import load_relevance_encoder, read_snapshot
+    from marge.tokenizer import MargeTokenizer
+
+    snapshots = sorted(p for p in (Path(run_dir) / "snapshots").glob("step-*") if (p / "manifest.json").exists())
+    if len(snapshots) > max_snapshots:  # evenly spaced, always the first and the last
+        keep = np.unique(np.linspace(0, len(snapshots) - 1, max_snapshots).round().astype(int))
+        snapshots = [snapshots[i] for i in keep]
+    pairs = read_pairs(pairs_path)
+    tokenizer = MargeTokenizer.load(corpus_dir)
+    curve = []
+    for path in snapshots:
+        info = read_snapshot(path)
+        results = evaluate_model(load_relevance_encoder(info), tokenizer, pairs, layer=info.model_config.relevance_layers)
+        curve.append({"step": info.step, "p_at_1_mean": mean_score(results), "p_at_1": results})
+    return curve
+
+
+def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoint: str | None = None,
+                max_snapshots: int = 8) -> dict:
+    """Link matrix (CSV + PNG), learning curves (PNG) and their numbers (report.json) for a run."""
+    import tempfile
+
+    import yaml
+
+    from marge.corpus import Corpus
+    from marge.index_store import latest_version
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    corpus = Corpus.open(config["data"]["corpus"])
+    lang_of = {}
+    for s in range(corpus.num_shards):
+        table = corpus.read_table(s).select(["doc_id", "lang"])
+        lang_of.update(zip(table.column("doc_id").to_pylist(), table.column("lang").to_pylist()))
+    with tempfile.TemporaryDirectory() as tmp:
+        if checkpoint:
+            from marge.checkpoint import load_model
+            from marge.indexer.core import LinkConfig, index_corpus
+            from marge.model import RelevanceEncoder, relevance_state_dict
+
+            model = load_model(Path(checkpoint))
+            encoder = RelevanceEncoder(model.cfg)
+            encoder.load_state_dict(relevance_state_dict(model))
+            idx_cfg = config["indexer"]
+            index = index_corpus(corpus, encoder.eval(), corpus.tokenizer().specials, Path(tmp), 0, -1,
+                                 LinkConfig(links_monolingual=idx_cfg["links_monolingual"],
+                                            links_crosslingual=idx_cfg["links_crosslingual"],
+                                            candidates_per_language=idx_cfg["candidates_per_language"]))
+            source = f"index of checkpoint {checkpoint}"
+        else:
+            index = latest_version(run_dir / "index")
+            if index is None:
+                raise FileNotFoundError(f"{run_dir / 'index'} has no committed index; pass --checkpoint to build one")
+            source = f"index v{index.version} (snapshot step {index.snapshot_step})"
+        graph = index.read_graph()
+        t_langs = [lang_of[d] for d in graph.column("target_id").to_pylist()]
+        e_langs = [lang_of[d] for d in graph.column("evidence_id").to_pylist()]
+    langs, shares = link_matrix(t_langs, e_langs)
+    files = {k: str(v) for k, v in write_link_matrix(langs, shares, out_dir, f"retrieved links by language: {source}").items()}
+
+    log_records = read_train_log(run_dir)
+    steps = [r["step"] for r in log_records]
+    losses = [r["loss"] for r in log_records]
+    betas = [float(np.mean(r["beta"])) for r in log_records]
+    pairs_path = pairs or config["data"].get("heldout_pairs")
+    curve = snapshot_curve(run_dir, Path(pairs_path), Path(config["data"]["corpus"]), max_snapshots) if pairs_path else []
+    panels = [
+        {"title": "training loss (nats/token)", "ylabel": "loss",
+         "series": [{"label": "per step", "x": steps, "y": losses, "style": "-", "color": "0.75"},
+                    {"label": "EMA 0.1", "x": steps, "y": ema(losses), "style": "-", "color": "C0"}]},
+        {"title": "relevance bias weight beta", "ylabel": "beta", "series": [{"label": "", "x": steps, "y": betas}]},
+        {"title": "held-out retrieval P@1 of snapshots (mean over pairs)", "ylabel": "P@1",
+         "series": [{"label": "snapshot g", "x": [c["step"] for c in curve], "y": [c["p_at_1_mean"] for c in curve],
+                     "style": "o-"}]},
+    ]
+    files["curves"] = str(plot_curves(panels, out_dir / "curves.png", f"run {run_dir.name}"))
+    report = {"source": source, "languages": langs, "link_matrix": shares.round(4).tolist(),
+              "crosslingual_share": float(1 - np.trace(shares) / len(langs)) if langs else 0.0,
+              "steps": steps[-1] if steps else 0, "loss_last": losses[-1] if losses else None,
+              "snapshot_p_at_1": curve, "files": files}
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report

@@ -1,0 +1,122 @@
+"""`marge eval retrieval|translate`, `marge translate` and `marge report` on a small real checkpoint and run."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from marge.cli import main
+
+
+@pytest.fixture(scope="module")
+def trained(small_corpus, tmp_path_factory, demo_raw):
+    """A run directory and checkpoint from a few in-process steps on the small corpus."""
+    from marge.batcher.core import BatcherConfig, DocumentStore, epoch_batches
+    from marge.checkpoint import save_checkpoint
+    from marge.corpus import Corpus
+    from marge.indexer.core import LinkConfig, index_corpus
+    from marge.model import Marge, preset
+    from marge.snapshot import load_relevance_encoder, publish_snapshot
+    from marge.training import OptimConfig, build_optimizer, build_scheduler, reference_train
+
+    root = tmp_path_factory.mktemp("trained")
+    run = root / "run"
+    corpus = Corpus.open(small_corpus)
+    tok = corpus.tokenizer()
+    torch.manual_seed(0)
+    model = Marge(preset("tiny", vocab_size=tok.vocab_size, max_positions=128))
+    snap = publish_snapshot(run / "snapshots", model, 0, tok.sha256)
+    index = index_corpus(corpus, load_relevance_encoder(snap), tok.specials, run / "index", 0, 0, LinkConfig(),
+                         extra={"snapshot_path": str(snap.path)})
+    batches = list(epoch_batches(index, DocumentStore(corpus), BatcherConfig(max_tokens=400), 0))[:16]
+    cfg = OptimConfig(lr=2e-3, warmup_steps=2, total_steps=8)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    records = reference_train(model, [batches[i:i + 2] for i in range(0, 16, 2)], tok.specials, cfg,
+                              optimizer=optimizer, scheduler=scheduler)
+    publish_snapshot(run / "snapshots", model, 8, tok.sha256)
+    with open(run / "train_log.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps({"step": r.step + 1, "loss": r.loss, "beta": r.beta}) + "\n")
+    pairs = root / "pairs.tsv"
+    lines = (demo_raw / "heldout_pairs.tsv").read_text(encoding="utf-8").splitlines()
+    by_lang: dict[str, list[str]] = {}
+    for line in lines:
+        by_lang.setdefault(line.split("\t")[2], []).append(line)
+    pairs.write_text("".join(line + "\n" for lang in ("de", "zh") for line in by_lang[lang][:30]), encoding="utf-8")
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"corpus": str(small_corpus), "heldout_pairs": str(pairs)},
+                                                     "indexer": {"links_monolingual": 4, "links_crosslingual": 4,
+                                                                 "candidates_per_language": 32}}))
+    checkpoint = save_checkpoint(root / "checkpoint", model, optimizer, scheduler, 8, small_corpus,
+                                 {"consumed_batches": [b.batch_id for b in batches], "tokens_seen": 0})
+    docs = root / "docs.jsonl.gz"
+    with gzip.open(demo_raw / "heldout_documents.jsonl.gz", "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    groups = sorted({r["group"] for r in rows if r["language"] == "de"})[:3]
+    with gzip.open(docs, "wt", encoding="utf-8") as f:
+        for r in rows:
+            if r["group"] in groups and r["language"] in ("en", "de"):
+                f.write(json.dumps({**r, "text": r["text"][:200]}, ensure_ascii=False) + "\n")
+    return {"run": run, "checkpoint": checkpoint, "pairs": pairs, "docs": docs, "corpus": small_corpus}
+
+
+def run_json(args: list[str], capsys) -> dict:
+    assert main(args) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_eval_retrieval_json_and_compare(trained, capsys):
+    tfidf = run_json(["eval", "retrieval", "--pairs", str(trained["pairs"]), "--tfidf", "--json"], capsys)
+    assert set(tfidf) == {"en->de", "de->en", "en->zh", "zh->en"}
+    assert all(0 <= v <= 1 for v in tfidf.values()) and tfidf["en->de"] > 1 / 30
+    model = run_json(["eval", "retrieval", "--pairs", str(trained["pairs"]), "--checkpoint", str(trained["checkpoint"]),
+                      "--json", "--layer", "2"], capsys)
+    assert set(model) == set(tfidf)
+    both = run_json(["eval", "retrieval", "--pairs", str(trained["pairs"]), "--checkpoint", str(trained["checkpoint"]),
+                     "--compare", "--json", "--margin"], capsys)
+    assert set(both) == {"trained", "random_init", "tfidf"} and set(both["random_init"]) == set(tfidf)
+    assert main(["eval", "retrieval", "--pairs", str(trained["pairs"]), "--checkpoint", str(trained["checkpoint"])]) == 0
+    table = capsys.readouterr().out
+    assert "en->zh" in table and "mean" in table
+
+
+def test_eval_retrieval_errors(trained, tmp_path, capsys):
+    assert main(["eval", "retrieval", "--pairs", str(trained["pairs"])]) == 2
+    assert "give --checkpoint PATH" in capsys.readouterr().err
+    assert main(["eval", "retrieval", "--pairs", str(trained["pairs"]), "--checkpoint", str(tmp_path)]) == 2
+    assert "not a complete MARGE checkpoint" in capsys.readouterr().err
+
+
+def test_eval_translate_and_translate(trained, capsys, monkeypatch):
+    result = run_json(["eval", "translate", "--checkpoint", str(trained["checkpoint"]), "--docs", str(trained["docs"]),
+                       "--src", "en", "--tgt", "de", "--beam", "2", "--max-len-a", "0.2", "--max-len-b", "5", "--json"],
+                      capsys)
+    assert result["documents"] == 3 and result["bleu"] >= 0 and result["chrf"] >= 0 and result["beam"] == 2
+    monkeypatch.setattr("sys.stdin", io.StringIO("Open the file.\nChoose Format - Cells.\n"))
+    assert main(["translate", "--checkpoint", str(trained["checkpoint"]), "--tgt-lang", "de", "--beam", "2",
+                 "--max-len-b", "4", "--max-len-a", "0"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 2
+
+
+def test_report_writes_link_matrix_and_curves(trained, tmp_path, capsys):
+    out = tmp_path / "report"
+    report = run_json(["report", "--run", str(trained["run"]), "--out", str(out), "--max-snapshots", "2"], capsys)
+    for name in ("link_matrix.csv", "link_matrix.png", "curves.png", "report.json"):
+        assert (out / name).stat().st_size > 0
+    shares = np.array(report["link_matrix"])
+    np.testing.assert_allclose(shares.sum(axis=1), 1.0, atol=1e-3)
+    assert len(report["languages"]) >= 8
+    assert [c["step"] for c in report["snapshot_p_at_1"]] == [0, 8]
+    rows = (out / "link_matrix.csv").read_text().splitlines()
+    assert rows[0].startswith("target_lang,") and len(rows) == len(report["languages"]) + 1
+    # the matrix of a checkpoint's own index
+    report = run_json(["report", "--run", str(trained["run"]), "--out", str(tmp_path / "r2"), "--checkpoint",
+                       str(trained["checkpoint"]), "--max-snapshots", "1"], capsys)
+    assert report["source"].startswith("index of checkpoint")

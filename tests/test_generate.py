@@ -1,0 +1,77 @@
+"""Generation: forced language token, n-gram blocking, KV cache = no cache, length limit."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from marge.batch import SpecialTokens
+from marge.generate import GenerationConfig, banned_tokens, generate
+from marge.model import Marge, preset
+
+SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 10, "de": 11})
+
+
+def model_that_loves(token_ids: list[int], vocab: int = 60) -> Marge:
+    """A tiny model whose output strongly prefers cycling through `token_ids` (EOS never wins)."""
+    torch.manual_seed(0)
+    model = Marge(preset("tiny", vocab_size=vocab)).eval()
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(0.01)
+        for t in token_ids:
+            model.embed_tokens.weight[t] += 0.5 * model.decoder_norm.weight.sign()
+        model.embed_tokens.weight[3] -= 0.5 * model.decoder_norm.weight.sign()  # EOS unlikely
+    return model
+
+
+def test_banned_tokens_complete_repeated_ngrams():
+    assert banned_tokens([5, 6, 7, 5, 6], 3) == {7}
+    assert banned_tokens([5, 6, 7, 5, 6], 2) == {7}
+    assert banned_tokens([5, 5, 5], 2) == {5}
+    assert banned_tokens([1, 2, 3], 0) == set()
+    assert banned_tokens([1, 2], 3) == set()
+
+
+def test_ngram_blocking_and_the_length_limit():
+    model = model_that_loves([20, 21])
+    source = [[30, 31, 32, 33]]
+    unblocked = generate(model, source, 11, SPECIALS, GenerationConfig(beam=2, no_repeat_ngram=0, max_len_a=0, max_len_b=12))
+    assert len(unblocked) <= 12
+    bigrams = list(zip(unblocked, unblocked[1:]))
+    assert len(bigrams) != len(set(bigrams)), f"the test model should repeat without blocking: {unblocked}"
+    for n in (2, 3):
+        out = generate(model, source, 11, SPECIALS, GenerationConfig(beam=3, no_repeat_ngram=n, max_len_a=0, max_len_b=12))
+        grams = [tuple(out[i:i + n]) for i in range(len(out) - n + 1)]
+        assert len(grams) == len(set(grams)), f"repeated {n}-gram in {out}"
+
+
+def test_forced_language_token_and_cached_equals_uncached():
+    torch.manual_seed(1)
+    model = Marge(preset("tiny", vocab_size=80)).eval()
+    rng = np.random.default_rng(0)
+    source = [rng.integers(20, 80, size=9).tolist(), rng.integers(20, 80, size=5).tolist()]
+    outputs = {}
+    for lang in ("en", "de"):
+        for cached in (True, False):
+            cfg = GenerationConfig(beam=4, no_repeat_ngram=3, max_len_a=1.0, max_len_b=4, use_cache=cached)
+            outputs[lang, cached] = generate(model, source, SPECIALS.lang_ids[lang], SPECIALS, cfg)
+        assert outputs[lang, True] == outputs[lang, False]
+        out = outputs[lang, True]
+        assert not set(out) & {0, 2, 10, 11}, "specials or language tokens in the text"
+    # the language token is the decoder's first input: changing it changes what follows
+    assert outputs["en", True] != outputs["de", True]
+
+
+def test_forced_token_is_what_the_decoder_sees_first(monkeypatch):
+    torch.manual_seed(2)
+    model = Marge(preset("tiny", vocab_size=40)).eval()
+    seen = []
+    original = model.decode
+
+    def spy(decoder_in, *args, **kwargs):
+        seen.append(decoder_in[:, 0].tolist())
+        return original(decoder_in, *args, **kwargs)
+
+    monkeypatch.setattr(model, "decode", spy)
+    generate(model, [[20, 21, 22]], SPECIALS.lang_ids["de"], SPECIALS, GenerationConfig(beam=2, max_len_b=3, max_len_a=0))
+    assert seen[0] == [11, 11]

@@ -1,0 +1,197 @@
+"""The retrieval service against a real uvicorn server on loopback (and once through Ray Serve)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import yaml
+
+TOKEN = "test-token-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_run(run: Path, corpus_dir: Path, version: int, seed: int) -> None:
+    """Publish a snapshot and commit index `version` built with it, like the pipeline does."""
+    from marge.corpus import Corpus
+    from marge.indexer.core import LinkConfig, index_corpus
+    from marge.model import Marge, preset
+    from marge.snapshot import load_relevance_encoder, publish_snapshot
+
+    corpus = Corpus.open(corpus_dir)
+    tok = corpus.tokenizer()
+    torch.manual_seed(seed)
+    model = Marge(preset("tiny", vocab_size=tok.vocab_size, max_positions=128))
+    snap = publish_snapshot(run / "snapshots", model, 10 * version, tok.sha256)
+    index_corpus(corpus, load_relevance_encoder(snap), tok.specials, run / "index", version, 10 * version,
+                 LinkConfig(), extra={"snapshot_path": str(snap.path)})
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"corpus": str(corpus_dir)}}))
+
+
+@pytest.fixture(scope="module")
+def served(small_corpus, tmp_path_factory):
+    run = tmp_path_factory.mktemp("served") / "run"
+    build_run(run, small_corpus, version=0, seed=0)
+    token_file = run / "token"
+    token_file.write_text(TOKEN)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "MARGE_API_TOKEN"}
+    proc = subprocess.Popen([sys.executable, "-m", "marge.cli", "serve", "--run", str(run), "--port", str(port),
+                             "--token-file", str(token_file), "--max-k", "20", "--max-query-chars", "500",
+                             "--max-body-bytes", "2048", "--poll-s", "0.2"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"marge serve did not start: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.2)
+    yield {"base": base, "run": run, "corpus": small_corpus}
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def auth() -> dict:
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
+def search(served, body, headers=None, **kw):
+    return httpx.post(f"{served['base']}/v1/search", json=body, headers=auth() if headers is None else headers,
+                      timeout=30, **kw)
+
+
+def test_health_info_and_openapi(served):
+    health = httpx.get(f"{served['base']}/healthz").json()
+    assert health["status"] == "ok" and health["index_version"] >= 0
+    info = httpx.get(f"{served['base']}/v1/index", headers=auth()).json()
+    assert info["documents"] > 100 and "de" in info["languages"] and info["limits"]["max_k"] == 20
+    spec = httpx.get(f"{served['base']}/openapi.json").json()
+    assert "/v1/search" in spec["paths"]
+    assert httpx.get(f"{served['base']}/docs").status_code == 200
+
+
+def test_search_by_text_by_doc_id_and_by_language(served):
+    r = search(served, {"query": "Wählen Sie Datei - Öffnen", "k": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert {"index_version", "snapshot_step", "results"} <= set(body) and len(body["results"]) == 5
+    scores = [h["score"] for h in body["results"]]
+    assert scores == sorted(scores, reverse=True) and all(-1.0001 <= s <= 1.0001 for s in scores)
+    doc = body["results"][0]["doc_id"]
+    r = search(served, {"doc_id": doc, "k": 3, "lang": "zh"})
+    assert r.status_code == 200 and all(h["lang"] == "zh" and h["doc_id"] != doc for h in r.json()["results"])
+    assert search(served, {"doc_id": 10**9, "k": 3}).status_code == 404
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"query": "cells", "k": 0}, 422, "greater than or equal to 1"),
+    ({"query": "cells", "k": -1}, 422, "greater than or equal to 1"),
+    ({"query": "cells", "k": 21}, 422, "k=21 is over this service's limit of 20"),
+    ({"query": "cells", "k": "abc"}, 422, "valid integer"),
+    ({"query": "", "k": 3}, 422, "at least 1 character"),
+    ({"query": "   ", "k": 3}, 422, "query is blank"),
+    ({"query": "x" * 501}, 422, "query has 501 characters; the limit is 500"),
+    ({"query": "cells", "doc_id": 1}, 422, "exactly one of"),
+    ({"k": 3}, 422, "exactly one of"),
+    ({"query": "cells", "colour": "red"}, 422, "Extra inputs are not permitted"),
+    ({"query": "cells", "lang": "sw"}, 422, "lang 'sw' is not in this corpus"),
+])
+def test_bad_requests_get_4xx_that_say_what_was_wrong(served, body, status, message):
+    r = search(served, body)
+    assert r.status_code == status and message in r.text, r.text
+
+
+def test_oversized_bodies_get_413(served):
+    r = search(served, {"query": "cells " * 400})
+    assert r.status_code == 413 and "over the limit of 2048 bytes" in r.text
+    chunks = (b"x" * 1024 for _ in range(4))  # no Content-Length: the middleware counts the bytes
+    r = httpx.post(f"{served['base']}/v1/search", content=chunks, headers={**auth(), "content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_missing_or_wrong_token_is_401(served):
+    assert search(served, {"query": "cells"}, headers={}).status_code == 401
+    r = search(served, {"query": "cells"}, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and "wrong bearer token" in r.text
+    assert httpx.get(f"{served['base']}/v1/index").status_code == 401
+
+
+def test_a_new_version_is_swapped_in_under_traffic_without_a_failed_request(served):
+    versions, failures = [], []
+    stop = threading.Event()
+
+    def client():
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                r = c.post(f"{served['base']}/v1/search", json={"query": "Tabelle einfügen", "k": 5}, headers=auth())
+                if r.status_code != 200:
+                    failures.append(r.status_code)
+                else:
+                    versions.append(r.json()["index_version"])
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    build_run(served["run"], served["corpus"], version=1, seed=1)  # the indexer commits v1 meanwhile
+    deadline = time.time() + 60
+    while time.time() < deadline and (not versions or versions[-1] != 1):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert 0 in versions and 1 in versions and versions[-1] == 1
+    assert httpx.get(f"{served['base']}/healthz").json()["snapshot_step"] == 10
+
+
+def test_refuses_a_public_bind_without_a_token(served, capsys):
+    from marge.cli import main
+
+    env_token = os.environ.pop("MARGE_API_TOKEN", None)
+    try:
+        assert main(["serve", "--run", str(served["run"]), "--host", "0.0.0.0"]) == 2
+    finally:
+        if env_token is not None:
+            os.environ["MARGE_API_TOKEN"] = env_token
+    assert "refusing to serve on 0.0.0.0 without a token" in capsys.readouterr().err
+    from marge.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--run", "x"]).host == "127.0.0.1"
+
+
+def test_deployable_with_ray_serve(ray_cluster, served):
+    from ray import serve
+
+    from marge.retrieval.app import ServeSettings
+    from marge.retrieval.ray_serve import deployment
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(deployment(ServeSettings(run_dir=served["run"], corpus_dir=served["corpus"], token=TOKEN)),
+                  name="marge-retrieval", route_prefix="/")
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/search", json={"query": "cells", "k": 3}, headers=auth(), timeout=60)
+        assert r.status_code == 200 and len(r.json()["results"]) == 3
+    finally:
+        serve.shutdown()
