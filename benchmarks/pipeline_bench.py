@@ -81,8 +81,18 @@ def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
     mem_records = [json.loads(x) for x in (Path(mem_cfg.run.dir) / "train_log.jsonl").read_text().splitlines()]
     same_losses = np.allclose([r["loss"] for r in records], [r["loss"] for r in mem_records], rtol=1e-4, atol=1e-5)
     pipe_tps, mem_tps = records[-1]["tokens_per_s"], mem_records[-1]["tokens_per_s"]
+    # steps during which no index build ran on the same CPUs: the transport's own cost
+    builds = [(b["started_unix"], b["finished_unix"]) for b in summary["index_builds"]]
+    quiet = [i for i, r in enumerate(records)
+             if not any(start < r["time"] and r["time"] - r["step_seconds"] < end for start, end in builds)]
+
+    def rate(recs, idx):
+        return sum(recs[i]["tokens"] for i in idx) / sum(recs[i]["step_seconds"] for i in idx)
+
     return {"steps": steps, "pipeline_tokens_per_s": pipe_tps, "memory_tokens_per_s": mem_tps,
-            "ratio": pipe_tps / mem_tps, "pipeline_wait_share": records[-1]["wait_share"],
+            "ratio": pipe_tps / mem_tps, "quiet_steps": len(quiet),
+            "quiet_ratio": rate(records, quiet) / rate(mem_records, quiet) if quiet else None,
+            "pipeline_wait_share": records[-1]["wait_share"],
             "memory_wait_share": mem_records[-1]["wait_share"], "same_losses": bool(same_losses),
             "index_versions_built": summary["index_versions_built"],
             "ray_indexer_docs_per_s": [round(b["docs_per_s"], 1) for b in summary["index_builds"]], "summary": summary}

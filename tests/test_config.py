@@ -65,3 +65,15 @@ def test_nothing_exposes_the_dashboard_job_api_or_redis_beyond_the_cluster():
     redis_conf = (DEPLOY / "redis" / "redis.conf").read_text()
     assert "maxmemory-policy noeviction" in redis_conf and "appendonly yes" in redis_conf
     assert "requirepass" in redis_conf and "protected-mode yes" in redis_conf
+
+
+def test_every_deviation_from_the_paper_is_off_in_the_paper_preset_and_config():
+    from marge.model import preset
+
+    paper = preset("paper")
+    assert paper.relevance_pooling == "bos" and not paper.relevance_centering
+    assert paper.relevance_distill_weight == 0 and not paper.beta_per_layer and paper.relevance_layers == 4
+    cfg = load_config(DEPLOY / "configs" / "paper.yaml")
+    model = cfg.model_config(vocab_size=cfg.data.vocab_size)
+    assert model == paper
+    assert cfg.batcher.attend_to == "all" and cfg.indexer.min_score == -1.0

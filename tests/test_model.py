@@ -287,3 +287,38 @@ def test_config_validation_names_the_field():
 def test_beta_per_layer_has_one_beta_per_cross_attention_layer():
     assert tiny(beta_per_layer=True).beta.shape == (2,)
     assert tiny().beta.shape == (1,)
+
+
+def test_mean_pooled_relevance_is_a_padding_invariant_cosine():
+    model = tiny(relevance_pooling="mean")
+    inputs = to_model_inputs(make_batch(np.random.default_rng(11)), SPECIALS)
+    out = model(**inputs.as_kwargs())
+    states = model.encoder_states(inputs.target_enc_NS, model.cfg.relevance_layers)
+    ok = (inputs.target_enc_NS != 0).unsqueeze(-1).float()
+    g_x = (states * ok).sum(1) / ok.sum(1)
+    g_z = model.relevance_vectors(inputs.evidence_MS)
+    torch.testing.assert_close(out.relevance_NM, F.cosine_similarity(g_x[:, None], g_z[None], dim=-1), rtol=1e-5, atol=1e-6)
+    padded = dict(inputs.as_kwargs(), evidence_MS=pad_more(inputs.evidence_MS, 4), target_enc_NS=pad_more(inputs.target_enc_NS, 2))
+    torch.testing.assert_close(model(**padded).relevance_NM, out.relevance_NM, rtol=1e-5, atol=1e-6)
+
+
+def test_relevance_distillation_teaches_f_what_the_decoder_reads():
+    model = tiny(relevance_distill_weight=1.0, beta_init=0.0).train()
+    inputs = to_model_inputs(make_batch(np.random.default_rng(12), lengths=(6, 8, 10, 7, 9), targets=(0, 4),
+                                        evidence=(1, 2, 3, 4)), SPECIALS)
+    out = model(**inputs.as_kwargs())
+    assert out.distill_loss is not None and out.distill_loss.item() >= 0
+    # the teacher is a distribution over the documents each target may read
+    taps = {}
+    evidence = model.encode_evidence(inputs.evidence_MS)
+    rel = model.relevance(model.relevance_vectors(inputs.target_enc_NS), evidence.relevance_MD)
+    rel_NL, vis_NL = model.spread_over_keys(evidence, rel, inputs.allowed_NM)
+    model.decode(inputs.decoder_in_NT, evidence.memory_1LD, rel_NL, vis_NL, taps=taps)
+    teacher = model.reading_distribution(taps["cross_query_input"], evidence, vis_NL, inputs.allowed_NM,
+                                         inputs.labels_NT != 0)
+    torch.testing.assert_close(teacher.sum(1), torch.ones(2))
+    assert teacher[~inputs.allowed_NM].abs().sum() == 0
+    # with beta = 0 the reconstruction loss gives g no gradient; the distillation loss does
+    grads = torch.autograd.grad(out.distill_loss, list(model.encoder_layers[0].parameters()))
+    assert sum(g.abs().sum() for g in grads) > 0
+    assert tiny().train()(**inputs.as_kwargs()).distill_loss is None  # off by default (and in `paper`)

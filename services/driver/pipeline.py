@@ -47,8 +47,14 @@ LOCAL_RAY_ENV = {
 
 def with_absolute_paths(cfg: PipelineConfig) -> PipelineConfig:
     """Ray workers do not share the driver's working directory: give them absolute paths."""
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, corpus=str(Path(cfg.data.corpus).resolve())),
-                               run=dataclasses.replace(cfg.run, dir=str(Path(cfg.run.dir).resolve())))
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else str(Path(path).resolve())
+
+    return dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, dir=absolute(cfg.run.dir)),
+        data=dataclasses.replace(cfg.data, corpus=absolute(cfg.data.corpus), raw=[absolute(p) for p in cfg.data.raw],
+                                 heldout_pairs=absolute(cfg.data.heldout_pairs)),
+        health=dataclasses.replace(cfg.health, documents=absolute(cfg.health.documents), pairs=absolute(cfg.health.pairs)))
 
 
 def ensure_corpus(cfg: PipelineConfig) -> Corpus:

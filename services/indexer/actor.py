@@ -10,6 +10,7 @@ staging folder; the coordinator commits the version (manifest, rename, LATEST) o
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -41,6 +42,8 @@ class IndexerWorker:
         setup_logging()
         self.cfg = cfg
         self.worker_index = worker_index
+        if cfg.indexer.nice:
+            os.nice(cfg.indexer.nice)  # yield the CPU to trainers that share it
         torch.set_num_threads(max(1, int(cfg.indexer.num_cpus_per_worker)))
         self.device = "cuda" if cfg.indexer.use_gpu and torch.cuda.is_available() else "cpu"
         self.corpus = Corpus.open(cfg.data.corpus)
@@ -100,11 +103,13 @@ class IndexCoordinator:
         self.g_cos_pos = Gauge("marge_index_linked_cosine", "Mean cosine of kept links", tag_keys=tuple(tags))
         self.g_cos_rand = Gauge("marge_index_random_cosine", "Mean cosine of random in-shard pairs (spread of g)",
                                 tag_keys=tuple(tags))
+        self.g_precision = Gauge("marge_index_crosslingual_link_precision",
+                                 "Share of cross-lingual links that join translations of the same page", tag_keys=tuple(tags))
         self.c_versions = Counter("marge_index_versions_built", "Index versions committed", tag_keys=tuple(tags))
         self.h_seconds = Histogram("marge_index_build_seconds", "Seconds to build one index version",
                                    boundaries=[1, 5, 15, 60, 300, 1800], tag_keys=tuple(tags))
-        for metric in (self.g_version, self.g_edges, self.g_cross, self.g_cos_pos, self.g_cos_rand, self.c_versions,
-                       self.h_seconds):
+        for metric in (self.g_version, self.g_edges, self.g_cross, self.g_cos_pos, self.g_cos_rand, self.g_precision,
+                       self.c_versions, self.h_seconds):
             metric.set_default_tags(tags)
 
     def due(self) -> tuple[int, str] | None:
@@ -130,21 +135,26 @@ class IndexCoordinator:
         m = committed.manifest
         seconds = time.time() - started
         record = {"version": version, "snapshot_step": snapshot_step, "seconds": round(seconds, 2),
+                  "started_unix": started, "finished_unix": time.time(),
                   "num_documents": m["num_documents"], "num_edges": m["num_edges"],
                   "crosslingual_share": m["cross_lingual_edges"] / max(1, m["num_edges"]),
                   "docs_per_s": m["num_documents"] / max(seconds, 1e-9),
                   "linked_cosine": _mean(entries, "mean_positive_cosine"),
-                  "random_cosine": _mean(entries, "mean_random_cosine")}
+                  "random_cosine": _mean(entries, "mean_random_cosine"),
+                  "crosslingual_link_precision": _mean(entries, "crosslingual_same_group"),
+                  "monolingual_same_group": _mean(entries, "monolingual_same_group")}
         self.history.append(record)
         self.g_version.set(version)
         self.g_edges.set(m["num_edges"])
         self.g_cross.set(record["crosslingual_share"])
         self.g_cos_pos.set(record["linked_cosine"])
         self.g_cos_rand.set(record["random_cosine"])
+        self.g_precision.set(record["crosslingual_link_precision"])
         self.c_versions.inc()
         self.h_seconds.observe(seconds)
-        log.info("index v%d committed from snapshot step %d: %d docs, %d links (%.0f%% cross-lingual) in %.1fs",
-                 version, snapshot_step, m["num_documents"], m["num_edges"], 100 * record["crosslingual_share"], seconds)
+        log.info("index v%d committed from snapshot step %d: %d docs, %d links (%.0f%% cross-lingual, %.0f%% of those "
+                 "join translations) in %.1fs", version, snapshot_step, m["num_documents"], m["num_edges"],
+                 100 * record["crosslingual_share"], 100 * record["crosslingual_link_precision"], seconds)
         return record
 
     def run(self, poll_s: float = 0.5) -> None:

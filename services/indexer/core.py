@@ -139,6 +139,9 @@ class ShardIndexResult:
     graph_file: str
     mean_positive_cosine: float
     mean_random_cosine: float
+    crosslingual_same_group: float
+    """Share of cross-lingual links joining documents of the same group (translations of one page)."""
+    monolingual_same_group: float
 
     def as_manifest_entry(self) -> dict:
         return dict(self.__dict__)
@@ -163,6 +166,10 @@ def index_shard(docs: ShardDocuments, encoder: RelevanceEncoder, specials: Speci
     write_graph(Path(out_dir) / graph_file, links["target_id"], links["evidence_id"], links["score"],
                 links["cross_lingual"])
     # health figures: cosine of kept links vs of random pairs (how spread out g is)
+    pos = {int(d): i for i, d in enumerate(docs.doc_ids)}
+    same = np.array([docs.groups[pos[int(t)]] == docs.groups[pos[int(e)]]
+                     for t, e in zip(links["target_id"], links["evidence_id"])], dtype=bool)
+    cross = links["cross_lingual"]
     rng = np.random.default_rng(seed)
     a, b = rng.integers(0, len(unit), size=(2, min(2048, len(unit) * 4)))
     random_cos = float(np.mean(np.sum(unit[a] * unit[b], axis=1)[a != b])) if len(unit) > 1 else 0.0
@@ -172,7 +179,9 @@ def index_shard(docs: ShardDocuments, encoder: RelevanceEncoder, specials: Speci
         targets_with_links=len(np.unique(links["target_id"])), embed_seconds=t1 - t0, link_seconds=t2 - t1,
         index_file=index_file, graph_file=graph_file,
         mean_positive_cosine=float(links["score"].mean()) if len(links["score"]) else 0.0,
-        mean_random_cosine=random_cos)
+        mean_random_cosine=random_cos,
+        crosslingual_same_group=float(same[cross].mean()) if cross.any() else 0.0,
+        monolingual_same_group=float(same[~cross].mean()) if (~cross).any() else 0.0)
 
 
 def index_corpus(corpus, encoder: RelevanceEncoder, specials: SpecialTokens, root: Path, version: int,

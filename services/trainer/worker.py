@@ -88,6 +88,58 @@ class Metrics:
             m.set_default_tags(tags)
 
 
+class HealthProbe:
+    """Rank 0's retrieval-health measurements at every snapshot (see marge.health)."""
+
+    def __init__(self, cfg: PipelineConfig, tokenizer, run: str, rank: int):
+        from ray.util.metrics import Gauge
+
+        from marge.evaluation import PairSet, read_pairs
+        from marge.health import build_probe
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        h = cfg.health
+        self.probe = None
+        if h.documents and Path(h.documents).exists():
+            self.probe = build_probe(Path(h.documents), tokenizer, h.probe_size, h.max_evidence, h.max_tokens,
+                                     seed=cfg.run.seed)
+        elif h.documents:
+            log.warning("health.documents %s not found: no evidence-gain probe", h.documents)
+        pairs_path = h.pairs or cfg.data.heldout_pairs
+        self.pairs = None
+        if h.pairs_per_language and pairs_path and Path(pairs_path).exists():
+            n = h.pairs_per_language
+            self.pairs = [PairSet(p.src_lang, p.tgt_lang, p.sources[:n], p.targets[:n]) for p in read_pairs(Path(pairs_path))]
+        tags = {"stage": "trainer", "run": run, "rank": str(rank)}
+        self.gauges = {name: Gauge(f"marge_{name}", help_text, tag_keys=tuple(tags)) for name, help_text in (
+            ("evidence_gain", "Probe loss with shuffled minus with true evidence (nats/token)"),
+            ("relevance_cos_true", "Mean f(target, its true evidence) on the probe set"),
+            ("relevance_cos_shuffled", "Mean f(target, unrelated evidence) on the probe set"),
+            ("g_spread", "Mean cosine of g between unrelated probe documents"),
+            ("heldout_p_at_1", "Held-out cross-lingual retrieval P@1, mean over directions"))}
+        for gauge in self.gauges.values():
+            gauge.set_default_tags(tags)
+
+    def measure(self, model, device) -> dict:
+        from marge.evaluation import evaluate_model, mean_score
+        from marge.health import probe_health
+
+        out: dict = {}
+        if self.probe:
+            out.update(probe_health(model, self.probe, self.tokenizer.specials, device))
+        if self.pairs:
+            was_training = model.training
+            model.eval()
+            p_at_1 = evaluate_model(model, self.tokenizer, self.pairs, self.cfg.health.eval_layer, device=str(device))
+            model.train(was_training)
+            out["p_at_1"] = p_at_1
+            out["heldout_p_at_1"] = mean_score(p_at_1)
+        for name, gauge in self.gauges.items():
+            if name in out:
+                gauge.set(out[name])
+        return out
+
+
 def next_batch(queue: BatchQueue, consumer: str, cfg: PipelineConfig, step: int, stop_key: str,
                deadline: float | None) -> Delivery | None:
     """Block until a batch this run has not trained yet arrives; None when the run must stop."""
@@ -193,6 +245,7 @@ def train_loop_per_worker(config: dict) -> None:
     else:
         source = RedisSource(cfg, config["redis_url"], rank, consumed, deadline)
     metrics = Metrics(cfg.run.name, rank)
+    health = HealthProbe(cfg, tokenizer, cfg.run.name, rank) if rank == 0 else None
     speed = Throughput()
     run_dir = Path(cfg.run.dir)
     last_metrics: dict = {}
@@ -251,9 +304,6 @@ def train_loop_per_worker(config: dict) -> None:
                       "snapshot_steps": sorted({s for _, _, s in flat}),
                       "staleness_max": max(step - 1 - s for _, _, s in flat), "step_seconds": time.perf_counter() - t_step,
                       "tokens": int(stats[1]), "target_tokens": int(stats[2]), **perf, "time": time.time()}
-            with open(run_dir / "train_log.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-            source.publish(record)
             metrics.loss.set(mean_loss)
             metrics.beta.set(sum(beta) / len(beta))
             metrics.step.set(step)
@@ -262,6 +312,11 @@ def train_loop_per_worker(config: dict) -> None:
             last_metrics = {"step": step, "loss": mean_loss, **perf}
             if step % cfg.trainer.snapshot_every == 0:
                 publish_snapshot(run_dir / "snapshots", unwrap(ddp_model), step, tokenizer.sha256)
+                record["health"] = health.measure(unwrap(ddp_model), device)
+                log.info("health at step %d: %s", step, {k: v for k, v in record["health"].items() if k != "p_at_1"})
+            with open(run_dir / "train_log.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+            source.publish(record)
         if step % cfg.trainer.checkpoint_every == 0 or step >= cfg.run.max_steps:
             consumed = recent_batches(consumed)
             _report_checkpoint(ray, rank, step, unwrap(ddp_model), optimizer, scheduler, corpus.root,

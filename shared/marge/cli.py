@@ -229,6 +229,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment_learning(args: argparse.Namespace) -> int:
+    from marge.driver.experiment import main_experiment
+
+    report = main_experiment(args.config, args.overrides, args.minutes, args.out)
+    keys = ("evidence_gain", "p_at_1_mean", "targets", "checkpoint", "curves")
+    print(json.dumps({k: report[k] for k in keys}))
+    return 0
+
+
 def parse_override(text: str) -> tuple[str, object]:
     """'key=value' with value parsed as YAML (numbers, booleans, lists)."""
     import yaml
@@ -332,6 +341,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="build the link matrix from this checkpoint's own index")
     p.add_argument("--max-snapshots", type=int, default=8)
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("experiment", help="experiments: `learning` (does the retrieval loop learn?)")
+    exp_sub = p.add_subparsers(dest="experiment", required=True)
+    q = exp_sub.add_parser("learning", help="run the pipeline N minutes and measure what it learned, next to baselines")
+    q.add_argument("--minutes", type=float, required=True, help="wall-clock minutes of training")
+    q.add_argument("--out", type=Path, required=True, help="folder for report.json, curves.png and the run")
+    q.add_argument("--config", type=Path, default=Path("deploy/configs/learning.yaml"),
+                   help="pipeline config (default deploy/configs/learning.yaml, the recipe)")
+    q.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE")
+    q.set_defaults(func=cmd_experiment_learning)
 
     p = sub.add_parser("info", help="a model preset's configuration and parameter count")
     p.add_argument("--preset", required=True, help="tiny, base or paper")

@@ -69,6 +69,9 @@ class IndexerSection:
     num_gpus_per_worker: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per worker, e.g. {marge_indexer: 1} to place indexers on their own node group."""
+    nice: int = 0
+    """OS niceness of indexer workers (0-19). Where indexers share CPUs with trainers, a positive value
+    lets re-indexing use the trainers' slack instead of their time (at the cost of staler indexes)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +121,23 @@ class TrainerSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HealthSection:
+    """Retrieval-health probes, measured by trainer rank 0 at every snapshot (see marge.health)."""
+
+    documents: str | None = "data/demo/libreoffice-help/heldout_documents.jsonl.gz"
+    """Held-out pages (documents JSONL with `group`) for the evidence-gain probe; null turns probes off."""
+    probe_size: int = 32
+    max_evidence: int = 3
+    max_tokens: int = 128
+    pairs: str | None = None
+    """Held-out pairs TSV for retrieval P@1 at every snapshot (null: data.heldout_pairs)."""
+    pairs_per_language: int = 200
+    """Pairs per language pair used for the per-snapshot P@1 (0: skip it)."""
+    eval_layer: int | None = None
+    """Encoder layer mean-pooled for P@1 (null: the paper's 5, or the deepest the model has)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RedisSection:
     url: str | None = None
     """redis://... of an existing server; None starts a private redis-server (loopback, random password)."""
@@ -144,6 +164,7 @@ class PipelineConfig:
     batcher: BatcherSection = field(default_factory=BatcherSection)
     queue: QueueSection = field(default_factory=QueueSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
+    health: HealthSection = field(default_factory=HealthSection)
     redis: RedisSection = field(default_factory=RedisSection)
     ray: RaySection = field(default_factory=RaySection)
 
@@ -155,6 +176,8 @@ class PipelineConfig:
         check.positive("data.max_chunk_tokens", self.data.max_chunk_tokens)
         check.positive("indexer.num_workers", self.indexer.num_workers)
         check.positive("indexer.reindex_every", self.indexer.reindex_every)
+        if not 0 <= self.indexer.nice <= 19:
+            raise ConfigError(f"indexer.nice must be in 0..19, got {self.indexer.nice}")
         check.positive("trainer.num_workers", self.trainer.num_workers)
         check.positive("trainer.grad_accum", self.trainer.grad_accum)
         check.positive("trainer.snapshot_every", self.trainer.snapshot_every)

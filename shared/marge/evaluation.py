@@ -135,7 +135,8 @@ def mean_layer_vectors(model: Marge | RelevanceEncoder, rows: list[list[int]], s
 
 
 def encoder_layer_states(model: Marge | RelevanceEncoder, tokens_RS: torch.Tensor, layer: int) -> torch.Tensor:
-    if isinstance(model, Marge):
+    """States after `layer` encoder layers; layer 0 is the input embedding (tokens + positions)."""
+    if isinstance(model, Marge) and layer > 0:
         return model.encoder_states(tokens_RS, layer)
     key_ok = (tokens_RS != model.cfg.pad_id)[:, None, None, :]
     positions = torch.arange(tokens_RS.shape[1], device=tokens_RS.device)
@@ -158,8 +159,9 @@ def resolve_layer(model: Marge | RelevanceEncoder, layer: int | None, paper_laye
             log.info("the model has %d encoder layers: pooling layer %d (the paper's choice is %d)",
                      depth, chosen, paper_layer)
         return chosen
-    if not 1 <= layer <= depth:
-        raise ValueError(f"--layer {layer} is out of range: this model has encoder layers 1..{depth}")
+    if not 0 <= layer <= depth:
+        raise ValueError(f"--layer {layer} is out of range: this model has encoder layers 1..{depth} "
+                         "(0 = the embedding layer)")
     return layer
 
 

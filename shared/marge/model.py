@@ -65,6 +65,13 @@ class MargeConfig:
     relevance_centering: bool = False
     """Deviation from the paper (off in `paper`): subtract the batch mean of g before the cosine, so
     that a common direction shared by all documents does not make every pair look relevant."""
+    relevance_pooling: str = "bos"
+    """'bos': g is the first token's state (paper §2.2). Deviation 'mean': the mean of the relevance
+    layer's states over the document's tokens (a far better random-init hash of the text)."""
+    relevance_distill_weight: float = 0.0
+    """Deviation (0 in `paper`): weight of an auxiliary loss that trains f to predict which evidence
+    documents the decoder reads from (KL to its relevance-free cross-attention, Izacard & Grave 2021)."""
+    relevance_distill_temperature: float = 0.1
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -89,6 +96,10 @@ class MargeConfig:
             raise ValueError(f"model.pad_id ({self.pad_id}) must be a valid token id below vocab_size ({self.vocab_size})")
         if self.max_positions < 3:
             raise ValueError("model.max_positions must leave room for BOS, one token and EOS (>= 3)")
+        if self.relevance_pooling not in ("bos", "mean"):
+            raise ValueError(f"model.relevance_pooling must be 'bos' or 'mean', got {self.relevance_pooling!r}")
+        if self.relevance_distill_weight < 0 or self.relevance_distill_temperature <= 0:
+            raise ValueError("model.relevance_distill_weight must be >= 0 and relevance_distill_temperature > 0")
 
     @property
     def head_dim(self) -> int:
@@ -136,6 +147,14 @@ def preset(name: str, **overrides: Any) -> MargeConfig:
 # ----------------------------------------------------------------------------------------------------
 # Building blocks
 # ----------------------------------------------------------------------------------------------------
+
+
+def pool_relevance(states_RSD: Tensor, key_ok_RS: Tensor, pooling: str) -> Tensor:
+    """g from the relevance layer's states: the BOS state, or the mean over the document's tokens."""
+    if pooling == "bos":
+        return states_RSD[:, 0]
+    weights_RS1 = key_ok_RS.unsqueeze(-1).to(states_RSD.dtype)
+    return (states_RSD * weights_RS1).sum(1) / weights_RS1.sum(1).clamp(min=1)
 
 
 class FeedForward(nn.Module):
@@ -244,7 +263,7 @@ class DecoderLayer(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_NTD: Tensor, memory_NLD: Tensor | None, cross_bias_N11L: Tensor | None,
-                cache: LayerCache | None = None) -> Tensor:
+                cache: LayerCache | None = None, taps: dict | None = None) -> Tensor:
         h = self.self_attn_norm(x_NTD)
         k, v = self.self_attn.project_kv(h)
         if cache is not None:
@@ -254,6 +273,8 @@ class DecoderLayer(nn.Module):
         x_NTD = x_NTD + self.dropout(self.self_attn(h, k, v, **causal_attention(x_NTD.shape[1], k.shape[2], k.device)))
         if self.cross_attn is not None:
             h = self.cross_attn_norm(x_NTD)
+            if taps is not None:
+                taps["cross_query_input"] = h  # for the relevance-distillation teacher
             if cache is not None and cache.cross_k is not None:
                 k, v = cache.cross_k, cache.cross_v
             else:
@@ -276,6 +297,7 @@ class MargeOutput:
     tokens_per_target_N: Tensor
     relevance_NM: Tensor  # f(x_i, z_j) = cos(g(x_i), g(z_j)), with gradient
     logits_NTV: Tensor | None = None
+    distill_loss: Tensor | None = None  # relevance distillation (model.relevance_distill_weight > 0)
 
 
 @dataclass
@@ -344,8 +366,9 @@ class Marge(nn.Module):
         return self.encoder_norm(x) if num_layers is None else x
 
     def relevance_vectors(self, tokens_RS: Tensor) -> Tensor:
-        """g(x): the BOS state after the first `relevance_layers` encoder layers (R D)."""
-        return self.encoder_states(tokens_RS, self.cfg.relevance_layers)[:, 0]
+        """g(x): the BOS state after the first `relevance_layers` encoder layers (R D), or their mean."""
+        states = self.encoder_states(tokens_RS, self.cfg.relevance_layers)
+        return pool_relevance(states, tokens_RS != self.cfg.pad_id, self.cfg.relevance_pooling)
 
     def relevance(self, targets_ND: Tensor, evidence_MD: Tensor) -> Tensor:
         """f(x_i, z_j) = cos(g(x_i), g(z_j)) for every target/evidence pair (N M), in [-1, 1]."""
@@ -365,7 +388,7 @@ class Marge(nn.Module):
         for i, layer in enumerate(self.encoder_layers):
             x = layer(x, key_ok_M11S)
             if i + 1 == self.cfg.relevance_layers:
-                relevance_MD = x[:, 0]
+                relevance_MD = pool_relevance(x, key_ok_MS, self.cfg.relevance_pooling)
         m, s, d = x.shape
         memory_1LD = self.encoder_norm(x).reshape(1, m * s, d)
         key_doc_L = torch.arange(m, device=x.device).repeat_interleave(s)
@@ -392,7 +415,7 @@ class Marge(nn.Module):
         return self.beta[layer_index if self.cfg.beta_per_layer else 0]
 
     def decode(self, decoder_in_NT: Tensor, memory_1LD: Tensor | None, relevance_NL: Tensor, visible_NL: Tensor,
-               caches: list[LayerCache] | None = None, start_position: int = 0) -> Tensor:
+               caches: list[LayerCache] | None = None, start_position: int = 0, taps: dict | None = None) -> Tensor:
         """Decoder states (N T D) for `decoder_in_NT`, cross-attending over the evidence memory.
 
         With `caches` the call is one step of incremental decoding: positions start at
@@ -410,9 +433,11 @@ class Marge(nn.Module):
         n_local = len(self.decoder_local_layers)
         for i, layer in enumerate(self.decoder_local_layers):
             x = layer(x, None, None, None if caches is None else caches[i])
+        last = len(self.decoder_layers) - 1
         for i, layer in enumerate(self.decoder_layers):
             bias_N11L = self._layer_beta(i) * relevance_N11L + mask_N11L
-            x = layer(x, memory_NLD, bias_N11L, None if caches is None else caches[n_local + i])
+            x = layer(x, memory_NLD, bias_N11L, None if caches is None else caches[n_local + i],
+                      taps if i == last else None)
         return self.decoder_norm(x)
 
     def logits(self, states_NTD: Tensor) -> Tensor:
@@ -439,14 +464,46 @@ class Marge(nn.Module):
         evidence = self.encode_evidence(evidence_MS)
         relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD)
         relevance_NL, visible_NL = self.spread_over_keys(evidence, relevance_NM, allowed_NM)
-        states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, relevance_NL, visible_NL)
+        taps: dict | None = {} if self.cfg.relevance_distill_weight > 0 and self.training else None
+        states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, relevance_NL, visible_NL, taps=taps)
         logits_NTV = self.logits(states_NTD)
         nll_NT = F.cross_entropy(logits_NTV.float().transpose(1, 2), labels_NT, ignore_index=self.cfg.pad_id,
                                  reduction="none")
         tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
         nll_N = nll_NT.sum(1)
         loss = nll_N.sum() / tokens_N.sum().clamp(min=1)
-        return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None)
+        distill = None
+        if taps:
+            teacher_NM = self.reading_distribution(taps["cross_query_input"], evidence, visible_NL, allowed_NM,
+                                                   labels_NT != self.cfg.pad_id)
+            distill = self.distillation_loss(relevance_NM, teacher_NM, allowed_NM)
+        return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None, distill)
+
+    @torch.no_grad()
+    def reading_distribution(self, query_in_NTD: Tensor, evidence: EncodedEvidence, visible_NL: Tensor,
+                             allowed_NM: Tensor, target_ok_NT: Tensor) -> Tensor:
+        """Which evidence the decoder reads (N M): the last cross-attention layer's attention without the
+        relevance term, averaged over heads and target tokens, per key token of each document."""
+        attn = self.decoder_layers[-1].cross_attn
+        q_NHTK = attn.split_heads(attn.q_proj(query_in_NTD)).float()
+        k_1HLK = attn.split_heads(attn.k_proj(evidence.memory_1LD)).float()
+        logits_NHTL = q_NHTK @ k_1HLK.transpose(-1, -2) / q_NHTK.shape[-1] ** 0.5
+        logits_NHTL = logits_NHTL.masked_fill(~visible_NL[:, None, None, :], float("-inf"))
+        probs_NTL = logits_NHTL.softmax(-1).mean(1)
+        weights_NT1 = target_ok_NT.unsqueeze(-1).float()
+        probs_NL = (probs_NTL * weights_NT1).sum(1) / weights_NT1.sum(1).clamp(min=1)
+        n, m = allowed_NM.shape
+        mass_NM = torch.zeros(n, m, device=probs_NL.device).index_add_(1, evidence.key_doc_L, probs_NL)
+        keys_M = torch.zeros(m, device=probs_NL.device).index_add_(0, evidence.key_doc_L, evidence.key_ok_L.float())
+        per_token_NM = (mass_NM / keys_M.clamp(min=1)).masked_fill(~allowed_NM, 0.0)
+        return per_token_NM / per_token_NM.sum(1, keepdim=True).clamp(min=1e-12)
+
+    def distillation_loss(self, relevance_NM: Tensor, teacher_NM: Tensor, allowed_NM: Tensor) -> Tensor:
+        """KL(teacher || softmax(f / temperature)) over each target's allowed evidence, averaged over targets."""
+        logits_NM = (relevance_NM / self.cfg.relevance_distill_temperature).masked_fill(~allowed_NM, float("-inf"))
+        log_student_NM = logits_NM.log_softmax(-1).masked_fill(~allowed_NM, 0.0)
+        log_teacher_NM = teacher_NM.clamp(min=1e-12).log().masked_fill(~allowed_NM, 0.0)
+        return (teacher_NM * (log_teacher_NM - log_student_NM)).sum(1).mean()
 
 
 class RelevanceEncoder(nn.Module):
@@ -472,7 +529,7 @@ class RelevanceEncoder(nn.Module):
         x = self.embed_tokens(tokens_RS) + self.encoder_positions(positions_S)
         for layer in self.encoder_layers:
             x = layer(x, key_ok_R11S)
-        return x[:, 0]
+        return pool_relevance(x, tokens_RS != self.cfg.pad_id, self.cfg.relevance_pooling)
 
 
 def relevance_state_dict(model: Marge) -> dict[str, Tensor]:

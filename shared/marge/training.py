@@ -97,7 +97,10 @@ def forward_backward(model: nn.Module, batch: Batch, specials: SpecialTokens, sc
     inputs = to_model_inputs(batch, specials, attend_to).to(device)
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
         out = model(**inputs.as_kwargs())
-    (out.loss * scale).backward()
+    objective = out.loss
+    if out.distill_loss is not None:
+        objective = objective + unwrap(model).cfg.relevance_distill_weight * out.distill_loss
+    (objective * scale).backward()
     return float(out.loss.detach()), int(out.tokens_per_target_N.sum())
 
 

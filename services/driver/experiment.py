@@ -1,0 +1,149 @@
+"""`marge experiment learning`: does the retrieval loop learn? One command, one run, every comparison.
+
+1. Baselines, measured in this run before training: held-out retrieval P@1 of the run's own initial
+   (random) model at every encoder layer, 0 (the embeddings) to the last, keeping the best per
+   language pair ("the best random-init representation"); the char n-gram TF-IDF baseline; the probe
+   health of the initial model.
+2. The real pipeline (indexer, batcher, Redis, DDP trainers) for N wall-clock minutes.
+3. Held-out P@1 of every checkpoint, so P@1 can be followed over time, next to the baselines.
+4. DIR/report.json and DIR/curves.png: loss, evidence gain, relevance cosines and spread of g, beta,
+   index link precision, and P@1 over time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from marge.checkpoint import load_model, load_model_weights
+from marge.config import PipelineConfig, load_config
+from marge.evaluation import evaluate_model, evaluate_tfidf, mean_score, read_pairs
+from marge.health import build_probe, probe_health
+from marge.report import ema, plot_curves, read_train_log
+
+log = logging.getLogger("marge.experiment")
+
+
+def best_per_pair(by_layer: dict[int, dict[str, float]]) -> dict[str, float]:
+    keys = next(iter(by_layer.values())).keys()
+    return {k: max(results[k] for results in by_layer.values()) for k in keys}
+
+
+def checkpoints_of(run_dir: Path, run_name: str) -> list[Path]:
+    root = Path(run_dir) / "ray_train" / run_name
+    return sorted(p for p in root.glob("step-*") if (p / "manifest.json").exists())
+
+
+def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) -> dict:
+    from marge.driver.pipeline import ensure_corpus, ensure_initial_model, run_pipeline, with_absolute_paths
+    from marge.trainer.worker import init_weights_path
+
+    started = time.time()
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(out_dir / "run"), max_minutes=minutes))
+    cfg = with_absolute_paths(cfg)
+    corpus = ensure_corpus(cfg)
+    tokenizer = corpus.tokenizer()
+    ensure_initial_model(cfg, corpus)
+    pairs_path = cfg.health.pairs or cfg.data.heldout_pairs
+    if not pairs_path or not Path(pairs_path).exists():
+        raise FileNotFoundError(f"held-out pairs {pairs_path} not found: set data.heldout_pairs")
+    pairs = read_pairs(Path(pairs_path))
+    eval_layer = cfg.health.eval_layer
+
+    # 1. baselines, same run, same data
+    init_model = load_model_weights(init_weights_path(cfg)).eval()
+    random_by_layer = {layer: evaluate_model(init_model, tokenizer, pairs, layer)
+                       for layer in range(0, len(init_model.encoder_layers) + 1)}
+    random_best = best_per_pair(random_by_layer)
+    tfidf = evaluate_tfidf(pairs)
+    probe = build_probe(Path(cfg.health.documents), tokenizer, cfg.health.probe_size, cfg.health.max_evidence,
+                        cfg.health.max_tokens, seed=cfg.run.seed) if cfg.health.documents else None
+    init_health = probe_health(init_model, probe, tokenizer.specials) if probe else {}
+    log.info("baselines: random init best %.3f (by layer %s), TF-IDF %.3f, initial evidence gain %.3f",
+             mean_score(random_best), {k: round(mean_score(v), 3) for k, v in random_by_layer.items()},
+             mean_score(tfidf), init_health.get("evidence_gain", float("nan")))
+
+    # 2. the real pipeline for N minutes
+    summary = run_pipeline(cfg)
+
+    # 3. P@1 of every checkpoint
+    over_time = []
+    for path in checkpoints_of(Path(cfg.run.dir), cfg.run.name):
+        model = load_model(path)
+        results = evaluate_model(model, tokenizer, pairs, eval_layer)
+        health = probe_health(model, probe, tokenizer.specials) if probe else {}
+        step = int(path.name.split("-")[1])
+        over_time.append({"step": step, "p_at_1_mean": mean_score(results), "p_at_1": results,
+                          "evidence_gain": health.get("evidence_gain")})
+        log.info("checkpoint step %d: P@1 %.3f, evidence gain %s", step, mean_score(results), health.get("evidence_gain"))
+    final = over_time[-1] if over_time else {"p_at_1": {}, "evidence_gain": None, "step": 0}
+    trained = final["p_at_1"]
+
+    records = read_train_log(Path(cfg.run.dir))
+    health_records = [{"step": 0, **init_health}] + [{"step": r["step"], **r["health"]} for r in records if "health" in r]
+    report = {
+        "evidence_gain": final.get("evidence_gain"),
+        "evidence_gain_definition": "probe loss with shuffled evidence minus loss with the true evidence, nats/token",
+        "p_at_1": {"trained": trained, "random_init": random_best, "tfidf": tfidf},
+        "p_at_1_mean": {"trained": mean_score(trained), "random_init": mean_score(random_best), "tfidf": mean_score(tfidf)},
+        "random_init_by_layer": {str(k): v for k, v in random_by_layer.items()},
+        "eval_layer": eval_layer if eval_layer is not None else min(5, len(init_model.encoder_layers)),
+        "checkpoint": str(checkpoints_of(Path(cfg.run.dir), cfg.run.name)[-1]) if over_time else None,
+        "targets": {
+            "evidence_gain_at_least_0.5": (final.get("evidence_gain") or 0) >= 0.5,
+            "above_best_random_init_on_every_pair": bool(trained) and all(trained[k] > random_best[k] for k in trained),
+            "pairs_above_random_init": sum(trained[k] > random_best[k] for k in trained),
+            "pairs": len(trained),
+        },
+        "p_at_1_over_time": over_time, "health": health_records,
+        "index_builds": summary.get("index_builds", []),
+        "pipeline": {k: v for k, v in summary.items() if k != "index_builds"},
+        "minutes": minutes, "elapsed_s": round(time.time() - started, 1), "config": cfg.to_dict(),
+    }
+    report["curves"] = str(plot_learning(report, records, out_dir / "curves.png"))
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+def plot_learning(report: dict, records: list[dict], path: Path) -> Path:
+    steps = [r["step"] for r in records]
+    losses = [r["loss"] for r in records]
+    health = report["health"]
+    hsteps = [h["step"] for h in health]
+    over = report["p_at_1_over_time"]
+    builds = report["index_builds"]
+    panels = [
+        {"title": "training loss (nats/token)", "ylabel": "loss",
+         "series": [{"label": "per step", "x": steps, "y": losses, "color": "0.8"},
+                    {"label": "EMA", "x": steps, "y": ema(losses, 0.05), "color": "C0"}]},
+        {"title": "evidence gain on the probe (nats/token)", "ylabel": "gain",
+         "series": [{"label": "probe", "x": hsteps, "y": [h.get("evidence_gain") for h in health], "style": "o-"},
+                    {"label": "target 0.5", "hline": 0.5, "color": "C3"}]},
+        {"title": "relevance cosines", "ylabel": "cosine",
+         "series": [{"label": "f(target, true evidence)", "x": hsteps, "y": [h.get("relevance_cos_true") for h in health], "style": "o-"},
+                    {"label": "f(target, other evidence)", "x": hsteps, "y": [h.get("relevance_cos_shuffled") for h in health], "style": "o-"},
+                    {"label": "spread of g", "x": hsteps, "y": [h.get("g_spread") for h in health], "style": "x--"}]},
+        {"title": "beta and index link precision", "ylabel": "value",
+         "series": [{"label": "beta (mean)", "x": steps, "y": [float(np.mean(r["beta"])) for r in records]},
+                    {"label": "x-lingual links joining translations", "x": [b["snapshot_step"] for b in builds],
+                     "y": [b.get("crosslingual_link_precision") for b in builds], "style": "s-"}]},
+        {"title": "held-out P@1 (mean over directions)", "ylabel": "P@1",
+         "series": [{"label": "trained", "x": [o["step"] for o in over], "y": [o["p_at_1_mean"] for o in over], "style": "o-"},
+                    {"label": "best random init", "hline": report["p_at_1_mean"]["random_init"], "color": "C1"},
+                    {"label": "char n-gram TF-IDF", "hline": report["p_at_1_mean"]["tfidf"], "color": "C2"}]},
+    ]
+    return plot_curves(panels, path, f"learning experiment, {report['minutes']} min")
+
+
+def main_experiment(config: Path | None, overrides: list[str], minutes: float, out: Path) -> dict:
+    cfg = load_config(config, overrides)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    return run_learning_experiment(cfg, minutes, out)

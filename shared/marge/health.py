@@ -1,0 +1,125 @@
+"""Retrieval health: is the model using its evidence, and is g learning to find it?
+
+Measured on a fixed probe set at every snapshot (and by the experiment on every checkpoint):
+
+* evidence gain (nats per target token): the loss of each probe target given its true evidence
+  subtracted from its loss given another probe target's evidence (a derangement). Positive means the
+  true evidence helps the reconstruction; until it is clearly positive, g gets no useful gradient;
+* relevance cosines: f(target, its true evidence) vs f(target, other probe documents), and the spread
+  of g (mean cosine between unrelated documents; near 1 means g has collapsed onto one direction);
+* beta, and the index's own figures (mean cosine of kept links vs random in-shard pairs, the
+  cross-lingual share of links and the share of cross-lingual links that join translations of the
+  same page), which the indexer reports with every version.
+
+A probe item is a held-out page in one language (the target) with the same page in up to
+`max_evidence` other languages as its true evidence: never trained on, aligned by construction.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from marge.batch import Batch, SpecialTokens, to_model_inputs
+from marge.model import Marge
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProbeItem:
+    target: np.ndarray
+    target_lang: str
+    evidence: tuple[np.ndarray, ...]
+    evidence_langs: tuple[str, ...]
+
+
+def build_probe(documents_jsonl: Path, tokenizer, size: int = 32, max_evidence: int = 3, max_tokens: int = 128,
+                seed: int = 0) -> list[ProbeItem]:
+    """A fixed probe set from a documents JSONL (one object per page and language, with `group`)."""
+    opener = gzip.open if str(documents_jsonl).endswith(".gz") else open
+    groups: dict[str, dict[str, str]] = {}
+    with opener(documents_jsonl, "rt", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["language"] in tokenizer.languages:
+                groups.setdefault(row.get("group", row.get("id")), {})[row["language"]] = row["text"]
+    rng = np.random.default_rng(seed)
+    usable = sorted(g for g, langs in groups.items() if len(langs) >= 2)
+    if len(usable) < 2:
+        raise ValueError(f"{documents_jsonl}: needs at least 2 groups with 2 or more languages for a probe set")
+    chosen = [usable[i] for i in rng.permutation(len(usable))[:size]]
+    items = []
+    for g in chosen:
+        langs = sorted(groups[g])
+        target_lang = langs[int(rng.integers(len(langs)))]
+        others = [lang for lang in langs if lang != target_lang]
+        rng.shuffle(others)
+        others = others[:max_evidence]
+
+        def tokens(text: str) -> np.ndarray:
+            return np.asarray(tokenizer.encode(" ".join(text.split()))[: max_tokens - 2], dtype=np.int32)
+
+        items.append(ProbeItem(tokens(groups[g][target_lang]), target_lang, tuple(tokens(groups[g][x]) for x in others),
+                               tuple(others)))
+    return items
+
+
+def _batch(target: ProbeItem, evidence_from: ProbeItem) -> Batch:
+    docs = (target.target, *evidence_from.evidence)
+    langs = (target.target_lang, *evidence_from.evidence_langs)
+    m = len(evidence_from.evidence)
+    return Batch(batch_id="probe", index_version=-1, snapshot_step=-1, doc_ids=np.arange(1 + m, dtype=np.int64),
+                 doc_langs=langs, doc_tokens=docs, targets=np.array([0], dtype=np.int32),
+                 evidence=np.arange(1, 1 + m, dtype=np.int32), edges=np.array([[0, j] for j in range(m)], dtype=np.int32),
+                 edge_weights=np.ones(m, dtype=np.float32))
+
+
+@torch.no_grad()
+def evidence_gain(model: Marge, probe: list[ProbeItem], specials: SpecialTokens, device: str | torch.device = "cpu") -> dict:
+    """Per-token loss with true vs shuffled evidence, and the relevance cosines, over the probe set."""
+    was_training = model.training
+    model.eval()
+    device = torch.device(device)
+    sums = {"true": [0.0, 0], "shuffled": [0.0, 0]}
+    gold_cos, other_cos = [], []
+    for i, item in enumerate(probe):
+        for kind, source in (("true", item), ("shuffled", probe[(i + 1) % len(probe)])):
+            out = model(**to_model_inputs(_batch(item, source), specials).to(device).as_kwargs())
+            sums[kind][0] += float(out.nll_per_target_N.sum())
+            sums[kind][1] += int(out.tokens_per_target_N.sum())
+            (gold_cos if kind == "true" else other_cos).extend(out.relevance_NM.flatten().tolist())
+    model.train(was_training)
+    loss_true = sums["true"][0] / sums["true"][1]
+    loss_shuffled = sums["shuffled"][0] / sums["shuffled"][1]
+    return {"loss_true_evidence": loss_true, "loss_shuffled_evidence": loss_shuffled,
+            "evidence_gain": loss_shuffled - loss_true,
+            "relevance_cos_true": float(np.mean(gold_cos)), "relevance_cos_shuffled": float(np.mean(other_cos)),
+            "relevance_gap": float(np.mean(gold_cos) - np.mean(other_cos))}
+
+
+@torch.no_grad()
+def g_spread(model: Marge, probe: list[ProbeItem], specials: SpecialTokens, device: str | torch.device = "cpu") -> float:
+    """Mean cosine between g of unrelated probe documents (1.0: every document looks alike)."""
+    from marge.batch import as_encoder_input, pad_rows
+
+    rows = [as_encoder_input(item.target, specials) for item in probe]
+    g = model.relevance_vectors(pad_rows(rows, specials.pad_id).to(device)).float()
+    g = torch.nn.functional.normalize(g, dim=-1)
+    sims = g @ g.T
+    n = len(rows)
+    return float((sims.sum() - sims.diagonal().sum()) / max(1, n * (n - 1)))
+
+
+def probe_health(model: Marge, probe: list[ProbeItem], specials: SpecialTokens, device="cpu") -> dict:
+    out = evidence_gain(model, probe, specials, device)
+    out["g_spread"] = g_spread(model, probe, specials, device)
+    beta = model.beta.detach().float().cpu()
+    out["beta"] = beta.tolist()
+    return out
