@@ -4,7 +4,7 @@ Trains in one process on "oracle" batches, whose evidence for each target is the
 languages (from the corpus's group metadata, i.e. translations), and tracks the probe's evidence gain.
 This is not MARGE (nothing is retrieved): it bounds what the retrieval loop can reach in the same time.
 
-    python benchmarks/oracle_evidence.py --minutes 10 [--preset tiny] [--set d_model=128] [--chunk-corpus DIR]
+    python benchmarks/oracle_evidence.py --minutes 20 --out runs/oracle [config overrides]
 """
 
 from __future__ import annotations
@@ -16,14 +16,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from marge.batch import Batch
-from marge.cli import parse_override
 from marge.corpus import Corpus
-from marge.health import build_probe, probe_health
-from marge.model import Marge, preset
-from marge.training import OptimConfig, build_optimizer, build_scheduler, forward_backward, optimizer_step
 
 log = logging.getLogger("oracle")
 
@@ -73,40 +68,38 @@ def oracle_batches(corpus: Corpus, max_tokens: int, evidence_per_target: int, rn
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10)
-    p.add_argument("--corpus", default="data/prepared/demo")
-    p.add_argument("--documents", default="data/demo/libreoffice-help/heldout_documents.jsonl.gz")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--evidence", type=int, default=2)
-    p.add_argument("--attend-to", default="linked")
-    p.add_argument("--probe-every", type=int, default=100)
-    p.add_argument("--out", default=None)
+    p.add_argument("--steps", type=int, default=2400, help="batches prepared per rank (the run stops on time)")
+    p.add_argument("--config", default="deploy/configs/learning.yaml")
+    p.add_argument("--max-tokens", type=int, default=2048, help="token budget of one rank's batch")
+    p.add_argument("--evidence", type=int, default=2, help="translations per target")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.manual_seed(0)
-    corpus = Corpus.open(args.corpus)
-    tok = corpus.tokenizer()
-    model = Marge(preset(args.preset, vocab_size=tok.vocab_size, **dict(parse_override(s) for s in args.set))).train()
-    probe = build_probe(Path(args.documents), tok, 32, 3, 128)
-    cfg = OptimConfig(lr=args.lr, warmup_steps=50, total_steps=100000)
-    opt = build_optimizer(model, cfg)
-    sched = build_scheduler(opt, cfg)
-    batches = oracle_batches(corpus, args.max_tokens, args.evidence, np.random.default_rng(0))
-    started, step, history, losses = time.time(), 0, [], []
-    while time.time() - started < 60 * args.minutes:
-        loss, _ = forward_backward(model, next(batches), tok.specials, 1.0, torch.device("cpu"), attend_to=args.attend_to)
-        optimizer_step(model, opt, sched, 1.0)
-        losses.append(loss)
-        step += 1
-        if step % args.probe_every == 0:
-            h = probe_health(model, probe, tok.specials)
-            history.append({"step": step, "minutes": (time.time() - started) / 60, "loss": float(np.mean(losses[-50:])),
-                            **{k: h[k] for k in ("evidence_gain", "loss_true_evidence", "relevance_gap", "g_spread")}})
-            log.info("%s", {k: round(v, 4) if isinstance(v, float) else v for k, v in history[-1].items()})
-    if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "history": history}, indent=2))
+    from marge.config import load_config
+    from marge.driver.pipeline import ensure_initial_model, make_trainer, start_ray, with_absolute_paths
+
+    cfg = load_config(args.config, [f"run.dir={args.out}", "run.name=oracle", f"run.max_minutes={args.minutes}",
+                                    "batcher.attend_to=linked", *args.overrides])
+    cfg = with_absolute_paths(cfg)
+    corpus = Corpus.open(cfg.data.corpus)
+    ensure_initial_model(cfg, corpus)
+    rng = np.random.default_rng(cfg.run.seed)
+    stream = oracle_batches(corpus, args.max_tokens, args.evidence, rng)
+    world = cfg.trainer.num_workers
+    memory = [[next(stream) for _ in range(args.steps)] for _ in range(world)]
+    import dataclasses
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, max_steps=args.steps))
+    start_ray(cfg)
+    deadline = time.time() + 60 * args.minutes
+    make_trainer(cfg, None, deadline_unix=deadline, memory_batches=memory).fit()
+    for line in (Path(cfg.run.dir) / "train_log.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "health" in r:
+            h = r["health"]
+            log.info("step %d loss %.3f gain %.3f gap %.4f spread %.4f P@1 %.3f", r["step"], r["loss"],
+                     h.get("evidence_gain", float("nan")), h.get("relevance_gap", float("nan")),
+                     h.get("g_spread", float("nan")), h.get("heldout_p_at_1", float("nan")))
     return 0
 
 
