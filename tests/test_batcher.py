@@ -100,3 +100,23 @@ def test_a_corrupt_index_file_is_detected(small_index, tmp_path):
     graph.write_bytes(graph.read_bytes()[:-10])
     with pytest.raises(IndexStoreError, match="sha256"):
         version.verify()
+
+
+def test_document_link_rule_gives_every_document_its_own_links(small_corpus):
+    from marge.indexer.core import LinkConfig, shard_links, unit_vectors
+
+    corpus = Corpus.open(small_corpus)
+    shard = corpus.read_shard(0)
+    rng = np.random.default_rng(0)
+    # every language but one shares a common direction (high cosines); that one is isotropic (cosines near 0)
+    raw = rng.normal(size=(len(shard), 16)).astype(np.float32)
+    raw[shard.langs != shard.langs[0]] += 4.0
+    unit = unit_vectors(raw, center=False)
+    def link_counts(rule):
+        links = shard_links(shard.doc_ids, shard.langs, unit, LinkConfig(rule=rule, links_monolingual=2,
+                                                                          links_crosslingual=2))
+        return {d: int((links["target_id"] == d).sum()) for d in shard.doc_ids.tolist()}
+
+    assert min(link_counts("shard").values()) == 0  # the paper's shard-wide rule leaves documents without links
+    counts = link_counts("document")
+    assert min(counts.values()) >= 2 and max(counts.values()) <= 4  # every document keeps links of its own

@@ -322,3 +322,31 @@ def test_relevance_distillation_teaches_f_what_the_decoder_reads():
     grads = torch.autograd.grad(out.distill_loss, list(model.encoder_layers[0].parameters()))
     assert sum(g.abs().sum() for g in grads) > 0
     assert tiny().train()(**inputs.as_kwargs()).distill_loss is None  # off by default (and in `paper`)
+
+
+def test_link_contrastive_loss_pulls_linked_evidence_closer():
+    model = tiny(relevance_contrastive_weight=1.0, beta_init=0.0).train()
+    batch = make_batch(np.random.default_rng(13), lengths=(6, 8, 10, 7, 9), targets=(0, 4), evidence=(1, 2, 3))
+    inputs = to_model_inputs(batch, SPECIALS)
+    assert inputs.linked_NM.tolist() == [[True, False, False], [True, False, False]]
+    out = model(**inputs.as_kwargs())
+    assert out.contrastive_loss is not None and out.contrastive_loss.item() > 0
+    # by hand: -log softmax mass on the linked document among allowed evidence and the other target
+    f, ff = out.relevance_NM.detach(), F.cosine_similarity(
+        model.relevance_vectors(inputs.target_enc_NS)[:, None], model.relevance_vectors(inputs.target_enc_NS)[None], dim=-1).detach()
+    expected = []
+    for i in range(2):
+        logits = torch.cat([f[i], ff[i][torch.arange(2) != i]]) / 0.1
+        expected.append(-(logits[0] - logits.logsumexp(0)))
+    torch.testing.assert_close(out.contrastive_loss.detach(), torch.stack(expected).mean(), rtol=1e-4, atol=1e-5)
+    # it trains g even when beta = 0: a small step lowers it and widens the linked-vs-other margin
+    def margin(o):
+        f = o.relevance_NM.detach()
+        return (f[:, 0] - f[:, 1:].mean(1)).mean()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    (out.auxiliary_objective(model.cfg)).backward()
+    opt.step()
+    after = model(**inputs.as_kwargs())
+    assert after.contrastive_loss < out.contrastive_loss and margin(after) > margin(out)
+    assert tiny().train()(**inputs.as_kwargs()).contrastive_loss is None

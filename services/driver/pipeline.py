@@ -115,8 +115,16 @@ def start_redis(cfg: PipelineConfig) -> tuple[str, LocalRedis | None]:
     return server.url, server
 
 
+def apply_local_ray_env(cfg: PipelineConfig) -> None:
+    """Ray reads these when it is first imported: set them before any `import ray` for a local cluster."""
+    if not cfg.ray.address:
+        for key, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(key, value)
+
+
 def start_ray(cfg: PipelineConfig) -> bool:
     """Connect to the configured cluster, or start a local one. Returns True when we started it."""
+    apply_local_ray_env(cfg)
     import ray
 
     namespace = f"marge-{cfg.run.name}"
@@ -193,10 +201,7 @@ def make_trainer(cfg: PipelineConfig, redis_url: str | None, deadline_unix: floa
 def run_pipeline(cfg: PipelineConfig) -> dict:
     started = time.time()
     cfg = environment_endpoints(cfg)
-    if not cfg.ray.address:
-        # read by Ray when it is first imported, so set before any `import ray`
-        for key, value in LOCAL_RAY_ENV.items():
-            os.environ.setdefault(key, value)
+    apply_local_ray_env(cfg)
     import ray
 
     from marge.batcher.actor import Batcher

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 def link_config(cfg: PipelineConfig) -> LinkConfig:
     return LinkConfig(links_monolingual=cfg.indexer.links_monolingual, links_crosslingual=cfg.indexer.links_crosslingual,
                       candidates_per_language=cfg.indexer.candidates_per_language, min_score=cfg.indexer.min_score,
-                      center=bool(cfg.model.get("relevance_centering", False)))
+                      center=bool(cfg.model.get("relevance_centering", False)), rule=cfg.indexer.link_rule)
 
 
 @ray.remote

@@ -38,8 +38,14 @@ class LinkConfig:
     """Links with a cosine below this are never kept (the paper's threshold; -1 keeps the top-k rule alone)."""
     center: bool = False
     """Subtract the shard's mean vector before the cosine (must match model.relevance_centering)."""
+    rule: str = "shard"
+    """'shard': the strongest pairs across the whole shard (paper §2.4); some documents get no link.
+    Deviation 'document': every document keeps its own strongest links of each kind, so no language
+    can be starved of links when its cosines run lower than the others'."""
 
     def __post_init__(self) -> None:
+        if self.rule not in ("shard", "document"):
+            raise ValueError(f"indexer.link_rule must be 'shard' or 'document', got {self.rule!r}")
         if self.links_monolingual < 0 or self.links_crosslingual < 0:
             raise ValueError("indexer.links_monolingual and indexer.links_crosslingual must be >= 0")
         if self.candidates_per_language < 1:
@@ -116,11 +122,17 @@ def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray, cfg: L
     keep = []
     for mask, per_doc in ((~cross, cfg.links_monolingual), (cross, cfg.links_crosslingual)):
         idx = np.nonzero(mask)[0]
-        budget = int(round(per_doc * n))
-        if budget and len(idx):
-            # stable sort by score, ties broken by (target, evidence) order: deterministic
-            best = idx[np.argsort(-s[idx], kind="stable")[:budget]]
-            keep.append(best)
+        if cfg.rule == "shard":
+            budget = int(round(per_doc * n))
+            if budget and len(idx):
+                # stable sort by score, ties broken by (target, evidence) order: deterministic
+                keep.append(idx[np.argsort(-s[idx], kind="stable")[:budget]])
+        elif len(idx) and per_doc > 0:
+            # per target: sort by (target, -score), keep the first `per_doc` of each target
+            order = idx[np.lexsort((-s[idx], t[idx]))]
+            first = np.r_[0, np.nonzero(np.diff(t[order]))[0] + 1]
+            rank = np.arange(len(order)) - np.repeat(first, np.diff(np.r_[first, len(order)]))
+            keep.append(order[rank < int(round(per_doc))])
     keep_idx = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
     return {"target_id": doc_ids[t[keep_idx]], "evidence_id": doc_ids[e[keep_idx]],
             "score": s[keep_idx].astype(np.float32), "cross_lingual": cross[keep_idx]}

@@ -94,14 +94,16 @@ class ModelInputs:
     decoder_in_NT: Tensor
     labels_NT: Tensor
     allowed_NM: Tensor
+    linked_NM: Tensor  # the batch's retrieval links (target i -> evidence j), for auxiliary losses on f
 
     def to(self, device: torch.device | str) -> "ModelInputs":
         return ModelInputs(*(t.to(device, non_blocking=True) for t in
-                             (self.evidence_MS, self.target_enc_NS, self.decoder_in_NT, self.labels_NT, self.allowed_NM)))
+                             (self.evidence_MS, self.target_enc_NS, self.decoder_in_NT, self.labels_NT, self.allowed_NM,
+                              self.linked_NM)))
 
     def as_kwargs(self) -> dict[str, Tensor]:
         return dict(evidence_MS=self.evidence_MS, target_enc_NS=self.target_enc_NS, decoder_in_NT=self.decoder_in_NT,
-                    labels_NT=self.labels_NT, allowed_NM=self.allowed_NM)
+                    labels_NT=self.labels_NT, allowed_NM=self.allowed_NM, linked_NM=self.linked_NM)
 
 
 def pad_rows(rows: list[list[int]], pad_id: int) -> Tensor:
@@ -132,11 +134,12 @@ def to_model_inputs(batch: Batch, specials: SpecialTokens, attend_to: str = "all
     target_doc_N = torch.as_tensor(batch.doc_ids[batch.targets])
     evidence_doc_M = torch.as_tensor(batch.doc_ids[batch.evidence])
     allowed_NM = target_doc_N[:, None] != evidence_doc_M[None, :]  # a target never sees itself
+    linked_NM = torch.zeros_like(allowed_NM)
+    linked_NM[torch.as_tensor(batch.edges[:, 0], dtype=torch.long), torch.as_tensor(batch.edges[:, 1], dtype=torch.long)] = True
+    linked_NM &= allowed_NM
     if attend_to == "linked":
-        linked_NM = torch.zeros_like(allowed_NM)
-        linked_NM[torch.as_tensor(batch.edges[:, 0], dtype=torch.long), torch.as_tensor(batch.edges[:, 1], dtype=torch.long)] = True
-        allowed_NM &= linked_NM
+        allowed_NM = allowed_NM & linked_NM
     elif attend_to != "all":
         raise ValueError(f"attend_to must be 'all' or 'linked', got {attend_to!r}")
     return ModelInputs(pad_rows(enc, specials.pad_id), pad_rows(target_enc, specials.pad_id),
-                       pad_rows(decoder_in, specials.pad_id), pad_rows(labels, specials.pad_id), allowed_NM)
+                       pad_rows(decoder_in, specials.pad_id), pad_rows(labels, specials.pad_id), allowed_NM, linked_NM)

@@ -63,6 +63,8 @@ class IndexerSection:
     links_crosslingual: float = 4.0
     candidates_per_language: int = 32
     min_score: float = -1.0
+    link_rule: str = "shard"
+    """'shard': top pairs across the shard (paper); 'document': each document's own top links (deviation)."""
     keep_versions: int = 3
     use_gpu: bool = False
     num_cpus_per_worker: float = 1.0

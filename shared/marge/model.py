@@ -72,6 +72,11 @@ class MargeConfig:
     """Deviation (0 in `paper`): weight of an auxiliary loss that trains f to predict which evidence
     documents the decoder reads from (KL to its relevance-free cross-attention, Izacard & Grave 2021)."""
     relevance_distill_temperature: float = 0.1
+    relevance_contrastive_weight: float = 0.0
+    """Deviation (0 in `paper`): weight of an in-batch contrastive loss on f whose positives are the
+    batch's retrieval links (the index that built the batch teaches the next g; other evidence and other
+    targets in the batch are the negatives)."""
+    relevance_contrastive_temperature: float = 0.1
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -100,6 +105,8 @@ class MargeConfig:
             raise ValueError(f"model.relevance_pooling must be 'bos' or 'mean', got {self.relevance_pooling!r}")
         if self.relevance_distill_weight < 0 or self.relevance_distill_temperature <= 0:
             raise ValueError("model.relevance_distill_weight must be >= 0 and relevance_distill_temperature > 0")
+        if self.relevance_contrastive_weight < 0 or self.relevance_contrastive_temperature <= 0:
+            raise ValueError("model.relevance_contrastive_weight must be >= 0 and relevance_contrastive_temperature > 0")
 
     @property
     def head_dim(self) -> int:
@@ -298,6 +305,13 @@ class MargeOutput:
     relevance_NM: Tensor  # f(x_i, z_j) = cos(g(x_i), g(z_j)), with gradient
     logits_NTV: Tensor | None = None
     distill_loss: Tensor | None = None  # relevance distillation (model.relevance_distill_weight > 0)
+    contrastive_loss: Tensor | None = None  # link contrastive loss (model.relevance_contrastive_weight > 0)
+
+    def auxiliary_objective(self, cfg: "MargeConfig") -> Tensor | None:
+        """The weighted sum of the auxiliary losses on f that are switched on (None: none are)."""
+        terms = [w * t for w, t in ((cfg.relevance_distill_weight, self.distill_loss),
+                                    (cfg.relevance_contrastive_weight, self.contrastive_loss)) if t is not None]
+        return sum(terms) if terms else None
 
 
 @dataclass
@@ -449,7 +463,7 @@ class Marge(nn.Module):
     # --- training objective -------------------------------------------------------------------
 
     def forward(self, evidence_MS: Tensor, target_enc_NS: Tensor, decoder_in_NT: Tensor, labels_NT: Tensor,
-                allowed_NM: Tensor, return_logits: bool = False) -> MargeOutput:
+                allowed_NM: Tensor, linked_NM: Tensor | None = None, return_logits: bool = False) -> MargeOutput:
         """Negative log-likelihood of each target given the evidence and relevance scores (paper Eq. 2).
 
         evidence_MS    evidence documents as encoder input (BOS ... EOS, padded)
@@ -457,12 +471,14 @@ class Marge(nn.Module):
         decoder_in_NT  language token, then the target's text tokens (padded)
         labels_NT      the target's text tokens, then EOS (padded with pad_id: ignored)
         allowed_NM     True where target i may attend to evidence j (never its own document)
+        linked_NM      the batch's retrieval links (only used by the contrastive auxiliary loss)
         """
         self._check_lengths(decoder_in_NT, "target")
         if decoder_in_NT.shape != labels_NT.shape:
             raise ValueError(f"decoder input {tuple(decoder_in_NT.shape)} and labels {tuple(labels_NT.shape)} differ")
         evidence = self.encode_evidence(evidence_MS)
-        relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD)
+        g_targets_ND = self.relevance_vectors(target_enc_NS)
+        relevance_NM = self.relevance(g_targets_ND, evidence.relevance_MD)
         relevance_NL, visible_NL = self.spread_over_keys(evidence, relevance_NM, allowed_NM)
         taps: dict | None = {} if self.cfg.relevance_distill_weight > 0 and self.training else None
         states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, relevance_NL, visible_NL, taps=taps)
@@ -477,7 +493,27 @@ class Marge(nn.Module):
             teacher_NM = self.reading_distribution(taps["cross_query_input"], evidence, visible_NL, allowed_NM,
                                                    labels_NT != self.cfg.pad_id)
             distill = self.distillation_loss(relevance_NM, teacher_NM, allowed_NM)
-        return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None, distill)
+        contrastive = None
+        if self.cfg.relevance_contrastive_weight > 0 and self.training and linked_NM is not None and bool(linked_NM.any()):
+            contrastive = self.link_contrastive_loss(relevance_NM, self.relevance(g_targets_ND, g_targets_ND),
+                                                     allowed_NM, linked_NM)
+        return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None, distill,
+                           contrastive)
+
+    def link_contrastive_loss(self, relevance_NM: Tensor, target_relevance_NN: Tensor, allowed_NM: Tensor,
+                              linked_NM: Tensor) -> Tensor:
+        """-log of the softmax(f / temperature) mass on each target's linked evidence, with the batch's other
+        evidence and other targets as negatives; averaged over targets that have a link."""
+        n = relevance_NM.shape[0]
+        others_NN = ~torch.eye(n, dtype=torch.bool, device=relevance_NM.device)
+        logits = torch.cat([relevance_NM.masked_fill(~allowed_NM, float("-inf")),
+                            target_relevance_NN.masked_fill(~others_NN, float("-inf"))], dim=1)
+        logits = logits / self.cfg.relevance_contrastive_temperature
+        positive = torch.cat([linked_NM & allowed_NM, torch.zeros_like(others_NN)], dim=1)
+        has_link_N = positive.any(1)
+        log_all_N = logits.logsumexp(1)
+        log_pos_N = logits.masked_fill(~positive, float("-inf")).logsumexp(1)
+        return (log_all_N - log_pos_N)[has_link_N].mean()
 
     @torch.no_grad()
     def reading_distribution(self, query_in_NTD: Tensor, evidence: EncodedEvidence, visible_NL: Tensor,

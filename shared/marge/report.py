@@ -18,8 +18,11 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-def link_matrix(graph_target_langs: list[str], graph_evidence_langs: list[str]) -> tuple[list[str], np.ndarray]:
-    langs = sorted(set(graph_target_langs) | set(graph_evidence_langs))
+def link_matrix(graph_target_langs: list[str], graph_evidence_langs: list[str],
+                languages: list[str] | None = None) -> tuple[list[str], np.ndarray]:
+    """Row = target language, column = evidence language, share of the row's links (a language with no
+    link at all keeps an all-zero row: starvation stays visible)."""
+    langs = sorted(set(languages or []) | set(graph_target_langs) | set(graph_evidence_langs))
     pos = {lang: i for i, lang in enumerate(langs)}
     counts = np.zeros((len(langs), len(langs)), dtype=np.float64)
     for t, e in zip(graph_target_langs, graph_evidence_langs):
@@ -171,7 +174,7 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
         graph = index.read_graph()
         t_langs = [lang_of[d] for d in graph.column("target_id").to_pylist()]
         e_langs = [lang_of[d] for d in graph.column("evidence_id").to_pylist()]
-    langs, shares = link_matrix(t_langs, e_langs)
+    langs, shares = link_matrix(t_langs, e_langs, corpus.languages)
     files = {k: str(v) for k, v in write_link_matrix(langs, shares, out_dir, f"retrieved links by language: {source}").items()}
 
     log_records = read_train_log(run_dir)
@@ -191,7 +194,8 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
     ]
     files["curves"] = str(plot_curves(panels, out_dir / "curves.png", f"run {run_dir.name}"))
     report = {"source": source, "languages": langs, "link_matrix": shares.round(4).tolist(),
-              "crosslingual_share": float(1 - np.trace(shares) / len(langs)) if langs else 0.0,
+              "crosslingual_share": float(len([1 for a, b in zip(t_langs, e_langs) if a != b]) / max(1, len(t_langs))),
+              "languages_without_links": [lang for lang, row in zip(langs, shares) if row.sum() == 0],
               "steps": steps[-1] if steps else 0, "loss_last": losses[-1] if losses else None,
               "snapshot_p_at_1": curve, "files": files}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -98,8 +98,9 @@ def forward_backward(model: nn.Module, batch: Batch, specials: SpecialTokens, sc
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
         out = model(**inputs.as_kwargs())
     objective = out.loss
-    if out.distill_loss is not None:
-        objective = objective + unwrap(model).cfg.relevance_distill_weight * out.distill_loss
+    auxiliary = out.auxiliary_objective(unwrap(model).cfg)
+    if auxiliary is not None:
+        objective = objective + auxiliary
     (objective * scale).backward()
     return float(out.loss.detach()), int(out.tokens_per_target_N.sum())
 
