@@ -350,3 +350,21 @@ def test_link_contrastive_loss_pulls_linked_evidence_closer():
     after = model(**inputs.as_kwargs())
     assert after.contrastive_loss < out.contrastive_loss and margin(after) > margin(out)
     assert tiny().train()(**inputs.as_kwargs()).contrastive_loss is None
+
+
+def test_self_evidence_adds_a_linked_noised_copy_and_anneals():
+    from marge.augment import SelfEvidence, noised, with_self_evidence
+
+    batch = make_batch(np.random.default_rng(14), lengths=(20, 8, 10, 7), targets=(0, 3), evidence=(1, 2))
+    cfg = SelfEvidence(prob=1.0, until=100, deletion=0.3)
+    out = with_self_evidence(batch, cfg, step=0, rng=np.random.default_rng(0))
+    assert out.num_evidence == batch.num_evidence + 2 and len(out.edges) == len(batch.edges) + 2
+    for t in range(2):
+        copy = out.doc_tokens[out.evidence[out.edges[len(batch.edges) + t][1]]]
+        original = batch.doc_tokens[batch.targets[t]]
+        assert set(copy.tolist()) <= set(original.tolist()) and len(copy) < len(original) + 1
+    inputs = to_model_inputs(out, SPECIALS)
+    assert inputs.linked_NM[0, -2] and inputs.linked_NM[1, -1] and inputs.allowed_NM.all()
+    assert cfg.prob_at(50) == 0.5 and cfg.prob_at(100) == 0.0
+    assert with_self_evidence(batch, cfg, step=100, rng=np.random.default_rng(0)) is batch
+    assert len(noised(np.arange(100, dtype=np.int32), cfg, np.random.default_rng(1))) < 90

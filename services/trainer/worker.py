@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from marge.augment import SelfEvidence
 from marge.checkpoint import load_model_weights, load_training_state, save_checkpoint, set_rng_state
 from marge.config import PipelineConfig
 from marge.corpus import Corpus
@@ -32,6 +33,13 @@ from marge.training import (OptimConfig, build_optimizer, build_scheduler, forwa
 from marge.utils import setup_logging
 
 log = logging.getLogger(__name__)
+
+
+def self_evidence_config(cfg: PipelineConfig) -> SelfEvidence | None:
+    t = cfg.trainer
+    if t.self_evidence_prob <= 0:
+        return None
+    return SelfEvidence(prob=t.self_evidence_prob, until=t.self_evidence_until, deletion=t.self_evidence_deletion)
 
 
 def optim_config(cfg: PipelineConfig) -> OptimConfig:
@@ -244,6 +252,7 @@ def train_loop_per_worker(config: dict) -> None:
         source = MemorySource(config["memory_batches"][rank])
     else:
         source = RedisSource(cfg, config["redis_url"], rank, consumed, deadline)
+    self_evidence = self_evidence_config(cfg)
     metrics = Metrics(cfg.run.name, rank)
     health = HealthProbe(cfg, tokenizer, cfg.run.name, rank) if rank == 0 else None
     speed = Throughput()
@@ -271,7 +280,8 @@ def train_loop_per_worker(config: dict) -> None:
         for i, d in enumerate(deliveries):
             with maybe_no_sync(ddp_model, i < len(deliveries) - 1):
                 loss, n_target = forward_backward(ddp_model, d.batch, tokenizer.specials, 1.0 / len(deliveries), device,
-                                                  cfg.trainer.bf16, cfg.batcher.attend_to)
+                                                  cfg.trainer.bf16, cfg.batcher.attend_to, self_evidence,
+                                                  (cfg.run.seed, step, rank * cfg.trainer.grad_accum + i))
             losses.append(loss)
             step_target_tokens += n_target
             step_tokens += d.batch.cost_tokens()

@@ -120,6 +120,11 @@ class TrainerSection:
     torch_threads: int = 1
     max_staleness: int = 0
     """Batches whose snapshot is more than this many updates old are dead-lettered (0: no limit)."""
+    self_evidence_prob: float = 0.0
+    """Deviation (0 in `paper`): share of targets that also get a noised copy of themselves as evidence
+    at step 0, annealed linearly to 0 at `self_evidence_until` (see marge.augment)."""
+    self_evidence_until: int = 0
+    self_evidence_deletion: float = 0.3
 
 
 @dataclass(frozen=True, kw_only=True)

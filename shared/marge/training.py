@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+import numpy as np
+
+from marge.augment import SelfEvidence, with_self_evidence
 from marge.batch import Batch, SpecialTokens, to_model_inputs
 from marge.model import Marge
 
@@ -92,8 +95,16 @@ def unwrap(model: nn.Module) -> Marge:
 
 
 def forward_backward(model: nn.Module, batch: Batch, specials: SpecialTokens, scale: float,
-                     device: torch.device, bf16: bool = False, attend_to: str = "all") -> tuple[float, int]:
-    """Loss of one batch, backpropagated with weight `scale`. Returns (mean token loss, target tokens)."""
+                     device: torch.device, bf16: bool = False, attend_to: str = "all",
+                     self_evidence: SelfEvidence | None = None, seed_key: tuple[int, ...] = (0,)) -> tuple[float, int]:
+    """Loss of one batch, backpropagated with weight `scale`. Returns (mean token loss, target tokens).
+
+    `seed_key` = (run seed, step, slot of the batch within the step) seeds the batch's augmentation, so a
+    batch is augmented the same way on a DDP rank and in the reference loop.
+    """
+    if self_evidence is not None:
+        batch = with_self_evidence(batch, self_evidence, seed_key[1] if len(seed_key) > 1 else 0,
+                                   np.random.default_rng(list(seed_key)))
     inputs = to_model_inputs(batch, specials, attend_to).to(device)
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
         out = model(**inputs.as_kwargs())
@@ -129,7 +140,7 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 def reference_train(model: Marge, step_batches: Iterable[list[Batch]], specials: SpecialTokens, cfg: OptimConfig,
                     device: str | torch.device = "cpu", bf16: bool = False, attend_to: str = "all",
                     optimizer: torch.optim.Optimizer | None = None, scheduler=None,
-                    start_step: int = 0) -> list[StepRecord]:
+                    start_step: int = 0, self_evidence: SelfEvidence | None = None, seed: int = 0) -> list[StepRecord]:
     """Train in this process on the given batches, one list of batches per optimizer step."""
     device = torch.device(device)
     model.to(device).train()
@@ -139,8 +150,9 @@ def reference_train(model: Marge, step_batches: Iterable[list[Batch]], specials:
     for step, batches in enumerate(step_batches, start=start_step):
         t0 = time.perf_counter()
         losses, tokens = [], 0
-        for batch in batches:
-            loss, n = forward_backward(model, batch, specials, 1.0 / len(batches), device, bf16, attend_to)
+        for slot, batch in enumerate(batches):  # slot = rank * grad_accum + micro-step, as on the DDP ranks
+            loss, n = forward_backward(model, batch, specials, 1.0 / len(batches), device, bf16, attend_to,
+                                       self_evidence, (seed, step, slot))
             losses.append(loss)
             tokens += n
         lr = optimizer.param_groups[0]["lr"]
