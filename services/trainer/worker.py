@@ -121,6 +121,7 @@ class HealthProbe:
         tags = {"stage": "trainer", "run": run, "rank": str(rank)}
         self.gauges = {name: Gauge(f"marge_{name}", help_text, tag_keys=tuple(tags)) for name, help_text in (
             ("evidence_gain", "Probe loss with shuffled minus with true evidence (nats/token)"),
+            ("copy_gain", "Probe loss with shuffled evidence minus with a noised copy of the target"),
             ("relevance_cos_true", "Mean f(target, its true evidence) on the probe set"),
             ("relevance_cos_shuffled", "Mean f(target, unrelated evidence) on the probe set"),
             ("g_spread", "Mean cosine of g between unrelated probe documents"),

@@ -81,25 +81,39 @@ def _batch(target: ProbeItem, evidence_from: ProbeItem) -> Batch:
                  edge_weights=np.ones(m, dtype=np.float32))
 
 
+def _self_copy(item: ProbeItem, rng: np.random.Generator) -> ProbeItem:
+    """The item with a noised copy of its own target as its only evidence (30% of tokens deleted)."""
+    keep = rng.random(len(item.target)) >= 0.3
+    copy = item.target[keep] if keep.any() else item.target[:1]
+    return ProbeItem(item.target, item.target_lang, (copy,), (item.target_lang,))
+
+
 @torch.no_grad()
 def evidence_gain(model: Marge, probe: list[ProbeItem], specials: SpecialTokens, device: str | torch.device = "cpu") -> dict:
-    """Per-token loss with true vs shuffled evidence, and the relevance cosines, over the probe set."""
+    """Per-token loss with true, shuffled and self-copy evidence, and the relevance cosines, on the probe set.
+
+    evidence_gain = loss(shuffled) - loss(true evidence): what the translations are worth to the decoder.
+    copy_gain = loss(shuffled) - loss(a noised copy of the target): whether the decoder can read at all.
+    """
     was_training = model.training
     model.eval()
     device = torch.device(device)
-    sums = {"true": [0.0, 0], "shuffled": [0.0, 0]}
+    sums = {"true": [0.0, 0], "shuffled": [0.0, 0], "copy": [0.0, 0]}
     gold_cos, other_cos = [], []
+    rng = np.random.default_rng(0)
     for i, item in enumerate(probe):
-        for kind, source in (("true", item), ("shuffled", probe[(i + 1) % len(probe)])):
+        copy = _self_copy(item, rng)
+        for kind, source in (("true", item), ("shuffled", probe[(i + 1) % len(probe)]), ("copy", copy)):
             out = model(**to_model_inputs(_batch(item, source), specials).to(device).as_kwargs())
             sums[kind][0] += float(out.nll_per_target_N.sum())
             sums[kind][1] += int(out.tokens_per_target_N.sum())
-            (gold_cos if kind == "true" else other_cos).extend(out.relevance_NM.flatten().tolist())
+            if kind != "copy":
+                (gold_cos if kind == "true" else other_cos).extend(out.relevance_NM.flatten().tolist())
     model.train(was_training)
-    loss_true = sums["true"][0] / sums["true"][1]
-    loss_shuffled = sums["shuffled"][0] / sums["shuffled"][1]
-    return {"loss_true_evidence": loss_true, "loss_shuffled_evidence": loss_shuffled,
-            "evidence_gain": loss_shuffled - loss_true,
+    loss = {kind: total / count for kind, (total, count) in sums.items()}
+    return {"loss_true_evidence": loss["true"], "loss_shuffled_evidence": loss["shuffled"],
+            "loss_copy_evidence": loss["copy"], "copy_gain": loss["shuffled"] - loss["copy"],
+            "evidence_gain": loss["shuffled"] - loss["true"],
             "relevance_cos_true": float(np.mean(gold_cos)), "relevance_cos_shuffled": float(np.mean(other_cos)),
             "relevance_gap": float(np.mean(gold_cos) - np.mean(other_cos))}
 
