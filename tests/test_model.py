@@ -368,3 +368,17 @@ def test_self_evidence_adds_a_linked_noised_copy_and_anneals():
     assert cfg.prob_at(50) == 0.5 and cfg.prob_at(100) == 0.0
     assert with_self_evidence(batch, cfg, step=100, rng=np.random.default_rng(0)) is batch
     assert len(noised(np.arange(100, dtype=np.int32), cfg, np.random.default_rng(1))) < 90
+
+
+def test_denoising_contrastive_trains_g_and_keeps_a_bounded_queue():
+    from marge.training import DenoisingContrastive
+
+    model = tiny(beta_init=0.0, relevance_pooling="mean").train()
+    batch = make_batch(np.random.default_rng(15), lengths=(20, 18, 25, 30, 22), targets=(0, 1), evidence=(2, 3, 4))
+    dc = DenoisingContrastive(weight=1.0, deletion=0.5, temperature=0.05, queue_size=8)
+    loss = dc.loss(model, batch, SPECIALS, torch.device("cpu"), np.random.default_rng(0))
+    assert loss.item() > 0 and dc.queue.shape == (5, model.cfg.d_model)
+    grads = torch.autograd.grad(loss, list(model.encoder_layers[0].parameters()))
+    assert sum(g.abs().sum() for g in grads) > 0
+    dc.loss(model, batch, SPECIALS, torch.device("cpu"), np.random.default_rng(1))
+    assert dc.queue.shape[0] == 8  # capped at queue_size

@@ -28,8 +28,8 @@ from marge.config import PipelineConfig
 from marge.corpus import Corpus
 from marge.protocol import BatchQueue, Delivery
 from marge.snapshot import publish_snapshot
-from marge.training import (OptimConfig, build_optimizer, build_scheduler, forward_backward, maybe_no_sync,
-                            optimizer_step, unwrap)
+from marge.training import (DenoisingContrastive, OptimConfig, build_optimizer, build_scheduler, forward_backward,
+                            maybe_no_sync, optimizer_step, unwrap)
 from marge.utils import setup_logging
 
 log = logging.getLogger(__name__)
@@ -254,6 +254,9 @@ def train_loop_per_worker(config: dict) -> None:
     else:
         source = RedisSource(cfg, config["redis_url"], rank, consumed, deadline)
     self_evidence = self_evidence_config(cfg)
+    t = cfg.trainer
+    denoising = DenoisingContrastive(t.denoise_weight, t.denoise_deletion, t.denoise_temperature,
+                                     t.denoise_queue) if t.denoise_weight > 0 else None
     metrics = Metrics(cfg.run.name, rank)
     health = HealthProbe(cfg, tokenizer, cfg.run.name, rank) if rank == 0 else None
     speed = Throughput()
@@ -282,7 +285,7 @@ def train_loop_per_worker(config: dict) -> None:
             with maybe_no_sync(ddp_model, i < len(deliveries) - 1):
                 loss, n_target = forward_backward(ddp_model, d.batch, tokenizer.specials, 1.0 / len(deliveries), device,
                                                   cfg.trainer.bf16, cfg.batcher.attend_to, self_evidence,
-                                                  (cfg.run.seed, step, rank * cfg.trainer.grad_accum + i))
+                                                  (cfg.run.seed, step, rank * cfg.trainer.grad_accum + i), denoising)
             losses.append(loss)
             step_target_tokens += n_target
             step_tokens += d.batch.cost_tokens()

@@ -125,6 +125,11 @@ class TrainerSection:
     at step 0, annealed linearly to 0 at `self_evidence_until` (see marge.augment)."""
     self_evidence_until: int = 0
     self_evidence_deletion: float = 0.3
+    denoise_weight: float = 0.0
+    """Deviation (0 in `paper`): weight of the denoising contrastive loss on g (marge.training.DenoisingContrastive)."""
+    denoise_deletion: float = 0.6
+    denoise_temperature: float = 0.05
+    denoise_queue: int = 512
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -90,13 +90,51 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
 
 
+@dataclass
+class DenoisingContrastive:
+    """Deviation (off in `paper`): an auxiliary loss that makes g a discriminative fingerprint of a document.
+
+    Two noised views of every document in the batch (a share of tokens deleted from each) must find each
+    other among the batch's other documents and a queue of recent g vectors (SimCSE/MoCo style), so g
+    learns which tokens identify a document, like a learned IDF, and across languages the shared ones.
+    """
+
+    weight: float
+    deletion: float = 0.6
+    temperature: float = 0.05
+    queue_size: int = 512
+    queue: torch.Tensor | None = None
+
+    def loss(self, model: Marge, batch: Batch, specials: SpecialTokens, device: torch.device,
+             rng: np.random.Generator) -> torch.Tensor | None:
+        import torch.nn.functional as F
+
+        from marge.augment import SelfEvidence, noised
+        from marge.batch import as_encoder_input, pad_rows
+
+        noise = SelfEvidence(deletion=self.deletion, shuffle_window=1)
+        docs = [np.asarray(t) for t in batch.doc_tokens if len(t) > 1]
+        if len(docs) < 2:
+            return None
+        views = [pad_rows([as_encoder_input(noised(d, noise, rng), specials) for d in docs], specials.pad_id).to(device)
+                 for _ in range(2)]
+        a = F.normalize(model.relevance_vectors(views[0]).float(), dim=-1)
+        b = F.normalize(model.relevance_vectors(views[1]).float(), dim=-1)
+        keys = b if self.queue is None else torch.cat([b, self.queue.to(device)])
+        logits = a @ keys.T / self.temperature
+        loss = F.cross_entropy(logits, torch.arange(len(docs), device=device))
+        self.queue = torch.cat([b.detach().cpu(), self.queue if self.queue is not None else b.new_zeros(0, b.shape[1]).cpu()])[: self.queue_size]
+        return loss
+
+
 def unwrap(model: nn.Module) -> Marge:
     return model.module if hasattr(model, "module") else model  # DDP wraps the model
 
 
 def forward_backward(model: nn.Module, batch: Batch, specials: SpecialTokens, scale: float,
                      device: torch.device, bf16: bool = False, attend_to: str = "all",
-                     self_evidence: SelfEvidence | None = None, seed_key: tuple[int, ...] = (0,)) -> tuple[float, int]:
+                     self_evidence: SelfEvidence | None = None, seed_key: tuple[int, ...] = (0,),
+                     denoising: DenoisingContrastive | None = None) -> tuple[float, int]:
     """Loss of one batch, backpropagated with weight `scale`. Returns (mean token loss, target tokens).
 
     `seed_key` = (run seed, step, slot of the batch within the step) seeds the batch's augmentation, so a
@@ -112,6 +150,10 @@ def forward_backward(model: nn.Module, batch: Batch, specials: SpecialTokens, sc
     auxiliary = out.auxiliary_objective(unwrap(model).cfg)
     if auxiliary is not None:
         objective = objective + auxiliary
+    if denoising is not None and denoising.weight > 0:
+        extra = denoising.loss(unwrap(model), batch, specials, device, np.random.default_rng([*seed_key, 1]))
+        if extra is not None:
+            objective = objective + denoising.weight * extra
     (objective * scale).backward()
     return float(out.loss.detach()), int(out.tokens_per_target_N.sum())
 
@@ -140,7 +182,8 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 def reference_train(model: Marge, step_batches: Iterable[list[Batch]], specials: SpecialTokens, cfg: OptimConfig,
                     device: str | torch.device = "cpu", bf16: bool = False, attend_to: str = "all",
                     optimizer: torch.optim.Optimizer | None = None, scheduler=None,
-                    start_step: int = 0, self_evidence: SelfEvidence | None = None, seed: int = 0) -> list[StepRecord]:
+                    start_step: int = 0, self_evidence: SelfEvidence | None = None, seed: int = 0,
+                    denoising: DenoisingContrastive | None = None) -> list[StepRecord]:
     """Train in this process on the given batches, one list of batches per optimizer step."""
     device = torch.device(device)
     model.to(device).train()
@@ -152,7 +195,7 @@ def reference_train(model: Marge, step_batches: Iterable[list[Batch]], specials:
         losses, tokens = [], 0
         for slot, batch in enumerate(batches):  # slot = rank * grad_accum + micro-step, as on the DDP ranks
             loss, n = forward_backward(model, batch, specials, 1.0 / len(batches), device, bf16, attend_to,
-                                       self_evidence, (seed, step, slot))
+                                       self_evidence, (seed, step, slot), denoising)
             losses.append(loss)
             tokens += n
         lr = optimizer.param_groups[0]["lr"]
