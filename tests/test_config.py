@@ -73,7 +73,15 @@ def test_every_deviation_from_the_paper_is_off_in_the_paper_preset_and_config():
     paper = preset("paper")
     assert paper.relevance_pooling == "bos" and not paper.relevance_centering
     assert paper.relevance_distill_weight == 0 and not paper.beta_per_layer and paper.relevance_layers == 4
+    assert paper.relevance_contrastive_weight == 0 and paper.tie_encoder_embeddings
+    assert cfg_trainer_defaults_off()
     cfg = load_config(DEPLOY / "configs" / "paper.yaml")
     model = cfg.model_config(vocab_size=cfg.data.vocab_size)
     assert model == paper
     assert cfg.batcher.attend_to == "all" and cfg.indexer.min_score == -1.0
+
+
+def cfg_trainer_defaults_off() -> bool:
+    """The trainer-side deviations (self-evidence warm-up, denoising loss) are off in paper.yaml."""
+    t = load_config(DEPLOY / "configs" / "paper.yaml").trainer
+    return t.self_evidence_prob == 0 and t.denoise_weight == 0

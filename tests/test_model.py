@@ -382,3 +382,17 @@ def test_denoising_contrastive_trains_g_and_keeps_a_bounded_queue():
     assert sum(g.abs().sum() for g in grads) > 0
     dc.loss(model, batch, SPECIALS, torch.device("cpu"), np.random.default_rng(1))
     assert dc.queue.shape[0] == 8  # capped at queue_size
+
+
+def test_untied_encoder_embeddings_feed_encoder_and_snapshot():
+    from marge.model import RelevanceEncoder, relevance_state_dict
+
+    model = tiny(tie_encoder_embeddings=False)
+    assert model.encoder_embed_tokens is not None and model.encoder_token_embedding is not model.embed_tokens
+    inputs = to_model_inputs(make_batch(np.random.default_rng(16)), SPECIALS)
+    encoder = RelevanceEncoder(model.cfg)
+    encoder.load_state_dict(relevance_state_dict(model))
+    torch.testing.assert_close(encoder(inputs.evidence_MS), model.relevance_vectors(inputs.evidence_MS))
+    assert count_parameters(model) == count_parameters(tiny()) + 200 * 64
+    model(**inputs.as_kwargs()).loss.backward()
+    assert model.encoder_embed_tokens.weight.grad.abs().sum() > 0

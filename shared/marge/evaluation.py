@@ -140,7 +140,8 @@ def encoder_layer_states(model: Marge | RelevanceEncoder, tokens_RS: torch.Tenso
         return model.encoder_states(tokens_RS, layer)
     key_ok = (tokens_RS != model.cfg.pad_id)[:, None, None, :]
     positions = torch.arange(tokens_RS.shape[1], device=tokens_RS.device)
-    x = model.embed_tokens(tokens_RS) + model.encoder_positions(positions)
+    embed = model.encoder_token_embedding if isinstance(model, Marge) else model.embed_tokens
+    x = embed(tokens_RS) + model.encoder_positions(positions)
     for block in model.encoder_layers[:layer]:
         x = block(x, key_ok)
     return x

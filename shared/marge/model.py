@@ -77,6 +77,10 @@ class MargeConfig:
     batch's retrieval links (the index that built the batch teaches the next g; other evidence and other
     targets in the batch are the negatives)."""
     relevance_contrastive_temperature: float = 0.1
+    tie_encoder_embeddings: bool = True
+    """True (as BART and the paper's preset): one token embedding for encoder input, decoder input and
+    output. Deviation False: the encoder (and so g) gets its own input embedding, which the decoder's
+    language-modelling softmax does not reshape."""
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -329,6 +333,8 @@ class Marge(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
+        self.encoder_embed_tokens = (None if cfg.tie_encoder_embeddings
+                                     else nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id))
         self.encoder_positions = nn.Embedding(cfg.max_positions, cfg.d_model)
         self.decoder_positions = nn.Embedding(cfg.max_positions, cfg.d_model)
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
@@ -355,14 +361,20 @@ class Marge(nn.Module):
                 nn.init.zeros_(module.bias)
         with torch.no_grad():
             self.embed_tokens.weight[self.cfg.pad_id].zero_()
+            if self.encoder_embed_tokens is not None:
+                self.encoder_embed_tokens.weight[self.cfg.pad_id].zero_()
             self.beta.fill_(self.cfg.beta_init)
+
+    @property
+    def encoder_token_embedding(self) -> nn.Embedding:
+        return self.embed_tokens if self.encoder_embed_tokens is None else self.encoder_embed_tokens
 
     # --- encoder and relevance ------------------------------------------------------------------
 
     def _embed_encoder(self, tokens_RS: Tensor) -> Tensor:
         self._check_lengths(tokens_RS, "document")
         positions_S = torch.arange(tokens_RS.shape[1], device=tokens_RS.device)
-        return self.dropout(self.embed_tokens(tokens_RS) + self.encoder_positions(positions_S))
+        return self.dropout(self.encoder_token_embedding(tokens_RS) + self.encoder_positions(positions_S))
 
     def _check_lengths(self, tokens: Tensor, what: str) -> None:
         if tokens.dim() != 2:
@@ -570,9 +582,10 @@ class RelevanceEncoder(nn.Module):
 
 def relevance_state_dict(model: Marge) -> dict[str, Tensor]:
     """The tensors `RelevanceEncoder` needs, taken from a full model (what a snapshot publishes)."""
-    keep = ("embed_tokens.", "encoder_positions.")
     layers = tuple(f"encoder_layers.{i}." for i in range(model.cfg.relevance_layers))
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(keep + layers)}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(("encoder_positions.", *layers))}
+    state["embed_tokens.weight"] = model.encoder_token_embedding.weight.detach().clone()
+    return state
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -596,7 +609,8 @@ def parameter_breakdown(model: Marge) -> dict[str, int]:
         return mod.numel() if isinstance(mod, nn.Parameter) else count_parameters(mod)
 
     return {
-        "embeddings": n(model.embed_tokens) + n(model.encoder_positions) + n(model.decoder_positions),
+        "embeddings": n(model.embed_tokens) + n(model.encoder_positions) + n(model.decoder_positions)
+        + (n(model.encoder_embed_tokens) if model.encoder_embed_tokens is not None else 0),
         "encoder": n(model.encoder_layers) + n(model.encoder_norm),
         "decoder_local": n(model.decoder_local_layers),
         "decoder_cross": n(model.decoder_layers) + n(model.decoder_norm),
