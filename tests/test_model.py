@@ -370,18 +370,24 @@ def test_self_evidence_adds_a_linked_noised_copy_and_anneals():
     assert len(noised(np.arange(100, dtype=np.int32), cfg, np.random.default_rng(1))) < 90
 
 
-def test_denoising_contrastive_trains_g_and_keeps_a_bounded_queue():
+def test_denoising_contrastive_trains_g_with_fresh_negatives():
     from marge.training import DenoisingContrastive
 
     model = tiny(beta_init=0.0, relevance_pooling="mean").train()
     batch = make_batch(np.random.default_rng(15), lengths=(20, 18, 25, 30, 22), targets=(0, 1), evidence=(2, 3, 4))
-    dc = DenoisingContrastive(weight=1.0, deletion=0.5, temperature=0.05, queue_size=8)
+    corpus = [np.random.default_rng(i).integers(20, 200, size=15).astype(np.int32) for i in range(10)]
+    dc = DenoisingContrastive(weight=1.0, deletion=0.5, temperature=0.05, extra_documents=4, corpus_tokens=corpus)
     loss = dc.loss(model, batch, SPECIALS, torch.device("cpu"), np.random.default_rng(0))
-    assert loss.item() > 0 and dc.queue.shape == (5, model.cfg.d_model)
+    assert loss.item() > 0
     grads = torch.autograd.grad(loss, list(model.encoder_layers[0].parameters()))
     assert sum(g.abs().sum() for g in grads) > 0
-    dc.loss(model, batch, SPECIALS, torch.device("cpu"), np.random.default_rng(1))
-    assert dc.queue.shape[0] == 8  # capped at queue_size
+    # a few steps on it alone make a document's two views easier to pair
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(30):
+        opt.zero_grad()
+        dc.loss(model, batch, SPECIALS, torch.device("cpu"), np.random.default_rng(step)).backward()
+        opt.step()
+    assert dc.loss(model, batch, SPECIALS, torch.device("cpu"), np.random.default_rng(0)).item() < loss.item()
 
 
 def test_untied_encoder_embeddings_feed_encoder_and_snapshot():
@@ -396,3 +402,18 @@ def test_untied_encoder_embeddings_feed_encoder_and_snapshot():
     assert count_parameters(model) == count_parameters(tiny()) + 200 * 64
     model(**inputs.as_kwargs()).loss.backward()
     assert model.encoder_embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_detached_memory_leaves_g_layers_to_the_relevance_path():
+    inputs = to_model_inputs(make_batch(np.random.default_rng(17)), SPECIALS)
+    for from_reconstruction in (True, False):
+        torch.manual_seed(0)
+        model = tiny(relevance_layers_from_reconstruction=from_reconstruction)
+        # beta = 0 silences the beta * f path: g's layers then learn only if the memory carries gradient
+        with torch.no_grad():
+            model.beta.zero_()
+        model(**inputs.as_kwargs()).loss.backward()
+        g_layer_grad = sum(p.grad.abs().sum() for p in model.encoder_layers[0].parameters() if p.grad is not None)
+        top_layer_grad = sum(p.grad.abs().sum() for p in model.encoder_layers[-1].parameters())
+        assert top_layer_grad > 0
+        assert (g_layer_grad > 0) == from_reconstruction

@@ -255,8 +255,11 @@ def train_loop_per_worker(config: dict) -> None:
         source = RedisSource(cfg, config["redis_url"], rank, consumed, deadline)
     self_evidence = self_evidence_config(cfg)
     t = cfg.trainer
-    denoising = DenoisingContrastive(t.denoise_weight, t.denoise_deletion, t.denoise_temperature,
-                                     t.denoise_queue) if t.denoise_weight > 0 else None
+    denoising = None
+    if t.denoise_weight > 0:
+        corpus_tokens = [tok for s in range(corpus.num_shards) for tok in corpus.read_shard(s).tokens]
+        denoising = DenoisingContrastive(t.denoise_weight, t.denoise_deletion, t.denoise_temperature,
+                                         t.denoise_extra_documents, corpus_tokens)
     metrics = Metrics(cfg.run.name, rank)
     health = HealthProbe(cfg, tokenizer, cfg.run.name, rank) if rank == 0 else None
     speed = Throughput()

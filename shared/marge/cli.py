@@ -360,10 +360,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_cleanly_on_sigterm() -> None:
+    """`ray job stop`, `kill` and CI time-outs send SIGTERM: exit through the normal path so that what the
+    command started (a private redis-server, a local Ray) is stopped by its `finally` blocks."""
+    import signal
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    if args.command in ("pretrain", "experiment"):
+        exit_cleanly_on_sigterm()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

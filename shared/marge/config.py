@@ -129,7 +129,8 @@ class TrainerSection:
     """Deviation (0 in `paper`): weight of the denoising contrastive loss on g (marge.training.DenoisingContrastive)."""
     denoise_deletion: float = 0.6
     denoise_temperature: float = 0.05
-    denoise_queue: int = 512
+    denoise_extra_documents: int = 32
+    """Random corpus documents added to each batch's denoising loss as negatives."""
 
 
 @dataclass(frozen=True, kw_only=True)

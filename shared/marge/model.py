@@ -77,6 +77,11 @@ class MargeConfig:
     batch's retrieval links (the index that built the batch teaches the next g; other evidence and other
     targets in the batch are the negatives)."""
     relevance_contrastive_temperature: float = 0.1
+    relevance_layers_from_reconstruction: bool = True
+    """True (paper): the reconstruction loss trains g's layers through the encoder memory as well as through
+    beta * f. Deviation False: the memory is detached above g's layers, so g's layers (and the encoder's
+    token embedding) learn only through beta * f and the auxiliary losses on f, while the encoder layers
+    above them still learn from reconstruction."""
     tie_encoder_embeddings: bool = True
     """True (as BART and the paper's preset): one token embedding for encoder input, decoder input and
     output. Deviation False: the encoder (and so g) gets its own input embedding, which the decoder's
@@ -415,6 +420,8 @@ class Marge(nn.Module):
             x = layer(x, key_ok_M11S)
             if i + 1 == self.cfg.relevance_layers:
                 relevance_MD = pool_relevance(x, key_ok_MS, self.cfg.relevance_pooling)
+                if not self.cfg.relevance_layers_from_reconstruction:
+                    x = x.detach()
         m, s, d = x.shape
         memory_1LD = self.encoder_norm(x).reshape(1, m * s, d)
         key_doc_L = torch.arange(m, device=x.device).repeat_interleave(s)

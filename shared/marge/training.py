@@ -94,16 +94,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch
 class DenoisingContrastive:
     """Deviation (off in `paper`): an auxiliary loss that makes g a discriminative fingerprint of a document.
 
-    Two noised views of every document in the batch (a share of tokens deleted from each) must find each
-    other among the batch's other documents and a queue of recent g vectors (SimCSE/MoCo style), so g
-    learns which tokens identify a document, like a learned IDF, and across languages the shared ones.
+    Two noised views of every document in the batch, plus `extra_documents` random corpus documents (more
+    negatives, embedded with the current parameters: a queue of stale vectors lets the encoder drift away
+    from them, a degenerate solution), must find each other (SimCSE style). g learns which tokens
+    identify a document, like a learned IDF, and across languages the tokens they share.
     """
 
     weight: float
     deletion: float = 0.6
     temperature: float = 0.05
-    queue_size: int = 512
-    queue: torch.Tensor | None = None
+    extra_documents: int = 32
+    corpus_tokens: list | None = None  # documents to draw extra negatives from
 
     def loss(self, model: Marge, batch: Batch, specials: SpecialTokens, device: torch.device,
              rng: np.random.Generator) -> torch.Tensor | None:
@@ -114,17 +115,18 @@ class DenoisingContrastive:
 
         noise = SelfEvidence(deletion=self.deletion, shuffle_window=1)
         docs = [np.asarray(t) for t in batch.doc_tokens if len(t) > 1]
+        if self.corpus_tokens and self.extra_documents:
+            docs += [np.asarray(self.corpus_tokens[i]) for i in rng.integers(len(self.corpus_tokens), size=self.extra_documents)]
+            docs = [d for d in docs if len(d) > 1]
         if len(docs) < 2:
             return None
         views = [pad_rows([as_encoder_input(noised(d, noise, rng), specials) for d in docs], specials.pad_id).to(device)
                  for _ in range(2)]
         a = F.normalize(model.relevance_vectors(views[0]).float(), dim=-1)
         b = F.normalize(model.relevance_vectors(views[1]).float(), dim=-1)
-        keys = b if self.queue is None else torch.cat([b, self.queue.to(device)])
-        logits = a @ keys.T / self.temperature
-        loss = F.cross_entropy(logits, torch.arange(len(docs), device=device))
-        self.queue = torch.cat([b.detach().cpu(), self.queue if self.queue is not None else b.new_zeros(0, b.shape[1]).cpu()])[: self.queue_size]
-        return loss
+        logits = a @ b.T / self.temperature
+        labels = torch.arange(len(docs), device=device)
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
 
 def unwrap(model: nn.Module) -> Marge:
