@@ -86,6 +86,12 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
         log.info("checkpoint step %d: P@1 %.3f, evidence gain %s", step, mean_score(results), health.get("evidence_gain"))
     final = over_time[-1] if over_time else {"p_at_1": {}, "evidence_gain": None, "step": 0}
     trained = final["p_at_1"]
+    # the final model at every layer too, next to random init's: which representation learned what
+    trained_by_layer = {}
+    if over_time:
+        final_model = load_model(checkpoints_of(Path(cfg.run.dir), cfg.run.name)[-1])
+        trained_by_layer = {str(layer): evaluate_model(final_model, tokenizer, pairs, layer)
+                            for layer in range(0, len(final_model.encoder_layers) + 1)}
 
     records = read_train_log(Path(cfg.run.dir))
     health_records = [{"step": 0, **init_health}] + [{"step": r["step"], **r["health"]} for r in records if "health" in r]
@@ -95,6 +101,7 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
         "p_at_1": {"trained": trained, "random_init": random_best, "tfidf": tfidf},
         "p_at_1_mean": {"trained": mean_score(trained), "random_init": mean_score(random_best), "tfidf": mean_score(tfidf)},
         "random_init_by_layer": {str(k): v for k, v in random_by_layer.items()},
+        "trained_by_layer": trained_by_layer,
         "eval_layer": eval_layer if eval_layer is not None else min(5, len(init_model.encoder_layers)),
         "checkpoint": str(checkpoints_of(Path(cfg.run.dir), cfg.run.name)[-1]) if over_time else None,
         "targets": {
