@@ -96,3 +96,41 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
     assert [r["step"] for r in records] == list(range(1, 31))
     trained = [b for r in records for b in r["batch_ids"]]
     assert len(trained) == len(set(trained)) == 60
+
+
+@pytest.mark.slow
+def test_learning_experiment_writes_a_complete_report(ray_cluster, redis_server, small_corpus, tmp_path, capsys):
+    from marge.cli import main
+    from marge.driver.experiment import run_learning_experiment
+
+    # 8 held-out pairs per language pair keep the evaluations short
+    rows, per_pair = [], {}
+    for line in (REPO / "data/demo/libreoffice-help/heldout_pairs.tsv").read_text(encoding="utf-8").splitlines():
+        key = tuple(line.split("\t")[0::2])
+        if per_pair.setdefault(key, 0) < 8:
+            per_pair[key] += 1
+            rows.append(line)
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    cfg = small_config(tmp_path, small_corpus, redis_server.url, "learning", "run.max_steps=12",
+                       "trainer.num_workers=2", "trainer.snapshot_every=6", "indexer.reindex_every=6",
+                       "trainer.checkpoint_every=6", f"data.heldout_pairs={pairs}", "health.probe_size=4",
+                       "health.pairs_per_language=4", "trainer.denoise_weight=0.3", "model.relevance_pooling=mean")
+
+    report = run_learning_experiment(cfg, minutes=5, out_dir=tmp_path / "out")
+
+    assert json.loads((tmp_path / "out/report.json").read_text()) == report
+    assert (tmp_path / "out/curves.png").stat().st_size > 0
+    directions = set(report["p_at_1"]["tfidf"])
+    assert len(directions) == 14
+    for name in ("trained", "random_init"):
+        assert set(report["p_at_1"][name]) == directions
+        assert all(0.0 <= v <= 1.0 for v in report["p_at_1"][name].values())
+    assert [r["step"] for r in report["p_at_1_over_time"]] == [6, 12]
+    assert isinstance(report["evidence_gain"], float)
+    assert {"evidence_gain", "relevance_gap", "g_spread", "copy_gain"} <= set(report["health"][-1])
+    assert set(report["trained_by_layer"]) == {"0", "1", "2", "3"}
+    # the checkpoint it names is one `marge eval retrieval --checkpoint` accepts, and gives the same P@1
+    assert main(["eval", "retrieval", "--pairs", str(pairs), "--checkpoint", report["checkpoint"], "--json",
+                 "--layer", str(report["eval_layer"])]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == pytest.approx(report["p_at_1"]["trained"])
