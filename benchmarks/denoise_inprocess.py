@@ -49,12 +49,12 @@ def main(argv: list[str]) -> None:
     encoder = RelevanceEncoder(model.cfg)
     encoder.load_state_dict(relevance_state_dict(model))
     version = index_corpus(corpus, encoder.eval(), specials, Path(tempfile.mkdtemp()), 0, 0, LinkConfig(rule="document"))
-    batches = itertools.cycle(list(epoch_batches(version, DocumentStore(corpus), BatcherConfig(max_tokens=1024), 0)))
+    store = DocumentStore(corpus)
+    batches = itertools.cycle(list(epoch_batches(version, store, BatcherConfig(max_tokens=1024), 0)))
     optim = OptimConfig(lr=1e-3, warmup_steps=50, total_steps=100000)
     optimizer = build_optimizer(model, optim)
     scheduler = build_scheduler(optimizer, optim)
-    all_tokens = [t for s in range(corpus.num_shards) for t in corpus.read_shard(s).tokens]
-    denoising = DenoisingContrastive(weight, 0.6, 0.05, int(args.get("extra", 32)), all_tokens)
+    denoising = DenoisingContrastive(weight, 0.6, 0.05, int(args.get("extra", 32)), list(store.tokens.values()))
     started, step = time.time(), 0
     while time.time() - started < 60 * minutes:
         batch = next(batches)

@@ -75,15 +75,9 @@ def test_every_deviation_from_the_paper_is_off_in_the_paper_preset_and_config():
     assert paper.relevance_distill_weight == 0 and not paper.beta_per_layer and paper.relevance_layers == 4
     assert paper.relevance_contrastive_weight == 0 and paper.tie_encoder_embeddings
     assert paper.relevance_layers_from_reconstruction
-    assert cfg_trainer_defaults_off()
     cfg = load_config(DEPLOY / "configs" / "paper.yaml")
+    assert cfg.trainer.self_evidence_prob == 0 and cfg.trainer.denoise_weight == 0
     model = cfg.model_config(vocab_size=cfg.data.vocab_size)
     assert model == paper
     assert cfg.batcher.attend_to == "all" and cfg.indexer.min_score == -1.0 and cfg.indexer.link_rule == "shard"
     assert cfg.data.max_chunk_tokens == 512
-
-
-def cfg_trainer_defaults_off() -> bool:
-    """The trainer-side deviations (self-evidence warm-up, denoising loss) are off in paper.yaml."""
-    t = load_config(DEPLOY / "configs" / "paper.yaml").trainer
-    return t.self_evidence_prob == 0 and t.denoise_weight == 0

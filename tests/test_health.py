@@ -11,7 +11,6 @@ from marge.health import build_probe, g_spread, probe_health
 from marge.model import Marge, preset
 
 
-
 @pytest.fixture(scope="module")
 def tokenizer(small_corpus):
     return Corpus.open(small_corpus).tokenizer()

@@ -76,7 +76,9 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
 
     # 3. P@1 of every checkpoint
     over_time = []
-    for path in checkpoints_of(Path(cfg.run.dir), cfg.run.name):
+    checkpoints = checkpoints_of(Path(cfg.run.dir), cfg.run.name)
+    model = None
+    for path in checkpoints:
         model = load_model(path)
         results = evaluate_model(model, tokenizer, pairs, eval_layer)
         health = probe_health(model, probe, tokenizer.specials) if probe else {}
@@ -87,11 +89,8 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
     final = over_time[-1] if over_time else {"p_at_1": {}, "evidence_gain": None, "step": 0}
     trained = final["p_at_1"]
     # the final model at every layer too, next to random init's: which representation learned what
-    trained_by_layer = {}
-    if over_time:
-        final_model = load_model(checkpoints_of(Path(cfg.run.dir), cfg.run.name)[-1])
-        trained_by_layer = {str(layer): evaluate_model(final_model, tokenizer, pairs, layer)
-                            for layer in range(0, len(final_model.encoder_layers) + 1)}
+    trained_by_layer = {} if model is None else {
+        str(layer): evaluate_model(model, tokenizer, pairs, layer) for layer in range(0, len(model.encoder_layers) + 1)}
 
     records = read_train_log(Path(cfg.run.dir))
     health_records = [{"step": 0, **init_health}] + [{"step": r["step"], **r["health"]} for r in records if "health" in r]
@@ -103,7 +102,7 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
         "random_init_by_layer": {str(k): v for k, v in random_by_layer.items()},
         "trained_by_layer": trained_by_layer,
         "eval_layer": eval_layer if eval_layer is not None else min(5, len(init_model.encoder_layers)),
-        "checkpoint": str(checkpoints_of(Path(cfg.run.dir), cfg.run.name)[-1]) if over_time else None,
+        "checkpoint": str(checkpoints[-1]) if checkpoints else None,
         "targets": {
             "evidence_gain_at_least_0.5": (final.get("evidence_gain") or 0) >= 0.5,
             "above_best_random_init_on_every_pair": bool(trained) and all(trained[k] > random_best[k] for k in trained),

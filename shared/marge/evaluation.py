@@ -136,12 +136,11 @@ def mean_layer_vectors(model: Marge | RelevanceEncoder, rows: list[list[int]], s
 
 def encoder_layer_states(model: Marge | RelevanceEncoder, tokens_RS: torch.Tensor, layer: int) -> torch.Tensor:
     """States after `layer` encoder layers; layer 0 is the input embedding (tokens + positions)."""
-    if isinstance(model, Marge) and layer > 0:
+    if isinstance(model, Marge):
         return model.encoder_states(tokens_RS, layer)
     key_ok = (tokens_RS != model.cfg.pad_id)[:, None, None, :]
     positions = torch.arange(tokens_RS.shape[1], device=tokens_RS.device)
-    embed = model.encoder_token_embedding if isinstance(model, Marge) else model.embed_tokens
-    x = embed(tokens_RS) + model.encoder_positions(positions)
+    x = model.embed_tokens(tokens_RS) + model.encoder_positions(positions)
     for block in model.encoder_layers[:layer]:
         x = block(x, key_ok)
     return x

@@ -83,8 +83,9 @@ def _batch(target: ProbeItem, evidence_from: ProbeItem) -> Batch:
 
 def _self_copy(item: ProbeItem, rng: np.random.Generator) -> ProbeItem:
     """The item with a noised copy of its own target as its only evidence (30% of tokens deleted)."""
-    keep = rng.random(len(item.target)) >= 0.3
-    copy = item.target[keep] if keep.any() else item.target[:1]
+    from marge.augment import SelfEvidence, noised
+
+    copy = noised(item.target, SelfEvidence(deletion=0.3, shuffle_window=1), rng)
     return ProbeItem(item.target, item.target_lang, (copy,), (item.target_lang,))
 
 

@@ -114,10 +114,10 @@ class DenoisingContrastive:
         from marge.batch import as_encoder_input, pad_rows
 
         noise = SelfEvidence(deletion=self.deletion, shuffle_window=1)
-        docs = [np.asarray(t) for t in batch.doc_tokens if len(t) > 1]
+        docs = list(batch.doc_tokens)
         if self.corpus_tokens and self.extra_documents:
-            docs += [np.asarray(self.corpus_tokens[i]) for i in rng.integers(len(self.corpus_tokens), size=self.extra_documents)]
-            docs = [d for d in docs if len(d) > 1]
+            docs += [self.corpus_tokens[i] for i in rng.integers(len(self.corpus_tokens), size=self.extra_documents)]
+        docs = [np.asarray(d) for d in docs if len(d) > 1]
         if len(docs) < 2:
             return None
         views = [pad_rows([as_encoder_input(noised(d, noise, rng), specials) for d in docs], specials.pad_id).to(device)
