@@ -96,7 +96,7 @@ def plain_cross_attention_reference(model: Marge, inputs) -> torch.Tensor:
 
     dec = inputs.decoder_in_NT
     n, t = dec.shape
-    x = model.embed_tokens(dec) + model.decoder_positions(torch.arange(t))
+    x = model.decoder_embedding_norm(model.embed_tokens(dec) + model.decoder_positions(torch.arange(t)))
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     mem = evidence.memory_1LD.expand(n, -1, -1)
     for layer in [*model.decoder_local_layers, *model.decoder_layers]:
@@ -110,9 +110,15 @@ def plain_cross_attention_reference(model: Marge, inputs) -> torch.Tensor:
 
 
 def test_beta_zero_is_plain_cross_attention_over_the_concatenation():
-    model = tiny(beta_init=0.0)
+    # So that beta != 0 visibly moves the loss in a fresh model: g mean-pooled, because the BOS-pooled g of
+    # a fresh model is nearly one vector for every document (the normalised BOS embedding dominates the BOS
+    # state), and cross-attention outputs scaled up, because at init they add little to the unit-scale
+    # residual stream (training grows them).
+    model = tiny(beta_init=0.0, relevance_pooling="mean")
     inputs = to_model_inputs(make_batch(np.random.default_rng(3)), SPECIALS)
     with torch.no_grad():
+        for layer in model.decoder_layers:
+            layer.cross_attn.out_proj.weight.mul_(30.0)
         out = model(**inputs.as_kwargs())
         torch.testing.assert_close(out.loss, plain_cross_attention_reference(model, inputs), rtol=1e-5, atol=1e-5)
         # and with beta != 0 the relevance term matters
@@ -417,3 +423,28 @@ def test_detached_memory_leaves_g_layers_to_the_relevance_path():
         top_layer_grad = sum(p.grad.abs().sum() for p in model.encoder_layers[-1].parameters())
         assert top_layer_grad > 0
         assert (g_layer_grad > 0) == from_reconstruction
+
+
+def test_relevance_encoder_carries_the_embedding_layernorm():
+    from marge.model import PRESETS, RelevanceEncoder, relevance_state_dict
+
+    assert PRESETS["paper"]["embedding_layernorm"]  # our choice where the paper is silent: stated, not inherited
+    inputs = to_model_inputs(make_batch(np.random.default_rng(18)), SPECIALS)
+    for embedding_layernorm in (True, False):
+        model = tiny(embedding_layernorm=embedding_layernorm)
+        if embedding_layernorm:
+            layer0 = model.encoder_states(inputs.evidence_MS, 0)  # LayerNorm at init: zero mean, unit variance
+            torch.testing.assert_close(layer0.mean(-1), torch.zeros(layer0.shape[:2]), atol=1e-5, rtol=0)
+            # not exactly 1: LayerNorm's eps (1e-5) is a few % of the variance of std-0.02 embeddings
+            torch.testing.assert_close(layer0.var(-1, unbiased=False), torch.ones(layer0.shape[:2]), atol=0.05, rtol=0)
+            with torch.no_grad():  # trained-looking norm parameters, so that a snapshot without them would differ
+                model.encoder_embedding_norm.weight.uniform_(0.5, 1.5)
+                model.encoder_embedding_norm.bias.uniform_(-0.5, 0.5)
+        else:
+            assert model.encoder_embedding_norm is None and model.decoder_embedding_norm is None
+        encoder = RelevanceEncoder(model.cfg)
+        encoder.load_state_dict(relevance_state_dict(model))  # strict: every tensor g needs, and no other
+        torch.testing.assert_close(encoder(inputs.evidence_MS), model.relevance_vectors(inputs.evidence_MS))
+        for layer in (0, 1):
+            torch.testing.assert_close(encoder.encoder_states(inputs.evidence_MS, layer),
+                                       model.encoder_states(inputs.evidence_MS, layer))
