@@ -31,7 +31,7 @@ log = logging.getLogger("bench")
 
 def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
     """Pipeline-fed vs memory-fed trainer on identical batches (same model, optimizer, DDP ranks)."""
-    from marge.batcher.actor import batcher_config
+    from marge.batcher.core import batcher_config
     from marge.batcher.core import DocumentStore, epoch_batches
     from marge.config import load_config
     from marge.corpus import Corpus

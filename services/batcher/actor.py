@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ray
 
-from marge.batcher.core import BatcherConfig, DocumentStore, epoch_batches
+from marge.batcher.core import DocumentStore, batcher_config, epoch_batches
 from marge.config import PipelineConfig
 from marge.corpus import Corpus
 from marge.index_store import latest_version
@@ -24,12 +24,6 @@ from marge.protocol import BatchQueue
 from marge.utils import setup_logging
 
 log = logging.getLogger(__name__)
-
-
-def batcher_config(cfg: PipelineConfig) -> BatcherConfig:
-    return BatcherConfig(max_tokens=cfg.batcher.max_tokens, crosslingual_weight=cfg.batcher.crosslingual_weight,
-                         monolingual_weight=cfg.batcher.monolingual_weight, seed=cfg.run.seed,
-                         seed_lookahead=cfg.batcher.seed_lookahead)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)

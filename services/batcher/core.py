@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from marge.batch import Batch
+from marge.config import PipelineConfig
 from marge.corpus import Corpus
 from marge.index_store import IndexVersion
 from marge.batcher.greedy import BatcherWeights, BatchPlan, plan_shard_batches
@@ -36,6 +37,12 @@ class BatcherConfig:
     @property
     def weights(self) -> BatcherWeights:
         return BatcherWeights(self.crosslingual_weight, self.monolingual_weight)
+
+
+def batcher_config(cfg: PipelineConfig) -> BatcherConfig:
+    return BatcherConfig(max_tokens=cfg.batcher.max_tokens, crosslingual_weight=cfg.batcher.crosslingual_weight,
+                         monolingual_weight=cfg.batcher.monolingual_weight, seed=cfg.run.seed,
+                         seed_lookahead=cfg.batcher.seed_lookahead)
 
 
 class DocumentStore:

@@ -26,6 +26,7 @@ from marge.config import PipelineConfig, load_config
 from marge.evaluation import evaluate_model, evaluate_tfidf, mean_score, read_pairs
 from marge.health import build_probe, probe_health
 from marge.report import ema, plot_curves, read_train_log
+from marge.utils import atomic_write_text
 
 log = logging.getLogger("marge.experiment")
 
@@ -40,6 +41,72 @@ def checkpoints_of(run_dir: Path, run_name: str) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if (p / "manifest.json").exists())
 
 
+def measure_baselines(init_model, tokenizer, pairs, probe, device: str | torch.device = "cpu") -> dict:
+    """What the run is compared with, measured before training: the initial (random) model's held-out P@1 at
+    every encoder layer and the best of them per direction, char n-gram TF-IDF, and the initial probe health."""
+    by_layer = {layer: evaluate_model(init_model, tokenizer, pairs, layer, device=str(device))
+                for layer in range(0, len(init_model.encoder_layers) + 1)}
+    best = best_per_pair(by_layer)
+    tfidf = evaluate_tfidf(pairs)
+    health = probe_health(init_model, probe, tokenizer.specials, device) if probe else {}
+    log.info("baselines: random init best %.3f (by layer %s), TF-IDF %.3f, initial evidence gain %.3f",
+             mean_score(best), {k: round(mean_score(v), 3) for k, v in by_layer.items()}, mean_score(tfidf),
+             health.get("evidence_gain", float("nan")))
+    return {"random_init_by_layer": {str(k): v for k, v in by_layer.items()}, "random_init": best, "tfidf": tfidf,
+            "initial_health": health}
+
+
+def checkpoint_evaluation(model, tokenizer, pairs, eval_layer, probe, step: int,
+                          device: str | torch.device = "cpu") -> dict:
+    """Held-out P@1 (every pair) and the probe's evidence gain of one checkpoint: a point of P@1 over time."""
+    results = evaluate_model(model, tokenizer, pairs, eval_layer, device=str(device))
+    health = probe_health(model, probe, tokenizer.specials, device) if probe else {}
+    log.info("checkpoint step %d: P@1 %.3f, evidence gain %s", step, mean_score(results), health.get("evidence_gain"))
+    return {"step": step, "p_at_1_mean": mean_score(results), "p_at_1": results,
+            "evidence_gain": health.get("evidence_gain")}
+
+
+def assemble_report(baselines: dict, over_time: list[dict], final_model, tokenizer, pairs, eval_layer,
+                    records: list[dict], checkpoint: str | None, index_builds: list[dict], pipeline: dict,
+                    minutes: float, elapsed_s: float, cfg: PipelineConfig, out_dir: Path,
+                    device: str | torch.device = "cpu", extra: dict | None = None) -> dict:
+    """report.json and curves.png of a learning experiment (either mode), from what the run measured."""
+    random_best, tfidf = baselines["random_init"], baselines["tfidf"]
+    final = over_time[-1] if over_time else {"p_at_1": {}, "evidence_gain": None, "step": 0}
+    trained = final["p_at_1"]
+    # the final model at every layer too, next to random init's: which representation learned what
+    trained_by_layer = {} if final_model is None else {
+        str(layer): evaluate_model(final_model, tokenizer, pairs, layer, device=str(device))
+        for layer in range(0, len(final_model.encoder_layers) + 1)}
+    health_records = ([{"step": 0, **baselines["initial_health"]}]
+                      + [{"step": r["step"], **r["health"]} for r in records if "health" in r])
+    depth = len(final_model.encoder_layers) if final_model is not None else 5
+    report = {
+        "evidence_gain": final.get("evidence_gain"),
+        "evidence_gain_definition": "probe loss with shuffled evidence minus loss with the true evidence, nats/token",
+        "p_at_1": {"trained": trained, "random_init": random_best, "tfidf": tfidf},
+        "p_at_1_mean": {"trained": mean_score(trained), "random_init": mean_score(random_best), "tfidf": mean_score(tfidf)},
+        "random_init_by_layer": baselines["random_init_by_layer"],
+        "trained_by_layer": trained_by_layer,
+        "eval_layer": eval_layer if eval_layer is not None else min(5, depth),
+        "checkpoint": checkpoint,
+        "targets": {
+            "evidence_gain_at_least_0.5": (final.get("evidence_gain") or 0) >= 0.5,
+            "above_best_random_init_on_every_pair": bool(trained) and all(trained[k] > random_best[k] for k in trained),
+            "pairs_above_random_init": sum(trained[k] > random_best[k] for k in trained),
+            "above_tfidf_on_every_pair": bool(trained) and all(trained[k] > tfidf[k] for k in trained),
+            "pairs_above_tfidf": sum(trained[k] > tfidf[k] for k in trained),
+            "pairs": len(trained),
+        },
+        "p_at_1_over_time": over_time, "health": health_records,
+        "index_builds": index_builds, "pipeline": pipeline,
+        "minutes": minutes, "elapsed_s": round(elapsed_s, 1), **(extra or {}), "config": cfg.to_dict(),
+    }
+    report["curves"] = str(plot_learning(report, records, out_dir / "curves.png"))
+    atomic_write_text(out_dir / "report.json", json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) -> dict:
     from marge.driver.pipeline import ensure_corpus, ensure_initial_model, run_pipeline, with_absolute_paths
     from marge.trainer.worker import init_weights_path
@@ -52,24 +119,12 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
     corpus = ensure_corpus(cfg)
     tokenizer = corpus.tokenizer()
     ensure_initial_model(cfg, corpus)
-    pairs_path = cfg.health.pairs or cfg.data.heldout_pairs
-    if not pairs_path or not Path(pairs_path).exists():
-        raise FileNotFoundError(f"held-out pairs {pairs_path} not found: set data.heldout_pairs")
-    pairs = read_pairs(Path(pairs_path))
-    eval_layer = cfg.health.eval_layer
+    pairs = read_pairs(heldout_pairs_path(cfg))
+    probe = build_run_probe(cfg, tokenizer)
 
     # 1. baselines, same run, same data
     init_model = load_model_weights(init_weights_path(cfg)).eval()
-    random_by_layer = {layer: evaluate_model(init_model, tokenizer, pairs, layer)
-                       for layer in range(0, len(init_model.encoder_layers) + 1)}
-    random_best = best_per_pair(random_by_layer)
-    tfidf = evaluate_tfidf(pairs)
-    probe = build_probe(Path(cfg.health.documents), tokenizer, cfg.health.probe_size, cfg.health.max_evidence,
-                        cfg.health.max_tokens, seed=cfg.run.seed) if cfg.health.documents else None
-    init_health = probe_health(init_model, probe, tokenizer.specials) if probe else {}
-    log.info("baselines: random init best %.3f (by layer %s), TF-IDF %.3f, initial evidence gain %.3f",
-             mean_score(random_best), {k: round(mean_score(v), 3) for k, v in random_by_layer.items()},
-             mean_score(tfidf), init_health.get("evidence_gain", float("nan")))
+    baselines = measure_baselines(init_model, tokenizer, pairs, probe)
 
     # 2. the real pipeline for N minutes
     summary = run_pipeline(cfg)
@@ -80,43 +135,26 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
     model = None
     for path in checkpoints:
         model = load_model(path)
-        results = evaluate_model(model, tokenizer, pairs, eval_layer)
-        health = probe_health(model, probe, tokenizer.specials) if probe else {}
-        step = int(path.name.split("-")[1])
-        over_time.append({"step": step, "p_at_1_mean": mean_score(results), "p_at_1": results,
-                          "evidence_gain": health.get("evidence_gain")})
-        log.info("checkpoint step %d: P@1 %.3f, evidence gain %s", step, mean_score(results), health.get("evidence_gain"))
-    final = over_time[-1] if over_time else {"p_at_1": {}, "evidence_gain": None, "step": 0}
-    trained = final["p_at_1"]
-    # the final model at every layer too, next to random init's: which representation learned what
-    trained_by_layer = {} if model is None else {
-        str(layer): evaluate_model(model, tokenizer, pairs, layer) for layer in range(0, len(model.encoder_layers) + 1)}
+        over_time.append(checkpoint_evaluation(model, tokenizer, pairs, cfg.health.eval_layer, probe,
+                                               int(path.name.split("-")[1])))
+    return assemble_report(baselines, over_time, model, tokenizer, pairs, cfg.health.eval_layer,
+                           read_train_log(Path(cfg.run.dir)), str(checkpoints[-1]) if checkpoints else None,
+                           summary.get("index_builds", []), {k: v for k, v in summary.items() if k != "index_builds"},
+                           minutes, time.time() - started, cfg, out_dir, extra={"mode": "pipeline"})
 
-    records = read_train_log(Path(cfg.run.dir))
-    health_records = [{"step": 0, **init_health}] + [{"step": r["step"], **r["health"]} for r in records if "health" in r]
-    report = {
-        "evidence_gain": final.get("evidence_gain"),
-        "evidence_gain_definition": "probe loss with shuffled evidence minus loss with the true evidence, nats/token",
-        "p_at_1": {"trained": trained, "random_init": random_best, "tfidf": tfidf},
-        "p_at_1_mean": {"trained": mean_score(trained), "random_init": mean_score(random_best), "tfidf": mean_score(tfidf)},
-        "random_init_by_layer": {str(k): v for k, v in random_by_layer.items()},
-        "trained_by_layer": trained_by_layer,
-        "eval_layer": eval_layer if eval_layer is not None else min(5, len(init_model.encoder_layers)),
-        "checkpoint": str(checkpoints[-1]) if checkpoints else None,
-        "targets": {
-            "evidence_gain_at_least_0.5": (final.get("evidence_gain") or 0) >= 0.5,
-            "above_best_random_init_on_every_pair": bool(trained) and all(trained[k] > random_best[k] for k in trained),
-            "pairs_above_random_init": sum(trained[k] > random_best[k] for k in trained),
-            "pairs": len(trained),
-        },
-        "p_at_1_over_time": over_time, "health": health_records,
-        "index_builds": summary.get("index_builds", []),
-        "pipeline": {k: v for k, v in summary.items() if k != "index_builds"},
-        "minutes": minutes, "elapsed_s": round(time.time() - started, 1), "config": cfg.to_dict(),
-    }
-    report["curves"] = str(plot_learning(report, records, out_dir / "curves.png"))
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    return report
+
+def heldout_pairs_path(cfg: PipelineConfig) -> Path:
+    path = cfg.health.pairs or cfg.data.heldout_pairs
+    if not path or not Path(path).exists():
+        raise FileNotFoundError(f"held-out pairs {path} not found: set data.heldout_pairs (or health.pairs)")
+    return Path(path)
+
+
+def build_run_probe(cfg: PipelineConfig, tokenizer):
+    """The run's evidence-gain probe (None when health.documents is null)."""
+    h = cfg.health
+    return build_probe(Path(h.documents), tokenizer, h.probe_size, h.max_evidence, h.max_tokens,
+                       seed=cfg.run.seed) if h.documents else None
 
 
 def plot_learning(report: dict, records: list[dict], path: Path) -> Path:

@@ -20,17 +20,11 @@ import ray
 from marge.config import PipelineConfig
 from marge.corpus import Corpus
 from marge.index_store import commit_version, latest_version, staging_dir
-from marge.indexer.core import LinkConfig, index_shard
+from marge.indexer.core import index_build_record, index_shard, link_config
 from marge.snapshot import latest_snapshot, load_relevance_encoder, read_snapshot
 from marge.utils import setup_logging
 
 log = logging.getLogger(__name__)
-
-
-def link_config(cfg: PipelineConfig) -> LinkConfig:
-    return LinkConfig(links_monolingual=cfg.indexer.links_monolingual, links_crosslingual=cfg.indexer.links_crosslingual,
-                      candidates_per_language=cfg.indexer.candidates_per_language, min_score=cfg.indexer.min_score,
-                      center=bool(cfg.model.get("relevance_centering", False)), rule=cfg.indexer.link_rule)
 
 
 @ray.remote
@@ -132,17 +126,9 @@ class IndexCoordinator:
         committed = commit_version(self.root, version, snapshot_step, entries, keep_versions=self.cfg.indexer.keep_versions,
                                    extra={"snapshot_path": snapshot_path})
         self.version, self.indexed_step = version, snapshot_step
+        record = index_build_record(committed, entries, started)
         m = committed.manifest
-        seconds = time.time() - started
-        record = {"version": version, "snapshot_step": snapshot_step, "seconds": round(seconds, 2),
-                  "started_unix": started, "finished_unix": time.time(),
-                  "num_documents": m["num_documents"], "num_edges": m["num_edges"],
-                  "crosslingual_share": m["cross_lingual_edges"] / max(1, m["num_edges"]),
-                  "docs_per_s": m["num_documents"] / max(seconds, 1e-9),
-                  "linked_cosine": _mean(entries, "mean_positive_cosine"),
-                  "random_cosine": _mean(entries, "mean_random_cosine"),
-                  "crosslingual_link_precision": _mean(entries, "crosslingual_same_group"),
-                  "monolingual_same_group": _mean(entries, "monolingual_same_group")}
+        seconds = record["seconds"]
         self.history.append(record)
         self.g_version.set(version)
         self.g_edges.set(m["num_edges"])
@@ -172,7 +158,3 @@ class IndexCoordinator:
     def stats(self) -> dict:
         return {"version": self.version, "indexed_step": self.indexed_step, "history": list(self.history)}
 
-
-def _mean(entries: list[dict], key: str) -> float:
-    total = sum(e["num_documents"] for e in entries)
-    return sum(e[key] * e["num_documents"] for e in entries) / max(1, total)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from marge.batch import SpecialTokens, as_encoder_input, pad_rows
+from marge.config import PipelineConfig
 from marge.corpus import ShardDocuments
 from marge.index_store import write_graph
 from marge.model import RelevanceEncoder
@@ -50,6 +51,12 @@ class LinkConfig:
             raise ValueError("indexer.links_monolingual and indexer.links_crosslingual must be >= 0")
         if self.candidates_per_language < 1:
             raise ValueError("indexer.candidates_per_language must be >= 1")
+
+
+def link_config(cfg: PipelineConfig) -> LinkConfig:
+    return LinkConfig(links_monolingual=cfg.indexer.links_monolingual, links_crosslingual=cfg.indexer.links_crosslingual,
+                      candidates_per_language=cfg.indexer.candidates_per_language, min_score=cfg.indexer.min_score,
+                      center=bool(cfg.model.get("relevance_centering", False)), rule=cfg.indexer.link_rule)
 
 
 @torch.no_grad()
@@ -97,9 +104,38 @@ def faiss_index(unit: np.ndarray, doc_ids: np.ndarray, use_gpu: bool = False):
     return index
 
 
+SEARCH_BACKENDS = ("faiss", "torch")
+
+
+def nearest_neighbours(database: np.ndarray, queries: np.ndarray, k: int, backend: str = "faiss",
+                       use_gpu: bool = False, device: str | torch.device = "cpu") -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k inner products of every query against `database` (scores, row indices into `database`).
+
+    'faiss' is the pipeline's search (IndexFlatIP). 'torch' is the same exact search as one matrix product
+    and `topk` on `device`, for a single process with no FAISS (a GPU machine that cannot install it): both
+    return the k largest inner products; rows tied on score may come in another order.
+    """
+    if backend == "faiss":
+        index = faiss_index(database, np.arange(len(database), dtype=np.int64), use_gpu)
+        return index.search(queries, k)
+    if backend != "torch":
+        raise ValueError(f"unknown search backend {backend!r}; choose one of {SEARCH_BACKENDS}")
+    db = torch.as_tensor(database, device=device)
+    scores, rows = [], []
+    for start in range(0, len(queries), 4096):  # bounded memory: 4096 x len(database) scores at a time
+        sims = torch.as_tensor(queries[start:start + 4096], device=device) @ db.T
+        top = sims.topk(k, dim=1)
+        scores.append(top.values.float().cpu().numpy())
+        rows.append(top.indices.cpu().numpy())
+    return np.concatenate(scores), np.concatenate(rows).astype(np.int64)
+
+
 def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray, cfg: LinkConfig,
-                use_gpu: bool = False) -> dict[str, np.ndarray]:
-    """The kept directed links (target -> evidence) of one shard, strongest first within each kind."""
+                use_gpu: bool = False, search: str = "faiss", device: str | torch.device = "cpu") -> dict[str, np.ndarray]:
+    """The kept directed links (target -> evidence) of one shard, strongest first within each kind.
+
+    `search` picks the exact neighbour search (`nearest_neighbours`): 'faiss' (the pipeline) or 'torch'.
+    """
     n = len(doc_ids)
     targets, evidence, scores = [], [], []
     all_rows = np.arange(n)
@@ -108,8 +144,8 @@ def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray, cfg: L
         k = min(len(members), cfg.candidates_per_language + 1)  # +1: a document finds itself
         if k == 0:
             continue
-        index = faiss_index(unit[members], members.astype(np.int64), use_gpu)
-        sims, nbrs = index.search(unit, k)
+        sims, rows = nearest_neighbours(unit[members], unit, k, search, use_gpu, device)
+        nbrs = np.where(rows >= 0, members[np.clip(rows, 0, None)], -1)
         targets.append(np.repeat(all_rows, k))
         evidence.append(nbrs.reshape(-1))
         scores.append(sims.reshape(-1))
@@ -147,7 +183,8 @@ class ShardIndexResult:
     targets_with_links: int
     embed_seconds: float
     link_seconds: float
-    index_file: str
+    index_file: str | None
+    """The shard's FAISS index (None when the shard was indexed without FAISS: `search='torch'`)."""
     graph_file: str
     mean_positive_cosine: float
     mean_random_cosine: float
@@ -161,20 +198,23 @@ class ShardIndexResult:
 
 def index_shard(docs: ShardDocuments, encoder: RelevanceEncoder, specials: SpecialTokens, out_dir: Path,
                 cfg: LinkConfig, batch_tokens: int = 4096, device: str = "cpu", use_gpu_faiss: bool = False,
-                autocast_dtype: torch.dtype | None = None, seed: int = 0) -> ShardIndexResult:
-    """Embed, index and link one shard; writes shard-XXXXX.faiss and graph-XXXXX.parquet into `out_dir`."""
-    import faiss
-
+                autocast_dtype: torch.dtype | None = None, seed: int = 0, search: str = "faiss") -> ShardIndexResult:
+    """Embed, index and link one shard; writes graph-XXXXX.parquet into `out_dir`, and shard-XXXXX.faiss
+    (what the retrieval service searches) when `search` is 'faiss'."""
     t0 = time.perf_counter()
     vectors = embed_documents(encoder, docs.tokens, specials, batch_tokens, device, autocast_dtype)
     unit = unit_vectors(vectors, cfg.center)
     t1 = time.perf_counter()
-    links = shard_links(docs.doc_ids, docs.langs, unit, cfg, use_gpu_faiss)
+    links = shard_links(docs.doc_ids, docs.langs, unit, cfg, use_gpu_faiss, search, device)
     t2 = time.perf_counter()
-    index = faiss.IndexIDMap2(faiss.IndexFlatIP(unit.shape[1]))
-    index.add_with_ids(unit, docs.doc_ids.astype(np.int64))
-    index_file, graph_file = f"shard-{docs.shard:05d}.faiss", f"graph-{docs.shard:05d}.parquet"
-    faiss.write_index(index, str(Path(out_dir) / index_file))
+    index_file, graph_file = None, f"graph-{docs.shard:05d}.parquet"
+    if search == "faiss":
+        import faiss
+
+        index = faiss.IndexIDMap2(faiss.IndexFlatIP(unit.shape[1]))
+        index.add_with_ids(unit, docs.doc_ids.astype(np.int64))
+        index_file = f"shard-{docs.shard:05d}.faiss"
+        faiss.write_index(index, str(Path(out_dir) / index_file))
     write_graph(Path(out_dir) / graph_file, links["target_id"], links["evidence_id"], links["score"],
                 links["cross_lingual"])
     # health figures: cosine of kept links vs of random pairs (how spread out g is)
@@ -207,3 +247,24 @@ def index_corpus(corpus, encoder: RelevanceEncoder, specials: SpecialTokens, roo
     entries = [index_shard(corpus.read_shard(s), encoder, specials, staging, cfg, **kwargs).as_manifest_entry()
                for s in range(corpus.num_shards)]
     return commit_version(root, version, snapshot_step, entries, keep_versions=keep_versions, extra=extra)
+
+
+def index_build_record(committed, entries: list[dict], started_unix: float) -> dict:
+    """The figures of one committed index version (what the coordinator logs, exports and reports)."""
+    m = committed.manifest
+    seconds = time.time() - started_unix
+
+    def mean(key: str) -> float:  # weighted by shard size
+        total = sum(e["num_documents"] for e in entries)
+        return sum(e[key] * e["num_documents"] for e in entries) / max(1, total)
+
+    return {"version": committed.version, "snapshot_step": committed.snapshot_step, "seconds": round(seconds, 2),
+            "started_unix": started_unix, "finished_unix": time.time(),
+            "num_documents": m["num_documents"], "num_edges": m["num_edges"],
+            "crosslingual_share": m["cross_lingual_edges"] / max(1, m["num_edges"]),
+            "docs_per_s": m["num_documents"] / max(seconds, 1e-9),
+            "embed_seconds": round(sum(e["embed_seconds"] for e in entries), 3),
+            "link_seconds": round(sum(e["link_seconds"] for e in entries), 3),
+            "linked_cosine": mean("mean_positive_cosine"), "random_cosine": mean("mean_random_cosine"),
+            "crosslingual_link_precision": mean("crosslingual_same_group"),
+            "monolingual_same_group": mean("monolingual_same_group")}

@@ -97,27 +97,14 @@ class Metrics:
 
 
 class HealthProbe:
-    """Rank 0's retrieval-health measurements at every snapshot (see marge.health)."""
+    """Rank 0's retrieval-health measurements at every snapshot (marge.health), exported as Ray gauges."""
 
     def __init__(self, cfg: PipelineConfig, tokenizer, run: str, rank: int):
         from ray.util.metrics import Gauge
 
-        from marge.evaluation import PairSet, read_pairs
-        from marge.health import build_probe
+        from marge.health import HealthMonitor
 
-        self.cfg, self.tokenizer = cfg, tokenizer
-        h = cfg.health
-        self.probe = None
-        if h.documents and Path(h.documents).exists():
-            self.probe = build_probe(Path(h.documents), tokenizer, h.probe_size, h.max_evidence, h.max_tokens,
-                                     seed=cfg.run.seed)
-        elif h.documents:
-            log.warning("health.documents %s not found: no evidence-gain probe", h.documents)
-        pairs_path = h.pairs or cfg.data.heldout_pairs
-        self.pairs = None
-        if h.pairs_per_language and pairs_path and Path(pairs_path).exists():
-            n = h.pairs_per_language
-            self.pairs = [PairSet(p.src_lang, p.tgt_lang, p.sources[:n], p.targets[:n]) for p in read_pairs(Path(pairs_path))]
+        self.monitor = HealthMonitor(cfg.health, cfg.data.heldout_pairs, tokenizer, seed=cfg.run.seed)
         tags = {"stage": "trainer", "run": run, "rank": str(rank)}
         self.gauges = {name: Gauge(f"marge_{name}", help_text, tag_keys=tuple(tags)) for name, help_text in (
             ("evidence_gain", "Probe loss with shuffled minus with true evidence (nats/token)"),
@@ -130,19 +117,7 @@ class HealthProbe:
             gauge.set_default_tags(tags)
 
     def measure(self, model, device) -> dict:
-        from marge.evaluation import evaluate_model, mean_score
-        from marge.health import probe_health
-
-        out: dict = {}
-        if self.probe:
-            out.update(probe_health(model, self.probe, self.tokenizer.specials, device))
-        if self.pairs:
-            was_training = model.training
-            model.eval()
-            p_at_1 = evaluate_model(model, self.tokenizer, self.pairs, self.cfg.health.eval_layer, device=str(device))
-            model.train(was_training)
-            out["p_at_1"] = p_at_1
-            out["heldout_p_at_1"] = mean_score(p_at_1)
+        out = self.monitor.measure(model, device)
         for name, gauge in self.gauges.items():
             if name in out:
                 gauge.set(out[name])

@@ -101,6 +101,11 @@ class ModelInputs:
                              (self.evidence_MS, self.target_enc_NS, self.decoder_in_NT, self.labels_NT, self.allowed_NM,
                               self.linked_NM)))
 
+    def pin_memory(self) -> "ModelInputs":
+        """Page-locked copies, so that `.to(cuda, non_blocking=True)` overlaps with the device's work."""
+        return ModelInputs(*(t.pin_memory() for t in (self.evidence_MS, self.target_enc_NS, self.decoder_in_NT,
+                                                      self.labels_NT, self.allowed_NM, self.linked_NM)))
+
     def as_kwargs(self) -> dict[str, Tensor]:
         return dict(evidence_MS=self.evidence_MS, target_enc_NS=self.target_enc_NS, decoder_in_NT=self.decoder_in_NT,
                     labels_NT=self.labels_NT, allowed_NM=self.allowed_NM, linked_NM=self.linked_NM)

@@ -138,3 +138,43 @@ def probe_health(model: Marge, probe: list[ProbeItem], specials: SpecialTokens, 
     beta = model.beta.detach().float().cpu()
     out["beta"] = beta.tolist()
     return out
+
+
+class HealthMonitor:
+    """The probe set and held-out pairs of a run's `health` settings, measured on demand (no Ray here).
+
+    Trainer rank 0 (which also exports the figures as Ray gauges) and the single-process experiment both
+    measure through this, so the figures of the two modes are the same computation.
+    """
+
+    def __init__(self, health_cfg, heldout_pairs: str | None, tokenizer, seed: int = 0):
+        from marge.evaluation import PairSet, read_pairs
+
+        self.cfg, self.tokenizer = health_cfg, tokenizer
+        h = health_cfg
+        self.probe: list[ProbeItem] | None = None
+        if h.documents and Path(h.documents).exists():
+            self.probe = build_probe(Path(h.documents), tokenizer, h.probe_size, h.max_evidence, h.max_tokens, seed=seed)
+        elif h.documents:
+            log.warning("health.documents %s not found: no evidence-gain probe", h.documents)
+        pairs_path = h.pairs or heldout_pairs
+        self.pairs = None
+        if h.pairs_per_language and pairs_path and Path(pairs_path).exists():
+            n = h.pairs_per_language
+            self.pairs = [PairSet(p.src_lang, p.tgt_lang, p.sources[:n], p.targets[:n]) for p in read_pairs(Path(pairs_path))]
+
+    def measure(self, model: Marge, device: str | torch.device = "cpu") -> dict:
+        """Probe health (evidence gain, cosines, spread of g, beta) and held-out P@1 at `health.eval_layer`."""
+        from marge.evaluation import evaluate_model, mean_score
+
+        out: dict = {}
+        if self.probe:
+            out.update(probe_health(model, self.probe, self.tokenizer.specials, device))
+        if self.pairs:
+            was_training = model.training
+            model.eval()
+            p_at_1 = evaluate_model(model, self.tokenizer, self.pairs, self.cfg.eval_layer, device=str(device))
+            model.train(was_training)
+            out["p_at_1"] = p_at_1
+            out["heldout_p_at_1"] = mean_score(p_at_1)
+        return out

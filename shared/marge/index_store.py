@@ -5,7 +5,9 @@
       .staging-v000004/            a version being built (never read)
       v000003/
         manifest.json              written last: version, snapshot step, shards, checksums, stats
-        shard-00000.faiss          IndexIDMap2(IndexFlatIP) over g(z) of the shard's documents (cosine)
+        shard-00000.faiss          IndexIDMap2(IndexFlatIP) over g(z) of the shard's documents (cosine);
+                                   absent (index_file null) in a version built without FAISS
+                                   (`marge experiment learning --single-process`)
         graph-00000.parquet        the shard's kept links: target_id, evidence_id, score, cross_lingual
 
 A version becomes visible by renaming its complete staging folder; LATEST moves only forward.
@@ -71,11 +73,16 @@ class IndexVersion:
         import faiss
 
         (entry,) = [s for s in self.shards if s["shard"] == shard]
+        if entry.get("index_file") is None:
+            raise IndexStoreError(f"{self.path}: index version {self.version} was built without FAISS (single-process "
+                                  "run): it has link graphs but no searchable index; serve an index built by the pipeline")
         return faiss.read_index(str(self.path / entry["index_file"]))
 
     def verify(self) -> None:
         for s in self.shards:
             for key in ("graph_file", "index_file"):
+                if s.get(key) is None:
+                    continue
                 path = self.path / s[key]
                 if not path.exists():
                     raise IndexStoreError(f"{path} is missing from index version {self.version}")
@@ -111,6 +118,8 @@ def commit_version(root: Path, version: int, snapshot_step: int, shard_entries: 
     for entry in sorted(shard_entries, key=lambda e: e["shard"]):
         entry = dict(entry)
         for key in ("graph_file", "index_file"):
+            if key == "index_file" and entry.get(key) is None:
+                continue  # built without FAISS: links only
             path = staging / entry[key]
             if not path.exists():
                 raise IndexStoreError(f"{path}: staged shard file is missing; cannot commit index version {version}")

@@ -19,12 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import numpy as np
 
 from marge.augment import SelfEvidence, with_self_evidence
-from marge.batch import Batch, SpecialTokens, to_model_inputs
+from marge.batch import Batch, ModelInputs, SpecialTokens, to_model_inputs
 from marge.model import Marge
 
 log = logging.getLogger(__name__)
@@ -68,14 +68,32 @@ class StepRecord:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases, LayerNorms, embeddings and beta."""
+    """AdamW; no weight decay on biases, LayerNorms, embeddings and beta.
+
+    On CUDA it is the fused kernel (one launch for every parameter instead of several per tensor); on CPU
+    the default for-each implementation, whose results the fused one matches to rounding.
+    """
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         (decay if p.ndim == 2 and "embed" not in name and "positions" not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps)
+    on_cuda = all(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, fused=on_cuda or None)
+
+
+# Dense bf16 tensor-core peak (FLOP/s) by device name, from the vendors' data sheets: the denominator of MFU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+                   "L4": 121e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None (CPUs, unknown GPUs): MFU is reported only where this is known."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
 def lr_factor(step: int, cfg: OptimConfig) -> float:
@@ -106,10 +124,8 @@ class DenoisingContrastive:
     extra_documents: int = 32
     corpus_tokens: list | None = None  # documents to draw extra negatives from
 
-    def loss(self, model: Marge, batch: Batch, specials: SpecialTokens, device: torch.device,
-             rng: np.random.Generator) -> torch.Tensor | None:
-        import torch.nn.functional as F
-
+    def views(self, batch: Batch, specials: SpecialTokens, rng: np.random.Generator) -> tuple[Tensor, Tensor] | None:
+        """Two noised views (encoder input rows) of every document of the batch and of the extra negatives."""
         from marge.augment import SelfEvidence, noised
         from marge.batch import as_encoder_input, pad_rows
 
@@ -120,12 +136,24 @@ class DenoisingContrastive:
         docs = [np.asarray(d) for d in docs if len(d) > 1]
         if len(docs) < 2:
             return None
-        views = [pad_rows([as_encoder_input(noised(d, noise, rng), specials) for d in docs], specials.pad_id).to(device)
-                 for _ in range(2)]
+        first, second = (pad_rows([as_encoder_input(noised(d, noise, rng), specials) for d in docs], specials.pad_id)
+                         for _ in range(2))
+        return first, second
+
+    def loss(self, model: Marge, batch: Batch, specials: SpecialTokens, device: torch.device,
+             rng: np.random.Generator) -> Tensor | None:
+        """The loss on fresh views of `batch` (None when it has fewer than 2 usable documents)."""
+        views = self.views(batch, specials, rng)
+        return None if views is None else self.loss_of_views(model, tuple(v.to(device) for v in views))
+
+    def loss_of_views(self, model: Marge, views: tuple[Tensor, Tensor]) -> Tensor:
+        """Each view must pick its twin among all the others (cross-entropy both ways, temperature-scaled cosines)."""
+        import torch.nn.functional as F
+
         a = F.normalize(model.relevance_vectors(views[0]).float(), dim=-1)
         b = F.normalize(model.relevance_vectors(views[1]).float(), dim=-1)
         logits = a @ b.T / self.temperature
-        labels = torch.arange(len(docs), device=device)
+        labels = torch.arange(len(a), device=a.device)
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
 
@@ -133,31 +161,61 @@ def unwrap(model: nn.Module) -> Marge:
     return model.module if hasattr(model, "module") else model  # DDP wraps the model
 
 
-def forward_backward(model: nn.Module, batch: Batch, specials: SpecialTokens, scale: float,
-                     device: torch.device, bf16: bool = False, attend_to: str = "all",
-                     self_evidence: SelfEvidence | None = None, seed_key: tuple[int, ...] = (0,),
-                     denoising: DenoisingContrastive | None = None) -> tuple[float, int]:
-    """Loss of one batch, backpropagated with weight `scale`. Returns (mean token loss, target tokens).
+@dataclass
+class PreparedBatch:
+    """A batch's CPU-side work done: augmented, turned into tensors, its denoising views drawn.
 
-    `seed_key` = (run seed, step, slot of the batch within the step) seeds the batch's augmentation, so a
-    batch is augmented the same way on a DDP rank and in the reference loop.
+    Preparing needs no model, so a single-process trainer prepares the next step's batches in a thread
+    while the device runs this one; the DDP worker prepares and computes in turn (`forward_backward`).
     """
+
+    batch_id: str
+    inputs: ModelInputs
+    denoise_views: tuple[Tensor, Tensor] | None = None
+
+    def pin_memory(self) -> "PreparedBatch":
+        views = None if self.denoise_views is None else tuple(v.pin_memory() for v in self.denoise_views)
+        return PreparedBatch(self.batch_id, self.inputs.pin_memory(), views)
+
+
+def prepare_batch(batch: Batch, specials: SpecialTokens, attend_to: str = "all",
+                  self_evidence: SelfEvidence | None = None, seed_key: tuple[int, ...] = (0,),
+                  denoising: DenoisingContrastive | None = None) -> PreparedBatch:
+    """`seed_key` = (run seed, step, slot of the batch within the step) seeds the batch's augmentation, so a
+    batch is augmented the same way on a DDP rank, in the reference loop and in the single process."""
     if self_evidence is not None:
         batch = with_self_evidence(batch, self_evidence, seed_key[1] if len(seed_key) > 1 else 0,
                                    np.random.default_rng(list(seed_key)))
-    inputs = to_model_inputs(batch, specials, attend_to).to(device)
+    views = None
+    if denoising is not None and denoising.weight > 0:
+        views = denoising.views(batch, specials, np.random.default_rng([*seed_key, 1]))
+    return PreparedBatch(batch.batch_id, to_model_inputs(batch, specials, attend_to), views)
+
+
+def forward_backward_prepared(model: nn.Module, prepared: PreparedBatch, scale: float, device: torch.device,
+                              bf16: bool = False, denoising: DenoisingContrastive | None = None) -> tuple[float, int]:
+    """Loss of one prepared batch, backpropagated with weight `scale`. Returns (mean token loss, target tokens)."""
+    inputs = prepared.inputs.to(device)
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
         out = model(**inputs.as_kwargs())
     objective = out.loss
     auxiliary = out.auxiliary_objective(unwrap(model).cfg)
     if auxiliary is not None:
         objective = objective + auxiliary
-    if denoising is not None and denoising.weight > 0:
-        extra = denoising.loss(unwrap(model), batch, specials, device, np.random.default_rng([*seed_key, 1]))
-        if extra is not None:
-            objective = objective + denoising.weight * extra
+    if prepared.denoise_views is not None and denoising is not None:
+        views = tuple(v.to(device, non_blocking=True) for v in prepared.denoise_views)
+        objective = objective + denoising.weight * denoising.loss_of_views(unwrap(model), views)
     (objective * scale).backward()
     return float(out.loss.detach()), int(out.tokens_per_target_N.sum())
+
+
+def forward_backward(model: nn.Module, batch: Batch, specials: SpecialTokens, scale: float,
+                     device: torch.device, bf16: bool = False, attend_to: str = "all",
+                     self_evidence: SelfEvidence | None = None, seed_key: tuple[int, ...] = (0,),
+                     denoising: DenoisingContrastive | None = None) -> tuple[float, int]:
+    """Prepare one batch (`prepare_batch`) and backpropagate its loss with weight `scale`."""
+    prepared = prepare_batch(batch, specials, attend_to, self_evidence, seed_key, denoising)
+    return forward_backward_prepared(model, prepared, scale, device, bf16, denoising)
 
 
 class NonFiniteGradient(RuntimeError):
@@ -181,6 +239,33 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return grad_norm
 
 
+def train_step(model: Marge, optimizer: torch.optim.Optimizer, scheduler, batches: list[Batch], specials: SpecialTokens,
+               cfg: OptimConfig, step: int, device: torch.device, bf16: bool = False, attend_to: str = "all",
+               self_evidence: SelfEvidence | None = None, seed: int = 0,
+               denoising: DenoisingContrastive | None = None,
+               prepared: list[PreparedBatch] | None = None) -> StepRecord:
+    """One optimizer update on `batches` in this process: the reference loop's and the single-process run's step.
+
+    Batch k of the list takes slot k (= rank * grad_accum + micro-step on the DDP ranks), so its augmentation
+    and its 1/len(batches) share of the gradient are what the DDP trainer gives it. `prepared` are the
+    batches already prepared that way (`prepare_batch`), e.g. by a prefetching thread.
+    """
+    t0 = time.perf_counter()
+    if prepared is None:
+        prepared = [prepare_batch(b, specials, attend_to, self_evidence, (seed, step, slot), denoising)
+                    for slot, b in enumerate(batches)]
+    losses, tokens = [], 0
+    for item in prepared:
+        loss, n = forward_backward_prepared(model, item, 1.0 / len(prepared), device, bf16, denoising)
+        losses.append(loss)
+        tokens += n
+    lr = optimizer.param_groups[0]["lr"]
+    grad_norm = optimizer_step(model, optimizer, scheduler, cfg.clip_norm)
+    return StepRecord(step, sum(losses) / len(losses), tokens, [b.batch_id for b in batches], lr,
+                      model.beta.detach().float().cpu().tolist(), grad_norm, time.perf_counter() - t0,
+                      [b.index_version for b in batches], [b.snapshot_step for b in batches])
+
+
 def reference_train(model: Marge, step_batches: Iterable[list[Batch]], specials: SpecialTokens, cfg: OptimConfig,
                     device: str | torch.device = "cpu", bf16: bool = False, attend_to: str = "all",
                     optimizer: torch.optim.Optimizer | None = None, scheduler=None,
@@ -191,21 +276,9 @@ def reference_train(model: Marge, step_batches: Iterable[list[Batch]], specials:
     model.to(device).train()
     optimizer = optimizer or build_optimizer(model, cfg)
     scheduler = scheduler or build_scheduler(optimizer, cfg)
-    records = []
-    for step, batches in enumerate(step_batches, start=start_step):
-        t0 = time.perf_counter()
-        losses, tokens = [], 0
-        for slot, batch in enumerate(batches):  # slot = rank * grad_accum + micro-step, as on the DDP ranks
-            loss, n = forward_backward(model, batch, specials, 1.0 / len(batches), device, bf16, attend_to,
-                                       self_evidence, (seed, step, slot), denoising)
-            losses.append(loss)
-            tokens += n
-        lr = optimizer.param_groups[0]["lr"]
-        grad_norm = optimizer_step(model, optimizer, scheduler, cfg.clip_norm)
-        records.append(StepRecord(step, sum(losses) / len(losses), tokens, [b.batch_id for b in batches], lr,
-                                  model.beta.detach().cpu().tolist(), grad_norm, time.perf_counter() - t0,
-                                  [b.index_version for b in batches], [b.snapshot_step for b in batches]))
-    return records
+    return [train_step(model, optimizer, scheduler, batches, specials, cfg, step, device, bf16, attend_to,
+                       self_evidence, seed, denoising)
+            for step, batches in enumerate(step_batches, start=start_step)]
 
 
 @contextlib.contextmanager

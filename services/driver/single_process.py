@@ -1,0 +1,551 @@
+"""`marge experiment learning --single-process`: the pipeline's indexer, batcher and trainer cores in one process.
+
+What runs is the code the Ray stages run, without the transport between them:
+
+    indexer  publish_snapshot -> load_relevance_encoder -> index_shard(search="torch") -> commit_version
+    batcher  epoch_batches over the newest committed index version (the paper's greedy subgraph search)
+    trainer  train_step: `trainer.num_workers * trainer.grad_accum` batches per update, batch k in slot k (the
+             slot a DDP rank gives it), so the per-step losses equal the DDP trainer's on the same batches
+
+and the differences one process implies, each on purpose:
+
+* exact top-k neighbours as a torch matrix product on the run's device instead of FAISS (the same links up
+  to the order of tied scores); index versions hold link graphs but no `.faiss` files, so `marge serve`
+  cannot serve them (`marge report` and the batcher read them as usual);
+* batches handed over in memory instead of a Redis stream;
+* the index is rebuilt synchronously, at every `indexer.reindex_every` updates: the pipeline builds it beside
+  training and its batches lag by up to a queue's depth, here the first batch after a rebuild comes from it.
+
+It needs torch, numpy, pyarrow, sentencepiece, safetensors, PyYAML, scikit-learn and matplotlib, and no Ray,
+Redis, FAISS or FastAPI, so it runs on a GPU machine that can install nothing (`scripts/marge_from_tree.py`
+runs the CLI from a checkout without installing it).
+
+A run folder is resumable: `--resume` continues it for `--minutes` more of training from its newest
+checkpoint (same step count, same batch stream, curves and report extended; baselines measured once).
+
+    DIR/
+      config.yaml            the run's config (a resumed chunk uses it, not the command line)
+      experiment.json        mode and one record per chunk (device, minutes, steps, tokens/s, MFU)
+      baselines.json         random init by layer, TF-IDF, initial probe health (measured once)
+      checkpoint_evals.jsonl held-out P@1 (every pair) + evidence gain at each checkpoint
+      report.json, curves.png
+      run/                   config.yaml, init/, snapshots/, index/, checkpoints/step-N/, train_log.jsonl,
+                             index_builds.jsonl
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from marge.batch import Batch
+from marge.batcher.core import DocumentStore, batcher_config, epoch_batches
+from marge.checkpoint import load_model_weights, load_training_state, save_checkpoint, set_rng_state
+from marge.config import ConfigError, PipelineConfig, load_config
+from marge.corpus import Corpus
+from marge.driver.experiment import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
+from marge.driver.pipeline import ensure_corpus, ensure_initial_model, with_absolute_paths
+from marge.evaluation import read_pairs
+from marge.health import HealthMonitor
+from marge.index_store import IndexVersion, commit_version, read_version, staging_dir, version_dirname
+from marge.indexer.core import index_build_record, index_shard, link_config
+from marge.model import Marge, training_flops_per_token
+from marge.report import read_train_log
+from marge.snapshot import SnapshotInfo, latest_snapshot, load_relevance_encoder, publish_snapshot
+from marge.trainer.worker import init_weights_path, optim_config, self_evidence_config
+from marge.training import (DenoisingContrastive, PreparedBatch, build_optimizer, build_scheduler, device_peak_flops,
+                             prepare_batch, train_step)
+from marge.utils import atomic_directory, atomic_write_text
+
+log = logging.getLogger("marge.single_process")
+
+EXPERIMENT_FILE = "experiment.json"
+RESUMABLE_OVERRIDES = {"run.max_steps", "run.progress_every_s"}
+"""What a resumed chunk may change: extend the run, or report more or less often. (With trainer.total_steps
+unset the schedule anneals to run.max_steps, so extending the run stretches the rest of the schedule.)"""
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: torch {torch.__version__} sees no CUDA device here; use --device cpu")
+    return device
+
+
+# ----------------------------------------------------------------------------------------------------
+# The batcher core as a resumable stream
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamPosition:
+    """Where the batch stream is: index version, pass over its graph, batches of that pass already handed out."""
+
+    version: int = -1
+    epoch: int = 0
+    offset: int = 0
+
+
+class BatchStream:
+    """`epoch_batches` over one committed index version, pass after pass, resumable at a `StreamPosition`.
+
+    Batches are a pure function of (seed, version, epoch, graph), so resuming rebuilds the pass and skips
+    the batches already trained: the resumed run sees the batches an uninterrupted one would have.
+    """
+
+    def __init__(self, docs: DocumentStore, cfg: PipelineConfig):
+        self.docs, self.bcfg = docs, batcher_config(cfg)
+        self.index: IndexVersion | None = None
+        self.position = StreamPosition()
+        self._batches = None
+
+    def use(self, index: IndexVersion, position: StreamPosition | None = None) -> None:
+        if position is not None and position.version != index.version:
+            raise ValueError(f"stream position is for index v{position.version}, not v{index.version}")
+        self.index = index
+        self.position = position or StreamPosition(index.version, 0, 0)
+        self._batches = None
+
+    def next(self) -> Batch:
+        for _ in range(2):  # the current pass, else a fresh one
+            if self._batches is None:
+                self._batches = epoch_batches(self.index, self.docs, self.bcfg, self.position.epoch)
+                for skipped in range(self.position.offset):
+                    if next(self._batches, None) is None:
+                        raise RuntimeError(f"index v{self.index.version} pass {self.position.epoch} has only {skipped} "
+                                           f"batches, but the checkpoint says {self.position.offset} were trained")
+            batch = next(self._batches, None)
+            if batch is not None:
+                self.position.offset += 1
+                return batch
+            self.position = StreamPosition(self.index.version, self.position.epoch + 1, 0)
+            self._batches = None
+        raise RuntimeError(f"index v{self.index.version} yields no batch: no document has a link "
+                           "(see the index figures in index_builds.jsonl)")
+
+
+@dataclass
+class StepInput:
+    step: int
+    batches: list[Batch]
+    prepared: list[PreparedBatch]
+    position: StreamPosition
+    """The stream just after these batches."""
+
+
+class Prefetcher:
+    """Draws and prepares the next update's batches in a thread while the device trains on this one.
+
+    Preparing (augmentation, tensors, pinned copies) is Python and numpy work that would otherwise leave a GPU
+    idle. The thread is the only user of the stream while it runs: `stop()` before switching its index.
+    """
+
+    def __init__(self, stream: BatchStream, prepare, batches_per_step: int, pin: bool):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.stream, self.prepare, self.batches_per_step, self.pin = stream, prepare, batches_per_step, pin
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="marge-prefetch")
+        self.pending = None
+        self.position_after_taken = dataclasses.replace(stream.position)
+        """Where the next update's batches start: what a checkpoint taken now records (the prefetched batches
+        are not trained yet, and batches drawn from an index that was replaced since are never trained)."""
+
+    def _produce(self, step: int) -> StepInput:
+        batches = [self.stream.next() for _ in range(self.batches_per_step)]
+        position = dataclasses.replace(self.stream.position)
+        prepared = [self.prepare(b, step, slot) for slot, b in enumerate(batches)]
+        if self.pin:
+            prepared = [p.pin_memory() for p in prepared]
+        return StepInput(step, batches, prepared, position)
+
+    def start(self, step: int) -> None:
+        self.position_after_taken = dataclasses.replace(self.stream.position)
+        self.pending = self.pool.submit(self._produce, step)
+
+    def take(self, step: int) -> StepInput:
+        item = self.pending.result()
+        if item.step != step:
+            raise RuntimeError(f"prefetched batches are for update {item.step}, not {step}")
+        self.position_after_taken = item.position
+        self.pending = self.pool.submit(self._produce, step + 1)
+        return item
+
+    def stop(self) -> None:
+        """Wait for the batches being prepared and drop them (the stream is free afterwards)."""
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+        self.pool.shutdown(wait=True)
+
+
+class ChunkMeter:
+    """Tokens, target tokens and model FLOPs of this chunk's updates, over its wall-clock time."""
+
+    def __init__(self, model_cfg, peak_flops: float | None):
+        self.model_cfg, self.peak = model_cfg, peak_flops
+        self.started = time.perf_counter()
+        self.steps, self.tokens, self.target_tokens, self.flops = 0, 0, 0, 0.0
+
+    def add(self, tokens: int, target_tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.target_tokens += target_tokens
+        evidence_ratio = (tokens - target_tokens) / max(1, target_tokens)
+        self.flops += target_tokens * training_flops_per_token(self.model_cfg, evidence_ratio)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def rates(self) -> dict:
+        elapsed = max(self.elapsed(), 1e-9)
+        return {"elapsed_s": elapsed, "tokens_per_s": self.tokens / elapsed,
+                "target_tokens_per_s": self.target_tokens / elapsed,
+                "mfu": self.flops / elapsed / self.peak if self.peak else None}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The indexer core in this process
+# ----------------------------------------------------------------------------------------------------
+
+
+class InProcessIndexer:
+    """Publishes the relevance encoder as a snapshot and indexes every shard with it, exactly searched by torch."""
+
+    def __init__(self, cfg: PipelineConfig, corpus: Corpus, device: torch.device):
+        self.cfg, self.corpus, self.device = cfg, corpus, device
+        self.run_dir = Path(cfg.run.dir)
+        self.root = self.run_dir / "index"
+        self.tokenizer_sha256 = corpus.tokenizer().sha256
+        self.builds_log = self.run_dir / "index_builds.jsonl"
+
+    def build(self, model: Marge, step: int, version: int) -> IndexVersion:
+        """Snapshot `model` at `step` (the indexer reads g from the snapshot, as in the pipeline) and index it."""
+        started = time.time()
+        snapshot = publish_snapshot(self.run_dir / "snapshots", model, step, self.tokenizer_sha256)
+        return self.index_snapshot(snapshot, version, started)
+
+    def index_snapshot(self, snapshot: SnapshotInfo, version: int, started: float | None = None) -> IndexVersion:
+        started = started or time.time()
+        encoder = load_relevance_encoder(snapshot, self.device)
+        staging = staging_dir(self.root, version)
+        staging.mkdir(parents=True, exist_ok=True)
+        autocast = torch.bfloat16 if self.device.type == "cuda" and self.cfg.trainer.bf16 else None
+        entries = [index_shard(self.corpus.read_shard(s), encoder, self.corpus.tokenizer().specials, staging,
+                               link_config(self.cfg), batch_tokens=self.cfg.indexer.batch_tokens, device=str(self.device),
+                               autocast_dtype=autocast, seed=self.cfg.run.seed + s, search="torch").as_manifest_entry()
+                   for s in range(self.corpus.num_shards)]
+        committed = commit_version(self.root, version, snapshot.step, entries, keep_versions=self.cfg.indexer.keep_versions,
+                                   extra={"snapshot_path": str(snapshot.path), "search": "torch-exact"})
+        record = index_build_record(committed, entries, started)
+        with open(self.builds_log, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        log.info("index v%d from snapshot %d: %d docs, %d links (%.0f%% cross-lingual, %.0f%% of those join "
+                 "translations) in %.1f s", version, snapshot.step, record["num_documents"], record["num_edges"],
+                 100 * record["crosslingual_share"], 100 * record["crosslingual_link_precision"], record["seconds"])
+        return committed
+
+    def history(self) -> list[dict]:
+        if not self.builds_log.exists():
+            return []
+        return [json.loads(line) for line in self.builds_log.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------------
+
+
+def checkpoint_root(cfg: PipelineConfig) -> Path:
+    return Path(cfg.run.dir) / "checkpoints"
+
+
+def complete_checkpoints(cfg: PipelineConfig) -> list[Path]:
+    return sorted(p for p in checkpoint_root(cfg).glob("step-*") if (p / "manifest.json").exists())
+
+
+def check_single_process_config(cfg: PipelineConfig) -> None:
+    """What the single process cannot honour, refused before anything starts."""
+    if cfg.batcher.epochs_per_version:
+        raise ConfigError("batcher.epochs_per_version must be 0 with --single-process: the index is rebuilt every "
+                          "indexer.reindex_every updates, and a batcher that waits for it would wait forever")
+    if cfg.trainer.max_staleness:
+        raise ConfigError("trainer.max_staleness must be 0 with --single-process: batches are never stale by more "
+                          "than indexer.reindex_every updates, and nothing would replace a dropped batch")
+
+
+class SingleProcessRun:
+    """One resumable single-process learning experiment in `out_dir` (see the module docstring)."""
+
+    def __init__(self, out_dir: Path, cfg: PipelineConfig, device: torch.device, resume: bool):
+        self.out_dir = Path(out_dir).resolve()
+        self.cfg, self.device, self.resume = cfg, device, resume
+        self.pairs = read_pairs(heldout_pairs_path(cfg))
+        self.corpus = ensure_corpus(cfg)
+        self.tokenizer = self.corpus.tokenizer()
+        ensure_initial_model(cfg, self.corpus)
+        self.monitor = HealthMonitor(cfg.health, cfg.data.heldout_pairs, self.tokenizer, seed=cfg.run.seed)
+        self.probe = self.monitor.probe
+        self.indexer = InProcessIndexer(cfg, self.corpus, device)
+        self.docs = DocumentStore(self.corpus)
+        self.stream = BatchStream(self.docs, cfg)
+        self.train_log = Path(cfg.run.dir) / "train_log.jsonl"
+        self.evals_log = self.out_dir / "checkpoint_evals.jsonl"
+
+    # --- set-up -------------------------------------------------------------------------------------
+
+    def baselines(self) -> dict:
+        path = self.out_dir / "baselines.json"
+        if path.exists():
+            return json.loads(path.read_text(encoding="utf-8"))
+        init_model = load_model_weights(init_weights_path(self.cfg)).to(self.device).eval()
+        baselines = measure_baselines(init_model, self.tokenizer, self.pairs, self.probe, self.device)
+        atomic_write_text(path, json.dumps(baselines, indent=2) + "\n")
+        return baselines
+
+    def build_training_state(self):
+        cfg = self.cfg
+        model = load_model_weights(init_weights_path(cfg)).to(self.device).train()
+        optimizer = build_optimizer(model, optim_config(cfg))
+        scheduler = build_scheduler(optimizer, optim_config(cfg))
+        state = {"step": 0, "tokens_seen": 0, "target_tokens_seen": 0, "train_seconds": 0.0, "indexed_step": 0,
+                 "consumed_batches": []}
+        checkpoints = complete_checkpoints(cfg)
+        if self.resume and checkpoints:
+            path = checkpoints[-1]
+            saved = load_training_state(path)
+            from safetensors.torch import load_file
+
+            model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(self.device)))
+            optimizer.load_state_dict(saved["optimizer"])
+            scheduler.load_state_dict(saved["scheduler"])
+            set_rng_state(saved["rng"])
+            state = {k: saved[k] for k in state}
+            position = StreamPosition(**saved["stream"])
+            self._forget_after(state["step"], position.version)
+            self.stream.use(read_version(Path(cfg.run.dir) / "index" / version_dirname(position.version)), position)
+            log.info("resumed at step %d from %s (index v%d, pass %d, %d batches into it)", state["step"], path,
+                     position.version, position.epoch, position.offset)
+        else:  # a new run, or one stopped before its first checkpoint: start at step 0
+            if self.resume:
+                log.info("%s has no checkpoint yet: starting it at step 0", self.out_dir)
+                self._forget_after(0, 0)
+            snapshot = latest_snapshot(Path(cfg.run.dir) / "snapshots")  # step 0, published by ensure_initial_model
+            self.stream.use(self.indexer.index_snapshot(snapshot, version=0))
+        return model, optimizer, scheduler, state
+
+    def _forget_after(self, step: int, version: int) -> None:
+        """A chunk that died after its last checkpoint left log lines, evaluations and index versions from updates
+        the checkpoint does not hold: drop them, so that the resumed run writes them once."""
+        def keep_lines(path: Path, keep) -> None:
+            if path.exists():
+                lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+                atomic_write_text(path, "".join(line + "\n" for line in lines if keep(json.loads(line))))
+
+        keep_lines(self.train_log, lambda record: record["step"] <= step)
+        keep_lines(self.evals_log, lambda record: record["step"] <= step)
+        keep_lines(self.indexer.builds_log, lambda record: record["version"] <= version)
+        for newer in (Path(self.cfg.run.dir) / "index").glob("v[0-9]*"):
+            if int(newer.name[1:]) > version:
+                shutil.rmtree(newer)
+
+    # --- the loop -----------------------------------------------------------------------------------
+
+    def train(self, minutes: float) -> dict:
+        """Train for `minutes` (or to run.max_steps), then checkpoint: one chunk of the run."""
+        cfg, device, t = self.cfg, self.device, self.cfg.trainer
+        model, optimizer, scheduler, state = self.build_training_state()
+        denoising = None
+        if t.denoise_weight > 0:
+            denoising = DenoisingContrastive(t.denoise_weight, t.denoise_deletion, t.denoise_temperature,
+                                             t.denoise_extra_documents, list(self.docs.tokens.values()))
+        self_evidence, optim, specials = self_evidence_config(cfg), optim_config(cfg), self.tokenizer.specials
+
+        def prepare(batch: Batch, step: int, slot: int) -> PreparedBatch:
+            return prepare_batch(batch, specials, cfg.batcher.attend_to, self_evidence, (cfg.run.seed, step, slot),
+                                 denoising)
+
+        prefetcher = Prefetcher(self.stream, prepare, t.num_workers * t.grad_accum, pin=device.type == "cuda")
+        meter = ChunkMeter(model.cfg, device_peak_flops(device))
+        deadline = time.perf_counter() + 60 * minutes
+        next_progress = time.perf_counter() + cfg.run.progress_every_s
+        step = state["step"]
+        log.info("training on %s for %.1f min from step %d (%d batches per update, bf16 %s)", device, minutes, step,
+                 prefetcher.batches_per_step, t.bf16)
+        prefetcher.start(step)
+        try:
+            while step < cfg.run.max_steps and time.perf_counter() < deadline:
+                item = prefetcher.take(step)
+                record = train_step(model, optimizer, scheduler, item.batches, specials, optim, step, device, t.bf16,
+                                    cfg.batcher.attend_to, self_evidence, cfg.run.seed, denoising, item.prepared)
+                step += 1
+                line = self.step_record(step, record, item.batches, meter, state)
+                if step % t.snapshot_every == 0:
+                    line["health"] = self.snapshot_and_reindex(model, step, state, prefetcher)
+                with open(self.train_log, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(line) + "\n")
+                if step % t.checkpoint_every == 0:
+                    self.checkpoint(model, optimizer, scheduler, step, state, meter.elapsed(),
+                                    prefetcher.position_after_taken)
+                if time.perf_counter() >= next_progress:
+                    log.info("step %d | loss %.3f | %.0f tok/s (%.0f target)%s | beta %.3f | index v%d | %.1f/%.1f min",
+                             step, record.loss, line["tokens_per_s"], line["target_tokens_per_s"],
+                             f" | MFU {100 * line['mfu']:.1f}%" if "mfu" in line else "", float(np.mean(record.beta)),
+                             self.stream.index.version, meter.elapsed() / 60, minutes)
+                    next_progress = time.perf_counter() + cfg.run.progress_every_s
+        finally:
+            prefetcher.close()
+        state["train_seconds"] += meter.elapsed()
+        last = complete_checkpoints(cfg)
+        if not last or int(last[-1].name.split("-")[1]) != step:  # the resume point of the next chunk
+            self.checkpoint(model, optimizer, scheduler, step, state, 0.0, prefetcher.position_after_taken)
+        return {"steps": step, "chunk_steps": meter.steps, "chunk_seconds": round(meter.elapsed(), 1),
+                **{k: meter.rates()[k] for k in ("tokens_per_s", "target_tokens_per_s", "mfu")},
+                "train_seconds": state["train_seconds"], "model": model}
+
+    def step_record(self, step: int, record, batches: list[Batch], meter: "ChunkMeter", state: dict) -> dict:
+        """The train_log line of one update (the pipeline trainer's fields), and the running totals."""
+        tokens = sum(b.cost_tokens() for b in batches)
+        meter.add(tokens, record.target_tokens)
+        state["tokens_seen"] += tokens
+        state["target_tokens_seen"] += record.target_tokens
+        state["consumed_batches"] = [*state["consumed_batches"][-10000:], *record.batch_ids]
+        rates = meter.rates()
+        line = {"step": step, "loss": record.loss, "lr": record.lr, "grad_norm": record.grad_norm, "beta": record.beta,
+                "batch_ids": record.batch_ids, "index_versions": sorted(set(record.index_versions)),
+                "snapshot_steps": sorted(set(record.snapshot_steps)),
+                "staleness_max": max(step - 1 - s for s in record.snapshot_steps), "step_seconds": record.seconds,
+                "tokens": tokens, "target_tokens": record.target_tokens, "tokens_per_s": rates["tokens_per_s"],
+                "target_tokens_per_s": rates["target_tokens_per_s"], "wait_share": 0.0,
+                "elapsed_s": rates["elapsed_s"], "time": time.time()}
+        if rates["mfu"] is not None:
+            line["mfu"] = rates["mfu"]
+        return line
+
+    def snapshot_and_reindex(self, model: Marge, step: int, state: dict, prefetcher: "Prefetcher") -> dict:
+        """Publish g, measure retrieval health, and rebuild the index when `indexer.reindex_every` updates have
+        passed since the last build (the batches prefetched from the old index are dropped)."""
+        snapshot = publish_snapshot(Path(self.cfg.run.dir) / "snapshots", model, step, self.tokenizer.sha256)
+        health = self.monitor.measure(model, self.device)
+        model.train()
+        log.info("health at step %d: %s", step, {k: (round(v, 4) if isinstance(v, float) else v)
+                                                 for k, v in health.items() if k != "p_at_1"})
+        if step - state["indexed_step"] >= self.cfg.indexer.reindex_every:
+            prefetcher.stop()
+            self.stream.use(self.indexer.index_snapshot(snapshot, self.stream.index.version + 1))
+            state["indexed_step"] = step
+            prefetcher.start(step)
+        return health
+
+    def checkpoint(self, model: Marge, optimizer, scheduler, step: int, state: dict, chunk_seconds: float,
+                   position: StreamPosition) -> Path:
+        """The whole training state as a pipeline-format checkpoint, with `position`, the batch stream just after
+        this update's batches; then its held-out evaluation. Checkpoints beyond `trainer.keep_checkpoints` go."""
+        # train_seconds counts the chunks before this one plus this chunk so far
+        saved_state = {**state, "step": step, "train_seconds": state["train_seconds"] + chunk_seconds,
+                       "stream": dataclasses.asdict(position),
+                       "consumed_batches": list(state["consumed_batches"])}
+        target = checkpoint_root(self.cfg) / f"step-{step:08d}"
+        with atomic_directory(target, overwrite=True) as tmp:
+            save_checkpoint(tmp, model, optimizer, scheduler, step, self.corpus.root, saved_state)
+        model.eval()  # no dropout in the held-out figures
+        point = checkpoint_evaluation(model, self.tokenizer, self.pairs, self.cfg.health.eval_layer, self.probe,
+                                      step, self.device)
+        model.train()
+        with open(self.evals_log, "a", encoding="utf-8") as f:
+            f.write(json.dumps(point) + "\n")
+        for old in complete_checkpoints(self.cfg)[:-max(1, self.cfg.trainer.keep_checkpoints)]:
+            shutil.rmtree(old)
+        return target
+
+    # --- the report ---------------------------------------------------------------------------------
+
+    def report(self, baselines: dict, chunk: dict, minutes_total: float, started: float, experiment: dict) -> dict:
+        cfg = self.cfg
+        over_time = ([json.loads(line) for line in self.evals_log.read_text(encoding="utf-8").splitlines() if line.strip()]
+                     if self.evals_log.exists() else [])
+        records = read_train_log(Path(cfg.run.dir))
+        final_model = chunk["model"].eval()
+        checkpoints = complete_checkpoints(cfg)
+        pipeline = {"steps": chunk["steps"], "mode": "single-process", "device": device_name(self.device),
+                    "tokens_per_s": chunk["tokens_per_s"], "target_tokens_per_s": chunk["target_tokens_per_s"],
+                    "mfu": chunk["mfu"], "last_chunk_steps": chunk["chunk_steps"],
+                    "last_chunk_seconds": chunk["chunk_seconds"], "train_seconds": round(chunk["train_seconds"], 1),
+                    "loss_first": records[0]["loss"] if records else None,
+                    "loss_last": records[-1]["loss"] if records else None,
+                    "beta": records[-1]["beta"] if records else None,
+                    "index_versions": sorted({v for r in records for v in r["index_versions"]})}
+        return assemble_report(baselines, over_time, final_model, self.tokenizer, self.pairs, cfg.health.eval_layer,
+                               records, str(checkpoints[-1]) if checkpoints else None, self.indexer.history(),
+                               pipeline, minutes_total, time.time() - started, cfg, self.out_dir, self.device,
+                               extra={"mode": "single-process", "device": device_name(self.device),
+                                      "chunks": experiment["chunks"]})
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return f"cpu: {torch.get_num_threads()} threads"
+
+
+def run_single_process(config: Path | None, overrides: list[str], minutes: float, out_dir: Path, resume: bool = False,
+                       device: str = "auto") -> dict:
+    """One chunk of a single-process learning experiment: a fresh run, or `resume` of the one in `out_dir`."""
+    started = time.time()
+    out_dir = Path(out_dir).resolve()
+    meta_path = out_dir / EXPERIMENT_FILE
+    if resume:  # `--resume` of a run stopped before its first checkpoint starts it again at step 0
+        if not meta_path.exists():
+            raise FileNotFoundError(f"{out_dir} holds no single-process experiment ({EXPERIMENT_FILE} is missing); "
+                                    "start one without --resume")
+        changed = sorted({o.split("=", 1)[0].strip() for o in overrides} - RESUMABLE_OVERRIDES)
+        if config is not None or changed:
+            raise ValueError(f"--resume continues the run with its own config ({out_dir / 'config.yaml'}): drop "
+                             f"{'--config' if config is not None else ''}{' and ' if config is not None and changed else ''}"
+                             f"{', '.join(changed)} (only {', '.join(sorted(RESUMABLE_OVERRIDES))} may change), "
+                             "or start a new run in another --out")
+        experiment = json.loads(meta_path.read_text(encoding="utf-8"))
+        cfg = load_config(out_dir / "config.yaml", overrides)
+        atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    else:
+        if meta_path.exists() or (out_dir / "run").exists():
+            raise FileExistsError(f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out")
+        cfg = load_config(config or Path("deploy/configs/learning.yaml"), overrides)
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(out_dir / "run"), max_minutes=0.0))
+        cfg = with_absolute_paths(cfg)
+        experiment = {"mode": "single-process", "chunks": []}
+    check_single_process_config(cfg)
+    torch_device = resolve_device(device)
+    if torch_device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 parts outside bf16 autocast (loss, norms)
+        torch.backends.cudnn.allow_tf32 = True
+    heldout_pairs_path(cfg)  # fail before anything is written
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:  # the config every later chunk resumes with (and `marge report` reads in run/)
+        for path in (out_dir / "config.yaml", Path(cfg.run.dir) / "config.yaml"):
+            atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        atomic_write_text(meta_path, json.dumps(experiment, indent=2) + "\n")
+    run = SingleProcessRun(out_dir, cfg, torch_device, resume)
+    baselines = run.baselines()
+    chunk = run.train(minutes)
+    experiment["chunks"].append({"device": device_name(torch_device), "minutes": minutes, "steps": chunk["steps"],
+                                 "chunk_steps": chunk["chunk_steps"], "seconds": chunk["chunk_seconds"],
+                                 "tokens_per_s": round(chunk["tokens_per_s"], 1), "mfu": chunk["mfu"],
+                                 "finished_unix": time.time()})
+    atomic_write_text(meta_path, json.dumps(experiment, indent=2) + "\n")
+    minutes_total = sum(c["minutes"] for c in experiment["chunks"])
+    return run.report(baselines, chunk, minutes_total, started, experiment)
+

