@@ -214,6 +214,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     cfg = with_absolute_paths(cfg)
     run_dir = Path(cfg.run.dir)
     ensure_initial_model(cfg, corpus)
+    from marge.driver.plan import estimated_throughput, warn_if_behind
+
+    capacity = warn_if_behind(cfg, cfg.model_config(vocab_size=corpus.tokenizer().vocab_size), corpus,
+                              estimated_throughput(cfg))
     redis_url, redis_server = start_redis(cfg)
     started_ray = False
     actors = []
@@ -269,7 +273,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             raise outcome["error"]
         for line in progress.lines():
             log.info(line)
-        return summarize(cfg, queue, coordinator, batcher, outcome["result"], started)
+        return {**summarize(cfg, queue, coordinator, batcher, outcome["result"], started), "capacity_plan": capacity}
     finally:
         for actor in actors:
             try:

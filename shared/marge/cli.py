@@ -247,6 +247,49 @@ def cmd_experiment_learning(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from marge.config import load_config
+    from marge.driver.plan import describe, estimated_throughput, load_throughput, measure_throughput, plan_capacity
+
+    cfg = load_config(args.config, args.overrides)
+    corpus = None
+    if (Path(cfg.data.corpus) / "manifest.json").exists():
+        from marge.corpus import Corpus
+
+        corpus = Corpus.open(cfg.data.corpus, verify_checksums=False)
+    if args.measure:
+        if corpus is None:
+            raise FileNotFoundError(f"--measure needs the prepared corpus {cfg.data.corpus} (run `marge prepare` first)")
+        measured = measure_throughput(cfg, corpus, torch.device(args.device))
+        text = json.dumps(measured, indent=2)
+        if args.out:
+            Path(args.out).write_text(text + "\n", encoding="utf-8")
+        print(text)
+        return 0
+    if args.documents:
+        documents, tokens, languages = args.documents, args.document_tokens, args.languages
+    elif corpus is not None:
+        m = corpus.manifest
+        documents, tokens, languages = m["num_documents"], m["num_tokens"] / m["num_documents"], len(m["languages"])
+    else:
+        raise FileNotFoundError(f"{cfg.data.corpus} is not prepared here: give its size with --documents N "
+                                "(and --document-tokens, --languages)")
+    rates = load_throughput(args.measured) if args.measured else estimated_throughput(cfg)
+    if rates is None:
+        raise ValueError("this config's workers use GPUs and this machine has none: measure on a worker "
+                         "(`marge plan --measure --device cuda --out FILE`) and pass --measured FILE")
+    vocab = corpus.tokenizer().vocab_size if corpus is not None else cfg.data.vocab_size
+    plan = plan_capacity(cfg, cfg.model_config(vocab_size=vocab), documents, tokens, languages, rates)
+    if args.json:
+        print(json.dumps(plan))
+    else:
+        for line in describe(plan, cfg):
+            print(line)
+    return 0
+
+
 def parse_override(text: str) -> tuple[str, object]:
     """'key=value' with value parsed as YAML (numbers, booleans, lists)."""
     import yaml
@@ -365,6 +408,21 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", default="auto", help="--single-process: auto (CUDA when present), cpu or cuda[:N]")
     q.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE")
     q.set_defaults(func=cmd_experiment_learning)
+
+    p = sub.add_parser("plan", help="capacity model: does the indexer pool keep up with the trainers?")
+    p.add_argument("--config", type=Path, default=Path("deploy/configs/tiny.yaml"))
+    p.add_argument("--measured", type=Path, default=None,
+                   help="throughput measured by `marge plan --measure` (default: a quick matrix-product estimate)")
+    p.add_argument("--measure", action="store_true",
+                   help="measure one indexer and one trainer worker on this machine (needs the prepared corpus)")
+    p.add_argument("--device", default="cpu", help="--measure: cpu or cuda")
+    p.add_argument("--out", default=None, help="--measure: write the measurements here")
+    p.add_argument("--documents", type=int, default=None, help="corpus size when it is not prepared here")
+    p.add_argument("--document-tokens", type=float, default=400.0, help="mean tokens per document (with --documents)")
+    p.add_argument("--languages", type=int, default=26, help="languages in the corpus (with --documents)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("info", help="a model preset's configuration and parameter count")
     p.add_argument("--preset", required=True, help="tiny, base or paper")

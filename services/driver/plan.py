@@ -1,0 +1,253 @@
+"""`marge plan`: does the indexer pool keep up with the trainers? A capacity model of one run's refresh loop.
+
+The loop (paper §2.4): every `indexer.reindex_every` updates the trainers publish g, the indexer pool embeds the
+whole corpus with it and links it, and the batcher switches to the new graph. What a run needs to know before
+it starts is whether a refresh fits in the time the trainers take for `reindex_every` updates, how stale the
+batches will be, and what the queue costs in Redis.
+
+Costs come from throughput measured on real hardware (`marge plan --measure`: one indexer worker embedding
+corpus documents, one trainer worker training on corpus batches, the config's model, this machine), kept as
+achieved FLOP/s so that they carry over to another model size by FLOP counts (the assumption the plan rests
+on: at a given device and batch shape, time scales with FLOPs):
+
+    embedding a document     2 x (4 d^2 + 2 d ffn) x relevance_layers x (tokens + 2)         forward only
+    linking a shard          2 x n_shard x n_language x d per language                          exact top-k
+    one update               target tokens x `training_flops_per_token`                          fwd + bwd
+
+and from them
+
+    seconds per update       update FLOPs / (trainer workers x trainer FLOP/s)
+    refresh interval         reindex_every x seconds per update
+    build time               corpus embedding + linking FLOPs / (indexer workers x indexer FLOP/s)
+    staleness (updates)      a batch's trainer step minus the snapshot its index came from: from the build
+                             time in updates to that + reindex_every, + the queue's depth in updates
+    Redis memory             queue depth x batch message size (4 bytes a token + header)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from marge.config import PipelineConfig
+from marge.model import MargeConfig, training_flops_per_token
+
+log = logging.getLogger("marge.plan")
+
+HEADER_BYTES_PER_DOCUMENT = 48  # doc id, language, offsets in the message header (JSON), measured on demo batches
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Achieved FLOP/s of one indexer worker (embedding) and one trainer worker (training), and their origin."""
+
+    embed_flops_per_s: float
+    train_flops_per_s: float
+    source: str
+
+
+def encoder_layer_macs(cfg: MargeConfig) -> float:
+    """Multiply-adds per token of one encoder layer (projections and FFN; attention scores left out)."""
+    return 4 * cfg.d_model ** 2 + 2 * cfg.d_model * cfg.encoder_ffn
+
+
+def embed_flops_per_document(cfg: MargeConfig, tokens: float) -> float:
+    return 2.0 * encoder_layer_macs(cfg) * cfg.relevance_layers * (tokens + 2)
+
+
+def link_flops(documents: int, docs_per_shard: float, languages: int, d_model: int) -> float:
+    """Exact top-k within each shard: every document against every document of each language of its shard."""
+    return 2.0 * documents * docs_per_shard * d_model  # summed over languages: n_shard x sum(n_lang) = n_shard^2
+
+
+def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, mean_document_tokens: float,
+                  languages: int, rates: Throughput, evidence_per_target_tokens: float = 1.0) -> dict:
+    """The refresh loop's figures for `cfg` at this corpus size and these throughputs."""
+    t = cfg.trainer
+    batches_per_update = t.num_workers * t.grad_accum
+    target_tokens_per_batch = cfg.batcher.max_tokens / (1 + evidence_per_target_tokens)
+    update_flops_per_worker = (t.grad_accum * target_tokens_per_batch
+                               * training_flops_per_token(model_cfg, evidence_per_target_tokens))
+    seconds_per_update = update_flops_per_worker / rates.train_flops_per_s
+    refresh_interval_s = cfg.indexer.reindex_every * seconds_per_update
+    docs_per_shard = min(documents, cfg.data.docs_per_shard)
+    build_flops = (documents * embed_flops_per_document(model_cfg, mean_document_tokens)
+                   + link_flops(documents, docs_per_shard, languages, model_cfg.d_model))
+    one_worker_build_s = build_flops / rates.embed_flops_per_s
+    build_s = one_worker_build_s / cfg.indexer.num_workers
+    build_updates = build_s / seconds_per_update
+    queue_updates = cfg.queue.max_depth / batches_per_update
+    keeps_up = build_s <= refresh_interval_s
+    # an index that takes longer than the interval is rebuilt back to back: each one serves `build_updates`
+    serves_updates = max(cfg.indexer.reindex_every, build_updates)
+    message_bytes = 4 * cfg.batcher.max_tokens + HEADER_BYTES_PER_DOCUMENT * cfg.batcher.max_tokens / max(mean_document_tokens, 1)
+    return {
+        "documents": documents, "mean_document_tokens": round(mean_document_tokens, 1),
+        "throughput": asdict(rates),
+        "seconds_per_update": seconds_per_update,
+        "refresh_interval_s": refresh_interval_s,
+        "build_s": build_s,
+        "build_s_one_worker": one_worker_build_s,
+        "keeps_up": keeps_up,
+        "indexer_workers_needed": max(1, math.ceil(one_worker_build_s / refresh_interval_s)),
+        "share_of_corpus_refreshable": min(1.0, refresh_interval_s / build_s),
+        "staleness_updates": {"min": build_updates, "mean": build_updates + serves_updates / 2 + queue_updates,
+                              "max": build_updates + serves_updates + queue_updates},
+        "queue_depth_updates": queue_updates,
+        "redis_queue_bytes": cfg.queue.max_depth * message_bytes,
+    }
+
+
+def describe(plan: dict, cfg: PipelineConfig) -> list[str]:
+    s = plan["staleness_updates"]
+    lines = [
+        f"{plan['documents']:,} documents of {plan['mean_document_tokens']:.0f} tokens; {plan['throughput']['source']}",
+        f"one update: {plan['seconds_per_update']:.3g} s -> refresh interval {cfg.indexer.reindex_every} updates = "
+        f"{plan['refresh_interval_s']:.3g} s",
+        f"one refresh with {cfg.indexer.num_workers} indexer worker(s): {plan['build_s']:.3g} s "
+        f"({'keeps up' if plan['keeps_up'] else 'does NOT keep up'}; {plan['indexer_workers_needed']} needed for a full "
+        f"refresh, or refresh {100 * plan['share_of_corpus_refreshable']:.0f}% of the corpus)",
+        f"batch staleness: {s['min']:.0f} to {s['max']:.0f} updates (mean {s['mean']:.0f}); the queue holds "
+        f"{plan['queue_depth_updates']:.1f} updates = {plan['redis_queue_bytes'] / 2**20:.1f} MiB of Redis memory",
+    ]
+    return lines
+
+
+def warn_if_behind(cfg: PipelineConfig, model_cfg: MargeConfig, corpus, rates: Throughput | None) -> dict | None:
+    """The driver's start-up check: a warning naming the settings to change when the pool cannot keep up."""
+    if rates is None:
+        log.info("no capacity estimate: the workers use GPUs this machine lacks (`marge plan --measured FILE` "
+                 "with throughput measured on a worker node)")
+        return None
+    m = corpus.manifest
+    plan = plan_capacity(cfg, model_cfg, m["num_documents"], m["num_tokens"] / max(1, m["num_documents"]),
+                         len(m["languages"]), rates)
+    if not plan["keeps_up"]:
+        log.warning("the indexer pool cannot keep up: one refresh takes about %.0f s but %d updates take about %.0f s "
+                    "(%s); raise indexer.num_workers to %d, or indexer.reindex_every, or expect batches up to %.0f "
+                    "updates stale", plan["build_s"], cfg.indexer.reindex_every, plan["refresh_interval_s"],
+                    plan["throughput"]["source"], plan["indexer_workers_needed"], plan["staleness_updates"]["max"])
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measuring the throughputs on this machine
+# ----------------------------------------------------------------------------------------------------
+
+
+def matmul_flops_per_s(device: torch.device, threads: int, size: int = 512, seconds: float = 0.3) -> float:
+    """Achieved fp32 matrix-product FLOP/s with `threads` threads: the quick estimate the driver starts with."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        a = torch.randn(size, size, device=device)
+        b = torch.randn(size, size, device=device)
+        a @ b
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            n += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return 2.0 * size ** 3 * n / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def corpus_batches(corpus, max_tokens: int, count: int, seed: int = 0) -> list:
+    """Batches of corpus documents filling `max_tokens`: each target linked to one evidence document."""
+    from marge.batch import Batch
+
+    rng = np.random.default_rng(seed)
+    shard = corpus.read_shard(0)
+    out = []
+    for b in range(count):
+        targets, evidence, cost = [], [], 0
+        for i in rng.permutation(len(shard)):
+            if len(shard.tokens[i]) < 2:
+                continue
+            if cost + len(shard.tokens[i]) + 2 > max_tokens:
+                break
+            (targets if len(targets) <= len(evidence) else evidence).append(int(i))
+            cost += len(shard.tokens[i]) + 2
+        pairs = min(len(targets), len(evidence))
+        docs = targets[:pairs] + evidence[:pairs]
+        edges = np.stack([np.arange(pairs), np.arange(pairs)], axis=1).astype(np.int32)
+        out.append(Batch(f"plan-{b}", 0, 0, shard.doc_ids[docs].astype(np.int64), tuple(shard.langs[i] for i in docs),
+                         tuple(shard.tokens[i] for i in docs), np.arange(pairs, dtype=np.int32),
+                         np.arange(pairs, 2 * pairs, dtype=np.int32), edges, np.ones(pairs, dtype=np.float32)))
+    return out
+
+
+def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps: int = 6) -> dict:
+    """One indexer worker's and one trainer worker's achieved FLOP/s on this machine, with the config's model,
+    thread counts and batch budget, on corpus documents (random-init weights: speed does not depend on them)."""
+    from marge.indexer.core import embed_documents
+    from marge.model import Marge, RelevanceEncoder, relevance_state_dict
+    from marge.training import OptimConfig, build_optimizer, build_scheduler, train_step
+
+    tokenizer = corpus.tokenizer()
+    model_cfg = cfg.model_config(vocab_size=tokenizer.vocab_size)
+    torch.manual_seed(cfg.run.seed)
+    model = Marge(model_cfg).to(device)
+    encoder = RelevanceEncoder(model_cfg)
+    encoder.load_state_dict(relevance_state_dict(model))
+    encoder = encoder.to(device).eval()
+    documents = corpus.read_shard(0).tokens
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(1, int(cfg.indexer.num_cpus_per_worker)))
+        embed_documents(encoder, documents[:64], tokenizer.specials, cfg.indexer.batch_tokens, str(device))  # warm-up
+        t0 = time.perf_counter()
+        embed_documents(encoder, documents, tokenizer.specials, cfg.indexer.batch_tokens, str(device))
+        embed_s = time.perf_counter() - t0
+        mean_tokens = float(np.mean([len(d) for d in documents]))
+        embed_rate = len(documents) * embed_flops_per_document(model_cfg, mean_tokens) / embed_s
+
+        torch.set_num_threads(max(1, cfg.trainer.torch_threads))
+        batches = corpus_batches(corpus, cfg.batcher.max_tokens, steps + 1, cfg.run.seed)
+        optim = OptimConfig(lr=1e-4, warmup_steps=0, total_steps=10**6)
+        optimizer = build_optimizer(model.train(), optim)
+        scheduler = build_scheduler(optimizer, optim)
+        specials = tokenizer.specials
+        train_step(model, optimizer, scheduler, batches[:1], specials, optim, 0, device)  # warm-up
+        flops, t0 = 0.0, time.perf_counter()
+        for i, batch in enumerate(batches[1:], start=1):
+            record = train_step(model, optimizer, scheduler, [batch], specials, optim, i, device)
+            ratio = (batch.cost_tokens() - record.target_tokens) / max(1, record.target_tokens)
+            flops += record.target_tokens * training_flops_per_token(model_cfg, ratio)
+        train_rate = flops / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(previous)
+    return {"embed_flops_per_s": embed_rate, "train_flops_per_s": train_rate, "embed_docs_per_s": len(documents) / embed_s,
+            "device": str(device), "indexer_threads": int(cfg.indexer.num_cpus_per_worker),
+            "trainer_threads": cfg.trainer.torch_threads, "model": model_cfg.to_dict()}
+
+
+def load_throughput(path: Path) -> Throughput:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    missing = {"embed_flops_per_s", "train_flops_per_s"} - set(data)
+    if missing:
+        raise ValueError(f"{path}: a measured-throughput file needs {sorted(missing)} (write one with "
+                         "`marge plan --measure --out FILE`)")
+    return Throughput(float(data["embed_flops_per_s"]), float(data["train_flops_per_s"]),
+                      f"measured on {data.get('device', '?')} ({path})")
+
+
+def estimated_throughput(cfg: PipelineConfig) -> Throughput | None:
+    """Without measurements: this machine's matrix-product rate on the workers' threads (CPU) or device. None
+    when the workers use GPUs this machine does not have (a CPU head node): its rate would say nothing."""
+    wants_gpu = cfg.trainer.use_gpu or cfg.indexer.use_gpu
+    if wants_gpu and not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda" if wants_gpu else "cpu")
+    embed = matmul_flops_per_s(device, int(cfg.indexer.num_cpus_per_worker))
+    train = matmul_flops_per_s(device, cfg.trainer.torch_threads)
+    return Throughput(embed, train, f"estimated from a {device.type} matrix product on this machine")
