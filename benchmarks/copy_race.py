@@ -25,11 +25,13 @@ Tasks (`--source`, `--evidence`): random tokens (default) or 48-token windows of
 
 Variants (`--variants`) switch ONE thing of a model, for the diagnosis in the README (issue 17); they are
 built here, as subclasses or module swaps, and are not options of the model. `--list` prints them.
+`before` is our model as it was before issue 17 (no embedding LayerNorm); `before:*` switch one thing of it.
 
-    python benchmarks/copy_race.py                                   # ours vs BART, random tokens, 3 seeds
-    python benchmarks/copy_race.py --source text --steps 300
-    python benchmarks/copy_race.py --evidence infilled --steps 300
-    python benchmarks/copy_race.py --variants ours,ours:post_ln,bart:no_embedding_ln --steps 300
+    python benchmarks/copy_race.py                     # ours, before, BART: random tokens, 3 seeds, 700 updates
+    python benchmarks/copy_race.py --source text --steps 700
+    python benchmarks/copy_race.py --evidence infilled --steps 700
+    python benchmarks/copy_race.py --variants before,before:post_ln,bart:our_old_norms --steps 300 --jobs 2
+    python benchmarks/copy_race.py --g-at-init         # how alike a fresh model's g vectors are
 """
 
 from __future__ import annotations
@@ -548,6 +550,25 @@ def print_table(summary: dict[str, dict], report_steps: list[int]) -> None:
         print(f"{name:<{width}}{cells}{v['seconds_mean']:>9.1f}{v['parameters']:>10,}")
 
 
+def print_g_at_init(documents: int = 32, seed: int = 0) -> None:
+    """How alike a fresh model's g vectors are across random documents, before and after the fix: the
+    off-diagonal cosines between `documents` random 48-token documents, for BOS and mean pooling."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(FIRST_RANDOM_TOKEN, RANDOM_VOCAB, (documents, TARGET_TOKENS))
+    rows = torch.as_tensor(np.concatenate([np.full((documents, 1), RANDOM_SPECIALS.bos_id), tokens,
+                                           np.full((documents, 1), RANDOM_SPECIALS.eos_id)], 1))
+    off_diagonal = ~torch.eye(documents, dtype=torch.bool)
+    for name, overrides in (("before", BEFORE_ISSUE_17), ("ours", {})):
+        for pooling in ("bos", "mean"):
+            torch.manual_seed(seed)
+            model = Marge(our_config(RANDOM_VOCAB, RANDOM_SPECIALS.pad_id, relevance_pooling=pooling, **overrides))
+            with torch.no_grad():
+                g = F.normalize(model.eval().relevance_vectors(rows), dim=-1)
+            cosines = (g @ g.T)[off_diagonal]
+            print(f"{name:<7} g pooled by {pooling:<4}: cosine between documents {cosines.mean():.5f} "
+                  f"+- {cosines.std():.5f}")
+
+
 def _train_in_worker(job: tuple) -> dict:
     variant_name, task, seed, steps, optimizer_kind, lr = job
     torch.set_num_threads(1)  # --jobs N runs N trainings side by side, one core each
@@ -569,10 +590,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="trainings run side by side, one thread each")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--list", action="store_true", help="print the variants and exit")
+    parser.add_argument("--g-at-init", action="store_true", help="print how alike fresh g vectors are, and exit")
     args = parser.parse_args(argv)
     if args.list:
         for v in VARIANTS.values():
             print(f"{v.name:<26} {v.about}")
+        return
+    if args.g_at_init:
+        print_g_at_init()
         return
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]

@@ -448,3 +448,10 @@ def test_relevance_encoder_carries_the_embedding_layernorm():
         for layer in (0, 1):
             torch.testing.assert_close(encoder.encoder_states(inputs.evidence_MS, layer),
                                        model.encoder_states(inputs.evidence_MS, layer))
+
+
+def test_a_config_saved_before_the_embedding_layernorm_loads_as_the_model_it_was():
+    saved = preset("tiny", vocab_size=200).to_dict()
+    del saved["embedding_layernorm"]
+    assert not MargeConfig.from_dict(saved).embedding_layernorm
+    assert MargeConfig.from_dict(preset("tiny", vocab_size=200).to_dict()).embedding_layernorm

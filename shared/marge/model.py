@@ -137,7 +137,9 @@ class MargeConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown model config field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**values)
+        # A config saved before `embedding_layernorm` existed describes a model without that norm (its
+        # checkpoint or snapshot has no such tensors), not today's default.
+        return cls(**{"embedding_layernorm": False, **values})
 
     def with_overrides(self, **overrides: Any) -> "MargeConfig":
         return replace(self, **overrides)
