@@ -8,14 +8,14 @@ Shape (both models, about 1.45M parameters at vocab 4000): d 128, 4 heads, 2 enc
 2 decoder layers with cross-attention and none without, FFN 512, 64 positions, no dropout.
 
 Our model is fed exactly as in training: a `Batch` with the 16 targets and their 16 evidence copies goes
-through `to_model_inputs(attend_to="linked")` and `marge.training.forward_backward`, so every target
+through `to_model_inputs(attend_to="linked")` and `services.trainer.step.forward_backward`, so every target
 cross-attends over the concatenated memory of all 16 evidence documents with every key but its own
 document's masked. BART gets the same tensors: `input_ids` = the evidence row of each target,
 `decoder_input_ids` = language token + target, labels = target + EOS, loss = mean NLL per token.
 
-Optimizer (both models): `marge.training.build_optimizer` (AdamW, weight decay 0.01 on matrices only,
+Optimizer (both models): `services.trainer.step.build_optimizer` (AdamW, weight decay 0.01 on matrices only,
 none on biases, LayerNorms and embeddings; betas (0.9, 0.98), eps 1e-6), gradient-norm clipping at 1.0
-through `marge.training.optimizer_step`, constant learning rate 1e-3 with no warm-up unless a variant says
+through `services.trainer.step.optimizer_step`, constant learning rate 1e-3 with no warm-up unless a variant says
 otherwise. `--optimizer torch-adamw` uses torch's AdamW defaults on every parameter (betas (0.9, 0.999),
 eps 1e-8, weight decay 0.01) and no clipping instead.
 
@@ -55,9 +55,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from marge.batch import Batch, SpecialTokens, to_model_inputs
+from marge.batch import Batch, SpecialTokens
+from services.trainer.inputs import to_model_inputs
 from marge.model import Attention, DecoderLayer, EncodedEvidence, EncoderLayer, Marge, MargeConfig
-from marge.training import OptimConfig, build_optimizer, build_scheduler, forward_backward, optimizer_step
+from services.trainer.step import OptimConfig, build_optimizer, build_scheduler, forward_backward, optimizer_step
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CORPUS = REPO / "data/prepared/demo"

@@ -76,23 +76,26 @@ def main() -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    from marge.config import load_config
-    from marge.driver.pipeline import ensure_initial_model, make_trainer, start_ray, with_absolute_paths
+    import dataclasses
+
+    from services.driver.config import load_config, with_absolute_paths
+    from services.driver.pipeline import make_trainer, trainer_job
+    from services.driver.resources import ray_for
+    from services.trainer.init import ensure_initial_model
 
     cfg = load_config(args.config, [f"run.dir={args.out}", "run.name=oracle", f"run.max_minutes={args.minutes}",
-                                    "batcher.attend_to=linked", *args.overrides])
+                                    "objectives.marge.attend_to=linked", *args.overrides])
     cfg = with_absolute_paths(cfg)
     corpus = Corpus.open(cfg.data.corpus)
-    ensure_initial_model(cfg, corpus)
+    ensure_initial_model(cfg.model_config(corpus.tokenizer().vocab_size), cfg.paths(), corpus, cfg.run.seed)
     rng = np.random.default_rng(cfg.run.seed)
     stream = oracle_batches(corpus, args.max_tokens, args.evidence, rng)
     world = cfg.trainer.num_workers
     memory = [[next(stream) for _ in range(args.steps)] for _ in range(world)]
-    import dataclasses
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, max_steps=args.steps))
-    start_ray(cfg)
     deadline = time.time() + 60 * args.minutes
-    make_trainer(cfg, None, deadline_unix=deadline, memory_batches=memory).fit()
+    with ray_for(cfg):
+        make_trainer(cfg, trainer_job(cfg, None, deadline, memory_batches=memory)).fit()
     for line in (Path(cfg.run.dir) / "train_log.jsonl").read_text().splitlines():
         r = json.loads(line)
         if "health" in r:

@@ -31,12 +31,14 @@ log = logging.getLogger("bench")
 
 def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
     """Pipeline-fed vs memory-fed trainer on identical batches (same model, optimizer, DDP ranks)."""
-    from marge.batcher.core import batcher_config
-    from marge.batcher.core import DocumentStore, epoch_batches
-    from marge.config import load_config
     from marge.corpus import Corpus
-    from marge.driver.pipeline import make_trainer, run_pipeline
     from marge.index_store import read_version, version_dirname
+    from marge.protocol import BatchId
+    from services.batcher.core import DocumentStore, epoch_batches
+    from services.driver.config import load_config, with_absolute_paths
+    from services.driver.pipeline import make_trainer, run_pipeline, trainer_job
+    from services.driver.resources import ray_for
+    from services.trainer.init import ensure_initial_model
 
     cfg = load_config(REPO / "deploy/configs/tiny.yaml", [f"run.name=bench-pipeline", f"run.dir={workdir / 'pipeline'}",
                                                           f"run.max_steps={steps}", "indexer.keep_versions=1000",
@@ -50,18 +52,16 @@ def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
     docs = DocumentStore(corpus)
     found = {}
     for batch_id in sorted(needed):
-        version, epoch = int(batch_id.split("-")[0][1:]), int(batch_id.split("-")[1][1:])
-        key = (version, epoch)
+        parsed = BatchId.parse(batch_id)
+        key = (parsed.version, parsed.epoch)
         if key in found:
             continue
-        index = read_version(run_dir / "index" / version_dirname(version))
-        for batch in epoch_batches(index, docs, batcher_config(cfg), epoch):
+        index = read_version(run_dir / "index" / version_dirname(parsed.version))
+        for batch in epoch_batches(index, docs, cfg.batcher, parsed.epoch, cfg.run.seed):
             found.setdefault(key, {})[batch.batch_id] = batch
     by_id = {k: v for part in found.values() for k, v in part.items()}
     world = cfg.trainer.num_workers
     memory = [[by_id[r["batch_ids"][rank]] for r in records] for rank in range(world)]
-    from marge.driver.pipeline import ensure_initial_model, start_ray, with_absolute_paths
-
     mem_cfg = with_absolute_paths(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name="bench-memory",
                                                                                    dir=str(workdir / "memory"))))
 
@@ -69,15 +69,9 @@ def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
     (Path(mem_cfg.run.dir) / "init").mkdir()
     for f in ("model.safetensors", "model.json"):  # the same initial weights
         (Path(mem_cfg.run.dir) / "init" / f).write_bytes((run_dir / "init" / f).read_bytes())
-    ensure_initial_model(mem_cfg, corpus)
-    started = start_ray(mem_cfg)
-    try:
-        make_trainer(mem_cfg, None, memory_batches=memory).fit()
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
+    ensure_initial_model(mem_cfg.model_config(corpus.tokenizer().vocab_size), mem_cfg.paths(), corpus, mem_cfg.run.seed)
+    with ray_for(mem_cfg):
+        make_trainer(mem_cfg, trainer_job(mem_cfg, None, memory_batches=memory)).fit()
     mem_records = [json.loads(x) for x in (Path(mem_cfg.run.dir) / "train_log.jsonl").read_text().splitlines()]
     same_losses = np.allclose([r["loss"] for r in records], [r["loss"] for r in mem_records], rtol=1e-4, atol=1e-5)
     pipe_tps, mem_tps = records[-1]["tokens_per_s"], mem_records[-1]["tokens_per_s"]
@@ -99,25 +93,24 @@ def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
 
 
 def indexer_speed(corpus_dir: str, threads: int, device: str) -> dict:
-    from marge.batch import as_encoder_input, pad_rows
+    from marge.batch import as_encoder_input
     from marge.corpus import Corpus
-    from marge.indexer.core import LinkConfig, index_shard
-    from marge.model import Marge, RelevanceEncoder, preset, relevance_state_dict
+    from marge.model import Marge, RelevanceEncoder, pad_rows, preset
+    from services.indexer.config import IndexerConfig
+    from services.indexer.core import index_shard
 
     torch.set_num_threads(threads)
     corpus = Corpus.open(corpus_dir)
     specials = corpus.tokenizer().specials
     torch.manual_seed(0)
     model = Marge(preset("tiny", vocab_size=corpus.tokenizer().vocab_size))
-    encoder = RelevanceEncoder(model.cfg)
-    encoder.load_state_dict(relevance_state_dict(model))
-    encoder = encoder.eval().to(device)
+    encoder = RelevanceEncoder.from_model(model).eval().to(device)
     shards = [corpus.read_shard(s) for s in range(corpus.num_shards)]
     n_docs = sum(len(s) for s in shards)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         for shard in shards:
-            index_shard(shard, encoder, specials, Path(tmp), LinkConfig(), device=device)
+            index_shard(shard, encoder, specials, Path(tmp), IndexerConfig(), device=device)
         indexer_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -144,14 +137,14 @@ def synthetic_graph(n_docs: int, links: int, rng: np.random.Generator):
 
 
 def batcher_speed(edge_counts=(100_000, 1_000_000), links: int = 8) -> dict:
-    from marge.batcher.greedy import BatcherWeights, plan_shard_batches
+    from services.batcher.greedy import plan_shard_batches
 
     out = {}
     for edges in edge_counts:
         rng = np.random.default_rng(0)
         t, e, c, s, lengths = synthetic_graph(edges // links, links, rng)
         t0 = time.perf_counter()
-        plans, _ = plan_shard_batches(t, e, c, s, lengths, 2048, BatcherWeights(), np.random.default_rng(1))
+        plans, _ = plan_shard_batches(t, e, c, s, lengths, 2048, 100.0, 1.0, np.random.default_rng(1))
         seconds = time.perf_counter() - t0
         out[str(edges)] = {"seconds": seconds, "seconds_per_100k_edges": seconds / (edges / 100_000),
                            "batches": len(plans)}
@@ -169,8 +162,8 @@ def main() -> int:
     p.add_argument("overrides", nargs="*", help="config overrides for the pipeline run")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from marge.config import load_config
-    from marge.driver.pipeline import ensure_corpus
+    from services.driver.config import load_config
+    from services.driver.pipeline import ensure_corpus
 
     ensure_corpus(load_config(REPO / "deploy/configs/tiny.yaml"))
     results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,

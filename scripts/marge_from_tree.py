@@ -1,27 +1,23 @@
 #!/usr/bin/env python3
 """Run the `marge` command from this checkout without installing it.
 
-For a machine where nothing can be installed (a lent GPU machine with torch but no registry): the
-installed package maps `marge` to shared/marge and `marge.<stage>` to services/<stage> (pyproject.toml's
-package-dir); this does the same mapping on the import path, then calls the CLI.
+For a machine where nothing can be installed (a lent GPU machine with torch but no registry). Import paths
+match folders: the library `marge` is shared/marge and the stages are services/<stage> (`services.indexer`,
+...), so putting shared/ and the checkout itself on the import path is all an install would do.
 
     python3 scripts/marge_from_tree.py experiment learning --single-process ...
 
 Commands that need Ray, Redis, FAISS or FastAPI still need them installed; `experiment learning
---single-process`, `eval`, `info` and `prepare --no-lid` need none of them.
+--single-process`, `eval`, `info`, `plan` and `prepare --no-lid` need none of them.
 """
 
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "shared"))
+sys.path[:0] = [str(ROOT / "shared"), str(ROOT)]
 
-import marge  # noqa: E402  (the library, from shared/marge)
-
-marge.__path__.append(str(ROOT / "services"))  # marge.indexer -> services/indexer, ...
-
-from marge.cli import main  # noqa: E402
+from services.driver.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

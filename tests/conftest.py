@@ -60,7 +60,7 @@ def ray_cluster(tmp_path_factory):
 @pytest.fixture
 def redis_server(tmp_path):
     """A real redis-server on a free loopback port, with the project's persistence settings."""
-    from marge.redis_server import LocalRedis
+    from services.driver.redis_server import LocalRedis
 
     server = LocalRedis(tmp_path / "redis").start()
     yield server
@@ -73,14 +73,13 @@ def small_index(small_corpus, tmp_path_factory):
     import torch
 
     from marge.corpus import Corpus
-    from marge.indexer.core import LinkConfig, index_corpus
-    from marge.model import Marge, RelevanceEncoder, preset, relevance_state_dict
+    from marge.model import Marge, RelevanceEncoder, preset
+    from services.indexer.config import IndexerConfig
+    from services.indexer.core import index_corpus
 
     corpus = Corpus.open(small_corpus)
     tok = corpus.tokenizer()
     torch.manual_seed(0)
     model = Marge(preset("tiny", vocab_size=tok.vocab_size, max_positions=128))
-    encoder = RelevanceEncoder(model.cfg)
-    encoder.load_state_dict(relevance_state_dict(model))
     root = tmp_path_factory.mktemp("index")
-    return index_corpus(corpus, encoder.eval(), tok.specials, root, 0, 0, LinkConfig())
+    return index_corpus(corpus, RelevanceEncoder.from_model(model).eval(), tok.specials, root, 0, 0, IndexerConfig())

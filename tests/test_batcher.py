@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from marge.batcher.core import BatcherConfig, DocumentStore, epoch_batches
+from services.batcher.config import BatcherConfig
+from services.batcher.core import DocumentStore, epoch_batches
 from marge.corpus import Corpus
 from marge.index_store import IndexStoreError, latest_version
 
@@ -15,8 +16,8 @@ def docs(small_corpus):
     return DocumentStore(Corpus.open(small_corpus))
 
 
-def batches(index, docs, **kw):
-    return list(epoch_batches(index, docs, BatcherConfig(**{"max_tokens": 400, **kw}), epoch=0))
+def batches(index, docs, seed=0, **kw):
+    return list(epoch_batches(index, docs, BatcherConfig(**{"max_tokens": 400, **kw}), epoch=0, seed=seed))
 
 
 def test_index_links_follow_the_top_k_rule(small_index, small_corpus):
@@ -103,7 +104,8 @@ def test_a_corrupt_index_file_is_detected(small_index, tmp_path):
 
 
 def test_document_link_rule_gives_every_document_its_own_links(small_corpus):
-    from marge.indexer.core import LinkConfig, shard_links, unit_vectors
+    from services.indexer.config import IndexerConfig
+    from services.indexer.core import shard_links
 
     corpus = Corpus.open(small_corpus)
     shard = corpus.read_shard(0)
@@ -111,10 +113,11 @@ def test_document_link_rule_gives_every_document_its_own_links(small_corpus):
     # every language but one shares a common direction (high cosines); that one is isotropic (cosines near 0)
     raw = rng.normal(size=(len(shard), 16)).astype(np.float32)
     raw[shard.langs != shard.langs[0]] += 4.0
-    unit = unit_vectors(raw, center=False)
+    unit = raw / np.linalg.norm(raw, axis=1, keepdims=True)
+
     def link_counts(rule):
-        links = shard_links(shard.doc_ids, shard.langs, unit, LinkConfig(rule=rule, links_monolingual=2,
-                                                                          links_crosslingual=2))
+        links = shard_links(shard.doc_ids, shard.langs, unit, IndexerConfig(link_rule=rule, links_monolingual=2,
+                                                                             links_crosslingual=2))
         return {d: int((links["target_id"] == d).sum()) for d in shard.doc_ids.tolist()}
 
     assert min(link_counts("shard").values()) == 0  # the paper's shard-wide rule leaves documents without links

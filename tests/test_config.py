@@ -1,22 +1,33 @@
-"""Configs load and validate; deployment manifests keep every control port inside the cluster."""
+"""Configs load and validate in full before anything starts; deployment manifests keep every control port inside
+the cluster."""
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
+import time
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
-from marge.config import ConfigError, load_config
+from marge.config import ConfigError
 from marge.model import build_on_meta, count_parameters
+from services.driver.config import PipelineConfig, load_config
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
 
 
-@pytest.mark.parametrize("name", ["tiny", "base", "paper"])
-def test_shipped_configs_load(name):
+@pytest.mark.parametrize("name", ["tiny", "base", "paper", "learning", "learning-gpu"])
+def test_shipped_configs_load_and_round_trip(name, tmp_path):
     cfg = load_config(DEPLOY / "configs" / f"{name}.yaml")
-    assert cfg.model["preset"] == name
+    assert cfg.model["preset"] in ("tiny", "base", "paper")
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert load_config(saved) == cfg  # what a run saves in its folder loads back to the same settings
 
 
 def test_paper_config_is_the_paper():
@@ -28,21 +39,76 @@ def test_paper_config_is_the_paper():
     assert cfg.data.max_chunk_tokens == 512 and cfg.trainer.lr == 1e-4 and cfg.trainer.warmup_steps == 10000
 
 
-def test_overrides_and_errors_name_the_key():
-    cfg = load_config(DEPLOY / "configs" / "tiny.yaml", ["run.max_steps=7", "trainer.lr=2e-3", "model.beta_init=4"])
-    assert cfg.run.max_steps == 7 and cfg.trainer.lr == 0.002 and cfg.model_config(100).beta_init == 4.0
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['max_step'\] in section 'run'"):
-        load_config(None, ["run.max_step=7"])
-    with pytest.raises(ConfigError, match="trainer.num_workers must be positive"):
-        load_config(None, ["trainer.num_workers=0"])
-    with pytest.raises(ConfigError, match="run.max_steps must be a int"):
-        load_config(None, ["run.max_steps=many"])
-    with pytest.raises(ConfigError, match=r"unknown model field\(s\) \['depth'\]"):
-        load_config(None, ["model.depth=3"])
-    with pytest.raises(ConfigError, match="multiple of trainer.snapshot_every"):
-        load_config(None, ["indexer.reindex_every=15", "trainer.snapshot_every=10"])
-    with pytest.raises(ConfigError, match="batcher.max_tokens"):
-        load_config(None, ["batcher.max_tokens=100"])
+def leaf_fields(cls: type, prefix: str = ""):
+    """Every (dotted key, type) of the config tree, sections expanded."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        typ = hints[f.name]
+        inner = next((a for a in typing.get_args(typ) if dataclasses.is_dataclass(a)), None)
+        if dataclasses.is_dataclass(typ) or inner is not None:
+            yield from leaf_fields(inner or typ, f"{prefix}{f.name}.")
+        elif f.name != "model":
+            yield f"{prefix}{f.name}", typ
+
+
+@pytest.mark.parametrize("key", [key for key, typ in leaf_fields(PipelineConfig) if typ is not str
+                                 and typing.get_args(typ) != (str, type(None))])
+def test_every_field_of_every_section_refuses_a_wrong_type_and_names_itself(key):
+    value = "not-a-number"
+    if "resources" in key:
+        value = "[1, 2]"  # a list where a mapping belongs
+    elif key.endswith(("raw", "adam_betas")):
+        value = "{a: 1}"  # a mapping where a list belongs
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(DEPLOY / "configs" / "learning.yaml", [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("run.max_step=7", r"unknown key\(s\) \['max_step'\] in section 'run'"),
+    ("run.max_steps=0", r"run\.max_steps must be > 0, got 0"),
+    ("run.name=a/b", r"run\.name must be a non-empty name"),
+    ("data.max_chunk_tokens=2", r"data\.max_chunk_tokens must be >= 3, got 2"),
+    ("indexer.link_rule=bogus", r"indexer\.link_rule must be one of \['shard', 'document'\], got 'bogus'"),
+    ("indexer.nice=25", r"indexer\.nice must be in \[0, 19\], got 25"),
+    ("indexer.min_score=2", r"indexer\.min_score must be in \[-1.0, 1.0\], got 2.0"),
+    ("indexer.links_crosslingual=-1", r"indexer\.links_crosslingual must be >= 0, got -1.0"),
+    ("indexer.num_gpus_per_worker=1", r"indexer\.use_gpu must be true when num_gpus_per_worker > 0"),
+    ("indexer.resources={a: -1}", r"indexer\.resources\.a must be a number >= 0, got -1"),
+    ("batcher.max_tokens=8", r"batcher\.max_tokens must be >= 16, got 8"),
+    ("batcher.crosslingual_weight=-3", r"batcher\.crosslingual_weight must be >= 0"),
+    ("queue.max_depth=0", r"queue\.max_depth must be > 0, got 0"),
+    ("trainer.num_workers=0", r"trainer\.num_workers must be > 0, got 0"),
+    ("trainer.lr=-1e-3", r"trainer\.lr must be > 0, got -0\.001"),
+    ("trainer.adam_betas=[0.9, 1.5]", r"trainer\.adam_betas must be two numbers in \[0, 1\)"),
+    ("trainer.clip_norm=-1", r"trainer\.clip_norm must be >= 0"),
+    ("objectives.marge.attend_to=some", r"objectives\.marge\.attend_to must be one of \['all', 'linked'\], got 'some'"),
+    ("objectives.self_evidence={prob: 2, until: 10}", r"objectives\.self_evidence\.prob must be in \[0.0, 1.0\], got 2"),
+    ("objectives.denoising_contrastive={weight: 0.3, deletion: 1}",
+     r"objectives\.denoising_contrastive\.deletion must be in \[0.0, 1.0\), got 1"),
+    ("objectives.bart={weight: 1}", r"unknown key\(s\) \['bart'\] in section 'objectives'"),
+    ("health.probe_size=0", r"health\.probe_size must be > 0, got 0"),
+    ("redis.appendfsync=sometimes", r"redis\.appendfsync must be one of \['always', 'everysec', 'no'\], got 'sometimes'"),
+    ("ray.num_cpus=0", r"ray\.num_cpus must be > 0, got 0"),
+    ("model.depth=3", r"unknown model field\(s\) \['depth'\]"),
+    ("model.relevance_pooling=max", r"model\.relevance_pooling must be 'bos' or 'mean', got 'max'"),
+    ("indexer.reindex_every=15", r"indexer\.reindex_every must be a multiple of trainer\.snapshot_every \(100\), got 15"),
+    ("batcher.max_tokens=100", r"batcher\.max_tokens must fit one target and one evidence document .* at least 255, got 100"),
+])
+def test_bad_values_are_errors_that_name_the_key_the_value_and_what_is_allowed(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEPLOY / "configs" / "learning.yaml", [override])
+
+
+def test_marge_pretrain_refuses_a_bad_setting_within_seconds_before_ray_or_redis_start(tmp_path):
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "services.driver.cli", "pretrain", "--config",
+                           str(DEPLOY / "configs" / "tiny.yaml"), "indexer.link_rule=bogus", f"run.dir={tmp_path / 'run'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "indexer.link_rule" in last and "'bogus'" in last and "['shard', 'document']" in last
+    assert time.time() - started < 20
+    assert not (tmp_path / "run").exists()  # nothing was started or written
 
 
 def all_manifests():
@@ -71,13 +137,19 @@ def test_every_deviation_from_the_paper_is_off_in_the_paper_preset_and_config():
     from marge.model import preset
 
     paper = preset("paper")
-    assert paper.relevance_pooling == "bos" and not paper.relevance_centering
-    assert paper.relevance_distill_weight == 0 and not paper.beta_per_layer and paper.relevance_layers == 4
-    assert paper.relevance_contrastive_weight == 0 and paper.tie_encoder_embeddings
-    assert paper.relevance_layers_from_reconstruction
+    assert paper.relevance_pooling == "bos" and not paper.relevance_centering and paper.relevance_layers == 4
+    assert paper.tie_encoder_embeddings
     cfg = load_config(DEPLOY / "configs" / "paper.yaml")
-    assert cfg.trainer.self_evidence_prob == 0 and cfg.trainer.denoise_weight == 0
+    assert cfg.objectives.self_evidence is None and cfg.objectives.denoising_contrastive is None
+    assert cfg.objectives.marge.attend_to == "all" and cfg.objectives.marge.weight == 1
     model = cfg.model_config(vocab_size=cfg.data.vocab_size)
     assert model == paper
-    assert cfg.batcher.attend_to == "all" and cfg.indexer.min_score == -1.0 and cfg.indexer.link_rule == "shard"
+    assert cfg.indexer.min_score == -1.0 and cfg.indexer.link_rule == "shard"
     assert cfg.data.max_chunk_tokens == 512
+
+
+def test_no_loss_weight_is_architecture():
+    from marge.model import MargeConfig
+
+    names = [f.name for f in dataclasses.fields(MargeConfig)]
+    assert not [n for n in names if n.endswith(("_weight", "_temperature"))]

@@ -1,4 +1,4 @@
-"""Retrieval-health probes (marge.health) on constructed cases where the right answer is known."""
+"""Retrieval-health probes (services.trainer.health) on constructed cases where the right answer is known."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from marge.corpus import Corpus
-from marge.health import build_probe, g_spread, probe_health
+from services.trainer.health import build_probe, g_spread, probe_health
 from marge.model import Marge, preset
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from marge.batch import Batch, SpecialTokens, to_model_inputs
-from marge.model import Marge, MargeConfig, build_on_meta, count_parameters, preset
+from marge.batch import Batch, SpecialTokens
+from services.trainer.inputs import to_model_inputs
+from marge.model import CrossMemory, Marge, MargeConfig, build_on_meta, count_parameters, preset
 
 SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 10, "de": 11, "zh": 12})
 
@@ -20,10 +21,12 @@ def tiny(**overrides) -> Marge:
     return Marge(preset("tiny", vocab_size=200, **overrides)).eval()
 
 
-def make_batch(rng: np.random.Generator, lengths=(7, 12, 5, 9), targets=(0, 1), evidence=(1, 2, 3)) -> Batch:
+def make_batch(rng: np.random.Generator, lengths=(7, 12, 5, 9), targets=(0, 1), evidence=(1, 2, 3),
+               edges=None) -> Batch:
+    """Documents of random tokens; `edges` (target position, evidence position) default to every target -> evidence 0."""
     tokens = tuple(rng.integers(20, 200, size=n).astype(np.int32) for n in lengths)
     langs = tuple(["en", "de", "zh", "en"][i % 4] for i in range(len(lengths)))
-    edges = np.array([[t, 0] for t in range(len(targets))], dtype=np.int32)
+    edges = np.array(edges if edges is not None else [[t, 0] for t in range(len(targets))], dtype=np.int32)
     return Batch("b0", 0, 0, np.arange(100, 100 + len(lengths), dtype=np.int64), langs, tokens,
                  np.array(targets, dtype=np.int32), np.array(evidence, dtype=np.int32), edges,
                  np.ones(len(edges), dtype=np.float32))
@@ -109,13 +112,16 @@ def plain_cross_attention_reference(model: Marge, inputs) -> torch.Tensor:
     return F.cross_entropy(logits.transpose(1, 2), inputs.labels_NT, ignore_index=0)
 
 
-def test_beta_zero_is_plain_cross_attention_over_the_concatenation():
+@pytest.mark.parametrize("attend_to", ["all", "linked"])
+def test_beta_zero_is_plain_cross_attention_over_the_concatenation(attend_to):
     # So that beta != 0 visibly moves the loss in a fresh model: g mean-pooled, because the BOS-pooled g of
     # a fresh model is nearly one vector for every document (the normalised BOS embedding dominates the BOS
     # state), and cross-attention outputs scaled up, because at init they add little to the unit-scale
-    # residual stream (training grows them).
+    # residual stream (training grows them). 'linked' makes each target read its own gathered keys.
     model = tiny(beta_init=0.0, relevance_pooling="mean")
-    inputs = to_model_inputs(make_batch(np.random.default_rng(3)), SPECIALS)
+    batch = make_batch(np.random.default_rng(3), lengths=(7, 12, 5, 9, 6), targets=(0, 1), evidence=(1, 2, 3, 4),
+                       edges=[[0, 0], [0, 3], [1, 1], [1, 2]])
+    inputs = to_model_inputs(batch, SPECIALS, attend_to)
     with torch.no_grad():
         for layer in model.decoder_layers:
             layer.cross_attn.out_proj.weight.mul_(30.0)
@@ -211,28 +217,50 @@ def test_decoder_is_causal():
     assert not torch.allclose(out.logits_NTV[:, 4:], out2.logits_NTV[:, 4:])
 
 
-@pytest.mark.parametrize("beta_per_layer", [False, True])
-def test_kv_cached_decoding_equals_full_decoding(beta_per_layer):
-    model = tiny(beta_per_layer=beta_per_layer)
-    inputs = to_model_inputs(make_batch(np.random.default_rng(8)), SPECIALS)
+@pytest.mark.parametrize("attend_to", ["all", "linked"])
+def test_kv_cached_decoding_equals_full_decoding(attend_to):
+    model = tiny(relevance_pooling="mean")
+    batch = make_batch(np.random.default_rng(8), edges=[[0, 0], [1, 1], [1, 2]])
+    inputs = to_model_inputs(batch, SPECIALS, attend_to)
     with torch.no_grad():
         evidence = model.encode_evidence(inputs.evidence_MS)
         rel = model.relevance(model.relevance_vectors(inputs.target_enc_NS), evidence.relevance_MD)
-        rel_NL, vis_NL = model.spread_over_keys(evidence, rel, inputs.allowed_NM)
-        full = model.logits(model.decode(inputs.decoder_in_NT, evidence.memory_1LD, rel_NL, vis_NL))
+        cross = model.cross_memory(evidence, rel, inputs.allowed_NM)
+        assert (cross.key_index_NK is None) == (attend_to == "all")
+        full = model.logits(model.decode(inputs.decoder_in_NT, evidence.memory_1LD, cross))
         caches = model.new_caches()
         steps = []
         # a two-token prefix first (a forced prefix), then one token at a time
-        steps.append(model.logits(model.decode(inputs.decoder_in_NT[:, :2], evidence.memory_1LD, rel_NL, vis_NL, caches, 0)))
+        steps.append(model.logits(model.decode(inputs.decoder_in_NT[:, :2], evidence.memory_1LD, cross, caches, 0)))
         for pos in range(2, inputs.decoder_in_NT.shape[1]):
-            steps.append(model.logits(model.decode(inputs.decoder_in_NT[:, pos:pos + 1], evidence.memory_1LD,
-                                                   rel_NL, vis_NL, caches, pos)))
+            steps.append(model.logits(model.decode(inputs.decoder_in_NT[:, pos:pos + 1], evidence.memory_1LD, cross,
+                                                   caches, pos)))
         torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
         # several new positions at once on top of a non-empty cache use a lower-right causal mask
         caches = model.new_caches()
-        a = model.logits(model.decode(inputs.decoder_in_NT[:, :3], evidence.memory_1LD, rel_NL, vis_NL, caches, 0))
-        b = model.logits(model.decode(inputs.decoder_in_NT[:, 3:7], evidence.memory_1LD, rel_NL, vis_NL, caches, 3))
+        a = model.logits(model.decode(inputs.decoder_in_NT[:, :3], evidence.memory_1LD, cross, caches, 0))
+        b = model.logits(model.decode(inputs.decoder_in_NT[:, 3:7], evidence.memory_1LD, cross, caches, 3))
         torch.testing.assert_close(torch.cat([a, b], dim=1), full[:, :7], rtol=1e-4, atol=1e-5)
+
+
+def test_gathered_keys_equal_the_masked_shared_memory():
+    """Each target reading only its visible documents' keys (gathered) gives the decoder states of every
+    target reading the whole concatenated memory with the others masked, relevance bias included."""
+    model = tiny(relevance_pooling="mean", beta_init=2.0)
+    batch = make_batch(np.random.default_rng(19), lengths=(7, 12, 5, 9, 6, 8), targets=(0, 5),
+                       evidence=(1, 2, 3, 4), edges=[[0, 0], [1, 2]])
+    inputs = to_model_inputs(batch, SPECIALS, "linked")
+    allowed = inputs.allowed_NM.clone()
+    allowed[1, 3] = True  # target 1 sees two documents, target 0 one: unequal widths, padded slots
+    with torch.no_grad():
+        evidence = model.encode_evidence(inputs.evidence_MS)
+        rel = model.relevance(model.relevance_vectors(inputs.target_enc_NS), evidence.relevance_MD)
+        gathered = model.cross_memory(evidence, rel, allowed)
+        assert gathered.key_index_NK is not None and gathered.key_index_NK.shape[1] == 2 * inputs.evidence_MS.shape[1]
+        shared = CrossMemory(None, rel[:, evidence.key_doc_L], allowed[:, evidence.key_doc_L] & evidence.key_ok_L[None])
+        a = model.decode(inputs.decoder_in_NT, evidence.memory_1LD, gathered)
+        b = model.decode(inputs.decoder_in_NT, evidence.memory_1LD, shared)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_autocast_matches_fp32():
@@ -288,11 +316,10 @@ def test_config_validation_names_the_field():
         preset("huge")
     with pytest.raises(ValueError, match="unknown model config field"):
         MargeConfig.from_dict({**preset("tiny").to_dict(), "depth": 3})
-
-
-def test_beta_per_layer_has_one_beta_per_cross_attention_layer():
-    assert tiny(beta_per_layer=True).beta.shape == (2,)
-    assert tiny().beta.shape == (1,)
+    # a retired option loads while off (the model it describes exists) and is refused while on
+    assert MargeConfig.from_dict({**preset("tiny").to_dict(), "relevance_distill_weight": 0.0}) == preset("tiny")
+    with pytest.raises(ValueError, match="relevance_distill_weight, an option that no longer exists"):
+        MargeConfig.from_dict({**preset("tiny").to_dict(), "relevance_distill_weight": 0.5})
 
 
 def test_mean_pooled_relevance_is_a_padding_invariant_cosine():
@@ -308,61 +335,11 @@ def test_mean_pooled_relevance_is_a_padding_invariant_cosine():
     torch.testing.assert_close(model(**padded).relevance_NM, out.relevance_NM, rtol=1e-5, atol=1e-6)
 
 
-def test_relevance_distillation_teaches_f_what_the_decoder_reads():
-    model = tiny(relevance_distill_weight=1.0, beta_init=0.0).train()
-    inputs = to_model_inputs(make_batch(np.random.default_rng(12), lengths=(6, 8, 10, 7, 9), targets=(0, 4),
-                                        evidence=(1, 2, 3, 4)), SPECIALS)
-    out = model(**inputs.as_kwargs())
-    assert out.distill_loss is not None and out.distill_loss.item() >= 0
-    # the teacher is a distribution over the documents each target may read
-    taps = {}
-    evidence = model.encode_evidence(inputs.evidence_MS)
-    rel = model.relevance(model.relevance_vectors(inputs.target_enc_NS), evidence.relevance_MD)
-    rel_NL, vis_NL = model.spread_over_keys(evidence, rel, inputs.allowed_NM)
-    model.decode(inputs.decoder_in_NT, evidence.memory_1LD, rel_NL, vis_NL, taps=taps)
-    teacher = model.reading_distribution(taps["cross_query_input"], evidence, vis_NL, inputs.allowed_NM,
-                                         inputs.labels_NT != 0)
-    torch.testing.assert_close(teacher.sum(1), torch.ones(2))
-    assert teacher[~inputs.allowed_NM].abs().sum() == 0
-    # with beta = 0 the reconstruction loss gives g no gradient; the distillation loss does
-    grads = torch.autograd.grad(out.distill_loss, list(model.encoder_layers[0].parameters()))
-    assert sum(g.abs().sum() for g in grads) > 0
-    assert tiny().train()(**inputs.as_kwargs()).distill_loss is None  # off by default (and in `paper`)
-
-
-def test_link_contrastive_loss_pulls_linked_evidence_closer():
-    model = tiny(relevance_contrastive_weight=1.0, beta_init=0.0).train()
-    batch = make_batch(np.random.default_rng(13), lengths=(6, 8, 10, 7, 9), targets=(0, 4), evidence=(1, 2, 3))
-    inputs = to_model_inputs(batch, SPECIALS)
-    assert inputs.linked_NM.tolist() == [[True, False, False], [True, False, False]]
-    out = model(**inputs.as_kwargs())
-    assert out.contrastive_loss is not None and out.contrastive_loss.item() > 0
-    # by hand: -log softmax mass on the linked document among allowed evidence and the other target
-    f, ff = out.relevance_NM.detach(), F.cosine_similarity(
-        model.relevance_vectors(inputs.target_enc_NS)[:, None], model.relevance_vectors(inputs.target_enc_NS)[None], dim=-1).detach()
-    expected = []
-    for i in range(2):
-        logits = torch.cat([f[i], ff[i][torch.arange(2) != i]]) / 0.1
-        expected.append(-(logits[0] - logits.logsumexp(0)))
-    torch.testing.assert_close(out.contrastive_loss.detach(), torch.stack(expected).mean(), rtol=1e-4, atol=1e-5)
-    # it trains g even when beta = 0: a small step lowers it and widens the linked-vs-other margin
-    def margin(o):
-        f = o.relevance_NM.detach()
-        return (f[:, 0] - f[:, 1:].mean(1)).mean()
-
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    (out.auxiliary_objective(model.cfg)).backward()
-    opt.step()
-    after = model(**inputs.as_kwargs())
-    assert after.contrastive_loss < out.contrastive_loss and margin(after) > margin(out)
-    assert tiny().train()(**inputs.as_kwargs()).contrastive_loss is None
-
-
 def test_self_evidence_adds_a_linked_noised_copy_and_anneals():
-    from marge.augment import SelfEvidence, noised, with_self_evidence
+    from services.trainer.objectives import SelfEvidenceConfig, noised, with_self_evidence
 
     batch = make_batch(np.random.default_rng(14), lengths=(20, 8, 10, 7), targets=(0, 3), evidence=(1, 2))
-    cfg = SelfEvidence(prob=1.0, until=100, deletion=0.3)
+    cfg = SelfEvidenceConfig(prob=1.0, until=100, deletion=0.3)
     out = with_self_evidence(batch, cfg, step=0, rng=np.random.default_rng(0))
     assert out.num_evidence == batch.num_evidence + 2 and len(out.edges) == len(batch.edges) + 2
     for t in range(2):
@@ -373,17 +350,23 @@ def test_self_evidence_adds_a_linked_noised_copy_and_anneals():
     assert inputs.linked_NM[0, -2] and inputs.linked_NM[1, -1] and inputs.allowed_NM.all()
     assert cfg.prob_at(50) == 0.5 and cfg.prob_at(100) == 0.0
     assert with_self_evidence(batch, cfg, step=100, rng=np.random.default_rng(0)) is batch
-    assert len(noised(np.arange(100, dtype=np.int32), cfg, np.random.default_rng(1))) < 90
+    assert len(noised(np.arange(100, dtype=np.int32), cfg.deletion, cfg.shuffle_window, np.random.default_rng(1))) < 90
 
 
 def test_denoising_contrastive_trains_g_with_fresh_negatives():
-    from marge.training import DenoisingContrastive
+    from services.trainer.objectives import DenoisingContrastiveConfig, denoising_loss, denoising_views
 
     model = tiny(beta_init=0.0, relevance_pooling="mean").train()
     batch = make_batch(np.random.default_rng(15), lengths=(20, 18, 25, 30, 22), targets=(0, 1), evidence=(2, 3, 4))
     corpus = [np.random.default_rng(i).integers(20, 200, size=15).astype(np.int32) for i in range(10)]
-    dc = DenoisingContrastive(weight=1.0, deletion=0.5, temperature=0.05, extra_documents=4, corpus_tokens=corpus)
-    loss = dc.loss(model, batch, SPECIALS, torch.device("cpu"), np.random.default_rng(0))
+    cfg = DenoisingContrastiveConfig(weight=1.0, deletion=0.5, temperature=0.05, extra_documents=4)
+
+    def loss_at(seed: int):
+        views = denoising_views(batch, cfg, SPECIALS, corpus, np.random.default_rng(seed))
+        assert len(views[0]) == 5 + 4  # the batch's documents and 4 fresh corpus documents, two views each
+        return denoising_loss(model, views, cfg.temperature)
+
+    loss = loss_at(0)
     assert loss.item() > 0
     grads = torch.autograd.grad(loss, list(model.encoder_layers[0].parameters()))
     assert sum(g.abs().sum() for g in grads) > 0
@@ -391,38 +374,22 @@ def test_denoising_contrastive_trains_g_with_fresh_negatives():
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     for step in range(30):
         opt.zero_grad()
-        dc.loss(model, batch, SPECIALS, torch.device("cpu"), np.random.default_rng(step)).backward()
+        loss_at(step).backward()
         opt.step()
-    assert dc.loss(model, batch, SPECIALS, torch.device("cpu"), np.random.default_rng(0)).item() < loss.item()
+    assert loss_at(0).item() < loss.item()
 
 
 def test_untied_encoder_embeddings_feed_encoder_and_snapshot():
-    from marge.model import RelevanceEncoder, relevance_state_dict
+    from marge.model import RelevanceEncoder
 
     model = tiny(tie_encoder_embeddings=False)
     assert model.encoder_embed_tokens is not None and model.encoder_token_embedding is not model.embed_tokens
     inputs = to_model_inputs(make_batch(np.random.default_rng(16)), SPECIALS)
-    encoder = RelevanceEncoder(model.cfg)
-    encoder.load_state_dict(relevance_state_dict(model))
+    encoder = RelevanceEncoder.from_model(model)
     torch.testing.assert_close(encoder(inputs.evidence_MS), model.relevance_vectors(inputs.evidence_MS))
     assert count_parameters(model) == count_parameters(tiny()) + 200 * 64
     model(**inputs.as_kwargs()).loss.backward()
     assert model.encoder_embed_tokens.weight.grad.abs().sum() > 0
-
-
-def test_detached_memory_leaves_g_layers_to_the_relevance_path():
-    inputs = to_model_inputs(make_batch(np.random.default_rng(17)), SPECIALS)
-    for from_reconstruction in (True, False):
-        torch.manual_seed(0)
-        model = tiny(relevance_layers_from_reconstruction=from_reconstruction)
-        # beta = 0 silences the beta * f path: g's layers then learn only if the memory carries gradient
-        with torch.no_grad():
-            model.beta.zero_()
-        model(**inputs.as_kwargs()).loss.backward()
-        g_layer_grad = sum(p.grad.abs().sum() for p in model.encoder_layers[0].parameters() if p.grad is not None)
-        top_layer_grad = sum(p.grad.abs().sum() for p in model.encoder_layers[-1].parameters())
-        assert top_layer_grad > 0
-        assert (g_layer_grad > 0) == from_reconstruction
 
 
 def test_relevance_encoder_carries_the_embedding_layernorm():

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from marge.batcher.core import BatcherConfig, DocumentStore, epoch_batches
 from marge.checkpoint import load_model_weights, read_manifest
-from marge.config import load_config
 from marge.corpus import Corpus
 from marge.protocol import BatchQueue
-from marge.training import reference_train
+from services.batcher.config import BatcherConfig
+from services.batcher.core import DocumentStore, epoch_batches
+from services.driver.config import load_config
+from services.trainer.objectives import Objectives
+from services.trainer.step import reference_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,29 +30,29 @@ def small_config(tmp_path: Path, corpus: Path, redis_url: str, name: str, *extra
 @pytest.mark.slow
 def test_training_through_redis_matches_the_in_process_reference(ray_cluster, redis_server, small_corpus, small_index,
                                                                  tmp_path):
-    from marge.driver.pipeline import ensure_initial_model, make_trainer
-    from marge.trainer.worker import init_weights_path, optim_config
+    from services.driver.pipeline import make_trainer, trainer_job
+    from services.trainer.init import ensure_initial_model
 
     cfg = small_config(tmp_path, small_corpus, redis_server.url, "parity", "run.max_steps=6",
                        "trainer.num_workers=2", "trainer.snapshot_every=100", "indexer.reindex_every=100",
                        "trainer.checkpoint_every=100")
     corpus = Corpus.open(small_corpus)
-    ensure_initial_model(cfg, corpus)
+    ensure_initial_model(cfg.model_config(corpus.tokenizer().vocab_size), cfg.paths(), corpus, cfg.run.seed)
     batches = list(epoch_batches(small_index, DocumentStore(corpus), BatcherConfig(max_tokens=400), epoch=0))[:12]
     queue = BatchQueue.connect(redis_server.url, cfg.run.name)
     queue.ensure_group()
     for b in batches:
         queue.put(b, max_depth=100)
 
-    make_trainer(cfg, redis_server.url).fit()
+    make_trainer(cfg, trainer_job(cfg, redis_server.url)).fit()
 
-    records = [json.loads(x) for x in queue.r.lrange(f"{queue.prefix}:steps", 0, -1)]
+    records = queue.step_records()
     assert [r["step"] for r in records] == list(range(1, 7))
     assert all(len(r["batch_ids"]) == 2 for r in records)  # one batch per DDP rank per step
     by_id = {b.batch_id: b for b in batches}
-    reference = reference_train(load_model_weights(init_weights_path(cfg)),
+    reference = reference_train(load_model_weights(cfg.paths().init_weights),
                                 [[by_id[i] for i in r["batch_ids"]] for r in records],
-                                corpus.tokenizer().specials, optim_config(cfg))
+                                Objectives(cfg.objectives, corpus.tokenizer().specials), cfg.trainer, cfg.run.max_steps)
     redis_losses = [r["loss"] for r in records]
     reference_losses = [r.loss for r in reference]
     assert redis_losses == pytest.approx(reference_losses, rel=1e-4, abs=1e-5)
@@ -61,7 +63,7 @@ def test_training_through_redis_matches_the_in_process_reference(ray_cluster, re
 
 @pytest.mark.slow
 def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpus, tmp_path, caplog):
-    from marge.driver.pipeline import run_pipeline
+    from services.driver.pipeline import run_pipeline
 
     # staleness is bounded at 8 updates while snapshots come every 6: the last steps can only train on
     # batches from an index built after step 15, so at least two re-indexes must reach the trainer
@@ -100,8 +102,8 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
 
 @pytest.mark.slow
 def test_learning_experiment_writes_a_complete_report(ray_cluster, redis_server, small_corpus, tmp_path, capsys):
-    from marge.cli import main
-    from marge.driver.experiment import run_learning_experiment
+    from services.driver.cli import main
+    from services.driver.experiment import run_learning_experiment
 
     # 8 held-out pairs per language pair keep the evaluations short
     rows, per_pair = [], {}
@@ -115,7 +117,8 @@ def test_learning_experiment_writes_a_complete_report(ray_cluster, redis_server,
     cfg = small_config(tmp_path, small_corpus, redis_server.url, "learning", "run.max_steps=12",
                        "trainer.num_workers=2", "trainer.snapshot_every=6", "indexer.reindex_every=6",
                        "trainer.checkpoint_every=6", f"data.heldout_pairs={pairs}", "health.probe_size=4",
-                       "health.pairs_per_language=4", "trainer.denoise_weight=0.3", "model.relevance_pooling=mean")
+                       "health.pairs_per_language=4", "objectives.denoising_contrastive={weight: 0.3}",
+                       "model.relevance_pooling=mean")
 
     report = run_learning_experiment(cfg, minutes=5, out_dir=tmp_path / "out")
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from marge.config import load_config
-from marge.driver.plan import Throughput, embed_flops_per_document, plan_capacity
+from services.driver.config import load_config
+from services.driver.plan import Throughput, embed_flops_per_document, plan_capacity
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def test_a_pool_too_small_is_reported_with_the_workers_it_needs():
 
 
 def test_cli_plan_needs_a_size_or_a_prepared_corpus(capsys):
-    from marge.cli import main
+    from services.driver.cli import main
 
     assert main(["plan", "--config", str(REPO / "deploy/configs/tiny.yaml"), "data.corpus=/nonexistent"]) == 2
     assert "give its size with --documents" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from marge.batch import Batch
-from marge.protocol import CONSUMER_GROUP, BatchQueue, ProtocolError, decode_batch, encode_batch
+from marge.protocol import CONSUMER_GROUP, BatchQueue, ProtocolError, QueueConfig, decode_batch, encode_batch
 
 
 def make_batch(i: int, rng=np.random.default_rng(0)) -> Batch:
@@ -101,7 +101,7 @@ time.sleep(60)  # 'training' forever: killed before it acknowledges
 
 
 def test_a_batch_held_by_a_killed_consumer_is_redelivered_and_trained_once(redis_server):
-    q = BatchQueue.connect(redis_server.url, "t3", claim_idle_ms=300)
+    q = BatchQueue.connect(redis_server.url, "t3", QueueConfig(claim_idle_ms=300))
     q.ensure_group()
     q.put(make_batch(7), max_depth=10)
     proc = subprocess.Popen([sys.executable, "-c", CONSUMER, redis_server.url], stdout=subprocess.PIPE, text=True)
@@ -122,11 +122,14 @@ def test_a_batch_held_by_a_killed_consumer_is_redelivered_and_trained_once(redis
     assert counts["redelivered"] == 1 and counts["pending"] == 0 and counts.get("trained_twice", 0) == 0
 
 
-def test_a_redelivered_batch_already_in_the_ledger_is_not_trained_again(redis_server):
-    from marge.config import load_config
-    from marge.trainer.worker import next_batch
+def test_a_redelivered_batch_already_in_the_ledger_is_not_trained_again(redis_server, tmp_path):
+    from marge.paths import RunPaths
+    from services.trainer.config import HealthConfig, TrainerConfig
+    from services.trainer.job import TrainerJob
+    from services.trainer.objectives import ObjectivesConfig
+    from services.trainer.source import RedisSource
 
-    q = BatchQueue.connect(redis_server.url, "t4", claim_idle_ms=100)
+    q = BatchQueue.connect(redis_server.url, "t4", QueueConfig(claim_idle_ms=100))
     q.ensure_group()
     q.put(make_batch(1), max_depth=10)
     q.put(make_batch(2), max_depth=10)
@@ -134,15 +137,17 @@ def test_a_redelivered_batch_already_in_the_ledger_is_not_trained_again(redis_se
     # trained and recorded, but the consumer died before XACK: simulate by writing the ledger only
     q.r.hset(q.ledger, first.batch.batch_id, '{"step": 1, "rank": 0}')
     time.sleep(0.15)
-    cfg = load_config(None, ["queue.block_ms=100"])
-    d = next_batch(q, "b", cfg, step=1, stop_key="nostop", deadline=time.time() + 5)
+    job = TrainerJob(TrainerConfig(), ObjectivesConfig(), HealthConfig(), QueueConfig(block_ms=100, claim_idle_ms=100),
+                     RunPaths.of("t4", tmp_path, tmp_path), seed=0, max_steps=10, deadline_unix=time.time() + 5,
+                     redis_url=redis_server.url)
+    d = RedisSource(job, rank=1, consumed=[]).next(step=1)
     assert d.batch.batch_id == "v0-e0-s0-2"  # the already-trained one was skipped and acknowledged
     assert q.counts()["skipped_already_trained"] == 1
     assert q.r.xpending(q.stream, CONSUMER_GROUP)["pending"] == 1
 
 
 def test_tampered_and_poison_entries_go_to_the_dead_letter_stream(redis_server):
-    q = BatchQueue.connect(redis_server.url, "t5", claim_idle_ms=50, max_deliveries=2)
+    q = BatchQueue.connect(redis_server.url, "t5", QueueConfig(claim_idle_ms=50, max_deliveries=2))
     q.ensure_group()
     fields = encode_batch(make_batch(1))
     fields[b"header"] = fields[b"header"].replace(b'"index_version":0', b'"index_version":1')

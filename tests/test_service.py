@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -12,24 +11,21 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from services.driver.redis_server import free_port
 import torch
 import yaml
 
 TOKEN = "test-token-0123456789"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build_run(run: Path, corpus_dir: Path, version: int, seed: int) -> None:
     """Publish a snapshot and commit index `version` built with it, like the pipeline does."""
     from marge.corpus import Corpus
-    from marge.indexer.core import LinkConfig, index_corpus
     from marge.model import Marge, preset
     from marge.snapshot import load_relevance_encoder, publish_snapshot
+    from services.indexer.config import IndexerConfig
+    from services.indexer.core import index_corpus
 
     corpus = Corpus.open(corpus_dir)
     tok = corpus.tokenizer()
@@ -37,7 +33,7 @@ def build_run(run: Path, corpus_dir: Path, version: int, seed: int) -> None:
     model = Marge(preset("tiny", vocab_size=tok.vocab_size, max_positions=128))
     snap = publish_snapshot(run / "snapshots", model, 10 * version, tok.sha256)
     index_corpus(corpus, load_relevance_encoder(snap), tok.specials, run / "index", version, 10 * version,
-                 LinkConfig(), extra={"snapshot_path": str(snap.path)})
+                 IndexerConfig())
     (run / "config.yaml").write_text(yaml.safe_dump({"data": {"corpus": str(corpus_dir)}}))
 
 
@@ -49,7 +45,7 @@ def served(small_corpus, tmp_path_factory):
     token_file.write_text(TOKEN)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "MARGE_API_TOKEN"}
-    proc = subprocess.Popen([sys.executable, "-m", "marge.cli", "serve", "--run", str(run), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "services.driver.cli", "serve", "--run", str(run), "--port", str(port),
                              "--token-file", str(token_file), "--max-k", "20", "--max-query-chars", "500",
                              "--max-body-bytes", "2048", "--poll-s", "0.2"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -166,7 +162,7 @@ def test_a_new_version_is_swapped_in_under_traffic_without_a_failed_request(serv
 
 
 def test_refuses_a_public_bind_without_a_token(served, capsys):
-    from marge.cli import main
+    from services.driver.cli import main
 
     env_token = os.environ.pop("MARGE_API_TOKEN", None)
     try:
@@ -175,7 +171,7 @@ def test_refuses_a_public_bind_without_a_token(served, capsys):
         if env_token is not None:
             os.environ["MARGE_API_TOKEN"] = env_token
     assert "refusing to serve on 0.0.0.0 without a token" in capsys.readouterr().err
-    from marge.cli import build_parser
+    from services.driver.cli import build_parser
 
     assert build_parser().parse_args(["serve", "--run", "x"]).host == "127.0.0.1"
 
@@ -183,8 +179,8 @@ def test_refuses_a_public_bind_without_a_token(served, capsys):
 def test_deployable_with_ray_serve(ray_cluster, served):
     from ray import serve
 
-    from marge.retrieval.app import ServeSettings
-    from marge.retrieval.ray_serve import deployment
+    from services.retrieval.app import ServeSettings
+    from services.retrieval.ray_serve import deployment
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

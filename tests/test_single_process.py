@@ -43,7 +43,7 @@ def overrides(corpus: Path, pairs: Path, *extra: str) -> list[str]:
     return [f"data.corpus={corpus}", "data.max_chunk_tokens=128", "model.max_positions=128", "batcher.max_tokens=400",
             f"data.heldout_pairs={pairs}", "health.probe_size=4", "health.pairs_per_language=4",
             "trainer.snapshot_every=2", "indexer.reindex_every=4", "trainer.checkpoint_every=3",
-            "trainer.warmup_steps=2", "trainer.total_steps=100", "trainer.self_evidence_until=6",
+            "trainer.warmup_steps=2", "trainer.total_steps=100", "objectives.self_evidence.until=6",
             "run.progress_every_s=1", *extra]
 
 
@@ -54,7 +54,7 @@ def losses(out: Path) -> list[tuple[int, float, list[str]]]:
 
 @pytest.mark.slow
 def test_two_resumed_chunks_equal_one_run_and_need_no_ray_redis_or_faiss(small_corpus, few_pairs, tmp_path):
-    from marge.driver.single_process import run_single_process
+    from services.driver.single_process import run_single_process
 
     args = overrides(small_corpus, few_pairs)
     chunked, whole = tmp_path / "chunked", tmp_path / "whole"
@@ -91,7 +91,7 @@ def test_two_resumed_chunks_equal_one_run_and_need_no_ray_redis_or_faiss(small_c
 
 
 def test_resume_refuses_a_changed_config_and_a_missing_run(small_corpus, few_pairs, tmp_path):
-    from marge.driver.single_process import run_single_process
+    from services.driver.single_process import run_single_process
 
     with pytest.raises(FileNotFoundError, match="start one without --resume"):
         run_single_process(None, [], minutes=1, out_dir=tmp_path / "none", resume=True, device="cpu")
@@ -108,27 +108,30 @@ def test_resume_refuses_a_changed_config_and_a_missing_run(small_corpus, few_pai
 def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cluster, small_corpus, few_pairs, tmp_path):
     """The same batches through the pipeline's trainer loop (2 DDP ranks on Ray Train, fed from memory) give the
     single process's per-step losses: self-evidence and the denoising loss included."""
-    from marge.batcher.core import DocumentStore, batcher_config, epoch_batches
-    from marge.config import load_config
     from marge.corpus import Corpus
-    from marge.driver.pipeline import ensure_initial_model, make_trainer
-    from marge.driver.single_process import run_single_process
+    from services.batcher.core import DocumentStore, epoch_batches
+    from services.driver.config import load_config
+    from services.driver.pipeline import make_trainer, trainer_job
+    from services.trainer.init import ensure_initial_model
+    from services.driver.single_process import run_single_process
     from marge.index_store import read_version, version_dirname
 
     args = overrides(small_corpus, few_pairs, "trainer.num_workers=2", "run.max_steps=6", "trainer.snapshot_every=100",
-                     "indexer.reindex_every=100", "trainer.checkpoint_every=100", "trainer.self_evidence_prob=0.5",
-                     "trainer.denoise_weight=0.3", "trainer.denoise_extra_documents=4")
+                     "indexer.reindex_every=100", "trainer.checkpoint_every=100",
+                     "objectives.self_evidence={prob: 0.5, until: 6}",
+                     "objectives.denoising_contrastive={weight: 0.3, extra_documents: 4}")
     run_single_process(REPO / "deploy/configs/learning.yaml", args, minutes=5, out_dir=tmp_path / "single", device="cpu")
     single = losses(tmp_path / "single")
     assert len(single) == 6 and all(len(b) == 2 for _, _, b in single)  # two batches per update: the ranks' slots
 
     cfg = load_config(REPO / "deploy/configs/learning.yaml", [*args, "run.name=ddp", f"run.dir={tmp_path / 'ddp'}"])
     corpus = Corpus.open(small_corpus)
-    ensure_initial_model(cfg, corpus)  # seeded: the single process's initial weights
+    ensure_initial_model(cfg.model_config(corpus.tokenizer().vocab_size), cfg.paths(), corpus, cfg.run.seed)  # seeded
     index = read_version(tmp_path / "single" / "run" / "index" / version_dirname(0))
-    by_id = {b.batch_id: b for epoch in range(3) for b in epoch_batches(index, DocumentStore(corpus), batcher_config(cfg), epoch)}
+    by_id = {b.batch_id: b for epoch in range(3)
+             for b in epoch_batches(index, DocumentStore(corpus), cfg.batcher, epoch, cfg.run.seed)}
     per_rank = [[by_id[ids[rank]] for _, _, ids in single] for rank in range(2)]  # slot = rank on the DDP side
-    make_trainer(cfg, None, memory_batches=per_rank).fit()
+    make_trainer(cfg, trainer_job(cfg, None, memory_batches=per_rank)).fit()
 
     ddp = [json.loads(line) for line in (tmp_path / "ddp" / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in ddp] == [s for s, _, _ in single]
@@ -138,7 +141,7 @@ def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cl
 
 
 def test_torch_search_finds_the_faiss_neighbours():
-    from marge.indexer.core import nearest_neighbours
+    from services.indexer.core import nearest_neighbours
 
     rng = np.random.default_rng(0)
     database = rng.normal(size=(300, 16)).astype(np.float32)

@@ -9,40 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from marge.batch import Batch
-from marge.config import PipelineConfig
 from marge.corpus import Corpus
 from marge.index_store import IndexVersion
-from marge.batcher.greedy import BatcherWeights, BatchPlan, plan_shard_batches
+from marge.protocol import BatchId
+from services.batcher.config import BatcherConfig
+from services.batcher.greedy import BatchPlan, plan_shard_batches
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class BatcherConfig:
-    max_tokens: int = 2048
-    """Token budget of one batch (one rank's sub-batch): evidence encoder tokens + target decoder tokens."""
-    crosslingual_weight: float = 100.0
-    """Weight of an edge between documents in different languages (paper: 100)."""
-    monolingual_weight: float = 1.0
-    """Weight of an edge between documents in the same language (paper: 1)."""
-    seed: int = 0
-    seed_lookahead: int = 16
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 16:
-            raise ValueError(f"batcher.max_tokens must be at least 16, got {self.max_tokens}")
-        if self.crosslingual_weight < 0 or self.monolingual_weight < 0:
-            raise ValueError("batcher edge weights must be >= 0")
-
-    @property
-    def weights(self) -> BatcherWeights:
-        return BatcherWeights(self.crosslingual_weight, self.monolingual_weight)
-
-
-def batcher_config(cfg: PipelineConfig) -> BatcherConfig:
-    return BatcherConfig(max_tokens=cfg.batcher.max_tokens, crosslingual_weight=cfg.batcher.crosslingual_weight,
-                         monolingual_weight=cfg.batcher.monolingual_weight, seed=cfg.run.seed,
-                         seed_lookahead=cfg.batcher.seed_lookahead)
 
 
 class DocumentStore:
@@ -61,11 +34,11 @@ class DocumentStore:
         return {d: len(t) for d, t in self.tokens.items()}
 
 
-def materialize(plan: BatchPlan, docs: DocumentStore, batch_id: str, index_version: int, snapshot_step: int) -> Batch:
+def materialize(plan: BatchPlan, docs: DocumentStore, batch_id: BatchId, index_version: int, snapshot_step: int) -> Batch:
     doc_ids = list(dict.fromkeys(plan.targets + plan.evidence))  # unique, first-seen order
     pos = {d: i for i, d in enumerate(doc_ids)}
     edges = np.array([(t, e) for t, e, _ in plan.edges], dtype=np.int32).reshape(-1, 2)
-    return Batch(batch_id=batch_id, index_version=index_version, snapshot_step=snapshot_step,
+    return Batch(batch_id=str(batch_id), index_version=index_version, snapshot_step=snapshot_step,
                  doc_ids=np.array(doc_ids, dtype=np.int64), doc_langs=tuple(docs.langs[d] for d in doc_ids),
                  doc_tokens=tuple(docs.tokens[d] for d in doc_ids),
                  targets=np.array([pos[t] for t in plan.targets], dtype=np.int32),
@@ -73,28 +46,28 @@ def materialize(plan: BatchPlan, docs: DocumentStore, batch_id: str, index_versi
                  edges=edges, edge_weights=np.array([w for _, _, w in plan.edges], dtype=np.float32))
 
 
-def epoch_batches(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig, epoch: int,
+def epoch_batches(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig, epoch: int, seed: int = 0,
                   shards: list[int] | None = None, stats: dict | None = None) -> Iterator[Batch]:
     """One pass over the graph of `version`: shards in a seeded order, greedy batches within each.
 
-    Batch ids are deterministic: "v<version>-e<epoch>-s<shard>-<n>", so the same seed, version and
-    epoch always give the same batches, and the ledger can recognise a batch seen before.
+    Batch ids are deterministic (`BatchId`), so the same seed, version and epoch always give the same
+    batches, and the ledger can recognise a batch seen before.
     """
     lengths = docs.lengths()
     entries = [s for s in version.shards if shards is None or s["shard"] in shards]
-    order = np.random.default_rng([cfg.seed, version.version, epoch]).permutation(len(entries))
+    order = np.random.default_rng([seed, version.version, epoch]).permutation(len(entries))
     for j in order:
         shard = int(entries[j]["shard"])
         graph = version.read_graph(shard)
         if graph.num_rows == 0:
             continue
-        rng = np.random.default_rng([cfg.seed, version.version, epoch, shard])
+        rng = np.random.default_rng([seed, version.version, epoch, shard])
         plans, counters = plan_shard_batches(
             graph.column("target_id").to_numpy(), graph.column("evidence_id").to_numpy(),
             graph.column("cross_lingual").to_numpy(zero_copy_only=False), graph.column("score").to_numpy(),
-            lengths, cfg.max_tokens, cfg.weights, rng, cfg.seed_lookahead)
+            lengths, cfg.max_tokens, cfg.crosslingual_weight, cfg.monolingual_weight, rng, cfg.seed_lookahead)
         if stats is not None:
             stats["oversized_seeds"] = stats.get("oversized_seeds", 0) + counters["oversized_seeds"]
         for n, plan in enumerate(plans):
-            yield materialize(plan, docs, f"v{version.version}-e{epoch}-s{shard}-{n}", version.version,
+            yield materialize(plan, docs, BatchId(version.version, epoch, shard, n), version.version,
                               version.snapshot_step)

@@ -20,11 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class BatcherWeights:
-    crosslingual_weight: float = 100.0
-    monolingual_weight: float = 1.0
+from marge.batch import decoder_cost, encoder_cost
 
 
 @dataclass
@@ -41,19 +37,14 @@ class BatchPlan:
         return float(sum(w for _, _, w in self.edges))
 
 
-def target_cost(length: int) -> int:
-    return length + 1  # language token + text (labels: text + EOS)
-
-
-def evidence_cost(length: int) -> int:
-    return length + 2  # BOS + text + EOS
 
 
 def plan_shard_batches(target_ids: np.ndarray, evidence_ids: np.ndarray, cross_lingual: np.ndarray,
-                       scores: np.ndarray, lengths: dict[int, int], max_tokens: int, weights: BatcherWeights,
-                       rng: np.random.Generator, seed_lookahead: int = 16) -> tuple[list[BatchPlan], dict[str, int]]:
+                       scores: np.ndarray, lengths: dict[int, int], max_tokens: int, crosslingual_weight: float,
+                       monolingual_weight: float, rng: np.random.Generator,
+                       seed_lookahead: int = 16) -> tuple[list[BatchPlan], dict[str, int]]:
     """Greedy batches over one shard's links. Returns the plans and counters (oversized seeds, ...)."""
-    w = np.where(cross_lingual, weights.crosslingual_weight, weights.monolingual_weight).astype(np.float64)
+    w = np.where(cross_lingual, crosslingual_weight, monolingual_weight).astype(np.float64)
     out_edges: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
     in_edges: dict[int, list[tuple[int, float]]] = defaultdict(list)
     for t, e, wt, sc in zip(target_ids.tolist(), evidence_ids.tolist(), w.tolist(), scores.tolist()):
@@ -61,8 +52,8 @@ def plan_shard_batches(target_ids: np.ndarray, evidence_ids: np.ndarray, cross_l
         in_edges[e].append((t, wt))
     for t in out_edges:  # heaviest, then most similar first: the seed's evidence is the head
         out_edges[t].sort(key=lambda x: (-x[1], -x[2], x[0]))
-    t_cost = {t: target_cost(lengths[t]) for t in out_edges}
-    e_cost = {e: evidence_cost(lengths[e]) for e in in_edges}
+    t_cost = {t: decoder_cost(lengths[t]) for t in out_edges}
+    e_cost = {e: encoder_cost(lengths[e]) for e in in_edges}
     order = [int(t) for t in rng.permutation(np.array(sorted(out_edges), dtype=np.int64))]
     position = {t: i for i, t in enumerate(order)}
     # next_free[i] leads to the first unused seed at or after position i (path-compressed), so finding

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from marge.checkpoint import load_model, load_model_weights
-from marge.config import PipelineConfig, load_config
 from marge.evaluation import evaluate_model, evaluate_tfidf, mean_score, read_pairs
-from marge.health import build_probe, probe_health
-from marge.report import ema, plot_curves, read_train_log
 from marge.utils import atomic_write_text
+from services.driver.config import PipelineConfig, load_config, with_absolute_paths
+from services.driver.report import ema, plot_curves, read_train_log
+from services.trainer.health import build_probe, probe_health
 
 log = logging.getLogger("marge.experiment")
 
@@ -108,8 +108,8 @@ def assemble_report(baselines: dict, over_time: list[dict], final_model, tokeniz
 
 
 def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) -> dict:
-    from marge.driver.pipeline import ensure_corpus, ensure_initial_model, run_pipeline, with_absolute_paths
-    from marge.trainer.worker import init_weights_path
+    from services.driver.pipeline import ensure_corpus, run_pipeline
+    from services.trainer.init import ensure_initial_model
 
     started = time.time()
     out_dir = Path(out_dir).resolve()
@@ -118,12 +118,12 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
     cfg = with_absolute_paths(cfg)
     corpus = ensure_corpus(cfg)
     tokenizer = corpus.tokenizer()
-    ensure_initial_model(cfg, corpus)
+    ensure_initial_model(cfg.model_config(vocab_size=tokenizer.vocab_size), cfg.paths(), corpus, cfg.run.seed)
     pairs = read_pairs(heldout_pairs_path(cfg))
     probe = build_run_probe(cfg, tokenizer)
 
     # 1. baselines, same run, same data
-    init_model = load_model_weights(init_weights_path(cfg)).eval()
+    init_model = load_model_weights(cfg.paths().init_weights).eval()
     baselines = measure_baselines(init_model, tokenizer, pairs, probe)
 
     # 2. the real pipeline for N minutes

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marge.config import PipelineConfig
+from services.driver.config import PipelineConfig
 from marge.model import MargeConfig, training_flops_per_token
 
 log = logging.getLogger("marge.plan")
@@ -189,17 +189,17 @@ def corpus_batches(corpus, max_tokens: int, count: int, seed: int = 0) -> list:
 def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps: int = 6) -> dict:
     """One indexer worker's and one trainer worker's achieved FLOP/s on this machine, with the config's model,
     thread counts and batch budget, on corpus documents (random-init weights: speed does not depend on them)."""
-    from marge.indexer.core import embed_documents
-    from marge.model import Marge, RelevanceEncoder, relevance_state_dict
-    from marge.training import OptimConfig, build_optimizer, build_scheduler, train_step
+    from services.indexer.core import embed_documents
+    from marge.model import Marge, RelevanceEncoder
+    from services.trainer.config import TrainerConfig
+    from services.trainer.objectives import Objectives, ObjectivesConfig
+    from services.trainer.step import build_optimizer, build_scheduler, train_step
 
     tokenizer = corpus.tokenizer()
     model_cfg = cfg.model_config(vocab_size=tokenizer.vocab_size)
     torch.manual_seed(cfg.run.seed)
     model = Marge(model_cfg).to(device)
-    encoder = RelevanceEncoder(model_cfg)
-    encoder.load_state_dict(relevance_state_dict(model))
-    encoder = encoder.to(device).eval()
+    encoder = RelevanceEncoder.from_model(model).eval()
     documents = corpus.read_shard(0).tokens
     previous = torch.get_num_threads()
     try:
@@ -213,14 +213,14 @@ def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps:
 
         torch.set_num_threads(max(1, cfg.trainer.torch_threads))
         batches = corpus_batches(corpus, cfg.batcher.max_tokens, steps + 1, cfg.run.seed)
-        optim = OptimConfig(lr=1e-4, warmup_steps=0, total_steps=10**6)
-        optimizer = build_optimizer(model.train(), optim)
-        scheduler = build_scheduler(optimizer, optim)
-        specials = tokenizer.specials
-        train_step(model, optimizer, scheduler, batches[:1], specials, optim, 0, device)  # warm-up
+        trainer = TrainerConfig(lr=1e-4, warmup_steps=0, bf16=cfg.trainer.bf16)
+        optimizer = build_optimizer(model.train(), trainer)
+        scheduler = build_scheduler(optimizer, trainer, 10**6)
+        objectives = Objectives(ObjectivesConfig(), tokenizer.specials)  # the paper's objective alone
+        train_step(model, optimizer, scheduler, objectives, batches[:1], trainer, 0, device)  # warm-up
         flops, t0 = 0.0, time.perf_counter()
         for i, batch in enumerate(batches[1:], start=1):
-            record = train_step(model, optimizer, scheduler, [batch], specials, optim, i, device)
+            record = train_step(model, optimizer, scheduler, objectives, [batch], trainer, i, device)
             ratio = (batch.cost_tokens() - record.target_tokens) / max(1, record.target_tokens)
             flops += record.target_tokens * training_flops_per_token(model_cfg, ratio)
         train_rate = flops / (time.perf_counter() - t0)

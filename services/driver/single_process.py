@@ -48,23 +48,24 @@ import torch
 import yaml
 
 from marge.batch import Batch
-from marge.batcher.core import DocumentStore, batcher_config, epoch_batches
-from marge.checkpoint import load_model_weights, load_training_state, save_checkpoint, set_rng_state
-from marge.config import ConfigError, PipelineConfig, load_config
+from marge.checkpoint import load_model_weights, restore_training, save_checkpoint
+from marge.config import ConfigError
 from marge.corpus import Corpus
-from marge.driver.experiment import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
-from marge.driver.pipeline import ensure_corpus, ensure_initial_model, with_absolute_paths
 from marge.evaluation import read_pairs
-from marge.health import HealthMonitor
 from marge.index_store import IndexVersion, commit_version, read_version, staging_dir, version_dirname
-from marge.indexer.core import index_build_record, index_shard, link_config
 from marge.model import Marge, training_flops_per_token
-from marge.report import read_train_log
 from marge.snapshot import SnapshotInfo, latest_snapshot, load_relevance_encoder, publish_snapshot
-from marge.trainer.worker import init_weights_path, optim_config, self_evidence_config
-from marge.training import (DenoisingContrastive, PreparedBatch, build_optimizer, build_scheduler, device_peak_flops,
-                             prepare_batch, train_step)
 from marge.utils import atomic_directory, atomic_write_text
+from services.batcher.core import DocumentStore, epoch_batches
+from services.driver.config import PipelineConfig, load_config, with_absolute_paths
+from services.driver.experiment import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
+from services.driver.pipeline import ensure_corpus
+from services.driver.report import read_train_log
+from services.indexer.core import index_build_record, index_shard
+from services.trainer.health import HealthMonitor
+from services.trainer.init import ensure_initial_model
+from services.trainer.objectives import Objectives, PreparedBatch
+from services.trainer.step import build_optimizer, build_scheduler, device_peak_flops, train_step
 
 log = logging.getLogger("marge.single_process")
 
@@ -104,7 +105,7 @@ class BatchStream:
     """
 
     def __init__(self, docs: DocumentStore, cfg: PipelineConfig):
-        self.docs, self.bcfg = docs, batcher_config(cfg)
+        self.docs, self.bcfg, self.seed = docs, cfg.batcher, cfg.run.seed
         self.index: IndexVersion | None = None
         self.position = StreamPosition()
         self._batches = None
@@ -119,7 +120,7 @@ class BatchStream:
     def next(self) -> Batch:
         for _ in range(2):  # the current pass, else a fresh one
             if self._batches is None:
-                self._batches = epoch_batches(self.index, self.docs, self.bcfg, self.position.epoch)
+                self._batches = epoch_batches(self.index, self.docs, self.bcfg, self.position.epoch, self.seed)
                 for skipped in range(self.position.offset):
                     if next(self._batches, None) is None:
                         raise RuntimeError(f"index v{self.index.version} pass {self.position.epoch} has only {skipped} "
@@ -243,13 +244,12 @@ class InProcessIndexer:
         encoder = load_relevance_encoder(snapshot, self.device)
         staging = staging_dir(self.root, version)
         staging.mkdir(parents=True, exist_ok=True)
-        autocast = torch.bfloat16 if self.device.type == "cuda" and self.cfg.trainer.bf16 else None
         entries = [index_shard(self.corpus.read_shard(s), encoder, self.corpus.tokenizer().specials, staging,
-                               link_config(self.cfg), batch_tokens=self.cfg.indexer.batch_tokens, device=str(self.device),
-                               autocast_dtype=autocast, seed=self.cfg.run.seed + s, search="torch").as_manifest_entry()
+                               self.cfg.indexer, device=str(self.device), seed=self.cfg.run.seed + s,
+                               search="torch").as_manifest_entry()
                    for s in range(self.corpus.num_shards)]
         committed = commit_version(self.root, version, snapshot.step, entries, keep_versions=self.cfg.indexer.keep_versions,
-                                   extra={"snapshot_path": str(snapshot.path), "search": "torch-exact"})
+                                   extra={"search": "torch-exact"})
         record = index_build_record(committed, entries, started)
         with open(self.builds_log, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
@@ -294,9 +294,10 @@ class SingleProcessRun:
         self.out_dir = Path(out_dir).resolve()
         self.cfg, self.device, self.resume = cfg, device, resume
         self.pairs = read_pairs(heldout_pairs_path(cfg))
+        self.paths = cfg.paths()
         self.corpus = ensure_corpus(cfg)
         self.tokenizer = self.corpus.tokenizer()
-        ensure_initial_model(cfg, self.corpus)
+        ensure_initial_model(cfg.model_config(vocab_size=self.tokenizer.vocab_size), self.paths, self.corpus, cfg.run.seed)
         self.monitor = HealthMonitor(cfg.health, cfg.data.heldout_pairs, self.tokenizer, seed=cfg.run.seed)
         self.probe = self.monitor.probe
         self.indexer = InProcessIndexer(cfg, self.corpus, device)
@@ -311,28 +312,22 @@ class SingleProcessRun:
         path = self.out_dir / "baselines.json"
         if path.exists():
             return json.loads(path.read_text(encoding="utf-8"))
-        init_model = load_model_weights(init_weights_path(self.cfg)).to(self.device).eval()
+        init_model = load_model_weights(self.paths.init_weights).to(self.device).eval()
         baselines = measure_baselines(init_model, self.tokenizer, self.pairs, self.probe, self.device)
         atomic_write_text(path, json.dumps(baselines, indent=2) + "\n")
         return baselines
 
     def build_training_state(self):
         cfg = self.cfg
-        model = load_model_weights(init_weights_path(cfg)).to(self.device).train()
-        optimizer = build_optimizer(model, optim_config(cfg))
-        scheduler = build_scheduler(optimizer, optim_config(cfg))
+        model = load_model_weights(self.paths.init_weights).to(self.device).train()
+        optimizer = build_optimizer(model, cfg.trainer)
+        scheduler = build_scheduler(optimizer, cfg.trainer, cfg.run.max_steps)
         state = {"step": 0, "tokens_seen": 0, "target_tokens_seen": 0, "train_seconds": 0.0, "indexed_step": 0,
                  "consumed_batches": []}
         checkpoints = complete_checkpoints(cfg)
         if self.resume and checkpoints:
             path = checkpoints[-1]
-            saved = load_training_state(path)
-            from safetensors.torch import load_file
-
-            model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(self.device)))
-            optimizer.load_state_dict(saved["optimizer"])
-            scheduler.load_state_dict(saved["scheduler"])
-            set_rng_state(saved["rng"])
+            saved = restore_training(path, model, optimizer, scheduler, self.device)
             state = {k: saved[k] for k in state}
             position = StreamPosition(**saved["stream"])
             self._forget_after(state["step"], position.version)
@@ -368,15 +363,11 @@ class SingleProcessRun:
         """Train for `minutes` (or to run.max_steps), then checkpoint: one chunk of the run."""
         cfg, device, t = self.cfg, self.device, self.cfg.trainer
         model, optimizer, scheduler, state = self.build_training_state()
-        denoising = None
-        if t.denoise_weight > 0:
-            denoising = DenoisingContrastive(t.denoise_weight, t.denoise_deletion, t.denoise_temperature,
-                                             t.denoise_extra_documents, list(self.docs.tokens.values()))
-        self_evidence, optim, specials = self_evidence_config(cfg), optim_config(cfg), self.tokenizer.specials
+        corpus_tokens = list(self.docs.tokens.values()) if cfg.objectives.needs_corpus else None
+        objectives = Objectives(cfg.objectives, self.tokenizer.specials, corpus_tokens)
 
         def prepare(batch: Batch, step: int, slot: int) -> PreparedBatch:
-            return prepare_batch(batch, specials, cfg.batcher.attend_to, self_evidence, (cfg.run.seed, step, slot),
-                                 denoising)
+            return objectives.prepare(batch, (cfg.run.seed, step, slot))
 
         prefetcher = Prefetcher(self.stream, prepare, t.num_workers * t.grad_accum, pin=device.type == "cuda")
         meter = ChunkMeter(model.cfg, device_peak_flops(device))
@@ -389,8 +380,8 @@ class SingleProcessRun:
         try:
             while step < cfg.run.max_steps and time.perf_counter() < deadline:
                 item = prefetcher.take(step)
-                record = train_step(model, optimizer, scheduler, item.batches, specials, optim, step, device, t.bf16,
-                                    cfg.batcher.attend_to, self_evidence, cfg.run.seed, denoising, item.prepared)
+                record = train_step(model, optimizer, scheduler, objectives, item.batches, t, step, device, cfg.run.seed,
+                                    item.prepared)
                 step += 1
                 line = self.step_record(step, record, item.batches, meter, state)
                 if step % t.snapshot_every == 0:
@@ -424,7 +415,8 @@ class SingleProcessRun:
         state["target_tokens_seen"] += record.target_tokens
         state["consumed_batches"] = [*state["consumed_batches"][-10000:], *record.batch_ids]
         rates = meter.rates()
-        line = {"step": step, "loss": record.loss, "lr": record.lr, "grad_norm": record.grad_norm, "beta": record.beta,
+        line = {"step": step, "loss": record.loss, "objectives": record.objectives, "lr": record.lr,
+                "grad_norm": record.grad_norm, "beta": record.beta,
                 "batch_ids": record.batch_ids, "index_versions": sorted(set(record.index_versions)),
                 "snapshot_steps": sorted(set(record.snapshot_steps)),
                 "staleness_max": max(step - 1 - s for s in record.snapshot_steps), "step_seconds": record.seconds,

@@ -18,52 +18,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marge.batch import SpecialTokens, as_encoder_input, pad_rows
-from marge.config import PipelineConfig
+from marge.batch import SpecialTokens, as_encoder_input, encoder_cost
 from marge.corpus import ShardDocuments
-from marge.index_store import write_graph
-from marge.model import RelevanceEncoder
+from marge.index_store import flat_ip_index, write_graph
+from marge.model import RelevanceEncoder, pad_rows
+from services.indexer.config import IndexerConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LinkConfig:
-    links_monolingual: float = 4.0
-    """Same-language links kept per document on average (paper §3: 4)."""
-    links_crosslingual: float = 4.0
-    """Cross-language links kept per document on average (paper §3: 4)."""
-    candidates_per_language: int = 32
-    """Nearest neighbours looked at per document in each language before the shard-wide top-k."""
-    min_score: float = -1.0
-    """Links with a cosine below this are never kept (the paper's threshold; -1 keeps the top-k rule alone)."""
-    center: bool = False
-    """Subtract the shard's mean vector before the cosine (must match model.relevance_centering)."""
-    rule: str = "shard"
-    """'shard': the strongest pairs across the whole shard (paper §2.4); some documents get no link.
-    Deviation 'document': every document keeps its own strongest links of each kind, so no language
-    can be starved of links when its cosines run lower than the others'."""
-
-    def __post_init__(self) -> None:
-        if self.rule not in ("shard", "document"):
-            raise ValueError(f"indexer.link_rule must be 'shard' or 'document', got {self.rule!r}")
-        if self.links_monolingual < 0 or self.links_crosslingual < 0:
-            raise ValueError("indexer.links_monolingual and indexer.links_crosslingual must be >= 0")
-        if self.candidates_per_language < 1:
-            raise ValueError("indexer.candidates_per_language must be >= 1")
-
-
-def link_config(cfg: PipelineConfig) -> LinkConfig:
-    return LinkConfig(links_monolingual=cfg.indexer.links_monolingual, links_crosslingual=cfg.indexer.links_crosslingual,
-                      candidates_per_language=cfg.indexer.candidates_per_language, min_score=cfg.indexer.min_score,
-                      center=bool(cfg.model.get("relevance_centering", False)), rule=cfg.indexer.link_rule)
 
 
 @torch.no_grad()
 def embed_documents(encoder: RelevanceEncoder, tokens: list[np.ndarray], specials: SpecialTokens,
                     batch_tokens: int = 4096, device: str | torch.device = "cpu",
                     autocast_dtype: torch.dtype | None = None) -> np.ndarray:
-    """g(x) of every document (n D, float32, not normalised), in input order.
+    """g(x) of every document as unit vectors (`RelevanceEncoder.unit_vectors`: n D, float32), in input order.
 
     Documents are sorted by length and packed into batches of about `batch_tokens` padded tokens, so
     little compute goes to padding.
@@ -74,31 +42,22 @@ def embed_documents(encoder: RelevanceEncoder, tokens: list[np.ndarray], special
     while start < len(order):
         stop = start + 1  # at least one document, however long
         # rows pad to the longest, which is the last one (sorted by length)
-        while stop < len(order) and (stop - start + 1) * (len(tokens[order[stop]]) + 2) <= batch_tokens:
+        while stop < len(order) and (stop - start + 1) * encoder_cost(len(tokens[order[stop]])) <= batch_tokens:
             stop += 1
         rows = [as_encoder_input(tokens[i], specials) for i in order[start:stop]]
         batch = pad_rows(rows, specials.pad_id).to(device)
         with torch.autocast(device_type=torch.device(device).type, dtype=autocast_dtype,
                             enabled=autocast_dtype is not None):
-            vectors = encoder(batch)
+            vectors = encoder.unit_vectors(batch)
         out[order[start:stop]] = vectors.float().cpu().numpy()
         start = stop
     return out
 
 
-def unit_vectors(vectors: np.ndarray, center: bool) -> np.ndarray:
-    if center:
-        vectors = vectors - vectors.mean(0, keepdims=True)
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return (vectors / np.maximum(norms, 1e-12)).astype(np.float32)
-
-
-def faiss_index(unit: np.ndarray, doc_ids: np.ndarray, use_gpu: bool = False):
-    """An exact inner-product index with the corpus doc ids (on the GPU when asked and available)."""
+def searchable(index, use_gpu: bool):
+    """The FAISS index on the GPU when asked and available (search only: the stored index stays on the CPU)."""
     import faiss
 
-    index = faiss.IndexIDMap2(faiss.IndexFlatIP(unit.shape[1]))
-    index.add_with_ids(unit, doc_ids.astype(np.int64))
     if use_gpu and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
         return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, index)
     return index
@@ -116,7 +75,7 @@ def nearest_neighbours(database: np.ndarray, queries: np.ndarray, k: int, backen
     return the k largest inner products; rows tied on score may come in another order.
     """
     if backend == "faiss":
-        index = faiss_index(database, np.arange(len(database), dtype=np.int64), use_gpu)
+        index = searchable(flat_ip_index(database, np.arange(len(database), dtype=np.int64)), use_gpu)
         return index.search(queries, k)
     if backend != "torch":
         raise ValueError(f"unknown search backend {backend!r}; choose one of {SEARCH_BACKENDS}")
@@ -130,8 +89,8 @@ def nearest_neighbours(database: np.ndarray, queries: np.ndarray, k: int, backen
     return np.concatenate(scores), np.concatenate(rows).astype(np.int64)
 
 
-def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray, cfg: LinkConfig,
-                use_gpu: bool = False, search: str = "faiss", device: str | torch.device = "cpu") -> dict[str, np.ndarray]:
+def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray, cfg: IndexerConfig,
+                search: str = "faiss", device: str | torch.device = "cpu") -> dict[str, np.ndarray]:
     """The kept directed links (target -> evidence) of one shard, strongest first within each kind.
 
     `search` picks the exact neighbour search (`nearest_neighbours`): 'faiss' (the pipeline) or 'torch'.
@@ -144,7 +103,7 @@ def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray, cfg: L
         k = min(len(members), cfg.candidates_per_language + 1)  # +1: a document finds itself
         if k == 0:
             continue
-        sims, rows = nearest_neighbours(unit[members], unit, k, search, use_gpu, device)
+        sims, rows = nearest_neighbours(unit[members], unit, k, search, cfg.use_gpu, device)
         nbrs = np.where(rows >= 0, members[np.clip(rows, 0, None)], -1)
         targets.append(np.repeat(all_rows, k))
         evidence.append(nbrs.reshape(-1))
@@ -158,7 +117,7 @@ def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray, cfg: L
     keep = []
     for mask, per_doc in ((~cross, cfg.links_monolingual), (cross, cfg.links_crosslingual)):
         idx = np.nonzero(mask)[0]
-        if cfg.rule == "shard":
+        if cfg.link_rule == "shard":
             budget = int(round(per_doc * n))
             if budget and len(idx):
                 # stable sort by score, ties broken by (target, evidence) order: deterministic
@@ -197,24 +156,21 @@ class ShardIndexResult:
 
 
 def index_shard(docs: ShardDocuments, encoder: RelevanceEncoder, specials: SpecialTokens, out_dir: Path,
-                cfg: LinkConfig, batch_tokens: int = 4096, device: str = "cpu", use_gpu_faiss: bool = False,
-                autocast_dtype: torch.dtype | None = None, seed: int = 0, search: str = "faiss") -> ShardIndexResult:
+                cfg: IndexerConfig, device: str = "cpu", seed: int = 0, search: str = "faiss") -> ShardIndexResult:
     """Embed, index and link one shard; writes graph-XXXXX.parquet into `out_dir`, and shard-XXXXX.faiss
     (what the retrieval service searches) when `search` is 'faiss'."""
     t0 = time.perf_counter()
-    vectors = embed_documents(encoder, docs.tokens, specials, batch_tokens, device, autocast_dtype)
-    unit = unit_vectors(vectors, cfg.center)
+    autocast = torch.bfloat16 if cfg.bf16 and torch.device(device).type == "cuda" else None
+    unit = embed_documents(encoder, docs.tokens, specials, cfg.batch_tokens, device, autocast)
     t1 = time.perf_counter()
-    links = shard_links(docs.doc_ids, docs.langs, unit, cfg, use_gpu_faiss, search, device)
+    links = shard_links(docs.doc_ids, docs.langs, unit, cfg, search, device)
     t2 = time.perf_counter()
     index_file, graph_file = None, f"graph-{docs.shard:05d}.parquet"
     if search == "faiss":
         import faiss
 
-        index = faiss.IndexIDMap2(faiss.IndexFlatIP(unit.shape[1]))
-        index.add_with_ids(unit, docs.doc_ids.astype(np.int64))
         index_file = f"shard-{docs.shard:05d}.faiss"
-        faiss.write_index(index, str(Path(out_dir) / index_file))
+        faiss.write_index(flat_ip_index(unit, docs.doc_ids), str(Path(out_dir) / index_file))
     write_graph(Path(out_dir) / graph_file, links["target_id"], links["evidence_id"], links["score"],
                 links["cross_lingual"])
     # health figures: cosine of kept links vs of random pairs (how spread out g is)
@@ -237,16 +193,16 @@ def index_shard(docs: ShardDocuments, encoder: RelevanceEncoder, specials: Speci
 
 
 def index_corpus(corpus, encoder: RelevanceEncoder, specials: SpecialTokens, root: Path, version: int,
-                 snapshot_step: int, cfg: LinkConfig, keep_versions: int = 3, extra: dict | None = None, **kwargs):
+                 snapshot_step: int, cfg: IndexerConfig, extra: dict | None = None, seed: int = 0, **kwargs):
     """Index every shard in this process and commit the version (the Ray indexer spreads the shards
     over workers instead). Returns the committed IndexVersion."""
     from marge.index_store import commit_version, staging_dir
 
     staging = staging_dir(root, version)
     staging.mkdir(parents=True, exist_ok=True)
-    entries = [index_shard(corpus.read_shard(s), encoder, specials, staging, cfg, **kwargs).as_manifest_entry()
-               for s in range(corpus.num_shards)]
-    return commit_version(root, version, snapshot_step, entries, keep_versions=keep_versions, extra=extra)
+    entries = [index_shard(corpus.read_shard(s), encoder, specials, staging, cfg, seed=seed + s, **kwargs)
+               .as_manifest_entry() for s in range(corpus.num_shards)]
+    return commit_version(root, version, snapshot_step, entries, keep_versions=cfg.keep_versions, extra=extra)
 
 
 def index_build_record(committed, entries: list[dict], started_unix: float) -> dict:

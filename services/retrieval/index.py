@@ -20,9 +20,10 @@ import faiss
 import numpy as np
 import torch
 
-from marge.batch import as_encoder_input, pad_rows
+from marge.batch import as_encoder_input, max_text_tokens
 from marge.corpus import Corpus
-from marge.index_store import IndexVersion, latest_version
+from marge.index_store import IndexVersion, flat_ip_index, latest_version
+from marge.model import pad_rows
 from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class LoadedIndex:
         self.version = version.version
         self.snapshot_step = version.snapshot_step
         self.created_unix = version.manifest["created_unix"]
-        snapshot_path = version.manifest.get("snapshot_path") or str(run_dir / "snapshots" / snapshot_dirname(version.snapshot_step))
+        snapshot_path = str(run_dir / "snapshots" / snapshot_dirname(version.snapshot_step))  # the run's own, wherever it lives
         snapshot = read_snapshot(Path(snapshot_path))
         if snapshot.manifest["tokenizer_sha256"] != tokenizer.sha256:
             raise ValueError(f"snapshot {snapshot_path} was trained with another tokenizer than corpus {corpus.root}")
@@ -75,28 +76,21 @@ class LoadedIndex:
         self.ids = np.concatenate(ids).astype(np.int64)
         self.vectors = np.concatenate(vectors).astype(np.float32)
         self.dim = self.vectors.shape[1]
-        self.all = self._flat(self.ids, self.vectors)
+        self.all = flat_ip_index(self.vectors, self.ids)
         self.position = {int(d): i for i, d in enumerate(self.ids)}
         self.by_lang: dict[str, faiss.Index] = {}
-
-    @staticmethod
-    def _flat(ids: np.ndarray, vectors: np.ndarray) -> faiss.Index:
-        index = faiss.IndexIDMap2(faiss.IndexFlatIP(vectors.shape[1]))
-        index.add_with_ids(vectors, ids)
-        return index
 
     def build_language_indexes(self, docs: DocumentTable) -> None:
         langs = np.array([docs.langs[docs.position[int(d)]] for d in self.ids])
         for lang in np.unique(langs):
             mask = langs == lang
-            self.by_lang[str(lang)] = self._flat(self.ids[mask], self.vectors[mask])
+            self.by_lang[str(lang)] = flat_ip_index(self.vectors[mask], self.ids[mask])
 
     @torch.no_grad()
     def embed(self, text: str) -> np.ndarray:
-        ids = self.tokenizer.encode(text)[: self.encoder.cfg.max_positions - 2]
+        ids = self.tokenizer.encode(text)[: max_text_tokens(self.encoder.cfg.max_positions)]
         tokens = pad_rows([as_encoder_input(ids, self.tokenizer.specials)], self.tokenizer.specials.pad_id)
-        vector = self.encoder(tokens)[0].float().numpy()
-        return (vector / max(np.linalg.norm(vector), 1e-12)).astype(np.float32)
+        return self.encoder.unit_vectors(tokens)[0].numpy()  # as the indexer stored the documents
 
     def vector_of(self, doc_id: int) -> np.ndarray | None:
         i = self.position.get(doc_id)

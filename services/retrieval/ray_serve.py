@@ -1,6 +1,6 @@
 """The retrieval service as a Ray Serve deployment (needs `pip install -e .[serve]`).
 
-    from marge.retrieval.ray_serve import deployment
+    from services.retrieval.ray_serve import deployment
     serve.run(deployment(ServeSettings(run_dir=..., corpus_dir=...)), route_prefix="/")
 
 Each replica loads the newest committed index and watches for newer versions, exactly like the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from marge.retrieval.app import ServeSettings, create_app
+from services.retrieval.app import ServeSettings, create_app
 
 
 def deployment(settings: ServeSettings, num_replicas: int = 1, num_cpus: float = 0.5):

@@ -1,9 +1,16 @@
-"""The training batch: a subgraph of the evidence/target graph, and its conversion to model tensors.
+"""The training batch (a subgraph of the evidence/target graph) and how documents are framed: numpy only.
 
 A batch holds each document once (a document may be a target and evidence at the same time), the
 indices of its targets and evidence documents, and the graph edges that made the batcher put them
 together. It carries the index version and snapshot step it was built from, so the trainer can log
-staleness. `marge.protocol` serialises it for the queue; `to_model_inputs` turns it into tensors.
+staleness. `marge.protocol` serialises it for the queue; the trainer turns it into tensors
+(`services.trainer.inputs`).
+
+Framing, defined here once and used by every stage:
+
+    encoder input   BOS, text, EOS                 (evidence documents, g of any document, queries)
+    decoder input   language token, text            (the language token selects the output language)
+    labels          text, EOS
 """
 
 from __future__ import annotations
@@ -11,8 +18,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-from torch import Tensor
+
+ENCODER_SPECIALS = 2
+"""Tokens the encoder reads besides a document's text: BOS and EOS."""
+DECODER_SPECIALS = 1
+"""Tokens the decoder predicts besides a target's text: EOS (its input has the language token instead)."""
+
+
+def encoder_cost(text_tokens: int) -> int:
+    """Encoder positions of a document with `text_tokens` text tokens."""
+    return text_tokens + ENCODER_SPECIALS
+
+
+def decoder_cost(text_tokens: int) -> int:
+    """Decoder positions of a target with `text_tokens` text tokens."""
+    return text_tokens + DECODER_SPECIALS
+
+
+def max_text_tokens(max_positions: int) -> int:
+    """The longest text that fits `max_positions` encoder positions (a document, a query, a chunk)."""
+    return max_positions - ENCODER_SPECIALS
 
 
 @dataclass(frozen=True)
@@ -70,12 +95,11 @@ class Batch:
 
     def target_tokens(self) -> int:
         """Tokens the decoder predicts (text + EOS per target)."""
-        return int(sum(len(self.doc_tokens[i]) + 1 for i in self.targets))
+        return int(sum(decoder_cost(len(self.doc_tokens[i])) for i in self.targets))
 
     def cost_tokens(self) -> int:
         """The budget measure: encoder tokens of the evidence + decoder tokens of the targets (specials included)."""
-        return int(sum(len(self.doc_tokens[i]) + 2 for i in self.evidence)
-                   + sum(len(self.doc_tokens[i]) + 1 for i in self.targets))
+        return int(sum(encoder_cost(len(self.doc_tokens[i])) for i in self.evidence) + self.target_tokens())
 
     def cross_lingual_edge_share(self) -> float:
         if len(self.edges) == 0:
@@ -85,66 +109,16 @@ class Batch:
         return float(np.mean([a != b for a, b in zip(t_lang, e_lang)]))
 
 
-@dataclass
-class ModelInputs:
-    """The tensors `Marge.forward` takes (see its docstring for their meaning)."""
-
-    evidence_MS: Tensor
-    target_enc_NS: Tensor
-    decoder_in_NT: Tensor
-    labels_NT: Tensor
-    allowed_NM: Tensor
-    linked_NM: Tensor  # the batch's retrieval links (target i -> evidence j), for auxiliary losses on f
-
-    def to(self, device: torch.device | str) -> "ModelInputs":
-        return ModelInputs(*(t.to(device, non_blocking=True) for t in
-                             (self.evidence_MS, self.target_enc_NS, self.decoder_in_NT, self.labels_NT, self.allowed_NM,
-                              self.linked_NM)))
-
-    def pin_memory(self) -> "ModelInputs":
-        """Page-locked copies, so that `.to(cuda, non_blocking=True)` overlaps with the device's work."""
-        return ModelInputs(*(t.pin_memory() for t in (self.evidence_MS, self.target_enc_NS, self.decoder_in_NT,
-                                                      self.labels_NT, self.allowed_NM, self.linked_NM)))
-
-    def as_kwargs(self) -> dict[str, Tensor]:
-        return dict(evidence_MS=self.evidence_MS, target_enc_NS=self.target_enc_NS, decoder_in_NT=self.decoder_in_NT,
-                    labels_NT=self.labels_NT, allowed_NM=self.allowed_NM, linked_NM=self.linked_NM)
-
-
-def pad_rows(rows: list[list[int]], pad_id: int) -> Tensor:
-    width = max(len(r) for r in rows)
-    out = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
-    return out
-
-
 def as_encoder_input(tokens: np.ndarray | list[int], specials: SpecialTokens) -> list[int]:
     """BOS, the text, EOS: how every document enters the encoder (language-agnostic on purpose)."""
     return [specials.bos_id, *map(int, tokens), specials.eos_id]
 
 
-def to_model_inputs(batch: Batch, specials: SpecialTokens, attend_to: str = "all") -> ModelInputs:
-    """Tensors for one batch.
+def as_decoder_input(tokens: np.ndarray | list[int], lang: str, specials: SpecialTokens) -> list[int]:
+    """The target's language token, then its text."""
+    return [specials.lang_id(lang), *map(int, tokens)]
 
-    attend_to="all": every target cross-attends over all evidence in the batch except its own
-    document (paper Eq. 2 conditions x_i on z_1..M). attend_to="linked": only over the evidence it
-    has a graph edge to.
-    """
-    enc = [as_encoder_input(batch.doc_tokens[i], specials) for i in batch.evidence]
-    tgt = [batch.doc_tokens[i] for i in batch.targets]
-    target_enc = [as_encoder_input(t, specials) for t in tgt]
-    decoder_in = [[specials.lang_id(batch.doc_langs[i]), *map(int, batch.doc_tokens[i])] for i in batch.targets]
-    labels = [[*map(int, t), specials.eos_id] for t in tgt]
-    target_doc_N = torch.as_tensor(batch.doc_ids[batch.targets])
-    evidence_doc_M = torch.as_tensor(batch.doc_ids[batch.evidence])
-    allowed_NM = target_doc_N[:, None] != evidence_doc_M[None, :]  # a target never sees itself
-    linked_NM = torch.zeros_like(allowed_NM)
-    linked_NM[torch.as_tensor(batch.edges[:, 0], dtype=torch.long), torch.as_tensor(batch.edges[:, 1], dtype=torch.long)] = True
-    linked_NM &= allowed_NM
-    if attend_to == "linked":
-        allowed_NM = allowed_NM & linked_NM
-    elif attend_to != "all":
-        raise ValueError(f"attend_to must be 'all' or 'linked', got {attend_to!r}")
-    return ModelInputs(pad_rows(enc, specials.pad_id), pad_rows(target_enc, specials.pad_id),
-                       pad_rows(decoder_in, specials.pad_id), pad_rows(labels, specials.pad_id), allowed_NM, linked_NM)
+
+def as_labels(tokens: np.ndarray | list[int], specials: SpecialTokens) -> list[int]:
+    """The target's text, then EOS: what the decoder predicts at each input position."""
+    return [*map(int, tokens), specials.eos_id]

@@ -88,6 +88,17 @@ def load_training_state(directory: Path) -> dict[str, Any]:
     return torch.load(Path(directory) / "training_state.pt", map_location="cpu", weights_only=True)
 
 
+def restore_training(directory: Path, model: Marge, optimizer, scheduler, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Put a checkpoint's weights, optimizer, schedule and RNG back (verified against the manifest); returns the
+    rest of its training state (step, consumed batches, and whatever the trainer saved)."""
+    state = load_training_state(directory)
+    model.load_state_dict(load_file(str(Path(directory) / "model.safetensors"), device=str(device)))
+    optimizer.load_state_dict(state.pop("optimizer"))
+    scheduler.load_state_dict(state.pop("scheduler"))
+    set_rng_state(state.pop("rng"))
+    return state
+
+
 def load_model(directory: Path, device: str | torch.device = "cpu") -> Marge:
     """The trained model in a checkpoint folder (eval mode)."""
     directory = Path(directory)

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marge.batch import SpecialTokens, pad_rows
+from marge.batch import SpecialTokens, max_text_tokens
 from marge.languages import normalize_language
-from marge.model import Marge, RelevanceEncoder
+from marge.model import Marge, RelevanceEncoder, pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def both_directions(sim: np.ndarray, pair: PairSet, margin: bool) -> dict[str, f
 def encode_texts(tokenizer, texts: list[str], max_positions: int) -> list[list[int]]:
     rows = []
     for ids in tokenizer.encode_batch(texts):
-        ids = ids[: max_positions - 2]
+        ids = ids[: max_text_tokens(max_positions)]
         rows.append([tokenizer.specials.bos_id, *ids, tokenizer.specials.eos_id])
     return rows
 
@@ -135,23 +135,31 @@ def mean_layer_vectors(model: Marge | RelevanceEncoder, rows: list[list[int]], s
 
 
 def encoder_layer_states(model: Marge | RelevanceEncoder, tokens_RS: torch.Tensor, layer: int) -> torch.Tensor:
-    """States after `layer` encoder layers; layer 0 is the input embedding (tokens + positions)."""
-    if isinstance(model, Marge):
-        return model.encoder_states(tokens_RS, layer)
-    key_ok = (tokens_RS != model.cfg.pad_id)[:, None, None, :]
-    positions = torch.arange(tokens_RS.shape[1], device=tokens_RS.device)
-    x = model.embed_tokens(tokens_RS) + model.encoder_positions(positions)
-    for block in model.encoder_layers[:layer]:
-        x = block(x, key_ok)
-    return x
+    """States after `layer` encoder layers; layer 0 is the embedded input (tokens + positions, normalised)."""
+    return model.encoder_states(tokens_RS, layer)
+
+
+@torch.no_grad()
+def relevance_unit_vectors(model: Marge | RelevanceEncoder, rows: list[list[int]], specials: SpecialTokens,
+                           batch_size: int = 64, device: str = "cpu") -> np.ndarray:
+    """g of each row as the index stores it (`unit_relevance`): retrieval exactly as the pipeline searches."""
+    g = model.unit_relevance_vectors if isinstance(model, Marge) else model.unit_vectors
+    order = np.argsort([len(r) for r in rows], kind="stable")
+    vectors = np.zeros((len(rows), model.cfg.d_model), dtype=np.float32)
+    for start in range(0, len(rows), batch_size):
+        idx = order[start:start + batch_size]
+        vectors[idx] = g(pad_rows([rows[i] for i in idx], specials.pad_id).to(device)).cpu().numpy()
+    return vectors
 
 
 def available_layers(model: Marge | RelevanceEncoder) -> int:
     return len(model.encoder_layers)
 
 
-def resolve_layer(model: Marge | RelevanceEncoder, layer: int | None, paper_layer: int = 5) -> int:
-    """The encoder layer to pool: the given one, else the paper's 5 (or the deepest the model has)."""
+def resolve_layer(model: Marge | RelevanceEncoder, layer: int | str | None, paper_layer: int = 5) -> int | str:
+    """The encoder layer to pool: the given one, else the paper's 5 (or the deepest the model has); or "g"."""
+    if layer == "g":
+        return layer
     depth = available_layers(model)
     if layer is None:
         chosen = min(paper_layer, depth)
@@ -165,16 +173,21 @@ def resolve_layer(model: Marge | RelevanceEncoder, layer: int | None, paper_laye
     return layer
 
 
-def evaluate_model(model: Marge | RelevanceEncoder, tokenizer, pairs: list[PairSet], layer: int | None = None,
+def evaluate_model(model: Marge | RelevanceEncoder, tokenizer, pairs: list[PairSet], layer: int | str | None = None,
                    margin: bool = False, device: str = "cpu") -> dict[str, float]:
+    """P@1 of every direction: sentences as the mean of encoder layer `layer`'s text-token states (paper §4.1),
+    or, with layer "g", as the relevance vectors the index searches."""
     layer = resolve_layer(model, layer)
+
+    def vectors(texts: list[str]) -> np.ndarray:
+        rows = encode_texts(tokenizer, texts, model.cfg.max_positions)
+        if layer == "g":
+            return relevance_unit_vectors(model, rows, tokenizer.specials, device=device)
+        return mean_layer_vectors(model, rows, tokenizer.specials, layer, device=device)
+
     results = {}
     for pair in pairs:
-        src = mean_layer_vectors(model, encode_texts(tokenizer, pair.sources, model.cfg.max_positions),
-                                 tokenizer.specials, layer, device=device)
-        tgt = mean_layer_vectors(model, encode_texts(tokenizer, pair.targets, model.cfg.max_positions),
-                                 tokenizer.specials, layer, device=device)
-        results.update(both_directions(cosine_matrix(src, tgt), pair, margin))
+        results.update(both_directions(cosine_matrix(vectors(pair.sources), vectors(pair.targets)), pair, margin))
     return results
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from marge.batch import SpecialTokens, as_encoder_input, pad_rows
-from marge.model import Marge
+from marge.batch import SpecialTokens, as_encoder_input, max_text_tokens
+from marge.model import Marge, pad_rows
 
 
 @dataclass(frozen=True)
@@ -54,13 +54,13 @@ def generate(model: Marge, evidence_docs: list[list[int]], tgt_lang_id: int, spe
     `evidence_docs` are the source documents' token ids (no specials); all of them are evidence.
     """
     model.eval()
-    enc_rows = [as_encoder_input(doc[: model.cfg.max_positions - 2], specials) for doc in evidence_docs]
+    enc_rows = [as_encoder_input(doc[: max_text_tokens(model.cfg.max_positions)], specials) for doc in evidence_docs]
     evidence = model.encode_evidence(pad_rows(enc_rows, specials.pad_id).to(device))
     source_len = sum(len(d) for d in evidence_docs)
     max_len = min(int(cfg.max_len_a * source_len + cfg.max_len_b), model.cfg.max_positions - 1)
     beam = cfg.beam
-    relevance_NL = torch.ones(beam, evidence.key_doc_L.numel(), device=device)
-    visible_NL = evidence.key_ok_L[None, :].expand(beam, -1)
+    every_document = torch.ones(beam, len(evidence_docs), dtype=torch.bool, device=device)
+    cross = model.cross_memory(evidence, torch.ones(beam, len(evidence_docs), device=device), every_document)
     never = {specials.pad_id, specials.bos_id, *specials.lang_ids.values()}
 
     # hypotheses: decoder inputs so far (language token first), their summed log-probabilities
@@ -71,9 +71,9 @@ def generate(model: Marge, evidence_docs: list[list[int]], tgt_lang_id: int, spe
     finished: list[tuple[float, list[int]]] = []
     for step in range(max_len):
         if cfg.use_cache:
-            states = model.decode(tokens[:, -1:], evidence.memory_1LD, relevance_NL, visible_NL, caches, step)
+            states = model.decode(tokens[:, -1:], evidence.memory_1LD, cross, caches, step)
         else:
-            states = model.decode(tokens, evidence.memory_1LD, relevance_NL, visible_NL)
+            states = model.decode(tokens, evidence.memory_1LD, cross)
         logprobs = torch.log_softmax(model.logits(states[:, -1]).float(), dim=-1)  # beam V
         for token in never:
             logprobs[:, token] = float("-inf")

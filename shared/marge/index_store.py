@@ -90,6 +90,16 @@ class IndexVersion:
                     raise IndexStoreError(f"{path}: sha256 does not match the manifest (corrupt index file)")
 
 
+def flat_ip_index(unit: np.ndarray, doc_ids: np.ndarray):
+    """The index format of a shard: an exact inner-product FAISS index (on unit vectors: the cosine f) whose
+    ids are the corpus doc ids."""
+    import faiss
+
+    index = faiss.IndexIDMap2(faiss.IndexFlatIP(unit.shape[1]))
+    index.add_with_ids(np.ascontiguousarray(unit, dtype=np.float32), np.asarray(doc_ids, dtype=np.int64))
+    return index
+
+
 def version_dirname(version: int) -> str:
     return f"v{version:06d}"
 

@@ -4,10 +4,12 @@ The model reconstructs each target document x_i from a set of evidence documents
 
 * every evidence document is encoded on its own by a bidirectional encoder; the encoder states of all
   evidence in the batch are concatenated into one memory that the decoder cross-attends over;
-* relevance f(x, z) = cos(g(x), g(z)), where g is the state of the first (BOS) token after the first
-  `relevance_layers` encoder layers (the same parameters as the encoder: paper §2.2);
+* relevance f(x, z) = cos(g(x), g(z)), where g is the state of the first (BOS) token (or the mean of the
+  states) after the first `relevance_layers` encoder layers (the same parameters as the encoder: paper §2.2);
+  `unit_relevance` is the one function that turns g into what f compares, for every stage;
 * every cross-attention logit from a token of z_j gets + beta * f(x_i, z_j) (paper Eq. 4), so the
-  reconstruction loss trains g through beta * f;
+  reconstruction loss trains g through beta * f; a target reads only the keys of the evidence it may see
+  (gathered per target, `CrossMemory`), which equals attending over the whole memory with the others masked;
 * the decoder has `decoder_local_layers` self-attention-only layers at its base, then
   `decoder_layers` layers with cross-attention (paper §3); its first input is a language token that
   selects the output language.
@@ -16,8 +18,9 @@ Tensor-shape legend (suffixes on variable names):
     N  targets in the batch             T  target (decoder) positions
     M  evidence documents in the batch  S  evidence (encoder) positions
     L  keys of the concatenated evidence memory = M * S
+    K  keys one target reads (its visible documents' keys, gathered; = L when it may read all)
     R  rows given to the relevance encoder (any set of documents)
-    D  model width    H  attention heads    K  head width = D // H    V  vocabulary
+    D  model width    H  attention heads    E  head width = D // H    V  vocabulary
 """
 
 from __future__ import annotations
@@ -59,29 +62,14 @@ class MargeConfig:
     pad_id: int = 0
     beta_init: float = 1.0
     """Initial value of the relevance-bias weight beta (the paper does not give one)."""
-    beta_per_layer: bool = False
-    """False: one trainable scalar beta shared by all cross-attention layers (paper Eq. 4 says 'a
-    trainable scalar'). True: one beta per cross-attention layer (as in lucidrains/marge-pytorch)."""
     relevance_centering: bool = False
-    """Deviation from the paper (off in `paper`): subtract the batch mean of g before the cosine, so
-    that a common direction shared by all documents does not make every pair look relevant."""
+    """Deviation from the paper (off in `paper`): f compares g minus a centre, so that a direction shared by
+    all documents does not make every pair look relevant. In training the centre is the batch's mean g (the
+    measured recipe); the model keeps a running mean of it (`relevance_center`) that snapshots carry, and
+    the indexer, the retrieval service and the probes subtract that one (`unit_relevance`)."""
     relevance_pooling: str = "bos"
     """'bos': g is the first token's state (paper §2.2). Deviation 'mean': the mean of the relevance
     layer's states over the document's tokens (a far better random-init hash of the text)."""
-    relevance_distill_weight: float = 0.0
-    """Deviation (0 in `paper`): weight of an auxiliary loss that trains f to predict which evidence
-    documents the decoder reads from (KL to its relevance-free cross-attention, Izacard & Grave 2021)."""
-    relevance_distill_temperature: float = 0.1
-    relevance_contrastive_weight: float = 0.0
-    """Deviation (0 in `paper`): weight of an in-batch contrastive loss on f whose positives are the
-    batch's retrieval links (the index that built the batch teaches the next g; other evidence and other
-    targets in the batch are the negatives)."""
-    relevance_contrastive_temperature: float = 0.1
-    relevance_layers_from_reconstruction: bool = True
-    """True (paper): the reconstruction loss trains g's layers through the encoder memory as well as through
-    beta * f. Deviation False: the memory is detached above g's layers, so g's layers (and the encoder's
-    token embedding) learn only through beta * f and the auxiliary losses on f, while the encoder layers
-    above them still learn from reconstruction."""
     tie_encoder_embeddings: bool = True
     """True (as BART and the paper's preset): one token embedding for encoder input, decoder input and
     output. Deviation False: the encoder (and so g) gets its own input embedding, which the decoder's
@@ -119,10 +107,6 @@ class MargeConfig:
             raise ValueError("model.max_positions must leave room for BOS, one token and EOS (>= 3)")
         if self.relevance_pooling not in ("bos", "mean"):
             raise ValueError(f"model.relevance_pooling must be 'bos' or 'mean', got {self.relevance_pooling!r}")
-        if self.relevance_distill_weight < 0 or self.relevance_distill_temperature <= 0:
-            raise ValueError("model.relevance_distill_weight must be >= 0 and relevance_distill_temperature > 0")
-        if self.relevance_contrastive_weight < 0 or self.relevance_contrastive_temperature <= 0:
-            raise ValueError("model.relevance_contrastive_weight must be >= 0 and relevance_contrastive_temperature > 0")
 
     @property
     def head_dim(self) -> int:
@@ -133,6 +117,11 @@ class MargeConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "MargeConfig":
+        values = dict(values)
+        for name, neutral in RETIRED_FIELDS.items():  # options removed because they showed no measured benefit
+            if name in values and values.pop(name) != neutral:
+                raise ValueError(f"this model was saved with {name}, an option that no longer exists: load it with "
+                                 "the version of marge that trained it")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -144,6 +133,16 @@ class MargeConfig:
     def with_overrides(self, **overrides: Any) -> "MargeConfig":
         return replace(self, **overrides)
 
+
+RETIRED_FIELDS: dict[str, Any] = {
+    "beta_per_layer": False, "relevance_distill_weight": 0.0, "relevance_distill_temperature": 0.1,
+    "relevance_contrastive_weight": 0.0, "relevance_contrastive_temperature": 0.1,
+    "relevance_layers_from_reconstruction": True,
+}
+"""Fields of older saved configs, with the value that means "off": such a config loads when they are off."""
+
+RELEVANCE_CENTER_MOMENTUM = 0.01
+"""Weight of each training batch's mean g in the running centre (`Marge.relevance_center`): ~100 batches."""
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Seconds on a laptop CPU; every test uses it.
@@ -185,12 +184,42 @@ def embed(tokens_RS: Tensor, token_table: nn.Embedding, position_table: nn.Embed
     return x_RSD if norm is None else norm(x_RSD)
 
 
+def run_layers(x_RSD: Tensor, layers, key_ok_RS: Tensor) -> Tensor:
+    """Encoder layers over embedded rows, padding keys masked: the encoder forward of `Marge` and of g alone."""
+    key_ok_R11S = key_ok_RS[:, None, None, :]
+    for layer in layers:
+        x_RSD = layer(x_RSD, key_ok_R11S)
+    return x_RSD
+
+
+def pad_rows(rows: list[list[int]], pad_id: int) -> Tensor:
+    """Token rows of different lengths as one (rows, longest) tensor, padded with `pad_id` (which every layer
+    masks)."""
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return out
+
+
 def pool_relevance(states_RSD: Tensor, key_ok_RS: Tensor, pooling: str) -> Tensor:
     """g from the relevance layer's states: the BOS state, or the mean over the document's tokens."""
     if pooling == "bos":
         return states_RSD[:, 0]
     weights_RS1 = key_ok_RS.unsqueeze(-1).to(states_RSD.dtype)
     return (states_RSD * weights_RS1).sum(1) / weights_RS1.sum(1).clamp(min=1)
+
+
+def unit_relevance(g_RD: Tensor, center_D: Tensor | None) -> Tensor:
+    """What f compares: g minus the centre (when the model centres), L2-normalised, in float32.
+
+    The trainer (with the batch's mean as the centre), the indexer, the retrieval service, the health
+    probes and evaluation (with the snapshot's running centre) all compute g's unit vectors here.
+    """
+    g_RD = g_RD.float()
+    if center_D is not None:
+        g_RD = g_RD - center_D.float()
+    return F.normalize(g_RD, dim=-1)
 
 
 class FeedForward(nn.Module):
@@ -222,21 +251,21 @@ class Attention(nn.Module):
 
     def split_heads(self, x_BXD: Tensor) -> Tensor:
         b, x, d = x_BXD.shape
-        return x_BXD.view(b, x, self.num_heads, d // self.num_heads).transpose(1, 2)  # B H X K
+        return x_BXD.view(b, x, self.num_heads, d // self.num_heads).transpose(1, 2)  # B H X E
 
     def project_kv(self, memory_BLD: Tensor) -> tuple[Tensor, Tensor]:
         return self.split_heads(self.k_proj(memory_BLD)), self.split_heads(self.v_proj(memory_BLD))
 
-    def forward(self, x_BQD: Tensor, k_BHLK: Tensor, v_BHLK: Tensor, attn_bias: Tensor | None = None,
+    def forward(self, x_BQD: Tensor, k_BHLE: Tensor, v_BHLE: Tensor, attn_bias: Tensor | None = None,
                 is_causal: bool = False) -> Tensor:
-        q_BHQK = self.split_heads(self.q_proj(x_BQD))
+        q_BHQE = self.split_heads(self.q_proj(x_BQD))
         if attn_bias is not None and attn_bias.dtype != torch.bool:
-            attn_bias = attn_bias.to(q_BHQK.dtype)  # SDPA wants a float mask in the query's dtype (bf16 autocast)
-        out_BHQK = F.scaled_dot_product_attention(
-            q_BHQK, k_BHLK.to(q_BHQK.dtype), v_BHLK.to(q_BHQK.dtype), attn_mask=attn_bias,
+            attn_bias = attn_bias.to(q_BHQE.dtype)  # SDPA wants a float mask in the query's dtype (bf16 autocast)
+        out_BHQE = F.scaled_dot_product_attention(
+            q_BHQE, k_BHLE.to(q_BHQE.dtype), v_BHLE.to(q_BHQE.dtype), attn_mask=attn_bias,
             dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal)
-        b, _, q, _ = out_BHQK.shape
-        return self.out_proj(out_BHQK.transpose(1, 2).reshape(b, q, -1))
+        b, _, q, _ = out_BHQE.shape
+        return self.out_proj(out_BHQE.transpose(1, 2).reshape(b, q, -1))
 
 
 class EncoderLayer(nn.Module):
@@ -272,9 +301,9 @@ def causal_attention(num_queries: int, num_keys: int, device: torch.device) -> d
 class LayerCache:
     """Keys/values a decoder layer keeps between incremental decoding steps."""
 
-    self_k: Tensor | None = None  # N H t K, grows by one position per step
+    self_k: Tensor | None = None  # N H t E, grows by one position per step
     self_v: Tensor | None = None
-    cross_k: Tensor | None = None  # N H L K, computed once from the evidence memory
+    cross_k: Tensor | None = None  # N H K E, computed once from the evidence memory
     cross_v: Tensor | None = None
 
     def reorder(self, index_N: Tensor) -> None:
@@ -283,6 +312,47 @@ class LayerCache:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.index_select(0, index_N))
+
+
+@dataclass
+class EncodedEvidence:
+    """The evidence as the encoder leaves it: one concatenated memory, and which document each key is from."""
+
+    memory_1LD: Tensor  # all evidence states, flattened into one sequence of L = M * S keys
+    key_ok_L: Tensor  # False at padding positions
+    key_doc_L: Tensor  # index j of the evidence document each key belongs to
+    relevance_MD: Tensor  # g(z_j)
+
+
+@dataclass
+class CrossMemory:
+    """What each target's cross-attention reads: the keys of the evidence it may see, and f on each key.
+
+    When some target may not see every document, each target's keys are gathered from the memory
+    (`key_index_NK`: K = the most documents any target sees x S); otherwise every target reads all L keys
+    (`key_index_NK` None). Keys a target must not read (padding, unused slots) are False in `visible_NK`.
+    Each cross-attention layer adds beta * f + (0 or -inf) to the logits of these keys (paper Eq. 4).
+    """
+
+    key_index_NK: Tensor | None
+    relevance_NK: Tensor
+    visible_NK: Tensor
+
+    def gather(self, projected_1HLE: Tensor) -> Tensor:
+        """Each target's keys (or values) N H K E from keys projected once over the whole memory."""
+        n = self.relevance_NK.shape[0]
+        if self.key_index_NK is None:
+            return projected_1HLE.expand(n, -1, -1, -1)
+        return projected_1HLE[0][:, self.key_index_NK].transpose(0, 1)  # H N K E -> N H K E
+
+    def bias(self, beta: Tensor) -> Tensor:
+        """beta * f on the keys a target may read, -inf elsewhere (N 1 1 K)."""
+        blocked_NK = torch.zeros_like(self.relevance_NK).masked_fill(~self.visible_NK, float("-inf"))
+        return (beta * self.relevance_NK + blocked_NK)[:, None, None, :]
+
+    def reorder(self, index_N: Tensor) -> "CrossMemory":
+        key_index = None if self.key_index_NK is None else self.key_index_NK.index_select(0, index_N)
+        return CrossMemory(key_index, self.relevance_NK.index_select(0, index_N), self.visible_NK.index_select(0, index_N))
 
 
 class DecoderLayer(nn.Module):
@@ -298,8 +368,8 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(cfg.d_model, d_ffn, cfg.dropout)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x_NTD: Tensor, memory_NLD: Tensor | None, cross_bias_N11L: Tensor | None,
-                cache: LayerCache | None = None, taps: dict | None = None) -> Tensor:
+    def forward(self, x_NTD: Tensor, memory_1LD: Tensor | None, cross: CrossMemory | None, beta: Tensor | None,
+                cache: LayerCache | None = None) -> Tensor:
         h = self.self_attn_norm(x_NTD)
         k, v = self.self_attn.project_kv(h)
         if cache is not None:
@@ -309,15 +379,15 @@ class DecoderLayer(nn.Module):
         x_NTD = x_NTD + self.dropout(self.self_attn(h, k, v, **causal_attention(x_NTD.shape[1], k.shape[2], k.device)))
         if self.cross_attn is not None:
             h = self.cross_attn_norm(x_NTD)
-            if taps is not None:
-                taps["cross_query_input"] = h  # for the relevance-distillation teacher
             if cache is not None and cache.cross_k is not None:
                 k, v = cache.cross_k, cache.cross_v
             else:
-                k, v = self.cross_attn.project_kv(memory_NLD)
+                # project the memory once, then give each target its own keys: never N copies of the projection
+                k_1HLE, v_1HLE = self.cross_attn.project_kv(memory_1LD)
+                k, v = cross.gather(k_1HLE), cross.gather(v_1HLE)
                 if cache is not None:
                     cache.cross_k, cache.cross_v = k, v
-            x_NTD = x_NTD + self.dropout(self.cross_attn(h, k, v, attn_bias=cross_bias_N11L))
+            x_NTD = x_NTD + self.dropout(self.cross_attn(h, k, v, attn_bias=cross.bias(beta)))
         return x_NTD + self.ffn(self.ffn_norm(x_NTD))
 
 
@@ -333,24 +403,6 @@ class MargeOutput:
     tokens_per_target_N: Tensor
     relevance_NM: Tensor  # f(x_i, z_j) = cos(g(x_i), g(z_j)), with gradient
     logits_NTV: Tensor | None = None
-    distill_loss: Tensor | None = None  # relevance distillation (model.relevance_distill_weight > 0)
-    contrastive_loss: Tensor | None = None  # link contrastive loss (model.relevance_contrastive_weight > 0)
-
-    def auxiliary_objective(self, cfg: "MargeConfig") -> Tensor | None:
-        """The weighted sum of the auxiliary losses on f that are switched on (None: none are)."""
-        terms = [w * t for w, t in ((cfg.relevance_distill_weight, self.distill_loss),
-                                    (cfg.relevance_contrastive_weight, self.contrastive_loss)) if t is not None]
-        return sum(terms) if terms else None
-
-
-@dataclass
-class EncodedEvidence:
-    """What the decoder needs from the evidence: the concatenated memory and each key's document."""
-
-    memory_1LD: Tensor  # all evidence states, flattened into one sequence of L = M * S keys
-    key_ok_L: Tensor  # False at padding positions
-    key_doc_L: Tensor  # index j of the evidence document each key belongs to
-    relevance_MD: Tensor  # g(z_j)
 
 
 class Marge(nn.Module):
@@ -371,7 +423,10 @@ class Marge(nn.Module):
         self.decoder_layers = nn.ModuleList(
             DecoderLayer(cfg, cfg.decoder_ffn, cross_attention=True) for _ in range(cfg.decoder_layers))
         self.decoder_norm = nn.LayerNorm(cfg.d_model)
-        self.beta = nn.Parameter(torch.full((cfg.decoder_layers if cfg.beta_per_layer else 1,), float(cfg.beta_init)))
+        self.beta = nn.Parameter(torch.full((1,), float(cfg.beta_init)))
+        """The one trainable scalar of paper Eq. 4, shared by every cross-attention layer."""
+        self.register_buffer("relevance_center", torch.zeros(cfg.d_model))
+        """Running mean of g over training batches (`model.relevance_centering`), carried by snapshots."""
         self.dropout = nn.Dropout(cfg.dropout)
         self.reset_parameters()
 
@@ -415,11 +470,8 @@ class Marge(nn.Module):
 
     def encoder_states(self, tokens_RS: Tensor, num_layers: int | None = None) -> Tensor:
         """States after the first `num_layers` encoder layers (all layers + final norm when None)."""
-        key_ok_R11S = (tokens_RS != self.cfg.pad_id)[:, None, None, :]
-        x = self._embed_encoder(tokens_RS)
         layers = self.encoder_layers if num_layers is None else self.encoder_layers[:num_layers]
-        for layer in layers:
-            x = layer(x, key_ok_R11S)
+        x = run_layers(self._embed_encoder(tokens_RS), layers, tokens_RS != self.cfg.pad_id)
         return self.encoder_norm(x) if num_layers is None else x
 
     def relevance_vectors(self, tokens_RS: Tensor) -> Tensor:
@@ -427,12 +479,22 @@ class Marge(nn.Module):
         states = self.encoder_states(tokens_RS, self.cfg.relevance_layers)
         return pool_relevance(states, tokens_RS != self.cfg.pad_id, self.cfg.relevance_pooling)
 
+    def unit_relevance_vectors(self, tokens_RS: Tensor) -> Tensor:
+        """g(x) as the index stores it: `unit_relevance` with the running centre (R D, float32)."""
+        return unit_relevance(self.relevance_vectors(tokens_RS),
+                              self.relevance_center if self.cfg.relevance_centering else None)
+
     def relevance(self, targets_ND: Tensor, evidence_MD: Tensor) -> Tensor:
-        """f(x_i, z_j) = cos(g(x_i), g(z_j)) for every target/evidence pair (N M), in [-1, 1]."""
+        """f(x_i, z_j) = cos(g(x_i), g(z_j)) for every target/evidence pair (N M), in [-1, 1].
+
+        With centring, the centre is this batch's mean g; in training it also moves the running centre."""
+        center_D = None
         if self.cfg.relevance_centering:
-            mean_D = torch.cat([targets_ND, evidence_MD]).mean(0, keepdim=True)
-            targets_ND, evidence_MD = targets_ND - mean_D, evidence_MD - mean_D
-        return F.normalize(targets_ND.float(), dim=-1) @ F.normalize(evidence_MD.float(), dim=-1).T
+            center_D = torch.cat([targets_ND, evidence_MD]).mean(0)
+            if self.training:
+                with torch.no_grad():
+                    self.relevance_center.lerp_(center_D.detach().float(), RELEVANCE_CENTER_MOMENTUM)
+        return unit_relevance(targets_ND, center_D) @ unit_relevance(evidence_MD, center_D).T
 
     def encode_evidence(self, evidence_MS: Tensor) -> EncodedEvidence:
         """Encode each evidence document separately, then concatenate (one pass gives g(z) too)."""
@@ -446,35 +508,38 @@ class Marge(nn.Module):
             x = layer(x, key_ok_M11S)
             if i + 1 == self.cfg.relevance_layers:
                 relevance_MD = pool_relevance(x, key_ok_MS, self.cfg.relevance_pooling)
-                if not self.cfg.relevance_layers_from_reconstruction:
-                    x = x.detach()
         m, s, d = x.shape
         memory_1LD = self.encoder_norm(x).reshape(1, m * s, d)
         key_doc_L = torch.arange(m, device=x.device).repeat_interleave(s)
         return EncodedEvidence(memory_1LD, key_ok_MS.reshape(-1), key_doc_L, relevance_MD)
 
-    def spread_over_keys(self, evidence: EncodedEvidence, relevance_NM: Tensor,
-                         allowed_NM: Tensor) -> tuple[Tensor, Tensor]:
-        """f(x_i, z_j) copied onto every key of z_j (N L), and which keys target i may see (N L).
-
-        Each cross-attention layer turns these into its logit bias beta * f + (0 or -inf) (paper Eq. 4).
-        """
+    def cross_memory(self, evidence: EncodedEvidence, relevance_NM: Tensor, allowed_NM: Tensor) -> CrossMemory:
+        """The keys each target reads and f on each of them (see `CrossMemory`)."""
         if allowed_NM.shape != relevance_NM.shape:
             raise ValueError(f"allowed mask shape {tuple(allowed_NM.shape)} != relevance shape {tuple(relevance_NM.shape)}")
-        if not bool(allowed_NM.any(dim=1).all()):
-            empty = (~allowed_NM.any(dim=1)).nonzero().flatten().tolist()
+        counts_N = allowed_NM.sum(1)
+        if not bool((counts_N > 0).all()):
+            empty = (counts_N == 0).nonzero().flatten().tolist()
             raise ValueError(f"target(s) {empty} have no evidence document they may attend to")
-        relevance_NL = relevance_NM[:, evidence.key_doc_L]
-        visible_NL = allowed_NM[:, evidence.key_doc_L] & evidence.key_ok_L[None, :]
-        return relevance_NL, visible_NL
+        n, m = allowed_NM.shape
+        if int(counts_N.max()) == m:  # someone reads every document: one shared memory, masked per target
+            return CrossMemory(None, relevance_NM[:, evidence.key_doc_L],
+                               allowed_NM[:, evidence.key_doc_L] & evidence.key_ok_L[None, :])
+        s = evidence.key_ok_L.shape[0] // m
+        width = int(counts_N.max())
+        # each target's allowed documents first, in document order (a stable sort of the mask)
+        order_NM = torch.sort(allowed_NM.to(torch.int8), dim=1, descending=True, stable=True).indices
+        docs_NV = order_NM[:, :width]
+        slot_ok_NV = allowed_NM.gather(1, docs_NV)
+        key_index_NK = (docs_NV[:, :, None] * s + torch.arange(s, device=docs_NV.device)).reshape(n, width * s)
+        relevance_NK = relevance_NM.gather(1, docs_NV)[:, :, None].expand(n, width, s).reshape(n, width * s)
+        visible_NK = (slot_ok_NV[:, :, None] & evidence.key_ok_L[key_index_NK].view(n, width, s)).reshape(n, width * s)
+        return CrossMemory(key_index_NK, relevance_NK, visible_NK)
 
     # --- decoder --------------------------------------------------------------------------------
 
-    def _layer_beta(self, layer_index: int) -> Tensor:
-        return self.beta[layer_index if self.cfg.beta_per_layer else 0]
-
-    def decode(self, decoder_in_NT: Tensor, memory_1LD: Tensor | None, relevance_NL: Tensor, visible_NL: Tensor,
-               caches: list[LayerCache] | None = None, start_position: int = 0, taps: dict | None = None) -> Tensor:
+    def decode(self, decoder_in_NT: Tensor, memory_1LD: Tensor | None, cross: CrossMemory | None,
+               caches: list[LayerCache] | None = None, start_position: int = 0) -> Tensor:
         """Decoder states (N T D) for `decoder_in_NT`, cross-attending over the evidence memory.
 
         With `caches` the call is one step of incremental decoding: positions start at
@@ -484,18 +549,9 @@ class Marge(nn.Module):
         if start_position + t > self.cfg.max_positions:
             raise ValueError(f"target length {start_position + t} exceeds model.max_positions={self.cfg.max_positions}")
         x = self._embed_decoder(decoder_in_NT, start_position)
-        memory_NLD = None if memory_1LD is None else memory_1LD.expand(n, -1, -1)
-        mask_N11L = torch.zeros(visible_NL.shape, dtype=relevance_NL.dtype, device=relevance_NL.device)
-        mask_N11L = mask_N11L.masked_fill(~visible_NL, float("-inf"))[:, None, None, :]
-        relevance_N11L = relevance_NL[:, None, None, :]
-        n_local = len(self.decoder_local_layers)
-        for i, layer in enumerate(self.decoder_local_layers):
-            x = layer(x, None, None, None if caches is None else caches[i])
-        last = len(self.decoder_layers) - 1
-        for i, layer in enumerate(self.decoder_layers):
-            bias_N11L = self._layer_beta(i) * relevance_N11L + mask_N11L
-            x = layer(x, memory_NLD, bias_N11L, None if caches is None else caches[n_local + i],
-                      taps if i == last else None)
+        layers = [*self.decoder_local_layers, *self.decoder_layers]
+        for i, layer in enumerate(layers):
+            x = layer(x, memory_1LD, cross, self.beta, None if caches is None else caches[i])
         return self.decoder_norm(x)
 
     def logits(self, states_NTD: Tensor) -> Tensor:
@@ -504,10 +560,10 @@ class Marge(nn.Module):
     def new_caches(self) -> list[LayerCache]:
         return [LayerCache() for _ in range(len(self.decoder_local_layers) + len(self.decoder_layers))]
 
-    # --- training objective -------------------------------------------------------------------
+    # --- the reconstruction loss ----------------------------------------------------------------
 
     def forward(self, evidence_MS: Tensor, target_enc_NS: Tensor, decoder_in_NT: Tensor, labels_NT: Tensor,
-                allowed_NM: Tensor, linked_NM: Tensor | None = None, return_logits: bool = False) -> MargeOutput:
+                allowed_NM: Tensor, return_logits: bool = False) -> MargeOutput:
         """Negative log-likelihood of each target given the evidence and relevance scores (paper Eq. 2).
 
         evidence_MS    evidence documents as encoder input (BOS ... EOS, padded)
@@ -515,79 +571,25 @@ class Marge(nn.Module):
         decoder_in_NT  language token, then the target's text tokens (padded)
         labels_NT      the target's text tokens, then EOS (padded with pad_id: ignored)
         allowed_NM     True where target i may attend to evidence j (never its own document)
-        linked_NM      the batch's retrieval links (only used by the contrastive auxiliary loss)
         """
         self._check_lengths(decoder_in_NT, "target")
         if decoder_in_NT.shape != labels_NT.shape:
             raise ValueError(f"decoder input {tuple(decoder_in_NT.shape)} and labels {tuple(labels_NT.shape)} differ")
         evidence = self.encode_evidence(evidence_MS)
-        g_targets_ND = self.relevance_vectors(target_enc_NS)
-        relevance_NM = self.relevance(g_targets_ND, evidence.relevance_MD)
-        relevance_NL, visible_NL = self.spread_over_keys(evidence, relevance_NM, allowed_NM)
-        taps: dict | None = {} if self.cfg.relevance_distill_weight > 0 and self.training else None
-        states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, relevance_NL, visible_NL, taps=taps)
-        logits_NTV = self.logits(states_NTD)
+        relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD)
+        cross = self.cross_memory(evidence, relevance_NM, allowed_NM)
+        logits_NTV = self.logits(self.decode(decoder_in_NT, evidence.memory_1LD, cross))
         nll_NT = F.cross_entropy(logits_NTV.float().transpose(1, 2), labels_NT, ignore_index=self.cfg.pad_id,
                                  reduction="none")
         tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
         nll_N = nll_NT.sum(1)
         loss = nll_N.sum() / tokens_N.sum().clamp(min=1)
-        distill = None
-        if taps:
-            teacher_NM = self.reading_distribution(taps["cross_query_input"], evidence, visible_NL, allowed_NM,
-                                                   labels_NT != self.cfg.pad_id)
-            distill = self.distillation_loss(relevance_NM, teacher_NM, allowed_NM)
-        contrastive = None
-        if self.cfg.relevance_contrastive_weight > 0 and self.training and linked_NM is not None and bool(linked_NM.any()):
-            contrastive = self.link_contrastive_loss(relevance_NM, self.relevance(g_targets_ND, g_targets_ND),
-                                                     allowed_NM, linked_NM)
-        return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None, distill,
-                           contrastive)
-
-    def link_contrastive_loss(self, relevance_NM: Tensor, target_relevance_NN: Tensor, allowed_NM: Tensor,
-                              linked_NM: Tensor) -> Tensor:
-        """-log of the softmax(f / temperature) mass on each target's linked evidence, with the batch's other
-        evidence and other targets as negatives; averaged over targets that have a link."""
-        n = relevance_NM.shape[0]
-        others_NN = ~torch.eye(n, dtype=torch.bool, device=relevance_NM.device)
-        logits = torch.cat([relevance_NM.masked_fill(~allowed_NM, float("-inf")),
-                            target_relevance_NN.masked_fill(~others_NN, float("-inf"))], dim=1)
-        logits = logits / self.cfg.relevance_contrastive_temperature
-        positive = torch.cat([linked_NM & allowed_NM, torch.zeros_like(others_NN)], dim=1)
-        has_link_N = positive.any(1)
-        log_all_N = logits.logsumexp(1)
-        log_pos_N = logits.masked_fill(~positive, float("-inf")).logsumexp(1)
-        return (log_all_N - log_pos_N)[has_link_N].mean()
-
-    @torch.no_grad()
-    def reading_distribution(self, query_in_NTD: Tensor, evidence: EncodedEvidence, visible_NL: Tensor,
-                             allowed_NM: Tensor, target_ok_NT: Tensor) -> Tensor:
-        """Which evidence the decoder reads (N M): the last cross-attention layer's attention without the
-        relevance term, averaged over heads and target tokens, per key token of each document."""
-        attn = self.decoder_layers[-1].cross_attn
-        q_NHTK = attn.split_heads(attn.q_proj(query_in_NTD)).float()
-        k_1HLK = attn.split_heads(attn.k_proj(evidence.memory_1LD)).float()
-        logits_NHTL = q_NHTK @ k_1HLK.transpose(-1, -2) / q_NHTK.shape[-1] ** 0.5
-        logits_NHTL = logits_NHTL.masked_fill(~visible_NL[:, None, None, :], float("-inf"))
-        probs_NTL = logits_NHTL.softmax(-1).mean(1)
-        weights_NT1 = target_ok_NT.unsqueeze(-1).float()
-        probs_NL = (probs_NTL * weights_NT1).sum(1) / weights_NT1.sum(1).clamp(min=1)
-        n, m = allowed_NM.shape
-        mass_NM = torch.zeros(n, m, device=probs_NL.device).index_add_(1, evidence.key_doc_L, probs_NL)
-        keys_M = torch.zeros(m, device=probs_NL.device).index_add_(0, evidence.key_doc_L, evidence.key_ok_L.float())
-        per_token_NM = (mass_NM / keys_M.clamp(min=1)).masked_fill(~allowed_NM, 0.0)
-        return per_token_NM / per_token_NM.sum(1, keepdim=True).clamp(min=1e-12)
-
-    def distillation_loss(self, relevance_NM: Tensor, teacher_NM: Tensor, allowed_NM: Tensor) -> Tensor:
-        """KL(teacher || softmax(f / temperature)) over each target's allowed evidence, averaged over targets."""
-        logits_NM = (relevance_NM / self.cfg.relevance_distill_temperature).masked_fill(~allowed_NM, float("-inf"))
-        log_student_NM = logits_NM.log_softmax(-1).masked_fill(~allowed_NM, 0.0)
-        log_teacher_NM = teacher_NM.clamp(min=1e-12).log().masked_fill(~allowed_NM, 0.0)
-        return (teacher_NM * (log_teacher_NM - log_student_NM)).sum(1).mean()
+        return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None)
 
 
 class RelevanceEncoder(nn.Module):
-    """g alone: token/position embeddings (and their LayerNorm) and the first `relevance_layers` encoder layers.
+    """g alone: token/position embeddings (and their LayerNorm), the first `relevance_layers` encoder layers and
+    the running centre.
 
     Its parameter names are those of `Marge`, so a snapshot of these tensors from a training model
     loads here directly. Indexers and the retrieval service run this, not the whole model.
@@ -600,26 +602,34 @@ class RelevanceEncoder(nn.Module):
         self.encoder_positions = nn.Embedding(cfg.max_positions, cfg.d_model)
         self.encoder_embedding_norm = nn.LayerNorm(cfg.d_model) if cfg.embedding_layernorm else None
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.relevance_layers))
+        self.register_buffer("relevance_center", torch.zeros(cfg.d_model))
+
+    @classmethod
+    def from_model(cls, model: "Marge") -> "RelevanceEncoder":
+        encoder = cls(model.cfg)
+        encoder.load_state_dict(relevance_state_dict(model))
+        return encoder.to(model.beta.device)
 
     def encoder_states(self, tokens_RS: Tensor, num_layers: int) -> Tensor:
         """States after the first `num_layers` encoder layers (0: the embedded input), as `Marge.encoder_states`."""
         if tokens_RS.shape[1] > self.cfg.max_positions:
             raise ValueError(f"document length {tokens_RS.shape[1]} exceeds model.max_positions={self.cfg.max_positions}")
-        key_ok_R11S = (tokens_RS != self.cfg.pad_id)[:, None, None, :]
         x = embed(tokens_RS, self.embed_tokens, self.encoder_positions, 0, self.encoder_embedding_norm)
-        for layer in self.encoder_layers[:num_layers]:
-            x = layer(x, key_ok_R11S)
-        return x
+        return run_layers(x, self.encoder_layers[:num_layers], tokens_RS != self.cfg.pad_id)
 
     def forward(self, tokens_RS: Tensor) -> Tensor:
-        """g(x) for each row (R D): the BOS state after the relevance layers."""
+        """g(x) for each row (R D): the relevance layer's BOS state or mean state."""
         states = self.encoder_states(tokens_RS, self.cfg.relevance_layers)
         return pool_relevance(states, tokens_RS != self.cfg.pad_id, self.cfg.relevance_pooling)
+
+    def unit_vectors(self, tokens_RS: Tensor) -> Tensor:
+        """g(x) as the index stores it and queries search it (`unit_relevance` with the snapshot's centre)."""
+        return unit_relevance(self(tokens_RS), self.relevance_center if self.cfg.relevance_centering else None)
 
 
 def relevance_state_dict(model: Marge) -> dict[str, Tensor]:
     """The tensors `RelevanceEncoder` needs, taken from a full model (what a snapshot publishes)."""
-    prefixes = ("encoder_positions.", "encoder_embedding_norm.",
+    prefixes = ("encoder_positions.", "encoder_embedding_norm.", "relevance_center",
                 *(f"encoder_layers.{i}." for i in range(model.cfg.relevance_layers)))
     state = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(prefixes)}
     state["embed_tokens.weight"] = model.encoder_token_embedding.weight.detach().clone()
@@ -673,7 +683,7 @@ def training_flops_per_token(cfg: MargeConfig, evidence_per_target_tokens: float
 
 
 __all__ = [
-    "PRESETS", "EncodedEvidence", "LayerCache", "Marge", "MargeConfig", "MargeOutput", "RelevanceEncoder",
-    "build_on_meta", "relevance_state_dict",
-    "count_parameters", "parameter_breakdown", "preset", "training_flops_per_token",
+    "PRESETS", "CrossMemory", "EncodedEvidence", "LayerCache", "Marge", "MargeConfig", "MargeOutput",
+    "RelevanceEncoder", "build_on_meta", "count_parameters", "pad_rows", "parameter_breakdown", "preset",
+    "relevance_state_dict", "training_flops_per_token", "unit_relevance",
 ]

@@ -39,6 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from marge import __version__
+from marge.batch import max_text_tokens
 from marge.corpus import CORPUS_FORMAT, CORPUS_SCHEMA_VERSION, write_shard
 from marge.html_text import extract_text
 from marge.langid import identify
@@ -213,7 +214,7 @@ def chunk_paragraphs(paragraphs: list[str], paragraph_tokens: list[list[int]], m
                      tokenizer: MargeTokenizer) -> list[tuple[list[int], str]]:
     """Greedily pack whole paragraphs into chunks of <= max_chunk_tokens - 2 tokens (BOS and EOS are
     added later); a paragraph longer than that is cut at token boundaries."""
-    budget = max_chunk_tokens - 2
+    budget = max_text_tokens(max_chunk_tokens)
     chunks: list[tuple[list[int], str]] = []
     tokens: list[int] = []
     texts: list[str] = []

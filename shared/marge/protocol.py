@@ -29,11 +29,102 @@ from typing import Any
 import numpy as np
 
 from marge.batch import Batch
+from marge.config import positive
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = b"1"
 CONSUMER_GROUP = "trainers"
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueConfig:
+    """The queue's settings (the `queue:` section), read by the batcher (depth) and the trainers (delivery)."""
+
+    max_depth: int = 32
+    """Batches waiting in the stream at most; the batcher waits (nothing is trimmed or dropped)."""
+    block_ms: int = 1000
+    """How long a trainer's read waits for a new batch before it checks whether to stop."""
+    claim_idle_ms: int = 60000
+    """A delivered batch not acknowledged for this long is claimed by another trainer."""
+    max_deliveries: int = 3
+    """A batch delivered more often than this goes to the dead-letter stream."""
+
+    def __post_init__(self) -> None:
+        positive(self, "max_depth", "block_ms", "claim_idle_ms", "max_deliveries")
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """Every Redis key of one run (the only place they are spelled)."""
+
+    run: str
+
+    @property
+    def prefix(self) -> str:
+        return f"marge:{self.run}"
+
+    @property
+    def stream(self) -> str:
+        return f"{self.prefix}:batches"
+
+    @property
+    def dead_letter(self) -> str:
+        return f"{self.prefix}:deadletter"
+
+    @property
+    def ledger(self) -> str:
+        return f"{self.prefix}:ledger"
+
+    @property
+    def counters(self) -> str:
+        return f"{self.prefix}:counters"
+
+    @property
+    def steps(self) -> str:
+        """The trainer's recent step records (a capped list)."""
+        return f"{self.prefix}:steps"
+
+    @property
+    def trainer_status(self) -> str:
+        return f"{self.prefix}:trainer"
+
+    @property
+    def stop(self) -> str:
+        """Set by the driver: trainers stop at the next step boundary."""
+        return f"{self.prefix}:control:stop"
+
+    @property
+    def batcher_position(self) -> str:
+        return f"{self.prefix}:batcher"
+
+
+@dataclass(frozen=True)
+class BatchId:
+    """A batch's id: "v<index version>-e<pass over its graph>-s<shard>-<n>", deterministic for a seed, so a
+    ledger recognises a batch seen before. Built and parsed only here."""
+
+    version: int
+    epoch: int
+    shard: int
+    number: int
+
+    def __str__(self) -> str:
+        return f"v{self.version}-e{self.epoch}-s{self.shard}-{self.number}"
+
+    @classmethod
+    def parse(cls, text: str) -> "BatchId | None":
+        """The parts of a batcher-made id; None for ids made elsewhere (probes, benchmarks)."""
+        parts = text.split("-")
+        if len(parts) != 4 or [p[:1] for p in parts[:3]] != ["v", "e", "s"]:
+            return None
+        try:
+            return cls(int(parts[0][1:]), int(parts[1][1:]), int(parts[2][1:]), int(parts[3]))
+        except ValueError:
+            return None
+
+STEP_RECORDS_KEPT = 10000
+"""Step records kept in Redis for progress lines and summaries (train_log.jsonl keeps them all)."""
 
 
 class ProtocolError(ValueError):
@@ -94,23 +185,25 @@ class Delivery:
 
 
 class BatchQueue:
-    """One run's batch stream on a Redis server (keys under `marge:<run_id>:`)."""
+    """One run's batch stream on a Redis server (keys: `RunKeys`), and the run's small shared state there."""
 
     def __init__(self, client, run_id: str, claim_idle_ms: int = 60000, max_deliveries: int = 3):
         self.r = client
-        self.prefix = f"marge:{run_id}"
-        self.stream = f"{self.prefix}:batches"
-        self.dead = f"{self.prefix}:deadletter"
-        self.ledger = f"{self.prefix}:ledger"
-        self.counters = f"{self.prefix}:counters"
+        self.keys = RunKeys(run_id)
+        self.stream = self.keys.stream
+        self.dead = self.keys.dead_letter
+        self.ledger = self.keys.ledger
+        self.counters = self.keys.counters
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
 
     @classmethod
-    def connect(cls, url: str, run_id: str, **kwargs) -> "BatchQueue":
+    def connect(cls, url: str, run_id: str, cfg: QueueConfig | None = None) -> "BatchQueue":
         import redis
 
-        return cls(redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30), run_id, **kwargs)
+        cfg = cfg or QueueConfig()
+        client = redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30)
+        return cls(client, run_id, claim_idle_ms=cfg.claim_idle_ms, max_deliveries=cfg.max_deliveries)
 
     def ensure_group(self) -> None:
         import redis
@@ -230,3 +323,48 @@ class BatchQueue:
 
     def ledger_entries(self) -> dict[str, dict[str, Any]]:
         return {k.decode(): json.loads(v) for k, v in self.r.hgetall(self.ledger).items()}
+
+    def restore_ledger(self, batch_ids: list[str]) -> None:
+        """Mark batches a checkpoint says were trained (a fresh Redis, or a lost ledger, learns them again)."""
+        pipe = self.r.pipeline(transaction=False)
+        for batch_id in batch_ids:
+            pipe.hsetnx(self.ledger, batch_id, json.dumps({"step": -1, "rank": -1, "restored": True}))
+        pipe.execute()
+
+    # --- the run's shared state ------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self.r.set(self.keys.stop, "1")
+
+    def clear_stop(self) -> None:
+        self.r.delete(self.keys.stop)
+
+    def stop_requested(self) -> bool:
+        return self.r.get(self.keys.stop) is not None
+
+    def publish_step(self, record: dict) -> None:
+        """The trainer's record of one update: the newest `STEP_RECORDS_KEPT` and the last one."""
+        line = json.dumps(record)
+        pipe = self.r.pipeline()
+        pipe.rpush(self.keys.steps, line)
+        pipe.ltrim(self.keys.steps, -STEP_RECORDS_KEPT, -1)
+        pipe.hset(self.keys.trainer_status, mapping={"last": line})
+        pipe.execute()
+
+    def last_step(self) -> dict | None:
+        line = self.r.hget(self.keys.trainer_status, "last")
+        return None if line is None else json.loads(line)
+
+    def step_records(self) -> list[dict]:
+        return [json.loads(x) for x in self.r.lrange(self.keys.steps, 0, -1)]
+
+    def batcher_position(self) -> tuple[int, int]:
+        """(index version, pass) the batcher last started; (-1, -1) before its first."""
+        raw = self.r.get(self.keys.batcher_position)
+        if raw is None:
+            return -1, -1
+        state = json.loads(raw)
+        return int(state["version"]), int(state["epoch"])
+
+    def save_batcher_position(self, version: int, epoch: int) -> None:
+        self.r.set(self.keys.batcher_position, json.dumps({"version": version, "epoch": epoch}))

@@ -57,6 +57,18 @@ class LocalRedis:
         self.password = password or secrets.token_urlsafe(24)
         self.process: subprocess.Popen | None = None
 
+    @classmethod
+    def reopen(cls, data_dir: Path, **kwargs) -> "LocalRedis":
+        """The server of a run's own folder: with the password its config holds, if it has run there before
+        (a resumed run reopens its queue, ledger and pending batches from the AOF), else a new one."""
+        conf = Path(data_dir) / "redis.conf"
+        password = None
+        if conf.exists():
+            for line in conf.read_text().splitlines():
+                if line.startswith("requirepass "):
+                    password = line.split(" ", 1)[1]
+        return cls(data_dir, password=password, **kwargs)
+
     @property
     def url(self) -> str:
         return f"redis://:{self.password}@127.0.0.1:{self.port}/0"

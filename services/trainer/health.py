@@ -26,8 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marge.batch import Batch, SpecialTokens, to_model_inputs
+from marge.batch import Batch, SpecialTokens, max_text_tokens
 from marge.model import Marge
+from services.trainer.config import HealthConfig
+from services.trainer.inputs import to_model_inputs
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ def build_probe(documents_jsonl: Path, tokenizer, size: int = 32, max_evidence: 
         others = others[:max_evidence]
 
         def tokens(text: str) -> np.ndarray:
-            return np.asarray(tokenizer.encode(" ".join(text.split()))[: max_tokens - 2], dtype=np.int32)
+            return np.asarray(tokenizer.encode(" ".join(text.split()))[: max_text_tokens(max_tokens)], dtype=np.int32)
 
         items.append(ProbeItem(tokens(groups[g][target_lang]), target_lang, tuple(tokens(groups[g][x]) for x in others),
                                tuple(others)))
@@ -83,9 +85,9 @@ def _batch(target: ProbeItem, evidence_from: ProbeItem) -> Batch:
 
 def _self_copy(item: ProbeItem, rng: np.random.Generator) -> ProbeItem:
     """The item with a noised copy of its own target as its only evidence (30% of tokens deleted)."""
-    from marge.augment import SelfEvidence, noised
+    from services.trainer.objectives import noised
 
-    copy = noised(item.target, SelfEvidence(deletion=0.3, shuffle_window=1), rng)
+    copy = noised(item.target, deletion=0.3, shuffle_window=1, rng=rng)
     return ProbeItem(item.target, item.target_lang, (copy,), (item.target_lang,))
 
 
@@ -122,11 +124,11 @@ def evidence_gain(model: Marge, probe: list[ProbeItem], specials: SpecialTokens,
 @torch.no_grad()
 def g_spread(model: Marge, probe: list[ProbeItem], specials: SpecialTokens, device: str | torch.device = "cpu") -> float:
     """Mean cosine between g of unrelated probe documents (1.0: every document looks alike)."""
-    from marge.batch import as_encoder_input, pad_rows
+    from marge.batch import as_encoder_input
+    from marge.model import pad_rows
 
     rows = [as_encoder_input(item.target, specials) for item in probe]
-    g = model.relevance_vectors(pad_rows(rows, specials.pad_id).to(device)).float()
-    g = torch.nn.functional.normalize(g, dim=-1)
+    g = model.unit_relevance_vectors(pad_rows(rows, specials.pad_id).to(device))  # as the index compares them
     sims = g @ g.T
     n = len(rows)
     return float((sims.sum() - sims.diagonal().sum()) / max(1, n * (n - 1)))
@@ -135,8 +137,7 @@ def g_spread(model: Marge, probe: list[ProbeItem], specials: SpecialTokens, devi
 def probe_health(model: Marge, probe: list[ProbeItem], specials: SpecialTokens, device="cpu") -> dict:
     out = evidence_gain(model, probe, specials, device)
     out["g_spread"] = g_spread(model, probe, specials, device)
-    beta = model.beta.detach().float().cpu()
-    out["beta"] = beta.tolist()
+    out["beta"] = model.beta.detach().float().cpu().tolist()
     return out
 
 
@@ -147,7 +148,7 @@ class HealthMonitor:
     measure through this, so the figures of the two modes are the same computation.
     """
 
-    def __init__(self, health_cfg, heldout_pairs: str | None, tokenizer, seed: int = 0):
+    def __init__(self, health_cfg: HealthConfig, heldout_pairs: str | None, tokenizer, seed: int = 0):
         from marge.evaluation import PairSet, read_pairs
 
         self.cfg, self.tokenizer = health_cfg, tokenizer

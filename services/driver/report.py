@@ -108,14 +108,8 @@ def plot_curves(panels: list[dict], out_path: Path, title: str) -> Path:
     return out_path
 
 
-def run_corpus_dir(run_dir: Path) -> Path:
-    import yaml
-
-    return Path(yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8"))["data"]["corpus"])
-
-
 def snapshot_curve(run_dir: Path, pairs_path: Path, corpus_dir: Path, max_snapshots: int) -> list[dict]:
-    """Held-out retrieval P@1 of each snapshot's relevance encoder (mean of its last layer's states)."""
+    """Held-out retrieval P@1 of each snapshot's g, searched as the index searches it (`unit_relevance`)."""
     from marge.evaluation import evaluate_model, mean_score, read_pairs
     from marge.snapshot import load_relevance_encoder, read_snapshot
     from marge.tokenizer import MargeTokenizer
@@ -129,7 +123,7 @@ def snapshot_curve(run_dir: Path, pairs_path: Path, corpus_dir: Path, max_snapsh
     curve = []
     for path in snapshots:
         info = read_snapshot(path)
-        results = evaluate_model(load_relevance_encoder(info), tokenizer, pairs, layer=info.model_config.relevance_layers)
+        results = evaluate_model(load_relevance_encoder(info), tokenizer, pairs, layer="g")
         curve.append({"step": info.step, "p_at_1_mean": mean_score(results), "p_at_1": results})
     return curve
 
@@ -139,14 +133,13 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
     """Link matrix (CSV + PNG), learning curves (PNG) and their numbers (report.json) for a run."""
     import tempfile
 
-    import yaml
-
     from marge.corpus import Corpus
     from marge.index_store import latest_version
+    from services.driver.config import load_config
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    corpus = Corpus.open(config["data"]["corpus"])
+    cfg = load_config(run_dir / "config.yaml")  # the run's own settings, every field of them
+    corpus = Corpus.open(cfg.data.corpus)
     lang_of = {}
     for s in range(corpus.num_shards):
         table = corpus.read_table(s).select(["doc_id", "lang"])
@@ -154,17 +147,12 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
     with tempfile.TemporaryDirectory() as tmp:
         if checkpoint:
             from marge.checkpoint import load_model
-            from marge.indexer.core import LinkConfig, index_corpus
-            from marge.model import RelevanceEncoder, relevance_state_dict
+            from marge.model import RelevanceEncoder
+            from services.indexer.core import index_corpus
 
-            model = load_model(Path(checkpoint))
-            encoder = RelevanceEncoder(model.cfg)
-            encoder.load_state_dict(relevance_state_dict(model))
-            idx_cfg = config["indexer"]
-            index = index_corpus(corpus, encoder.eval(), corpus.tokenizer().specials, Path(tmp), 0, -1,
-                                 LinkConfig(links_monolingual=idx_cfg["links_monolingual"],
-                                            links_crosslingual=idx_cfg["links_crosslingual"],
-                                            candidates_per_language=idx_cfg["candidates_per_language"]))
+            encoder = RelevanceEncoder.from_model(load_model(Path(checkpoint)))
+            index = index_corpus(corpus, encoder.eval(), corpus.tokenizer().specials, Path(tmp), 0, -1, cfg.indexer,
+                                 seed=cfg.run.seed)
             source = f"index of checkpoint {checkpoint}"
         else:
             index = latest_version(run_dir / "index")
@@ -181,8 +169,8 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
     steps = [r["step"] for r in log_records]
     losses = [r["loss"] for r in log_records]
     betas = [float(np.mean(r["beta"])) for r in log_records]
-    pairs_path = pairs or config["data"].get("heldout_pairs")
-    curve = snapshot_curve(run_dir, Path(pairs_path), Path(config["data"]["corpus"]), max_snapshots) if pairs_path else []
+    pairs_path = pairs or cfg.data.heldout_pairs
+    curve = snapshot_curve(run_dir, Path(pairs_path), Path(cfg.data.corpus), max_snapshots) if pairs_path else []
     panels = [
         {"title": "training loss (nats/token)", "ylabel": "loss",
          "series": [{"label": "per step", "x": steps, "y": losses, "style": "-", "color": "0.75"},

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
 from marge.utils import setup_logging
+from services.retrieval.settings import ServeSettings
+
+SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSettings)}
 
 log = logging.getLogger("marge")
 
@@ -49,8 +53,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from marge.config import load_config
-    from marge.driver.pipeline import run_pipeline
+    from services.driver.config import load_config
+    from services.driver.pipeline import run_pipeline
 
     cfg = load_config(args.config, args.overrides)
     summary = run_pipeline(cfg)
@@ -91,7 +95,7 @@ def load_eval_model(args: argparse.Namespace):
             return Marge(MargeConfig.from_dict(model.cfg.to_dict())).eval(), tokenizer, "random init"
         return model, tokenizer, "trained"
     if args.config:
-        from marge.config import load_config
+        from services.driver.config import load_config
         from marge.corpus import Corpus
 
         cfg = load_config(args.config)
@@ -205,7 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from marge.retrieval.app import ServeSettings, create_app, is_loopback
+    from services.retrieval.app import create_app, is_loopback
 
     token = os.environ.get("MARGE_API_TOKEN")
     if args.token_file:
@@ -223,7 +227,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from marge.report import make_report
+    from services.driver.report import make_report
 
     print(json.dumps(make_report(Path(args.run), Path(args.out), args.pairs, args.checkpoint, args.max_snapshots)))
     return 0
@@ -231,14 +235,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_experiment_learning(args: argparse.Namespace) -> int:
     if args.single_process:
-        from marge.driver.single_process import run_single_process
+        from services.driver.single_process import run_single_process
 
         report = run_single_process(args.config, args.overrides, args.minutes, args.out, args.resume, args.device)
     else:
         if args.resume or args.device != "auto":
             raise ValueError("--resume and --device belong to --single-process runs (a pipeline run resumes from its "
                              "checkpoint when submitted again with the same run.name and run.dir)")
-        from marge.driver.experiment import main_experiment
+        from services.driver.experiment import main_experiment
 
         report = main_experiment(args.config or Path("deploy/configs/learning.yaml"), args.overrides, args.minutes,
                                  args.out)
@@ -250,8 +254,8 @@ def cmd_experiment_learning(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from marge.config import load_config
-    from marge.driver.plan import describe, estimated_throughput, load_throughput, measure_throughput, plan_capacity
+    from services.driver.config import load_config
+    from services.driver.plan import describe, estimated_throughput, load_throughput, measure_throughput, plan_capacity
 
     cfg = load_config(args.config, args.overrides)
     corpus = None
@@ -288,6 +292,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for line in describe(plan, cfg):
             print(line)
     return 0
+
+
+def layer_arg(text: str) -> int | str:
+    if text == "g":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layer must be a layer number or g, got {text!r}") from None
 
 
 def parse_override(text: str) -> tuple[str, object]:
@@ -335,11 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--token-file", default=None, help="file with the bearer token (or set MARGE_API_TOKEN)")
-    p.add_argument("--max-k", type=int, default=100)
-    p.add_argument("--max-query-chars", type=int, default=2000)
-    p.add_argument("--max-body-bytes", type=int, default=64 * 1024)
-    p.add_argument("--max-in-flight", type=int, default=32)
-    p.add_argument("--poll-s", type=float, default=2.0, help="how often to look for a newer index version")
+    p.add_argument("--max-k", type=int, default=SERVE_DEFAULTS["max_k"])
+    p.add_argument("--max-query-chars", type=int, default=SERVE_DEFAULTS["max_query_chars"])
+    p.add_argument("--max-body-bytes", type=int, default=SERVE_DEFAULTS["max_body_bytes"])
+    p.add_argument("--max-in-flight", type=int, default=SERVE_DEFAULTS["max_in_flight"])
+    p.add_argument("--poll-s", type=float, default=SERVE_DEFAULTS["poll_s"], help="how often to look for a newer index version")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
     p.set_defaults(func=cmd_serve)
 
@@ -362,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = eval_sub.add_parser("retrieval", help="cross-lingual sentence retrieval P@1 (paper §4.1)")
     q.add_argument("--pairs", required=True, help="TSV: src_lang, src_text, tgt_lang, tgt_text")
     model_args(q)
-    q.add_argument("--layer", type=int, default=None, help="encoder layer to mean-pool (default 5, the paper's)")
+    q.add_argument("--layer", type=layer_arg, default=None,
+                   help="encoder layer to mean-pool (default 5, the paper's), or g: the relevance vectors the index searches")
     q.add_argument("--margin", action="store_true", help="ratio-margin scoring instead of cosine")
     q.add_argument("--tfidf", action="store_true", help="evaluate the char n-gram TF-IDF baseline instead of a model")
     q.add_argument("--compare", action="store_true", help="trained vs random init vs TF-IDF in one run")

@@ -1,0 +1,183 @@
+"""A run's configuration: one section per stage, each the stage's own dataclass, loaded from
+`deploy/configs/<name>.yaml` plus `section.key=value` overrides and validated in full when loaded (unknown
+keys, wrong types and bad values name the key, the value and what is allowed) -- before Ray or Redis start.
+
+    run        RunConfig            (here)         name, folder, seed, budget
+    data       DataConfig           (here)         raw input, prepared corpus, held-out pairs
+    model      preset + MargeConfig fields         `marge.model`
+    indexer    IndexerConfig        services.indexer.config
+    batcher    BatcherConfig        services.batcher.config
+    queue      QueueConfig          marge.protocol
+    trainer    TrainerConfig        services.trainer.config
+    objectives ObjectivesConfig     services.trainer.objectives
+    health     HealthConfig         services.trainer.config
+    redis      RedisConfig          (here)
+    ray        RayConfig            (here)
+
+Numbers live in the YAML files; `tiny.yaml` runs on a laptop, `paper.yaml` is the paper's setting.
+Deployment endpoints (Redis URL, Ray address) may also come from the environment (MARGE_REDIS_URL,
+RAY_ADDRESS) so one config file serves every cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from marge.batch import decoder_cost, encoder_cost, max_text_tokens
+from marge.config import ConfigError, FieldError, at_least, build, load_tree, one_of, positive
+from marge.model import MargeConfig, preset
+from marge.paths import RunPaths
+from marge.protocol import QueueConfig
+from services.batcher.config import BatcherConfig
+from services.indexer.config import IndexerConfig
+from services.trainer.config import HealthConfig, TrainerConfig
+from services.trainer.objectives import ObjectivesConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    name: str = "marge"
+    """Run name: Ray Train resumes a run with the same name and folder; Redis keys and actor names carry it."""
+    dir: str = "runs/marge"
+    """Where snapshots, indexes, checkpoints and logs go (shared storage on a multi-node cluster)."""
+    seed: int = 0
+    max_steps: int = 100
+    """Optimizer updates to train for (the paper: 1M)."""
+    max_minutes: float = 0.0
+    """Stop training after this many minutes (0: no limit)."""
+    progress_every_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        positive(self, "max_steps", "progress_every_s")
+        at_least(self, "max_minutes", 0)
+        if not self.name or any(c in self.name for c in " /:"):
+            raise FieldError("name", self.name, "a non-empty name without spaces, '/' or ':'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    raw: list[str] = field(default_factory=lambda: ["data/demo/libreoffice-help/documents.jsonl.gz"])
+    """Raw input for `marge prepare`, used when `corpus` does not exist yet."""
+    corpus: str = "data/prepared/demo"
+    vocab_size: int = 8000
+    max_chunk_tokens: int = 512
+    """Longest document chunk in tokens, BOS and EOS included (paper: 512)."""
+    docs_per_shard: int = 512
+    num_shards: int | None = None
+    heldout_pairs: str | None = "data/demo/libreoffice-help/heldout_pairs.tsv"
+
+    def __post_init__(self) -> None:
+        positive(self, "vocab_size", "docs_per_shard")
+        at_least(self, "max_chunk_tokens", 3)
+        if self.num_shards is not None:
+            positive(self, "num_shards")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RedisConfig:
+    url: str | None = None
+    """redis://... of an existing server; None starts a private redis-server (loopback, random password)."""
+    appendfsync: str = "everysec"
+    maxmemory: str = "1gb"
+
+    def __post_init__(self) -> None:
+        one_of(self, "appendfsync", ("always", "everysec", "no"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RayConfig:
+    address: str | None = None
+    """An existing cluster ('auto', 'ray://...'); None starts a local one (or joins RAY_ADDRESS when set)."""
+    num_cpus: int | None = None
+    include_dashboard: bool = False
+    object_store_memory: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        positive(self, "object_store_memory")
+        if self.num_cpus is not None:
+            positive(self, "num_cpus")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: dict[str, Any] = field(default_factory=lambda: {"preset": "tiny"})
+    """`preset` plus any MargeConfig field to override; vocab_size defaults to the tokenizer's."""
+    indexer: IndexerConfig = field(default_factory=IndexerConfig)
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    objectives: ObjectivesConfig = field(default_factory=ObjectivesConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        """What involves two sections (each section checked its own fields when it was built)."""
+        longest = max_text_tokens(self.data.max_chunk_tokens)
+        one_pair = decoder_cost(longest) + encoder_cost(longest)
+        if self.batcher.max_tokens < one_pair:
+            raise ConfigError(f"batcher.max_tokens must fit one target and one evidence document of "
+                              f"data.max_chunk_tokens ({self.data.max_chunk_tokens}): at least {one_pair}, got "
+                              f"{self.batcher.max_tokens}")
+        if self.indexer.reindex_every % self.trainer.snapshot_every:
+            raise ConfigError(f"indexer.reindex_every must be a multiple of trainer.snapshot_every "
+                              f"({self.trainer.snapshot_every}), got {self.indexer.reindex_every}: the indexer can "
+                              "only use published snapshots")
+        if "preset" not in self.model:
+            raise ConfigError("model.preset is required: one of ['base', 'paper', 'tiny']")
+        self.model_config(vocab_size=self.model.get("vocab_size", self.data.vocab_size))  # validates model fields
+
+    def model_config(self, vocab_size: int | None = None) -> MargeConfig:
+        """The architecture; `vocab_size` (normally the tokenizer's) fills in an unset model.vocab_size."""
+        overrides = {k: v for k, v in self.model.items() if k != "preset"}
+        known = {f.name for f in dataclasses.fields(MargeConfig)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"unknown model field(s) {unknown}; model fields are {sorted(known)}")
+        if vocab_size is not None:
+            overrides.setdefault("vocab_size", vocab_size)
+        try:
+            return preset(self.model["preset"], **overrides)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(str(e)) from None
+
+    def paths(self) -> RunPaths:
+        return RunPaths.of(self.run.name, self.run.dir, self.data.corpus)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML/JSON values (tuples as lists): what `load_config` reads back to an equal config."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    try:
+        return build(PipelineConfig, load_tree(path, overrides or []))
+    except ConfigError as e:
+        raise ConfigError(f"{path or 'config'}: {e}") from None
+
+
+def environment_endpoints(cfg: PipelineConfig) -> PipelineConfig:
+    """Fill unset endpoints from MARGE_REDIS_URL / RAY_ADDRESS (how `ray job submit` passes them)."""
+    redis_url = cfg.redis.url or os.environ.get("MARGE_REDIS_URL")
+    ray_address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    return dataclasses.replace(cfg, redis=dataclasses.replace(cfg.redis, url=redis_url),
+                               ray=dataclasses.replace(cfg.ray, address=ray_address))
+
+
+def with_absolute_paths(cfg: PipelineConfig) -> PipelineConfig:
+    """Ray workers do not share the driver's working directory: give them absolute paths."""
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else str(Path(path).resolve())
+
+    return dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, dir=absolute(cfg.run.dir)),
+        data=dataclasses.replace(cfg.data, corpus=absolute(cfg.data.corpus), raw=[absolute(p) for p in cfg.data.raw],
+                                 heldout_pairs=absolute(cfg.data.heldout_pairs)),
+        health=dataclasses.replace(cfg.health, documents=absolute(cfg.health.documents), pairs=absolute(cfg.health.pairs)))

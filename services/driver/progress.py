@@ -1,0 +1,34 @@
+"""The driver's progress lines: one per stage, from the actors' figures and the trainer's last step record."""
+
+from __future__ import annotations
+
+from marge.protocol import BatchQueue
+
+
+class Progress:
+    def __init__(self, max_steps: int, queue: BatchQueue, coordinator, batcher):
+        self.max_steps, self.queue, self.coordinator, self.batcher = max_steps, queue, coordinator, batcher
+
+    def lines(self) -> list[str]:
+        import ray
+
+        idx, bat = ray.get([self.coordinator.stats.remote(), self.batcher.stats.remote()], timeout=30)
+        counts = self.queue.counts()
+        out = []
+        if idx["history"]:
+            h = idx["history"][-1]
+            out.append(f"[indexer] v{h['version']} from snapshot {h['snapshot_step']} | {h['num_documents']} docs, "
+                       f"{h['num_edges']} links, {100 * h['crosslingual_share']:.0f}% cross-lingual | "
+                       f"{h['docs_per_s']:.0f} docs/s | link cos {h['linked_cosine']:.3f} vs random {h['random_cosine']:.3f}")
+        else:
+            out.append("[indexer] building the first index")
+        out.append(f"[batcher] produced {bat['produced']} | queue depth {counts['depth']} | pending {counts['pending']} | "
+                   f"cross-lingual share in batches {100 * bat['crosslingual_share']:.0f}%")
+        r = self.queue.last_step()
+        if r:
+            out.append(f"[trainer] step {r['step']}/{self.max_steps} | loss {r['loss']:.3f} | "
+                       f"{r['tokens_per_s']:.0f} tok/s | waiting {100 * r['wait_share']:.1f}% | beta "
+                       f"{sum(r['beta']) / len(r['beta']):.3f} | staleness {r['staleness_max']} | index v{max(r['index_versions'])}")
+        else:
+            out.append("[trainer] starting")
+        return out

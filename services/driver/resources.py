@@ -1,0 +1,68 @@
+"""What a run needs running besides its stages: Ray and a Redis server, each a context manager that stops
+only what it started (by handle and PID: never `ray stop`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from services.driver.config import PipelineConfig
+from services.driver.redis_server import LocalRedis
+
+log = logging.getLogger("marge.pipeline")
+
+# Measured on 2-core machines (see README): loopback-only sockets, no token auth on a private local
+# cluster, quick shutdown, and a lighter Ray Train V2 controller.
+LOCAL_RAY_ENV = {
+    "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
+}
+
+
+def apply_local_ray_env(cfg: PipelineConfig) -> None:
+    """Ray reads these when it is first imported: set them before any `import ray` for a local cluster."""
+    if not cfg.ray.address:
+        for key, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(key, value)
+
+
+@contextlib.contextmanager
+def redis_for(cfg: PipelineConfig) -> Iterator[str]:
+    """The run's Redis URL: `redis.url` as given, or a private redis-server in the run folder (loopback, random
+    password, AOF) for as long as the block runs."""
+    if cfg.redis.url:
+        yield cfg.redis.url
+        return
+    server = LocalRedis.reopen(Path(cfg.run.dir) / "redis", appendfsync=cfg.redis.appendfsync,
+                               maxmemory=cfg.redis.maxmemory)
+    with server:
+        yield server.url
+
+
+@contextlib.contextmanager
+def ray_for(cfg: PipelineConfig) -> Iterator[None]:
+    """Ray for the block: the configured cluster, a program's own Ray (tests), or a local one we start and stop."""
+    apply_local_ray_env(cfg)
+    import ray
+
+    namespace = f"marge-{cfg.run.name}"
+    if ray.is_initialized():  # embedded in a program (or a test) that already runs Ray
+        yield
+        return
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, namespace=namespace, log_to_driver=True)
+        yield
+        return
+    needed = (cfg.trainer.num_workers * cfg.trainer.num_cpus_per_worker
+              + cfg.indexer.num_workers * cfg.indexer.num_cpus_per_worker)
+    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
+    ray.init(address="local", namespace=namespace, num_cpus=num_cpus, include_dashboard=cfg.ray.include_dashboard,
+             dashboard_host="127.0.0.1", object_store_memory=cfg.ray.object_store_memory, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -1,0 +1,25 @@
+"""The retrieval service's settings (what `marge serve` takes): a plain dataclass, importable without FastAPI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    run_dir: Path
+    corpus_dir: Path
+    token: str | None = None
+    max_k: int = 100
+    max_query_chars: int = 2000
+    max_body_bytes: int = 64 * 1024
+    max_in_flight: int = 32
+    snippet_chars: int = 300
+    poll_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_k <= 2048:  # FAISS GPU indexes cannot return more than 2048 neighbours
+            raise ValueError(f"max_k must be in 1..2048, got {self.max_k}")
+        if self.max_query_chars < 1 or self.max_body_bytes < 256 or self.max_in_flight < 1:
+            raise ValueError("max_query_chars, max_body_bytes (>= 256) and max_in_flight must be positive")

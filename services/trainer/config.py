@@ -1,0 +1,80 @@
+"""The trainer stage's settings: the `trainer:` and `health:` sections of a run's config (the objectives'
+settings live with the objectives, `services.trainer.objectives`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from marge.config import FieldError, at_least, non_negative_mapping, positive, within
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    num_workers: int = 2
+    """DDP ranks (Ray Train workers); each takes `grad_accum` batches per update."""
+    use_gpu: bool = False
+    lr: float = 3e-4
+    """Peak learning rate (paper: 1e-4 first, 2e-4 later; smaller at first for stability, footnote 3)."""
+    warmup_steps: int = 100
+    """Linear warm-up steps (paper: 10k)."""
+    total_steps: int | None = None
+    """The rate anneals linearly to 0 at this step (paper: linear annealing to 0; default: run.max_steps)."""
+    weight_decay: float = 0.01
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-6
+    clip_norm: float = 1.0
+    """Gradient-norm clipping (0 turns it off)."""
+    grad_accum: int = 1
+    bf16: bool = False
+    """bf16 autocast with fp32 master weights."""
+    snapshot_every: int = 10000
+    """Rank 0 publishes g (and measures retrieval health) every this many updates."""
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 2
+    num_cpus_per_worker: float = 1.0
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per worker, e.g. {marge_trainer: 1}."""
+    torch_threads: int = 1
+    max_staleness: int = 0
+    """Batches whose snapshot is more than this many updates old are dead-lettered (0: no limit)."""
+
+    def __post_init__(self) -> None:
+        positive(self, "num_workers", "lr", "grad_accum", "snapshot_every", "checkpoint_every", "keep_checkpoints",
+                 "num_cpus_per_worker", "torch_threads", "adam_eps")
+        at_least(self, "warmup_steps", 0)
+        if self.total_steps is not None:
+            positive(self, "total_steps")
+        at_least(self, "weight_decay", 0)
+        at_least(self, "clip_norm", 0)
+        at_least(self, "max_staleness", 0)
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise FieldError("adam_betas", self.adam_betas, "two numbers in [0, 1)")
+        non_negative_mapping(self, "resources")
+
+    def schedule_steps(self, max_steps: int) -> int:
+        """The update at which the learning rate reaches 0."""
+        return self.total_steps or max_steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthConfig:
+    """Retrieval-health probes, measured by trainer rank 0 at every snapshot (see services.trainer.health)."""
+
+    documents: str | None = "data/demo/libreoffice-help/heldout_documents.jsonl.gz"
+    """Held-out pages (documents JSONL with `group`) for the evidence-gain probe; null turns probes off."""
+    probe_size: int = 32
+    max_evidence: int = 3
+    max_tokens: int = 128
+    pairs: str | None = None
+    """Held-out pairs TSV for retrieval P@1 at every snapshot (null: data.heldout_pairs)."""
+    pairs_per_language: int = 200
+    """Pairs per language pair used for the per-snapshot P@1 (0: skip it)."""
+    eval_layer: int | None = None
+    """Encoder layer mean-pooled for P@1 (null: the paper's 5, or the deepest the model has)."""
+
+    def __post_init__(self) -> None:
+        positive(self, "probe_size", "max_evidence")
+        at_least(self, "max_tokens", 3)
+        at_least(self, "pairs_per_language", 0)
+        if self.eval_layer is not None:
+            within(self, "eval_layer", 0, 1000)

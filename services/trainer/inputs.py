@@ -1,0 +1,64 @@
+"""From a `Batch` (the numpy contract) to the tensors `Marge.forward` takes: the trainer's side of the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from marge.batch import Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels
+from marge.model import pad_rows
+
+
+@dataclass
+class ModelInputs:
+    """The tensors `Marge.forward` takes (see its docstring for their meaning)."""
+
+    evidence_MS: Tensor
+    target_enc_NS: Tensor
+    decoder_in_NT: Tensor
+    labels_NT: Tensor
+    allowed_NM: Tensor
+    linked_NM: Tensor  # the batch's retrieval links (target i -> evidence j): for objectives; the model takes none
+
+    def to(self, device: torch.device | str) -> "ModelInputs":
+        return ModelInputs(*(t.to(device, non_blocking=True) for t in
+                             (self.evidence_MS, self.target_enc_NS, self.decoder_in_NT, self.labels_NT, self.allowed_NM,
+                              self.linked_NM)))
+
+    def pin_memory(self) -> "ModelInputs":
+        """Page-locked copies, so that `.to(cuda, non_blocking=True)` overlaps with the device's work."""
+        return ModelInputs(*(t.pin_memory() for t in (self.evidence_MS, self.target_enc_NS, self.decoder_in_NT,
+                                                      self.labels_NT, self.allowed_NM, self.linked_NM)))
+
+    def as_kwargs(self) -> dict[str, Tensor]:
+        """The arguments of `Marge.forward`."""
+        return dict(evidence_MS=self.evidence_MS, target_enc_NS=self.target_enc_NS, decoder_in_NT=self.decoder_in_NT,
+                    labels_NT=self.labels_NT, allowed_NM=self.allowed_NM)
+
+
+def to_model_inputs(batch: Batch, specials: SpecialTokens, attend_to: str = "all") -> ModelInputs:
+    """Tensors for one batch.
+
+    attend_to="all": every target cross-attends over all evidence in the batch except its own
+    document (paper Eq. 2 conditions x_i on z_1..M). attend_to="linked": only over the evidence it
+    has a graph edge to.
+    """
+    enc = [as_encoder_input(batch.doc_tokens[i], specials) for i in batch.evidence]
+    tgt = [batch.doc_tokens[i] for i in batch.targets]
+    target_enc = [as_encoder_input(t, specials) for t in tgt]
+    decoder_in = [as_decoder_input(batch.doc_tokens[i], batch.doc_langs[i], specials) for i in batch.targets]
+    labels = [as_labels(t, specials) for t in tgt]
+    target_doc_N = torch.as_tensor(batch.doc_ids[batch.targets])
+    evidence_doc_M = torch.as_tensor(batch.doc_ids[batch.evidence])
+    allowed_NM = target_doc_N[:, None] != evidence_doc_M[None, :]  # a target never sees itself
+    linked_NM = torch.zeros_like(allowed_NM)
+    linked_NM[torch.as_tensor(batch.edges[:, 0], dtype=torch.long), torch.as_tensor(batch.edges[:, 1], dtype=torch.long)] = True
+    linked_NM &= allowed_NM
+    if attend_to == "linked":
+        allowed_NM = allowed_NM & linked_NM
+    elif attend_to != "all":
+        raise ValueError(f"attend_to must be 'all' or 'linked', got {attend_to!r}")
+    return ModelInputs(pad_rows(enc, specials.pad_id), pad_rows(target_enc, specials.pad_id),
+                       pad_rows(decoder_in, specials.pad_id), pad_rows(labels, specials.pad_id), allowed_NM, linked_NM)

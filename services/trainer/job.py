@@ -1,0 +1,29 @@
+"""What one trainer worker is given: its settings, the run's paths and where its batches come from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from marge.paths import RunPaths
+from marge.protocol import QueueConfig
+from services.trainer.config import HealthConfig, TrainerConfig
+from services.trainer.objectives import ObjectivesConfig
+
+
+@dataclass(frozen=True)
+class TrainerJob:
+    trainer: TrainerConfig
+    objectives: ObjectivesConfig
+    health: HealthConfig
+    queue: QueueConfig
+    paths: RunPaths
+    seed: int
+    max_steps: int
+    heldout_pairs: str | None = None
+    """Held-out pairs for the per-snapshot P@1 (health.pairs overrides it)."""
+    deadline_unix: float | None = None
+    """Stop at the first step boundary after this time (run.max_minutes)."""
+    redis_url: str | None = None
+    """The queue's Redis; None with `memory_batches`."""
+    memory_batches: list[list] | None = field(default=None, compare=False)
+    """One list of batches per rank instead of the queue: the benchmark's and parity tests' in-process feed."""

@@ -1,0 +1,160 @@
+"""One optimizer update of MARGE, shared by the DDP trainer workers, the in-process reference loop and the
+single-process run.
+
+An update consumes `batches_per_step` batches (world size x gradient accumulation): each batch's objective
+is scaled by 1/batches_per_step before backward, so summed gradients equal the gradient of the average
+loss, whether the batches ran in one process or across DDP ranks (DDP averages across ranks). The
+optimizer refuses to step on a non-finite gradient.
+
+`reference_train` is the baseline the distributed trainer is checked against: the same model,
+optimizer, schedule, objectives and batches, in one process, without Ray or Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from marge.batch import Batch
+from marge.model import Marge
+from services.trainer.config import TrainerConfig
+from services.trainer.objectives import Objectives, PreparedBatch
+
+# Dense bf16 tensor-core peak (FLOP/s) by device name, from the vendors' data sheets: the denominator of MFU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+                   "L4": 121e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None (CPUs, unknown GPUs): MFU is reported only where this is known."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    """Mean MARGE loss (NLL per target token) over the update's batches."""
+    target_tokens: int
+    batch_ids: list[str]
+    lr: float
+    beta: list[float]
+    grad_norm: float
+    seconds: float
+    index_versions: list[int] = field(default_factory=list)
+    snapshot_steps: list[int] = field(default_factory=list)
+    objectives: dict[str, float] = field(default_factory=dict)
+    """Each objective's mean loss over the update's batches."""
+
+
+def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases, LayerNorms, embeddings and beta.
+
+    On CUDA it is the fused kernel (one launch for every parameter instead of several per tensor); on CPU
+    the default for-each implementation, whose results the fused one matches to rounding.
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim == 2 and "embed" not in name and "positions" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    on_cuda = all(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=on_cuda or None)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up to the peak, then linear annealing to 0 at `total_steps` (paper §3)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    return max(0.0, 1.0 - (step - warmup_steps) / span)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainerConfig,
+                    max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    total = cfg.schedule_steps(max_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg.warmup_steps, total))
+
+
+def forward_backward(model: nn.Module, objectives: Objectives, prepared: PreparedBatch, scale: float,
+                     device: torch.device, bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The objectives of one prepared batch, backpropagated with weight `scale`.
+
+    Returns (MARGE loss, target tokens, each objective's loss), as tensors still on the device."""
+    losses = objectives.losses(model, prepared, device, bf16)
+    (losses.objective * scale).backward()
+    return losses.parts["marge"], losses.target_tokens, losses.parts
+
+
+class NonFiniteGradient(RuntimeError):
+    pass
+
+
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler, clip_norm: float) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if clip_norm > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip_norm))
+    else:
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])))
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteGradient("loss or gradient is not finite; stopping before the optimizer update "
+                                "(lower trainer.lr, or turn trainer.bf16 off)")
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def train_step(model: Marge, optimizer: torch.optim.Optimizer, scheduler, objectives: Objectives,
+               batches: list[Batch], cfg: TrainerConfig, step: int, device: torch.device, seed: int = 0,
+               prepared: list[PreparedBatch] | None = None) -> StepRecord:
+    """One optimizer update on `batches` in this process: the reference loop's and the single-process run's step.
+
+    Batch k of the list takes slot k (= rank * grad_accum + micro-step on the DDP ranks), so its preparation
+    and its 1/len(batches) share of the gradient are what the DDP trainer gives it. `prepared` are the
+    batches already prepared that way (`Objectives.prepare`), e.g. by a prefetching thread.
+    """
+    t0 = time.perf_counter()
+    if prepared is None:
+        prepared = [objectives.prepare(b, (seed, step, slot)) for slot, b in enumerate(batches)]
+    results = [forward_backward(model, objectives, item, 1.0 / len(prepared), device, cfg.bf16) for item in prepared]
+    lr = optimizer.param_groups[0]["lr"]
+    grad_norm = optimizer_step(model, optimizer, scheduler, cfg.clip_norm)  # waits for the device once
+    parts = {name: sum(float(r[2][name]) for r in results) / len(results) for name in results[0][2]}
+    return StepRecord(step, parts["marge"], int(sum(int(r[1]) for r in results)), [b.batch_id for b in batches], lr,
+                      model.beta.detach().float().cpu().tolist(), grad_norm, time.perf_counter() - t0,
+                      [b.index_version for b in batches], [b.snapshot_step for b in batches], parts)
+
+
+def reference_train(model: Marge, step_batches: Iterable[list[Batch]], objectives: Objectives, cfg: TrainerConfig,
+                    max_steps: int, device: str | torch.device = "cpu", seed: int = 0,
+                    start_step: int = 0) -> list[StepRecord]:
+    """Train in this process on the given batches, one list of batches per optimizer step."""
+    device = torch.device(device)
+    model.to(device).train()
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg, max_steps)
+    return [train_step(model, optimizer, scheduler, objectives, batches, cfg, step, device, seed)
+            for step, batches in enumerate(step_batches, start=start_step)]
+
+
+@contextlib.contextmanager
+def maybe_no_sync(model: nn.Module, skip_sync: bool):
+    """Inside gradient accumulation, DDP need not all-reduce until the last micro-batch."""
+    if skip_sync and hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    else:
+        yield

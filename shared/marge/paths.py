@@ -1,0 +1,49 @@
+"""Where one run's artifacts live: the only thing every stage of a run shares besides its own settings.
+
+    <run>/init/model.safetensors    the seeded initial weights (step 0)
+    <run>/snapshots/                relevance-encoder snapshots (`marge.snapshot`)
+    <run>/index/                    committed index versions (`marge.index_store`)
+    <run>/train_log.jsonl           one line per update (`services.trainer`)
+    <run>/ray_train/<name>/         the DDP trainer's checkpoints (Ray Train's run folder)
+
+Paths are absolute, so that Ray workers on other nodes (which do not share the driver's working
+directory) find the same files on shared storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    name: str
+    """The run's name: Ray Train resumes a run with the same name and folder; Redis keys carry it."""
+    run_dir: Path
+    corpus: Path
+    """The prepared corpus (`marge prepare`)."""
+
+    @classmethod
+    def of(cls, name: str, run_dir: str | Path, corpus: str | Path) -> "RunPaths":
+        return cls(name, Path(run_dir).resolve(), Path(corpus).resolve())
+
+    @property
+    def init_weights(self) -> Path:
+        return self.run_dir / "init" / "model.safetensors"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.run_dir / "snapshots"
+
+    @property
+    def index(self) -> Path:
+        return self.run_dir / "index"
+
+    @property
+    def train_log(self) -> Path:
+        return self.run_dir / "train_log.jsonl"
+
+    @property
+    def ray_train(self) -> Path:
+        return self.run_dir / "ray_train"
