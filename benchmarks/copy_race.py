@@ -216,7 +216,8 @@ def use_post_norm(model: Marge) -> None:
 
 
 class ScaledEmbeddingMarge(Marge):
-    """Token embeddings multiplied by sqrt(d) (Vaswani et al.; fairseq's and BART's `scale_embedding`)."""
+    """Token embeddings multiplied by sqrt(d) (Vaswani et al.; fairseq's and BART's `scale_embedding`).
+    A variant of `before`: it has no embedding LayerNorm to apply."""
 
     def _embed_encoder(self, tokens_RS: Tensor) -> Tensor:
         positions_S = torch.arange(tokens_RS.shape[1], device=tokens_RS.device)
@@ -245,7 +246,8 @@ def use_untied_output(model: Marge) -> None:
 
 
 class SharedPositionsMarge(Marge):
-    """The decoder reads the encoder's position table: position t means the same vector on both sides."""
+    """The decoder reads the encoder's position table: position t means the same vector on both sides.
+    A variant of `before`: it has no embedding LayerNorm to apply."""
 
     def _embed_decoder(self, decoder_in_NT: Tensor, start_position: int) -> Tensor:
         positions_T = torch.arange(start_position, start_position + decoder_in_NT.shape[1], device=decoder_in_NT.device)
