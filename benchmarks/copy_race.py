@@ -8,9 +8,9 @@ Shape (both models, about 1.45M parameters at vocab 4000): d 128, 4 heads, 2 enc
 2 decoder layers with cross-attention and none without, FFN 512, 64 positions, no dropout.
 
 Our model is fed exactly as in training: a `Batch` with the 16 targets and their 16 evidence copies goes
-through `to_model_inputs(attend_to="linked")` and `services.trainer.step.forward_backward`, so every target
-cross-attends over the concatenated memory of all 16 evidence documents with every key but its own
-document's masked. BART gets the same tensors: `input_ids` = the evidence row of each target,
+through the trainer's objectives (`marge`, `attend_to: linked`) and `services.trainer.step.forward_backward`,
+so every target cross-attends over its own evidence document's keys, gathered from the batch's concatenated
+memory (`before:concat_memory` reads the whole memory with the other documents' keys masked instead). BART gets the same tensors: `input_ids` = the evidence row of each target,
 `decoder_input_ids` = language token + target, labels = target + EOS, loss = mean NLL per token.
 
 Optimizer (both models): `services.trainer.step.build_optimizer` (AdamW, weight decay 0.01 on matrices only,
@@ -56,9 +56,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from marge.batch import Batch, SpecialTokens
+from marge.model import Attention, CrossMemory, DecoderLayer, EncodedEvidence, EncoderLayer, Marge, MargeConfig
+from services.trainer.config import TrainerConfig
 from services.trainer.inputs import to_model_inputs
-from marge.model import Attention, DecoderLayer, EncodedEvidence, EncoderLayer, Marge, MargeConfig
-from services.trainer.step import OptimConfig, build_optimizer, build_scheduler, forward_backward, optimizer_step
+from services.trainer.objectives import MargeObjectiveConfig, Objectives, ObjectivesConfig
+from services.trainer.step import build_optimizer, build_scheduler, forward_backward, optimizer_step
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CORPUS = REPO / "data/prepared/demo"
@@ -194,14 +196,15 @@ class PostNormEncoderLayer(EncoderLayer):
 
 
 class PostNormDecoderLayer(DecoderLayer):
-    def forward(self, x_NTD, memory_NLD, cross_bias_N11L, cache=None, taps=None):
+    def forward(self, x_NTD, memory_1LD, cross, beta, cache=None):
         if cache is not None:
             raise NotImplementedError("the copy race only trains; it never decodes incrementally")
         k, v = self.self_attn.project_kv(x_NTD)
         x_NTD = self.self_attn_norm(x_NTD + self.self_attn(x_NTD, k, v, is_causal=True))
         if self.cross_attn is not None:
-            k, v = self.cross_attn.project_kv(memory_NLD)
-            x_NTD = self.cross_attn_norm(x_NTD + self.cross_attn(x_NTD, k, v, attn_bias=cross_bias_N11L))
+            k_1HLE, v_1HLE = self.cross_attn.project_kv(memory_1LD)
+            k, v = cross.gather(k_1HLE), cross.gather(v_1HLE)
+            x_NTD = self.cross_attn_norm(x_NTD + self.cross_attn(x_NTD, k, v, attn_bias=cross.bias(beta)))
         return self.ffn_norm(x_NTD + self.ffn(x_NTD))
 
 
@@ -259,25 +262,13 @@ def use_shared_positions(model: Marge) -> None:
     del model.decoder_positions  # unused, so that it does not count as a parameter
 
 
-class PerTargetMemoryMarge(Marge):
-    """Each target cross-attends over its own evidence document only (N S keys), instead of the batch's
-    concatenated memory (M*S keys) with every other document's keys masked. Needs exactly one allowed
-    evidence document per target."""
+class ConcatenatedMemoryMarge(Marge):
+    """Each target cross-attends over the batch's whole concatenated memory (M*S keys) with every other
+    document's keys masked: the model's layout before issue 10 (now each target reads only its own keys)."""
 
-    def encode_evidence(self, evidence_MS: Tensor) -> EncodedEvidence:
-        flat = super().encode_evidence(evidence_MS)
-        m, s = evidence_MS.shape
-        return EncodedEvidence(flat.memory_1LD.reshape(m, s, -1), flat.key_ok_L.reshape(m, s), flat.key_doc_L,
-                               flat.relevance_MD)
-
-    def spread_over_keys(self, evidence: EncodedEvidence, relevance_NM: Tensor, allowed_NM: Tensor):
-        if not bool((allowed_NM.sum(1) == 1).all()):
-            raise ValueError("per-target memory needs exactly one allowed evidence document per target")
-        own_N = allowed_NM.float().argmax(1)
-        evidence.memory_1LD = evidence.memory_1LD[own_N]  # N S D: decode() expands a batch of N as is
-        visible_NS = evidence.key_ok_L[own_N]
-        relevance_NS = relevance_NM.gather(1, own_N[:, None]).expand_as(visible_NS)
-        return relevance_NS, visible_NS
+    def cross_memory(self, evidence: EncodedEvidence, relevance_NM: Tensor, allowed_NM: Tensor) -> CrossMemory:
+        return CrossMemory(None, relevance_NM[:, evidence.key_doc_L],
+                           allowed_NM[:, evidence.key_doc_L] & evidence.key_ok_L[None, :])
 
 
 class EagerAttention(Attention):
@@ -329,7 +320,7 @@ class Variant:
     family: str  # "ours" or "bart"
     config: dict = field(default_factory=dict)  # MargeConfig / BartConfig overrides
     modify: Callable[[nn.Module], None] | None = None  # module swaps after construction (and init)
-    optim: dict = field(default_factory=dict)  # OptimConfig overrides
+    optim: dict = field(default_factory=dict)  # TrainerConfig overrides
 
 
 def bart_without_embedding_norm(model) -> None:
@@ -365,8 +356,8 @@ VARIANTS = {v.name: v for v in [
     Variant("before:shared_positions", "one position table for encoder and decoder", "ours", config=before(),
             modify=use_shared_positions),
     Variant("before:beta0", "relevance bias off: beta frozen at 0", "ours", config=before(), modify=freeze_beta_at_zero),
-    Variant("before:per_target_memory", "each target attends only to its own document's S keys", "ours",
-            config=before(), modify=lambda m: setattr(m, "__class__", PerTargetMemoryMarge)),
+    Variant("before:concat_memory", "each target attends over all M*S keys of the batch, others masked", "ours",
+            config=before(), modify=lambda m: setattr(m, "__class__", ConcatenatedMemoryMarge)),
     Variant("before:eager_attention", "written-out softmax attention instead of SDPA", "ours", config=before(),
             modify=use_eager_attention),
     Variant("before:lr3e-3", "learning rate 3e-3", "ours", config=before(), optim={"lr": 3e-3}),
@@ -478,19 +469,19 @@ def build_model(variant: Variant, task: Task, seed: int) -> nn.Module:
     return model.train()
 
 
-def optimizer_for(model: nn.Module, kind: str, optim: OptimConfig):
+def optimizer_for(model: nn.Module, kind: str, optim: TrainerConfig):
     if kind == "marge":
         optimizer = build_optimizer(model, optim)
     else:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr)
-    return optimizer, build_scheduler(optimizer, optim)
+    return optimizer, build_scheduler(optimizer, optim, 10**9)  # constant rate: annealing never starts
 
 
 def train(variant: Variant, task: Task, seed: int, steps: int, optimizer_kind: str, lr: float) -> dict:
     model = build_model(variant, task, seed)
-    optim_values = dict(lr=lr, warmup_steps=0, total_steps=10**9,  # constant rate: annealing never starts
-                        clip_norm=1.0 if optimizer_kind == "marge" else 0.0)
-    optim = OptimConfig(**{**optim_values, **variant.optim})
+    optim_values = dict(lr=lr, warmup_steps=0, clip_norm=1.0 if optimizer_kind == "marge" else 0.0)
+    optim = TrainerConfig(**{**optim_values, **variant.optim})
+    objectives = Objectives(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked")), task.specials)
     optimizer, scheduler = optimizer_for(model, optimizer_kind, optim)
     parameters = sum(p.numel() for p in model.parameters())
     device = torch.device("cpu")
@@ -500,7 +491,7 @@ def train(variant: Variant, task: Task, seed: int, steps: int, optimizer_kind: s
         targets, evidence, langs = task.batch(seed, step)
         batch = as_batch(targets, evidence, langs, step)
         if variant.family == "ours":
-            loss, _ = forward_backward(model, batch, task.specials, 1.0, device, attend_to="linked")
+            loss = float(forward_backward(model, objectives, objectives.prepare(batch, (seed, step)), 1.0, device)[0])
         else:
             inputs = to_model_inputs(batch, task.specials, attend_to="linked")
             loss_t = bart_loss(model, inputs, task.specials.pad_id, variant.name == "bart:concat_memory")

@@ -185,6 +185,29 @@ def compare(s: Shape, device: torch.device, bf16: bool, rounds: int, steps: int,
             "ratio_ours_over_hf_bart": ours / bart, "extra_work": extra_work_flops(s)}
 
 
+def profile_table(s: Shape, device: torch.device, bf16: bool, steps: int = 3, rows: int = 15) -> str:
+    """Where one of our steps spends its time: torch.profiler's top ops by self time, as a Markdown table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = np.random.default_rng(1)
+    runner = OurStep(s, device, bf16)
+    batches = [synthetic_batch(s, rng, f"p{i}") for i in range(steps + 1)]
+    runner(batches[0])  # warm-up
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for batch in batches[1:]:
+            runner(batch)
+        sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events)
+    lines = ["| op | calls | self time per step (ms) | share |", "|---|---|---|---|"]
+    for e in events[:rows]:
+        lines.append(f"| `{e.key}` | {e.count // steps} | {getattr(e, key) / 1000 / steps:.1f} | "
+                     f"{100 * getattr(e, key) / total:.1f}% |")
+    return "\n".join(lines)
+
+
 def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -200,8 +223,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", type=Path, default=None, help="also write a profile of our step (Markdown) here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.profile:
+        args.profile.parent.mkdir(parents=True, exist_ok=True)
+        table = profile_table(shape(args.shape), device, args.bf16)
+        args.profile.write_text(f"Our training step at `{args.shape}` shape on {describe(device)} "
+                                f"(`python {' '.join(sys.argv)}`), 3 steps:\n\n{table}\n", encoding="utf-8")
+        print(table)
     result = compare(shape(args.shape), device, args.bf16, args.rounds, args.steps, args.warmup)
     result["command"] = "python " + " ".join(sys.argv)
     result["versions"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}

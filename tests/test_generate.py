@@ -17,10 +17,14 @@ def model_that_loves(token_ids: list[int], vocab: int = 60) -> Marge:
     torch.manual_seed(0)
     model = Marge(preset("tiny", vocab_size=vocab)).eval()
     with torch.no_grad():
+        # a direction the final state always has (the final norm's bias), which the loved tokens' output
+        # embeddings point along; the embedding LayerNorm removes any constant added to the inputs instead
+        love = torch.nn.functional.normalize(torch.randn(model.cfg.d_model), dim=0) * 3.0
+        model.decoder_norm.bias.copy_(love)
         model.embed_tokens.weight.mul_(0.01)
         for t in token_ids:
-            model.embed_tokens.weight[t] += 0.5 * model.decoder_norm.weight.sign()
-        model.embed_tokens.weight[3] -= 0.5 * model.decoder_norm.weight.sign()  # EOS unlikely
+            model.embed_tokens.weight[t] += love
+        model.embed_tokens.weight[3] -= love  # EOS unlikely
     return model
 
 

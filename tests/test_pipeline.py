@@ -101,19 +101,12 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
 
 
 @pytest.mark.slow
-def test_learning_experiment_writes_a_complete_report(ray_cluster, redis_server, small_corpus, tmp_path, capsys):
+def test_learning_experiment_writes_a_complete_report(ray_cluster, redis_server, small_corpus, few_pairs, tmp_path,
+                                                     capsys):
     from services.driver.cli import main
     from services.driver.experiment import run_learning_experiment
 
-    # 8 held-out pairs per language pair keep the evaluations short
-    rows, per_pair = [], {}
-    for line in (REPO / "data/demo/libreoffice-help/heldout_pairs.tsv").read_text(encoding="utf-8").splitlines():
-        key = tuple(line.split("\t")[0::2])
-        if per_pair.setdefault(key, 0) < 8:
-            per_pair[key] += 1
-            rows.append(line)
-    pairs = tmp_path / "pairs.tsv"
-    pairs.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    pairs = few_pairs
     cfg = small_config(tmp_path, small_corpus, redis_server.url, "learning", "run.max_steps=12",
                        "trainer.num_workers=2", "trainer.snapshot_every=6", "indexer.reindex_every=6",
                        "trainer.checkpoint_every=6", f"data.heldout_pairs={pairs}", "health.probe_size=4",

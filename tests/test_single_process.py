@@ -25,20 +25,6 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.fixture(scope="module")
-def few_pairs(tmp_path_factory) -> Path:
-    """6 held-out pairs per language pair: the evaluations stay short."""
-    rows, per_pair = [], {}
-    for line in (REPO / "data/demo/libreoffice-help/heldout_pairs.tsv").read_text(encoding="utf-8").splitlines():
-        key = tuple(line.split("\t")[0::2])
-        if per_pair.setdefault(key, 0) < 6:
-            per_pair[key] += 1
-            rows.append(line)
-    path = tmp_path_factory.mktemp("pairs") / "pairs.tsv"
-    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
-    return path
-
-
 def overrides(corpus: Path, pairs: Path, *extra: str) -> list[str]:
     return [f"data.corpus={corpus}", "data.max_chunk_tokens=128", "model.max_positions=128", "batcher.max_tokens=400",
             f"data.heldout_pairs={pairs}", "health.probe_size=4", "health.pairs_per_language=4",

@@ -580,8 +580,9 @@ class Marge(nn.Module):
         relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD)
         cross = self.cross_memory(evidence, relevance_NM, allowed_NM)
         logits_NTV = self.logits(self.decode(decoder_in_NT, evidence.memory_1LD, cross))
-        nll_NT = F.cross_entropy(logits_NTV.float().transpose(1, 2), labels_NT, ignore_index=self.cfg.pad_id,
-                                 reduction="none")
+        n, t, v = logits_NTV.shape  # (N*T, V) rows: no transposed copy of the logits, the largest tensor
+        nll_NT = F.cross_entropy(logits_NTV.float().reshape(n * t, v), labels_NT.reshape(n * t),
+                                 ignore_index=self.cfg.pad_id, reduction="none").view(n, t)
         tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
         nll_N = nll_NT.sum(1)
         loss = nll_N.sum() / tokens_N.sum().clamp(min=1)

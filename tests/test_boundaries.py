@@ -1,0 +1,85 @@
+"""The boundaries the README promises: the library knows no stage, the batch contract needs no torch, and every
+consumer of g computes the same vectors."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+LIBRARY = REPO / "shared" / "marge"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (function-level imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_no_library_module_imports_a_stage():
+    offenders = {f"{path.relative_to(REPO)} imports {name}" for path in LIBRARY.rglob("*.py")
+                 for name in imported_modules(path) if name == "services" or name.startswith("services.")}
+    assert not offenders, sorted(offenders)
+    assert len(list(LIBRARY.rglob("*.py"))) > 15  # the walk saw the library
+
+
+def test_import_paths_match_folders():
+    import marge
+    import services.indexer.core
+
+    assert Path(marge.__file__).parent == LIBRARY
+    assert Path(services.indexer.core.__file__) == REPO / "services" / "indexer" / "core.py"
+
+
+def test_the_batch_contract_and_the_queue_protocol_need_no_torch():
+    code = ("import sys; import marge.batch, marge.protocol, marge.config; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_indexer_service_and_trainer_compute_the_same_unit_g(small_corpus, tmp_path):
+    """For one snapshot and the same documents: the vectors the indexer stores in FAISS, the query vectors the
+    retrieval service computes from the documents' text, and the trainer model's g agree (centring included)."""
+    from marge.batch import as_encoder_input
+    from marge.corpus import Corpus
+    from marge.model import Marge, pad_rows, preset
+    from marge.snapshot import load_relevance_encoder, publish_snapshot
+    from services.indexer.config import IndexerConfig
+    from services.indexer.core import index_corpus
+    from services.retrieval.index import LoadedIndex
+
+    corpus = Corpus.open(small_corpus)
+    tok = corpus.tokenizer()
+    torch.manual_seed(0)
+    model = Marge(preset("tiny", vocab_size=tok.vocab_size, max_positions=128, relevance_pooling="mean",
+                         relevance_centering=True))
+    with torch.no_grad():  # a centre far from zero, so that a consumer which forgot it would disagree
+        model.relevance_center.copy_(model.relevance_vectors(pad_rows(
+            [as_encoder_input(t, tok.specials) for t in corpus.read_shard(0).tokens[:32]], tok.specials.pad_id)).mean(0))
+    assert model.relevance_center.norm() > 0.1
+    run = tmp_path / "run"
+    snapshot = publish_snapshot(run / "snapshots", model, 7, tok.sha256)
+    version = index_corpus(corpus, load_relevance_encoder(snapshot), tok.specials, run / "index", 0, 7, IndexerConfig())
+
+    shard = corpus.read_shard(0)
+    ids = shard.doc_ids[:20]
+    stored = np.stack([version.read_faiss(0).reconstruct(int(i)) for i in ids])
+    trainer = model.eval().unit_relevance_vectors(pad_rows([as_encoder_input(t, tok.specials) for t in shard.tokens[:20]],
+                                                           tok.specials.pad_id)).detach().numpy()
+    service = LoadedIndex(version, run, corpus, tok)
+    queries = np.stack([service.embed(text) for text in shard.texts[:20]])
+    same_tokens = [tok.encode(text) == list(t) for text, t in zip(shard.texts[:20], shard.tokens[:20])]
+    np.testing.assert_allclose(stored, trainer, atol=1e-5)
+    np.testing.assert_allclose(queries[same_tokens], trainer[same_tokens], atol=1e-5)
+    assert sum(same_tokens) >= 15
