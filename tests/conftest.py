@@ -14,6 +14,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
 
+# The private redis-servers' configs (passwords) go here, not into the developer's ~/.local/state/marge.
+os.environ.setdefault("MARGE_STATE_DIR", __import__("tempfile").mkdtemp(prefix="marge-test-state-"))
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_RAW = REPO / "data" / "demo" / "libreoffice-help"
 

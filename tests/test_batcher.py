@@ -123,3 +123,50 @@ def test_document_link_rule_gives_every_document_its_own_links(small_corpus):
     assert min(link_counts("shard").values()) == 0  # the paper's shard-wide rule leaves documents without links
     counts = link_counts("document")
     assert min(counts.values()) >= 2 and max(counts.values()) <= 4  # every document keeps links of its own
+
+
+def test_the_schedule_is_a_function_of_the_slot_and_switches_versions_at_fixed_steps(small_index, small_corpus, docs,
+                                                                                      tmp_path):
+    import threading
+
+    import torch
+
+    from marge.model import Marge, RelevanceEncoder, preset
+    from marge.protocol import Slots, VersionPlan
+    from services.batcher.schedule import BatchSchedule, wait_for_version
+    from services.indexer.config import IndexerConfig
+    from services.indexer.core import index_corpus
+
+    corpus = Corpus.open(small_corpus)
+    torch.manual_seed(1)
+    encoder = RelevanceEncoder.from_model(Marge(preset("tiny", vocab_size=corpus.tokenizer().vocab_size,
+                                                       max_positions=128))).eval()
+    root = small_index.path.parent
+    v1 = index_corpus(corpus, encoder, corpus.tokenizer().specials, tmp_path, 1, 4, IndexerConfig())
+    versions = {0: small_index, 1: v1}
+    slots, plan = Slots(world=2, grad_accum=1), VersionPlan(reindex_every=4, lag=2)
+
+    def schedule():
+        return BatchSchedule(docs, BatcherConfig(max_tokens=400), 0, slots, plan, versions.get)
+
+    whole = list(zip(range(20), (b for _, b in schedule().batches(0))))
+    # version 0 serves updates 0..5 (slots 0..11), version 1 updates 6..9, each from its own first batch on
+    assert [b.index_version for _, b in whole] == [0] * 12 + [1] * 8
+    assert whole[12][1].batch_id == next(iter(epoch_batches(v1, docs, BatcherConfig(max_tokens=400), 0, 0))).batch_id
+    # started anywhere (a resumed run, a restarted batcher), a slot gets the same batch
+    resumed = schedule().batches(7)
+    assert [next(resumed)[1].batch_id for _ in range(13)] == [b.batch_id for _, b in whole[7:]]
+    # a requeued batch written into slot 3 moves the version's scheduled batches one slot on, up to its end
+    s = schedule()
+    assert s.batch(4, s.replays_before(4, [3])).batch_id == whole[3][1].batch_id
+    assert s.batch(12, s.replays_before(12, [3])).batch_id == whole[12][1].batch_id
+    # a version that is not committed yet is waited for, and the wait ends when asked to
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    assert wait_for_version(root, 7, stop, poll_s=0.05) is None
+    assert wait_for_version(root, 0, stop).version == 0
+    # an index built from another snapshot does not belong to the schedule
+    wrong = BatchSchedule(docs, BatcherConfig(max_tokens=400), 0, slots, VersionPlan(reindex_every=5, lag=2),
+                          versions.get)
+    with pytest.raises(RuntimeError, match="built from snapshot 4, not 5"):
+        wrong.batch(14)

@@ -130,7 +130,64 @@ def test_nothing_exposes_the_dashboard_job_api_or_redis_beyond_the_cluster():
     assert {"trainer-gpu", "indexer-gpu"} <= groups
     redis_conf = (DEPLOY / "redis" / "redis.conf").read_text()
     assert "maxmemory-policy noeviction" in redis_conf and "appendonly yes" in redis_conf
-    assert "requirepass" in redis_conf and "protected-mode yes" in redis_conf
+    assert "protected-mode yes" in redis_conf and "requirepass" not in redis_conf  # secrets come from start.sh
+    assert rayjob["spec"]["submissionMode"] == "SidecarMode"  # the submitter reaches the 127.0.0.1 dashboard
+
+
+def test_the_shipped_redis_conf_loads_and_limits_the_pipeline_user_to_its_keys(tmp_path):
+    """deploy/redis/start.sh with deploy/redis/redis.conf on a real redis-server: the queue works as user marge
+    (every command the pipeline uses), other keys and dangerous commands are refused, nobody gets in without a
+    password."""
+    import os
+    import subprocess
+    import time
+
+    import numpy as np
+    import redis
+
+    from marge.batch import Batch
+    from marge.protocol import BatchQueue, Slots
+    from services.driver.redis_server import free_port
+
+    port, password = free_port(), "pipeline-password-123"
+    proc = subprocess.Popen(["sh", str(DEPLOY / "redis" / "start.sh"), "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", str(tmp_path)], env={**os.environ, "MARGE_REDIS_PASSWORD": password},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"redis://marge:{password}@127.0.0.1:{port}/0"
+        deadline = time.time() + 10
+        while True:
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.time() < deadline
+                time.sleep(0.05)
+        q = BatchQueue.connect(url, "acl", Slots(1, 1))
+        tokens = (np.arange(4, 9, dtype=np.int32), np.arange(9, 14, dtype=np.int32))
+        batch = Batch("v0-e0-s0-0", 0, 0, np.array([1, 2]), ("en", "de"), tokens, np.array([0], dtype=np.int32),
+                      np.array([1], dtype=np.int32), np.array([[0, 0]], dtype=np.int32), np.ones(1, dtype=np.float32))
+        assert q.put(0, batch, 10) and q.get(0, block_ms=10).batch.batch_id == "v0-e0-s0-0"
+        q.progress(0, 1)
+        assert q.commit(0, 1, [(0, "v0-e0-s0-0")]) == []
+        assert q.dead_letter(1, {b"header": b"{}"}, "test")  # a Lua script on the run's keys
+        q.request_replay(q.dead_letters()[0]["entry"])
+        q.publish_step({"step": 1})
+        q.reset_from(1)
+        assert q.counts()["committed_step"] == 1 and q.last_step() == {"step": 1}
+        client = redis.Redis.from_url(url)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.set("not-marge", 1)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.flushall()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.config_get("dir")
+        with pytest.raises((redis.AuthenticationError, redis.exceptions.NoPermissionError)):
+            redis.Redis(host="127.0.0.1", port=port).set("marge:x", 1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def test_every_deviation_from_the_paper_is_off_in_the_paper_preset_and_config():

@@ -28,9 +28,10 @@ def test_refresh_time_scales_with_the_pool_and_staleness_with_the_interval():
     embed_s = 10_000_000 * embed_flops_per_document(model, 400) / 100e12 / 8
     assert embed_s < base["build_s"] < 1.5 * embed_s
     assert base["refresh_interval_s"] == pytest.approx(10_000 * base["seconds_per_update"])
-    s = base["staleness_updates"]
-    assert s["min"] == pytest.approx(base["build_s"] / base["seconds_per_update"])
-    assert s["max"] == pytest.approx(s["min"] + 10_000 + base["queue_depth_updates"])
+    # the schedule fixes the staleness: batches of version v are trained from L to L + R - 1 updates after its snapshot
+    assert base["staleness_updates"] == {"min": 10_000, "mean": 10_000 + 9_999 / 2, "max": 19_999}
+    lagged = plan_capacity(paper("batcher.index_lag=2000"), model, 10_000_000, 400, 26, rates)
+    assert lagged["staleness_updates"]["max"] == 2000 + 9_999
     assert base["queue_depth_updates"] == 1024 / 64
 
 
@@ -44,9 +45,10 @@ def test_a_pool_too_small_is_reported_with_the_workers_it_needs():
                    f"indexer.num_workers={plan['indexer_workers_needed']}")
     assert plan_capacity(enough, cfg.model_config(), 10_000_000, 400, 26, slow_indexer)["keeps_up"]
     assert plan["share_of_corpus_refreshable"] < 1
-    # back-to-back builds: each index serves as many updates as the next one takes to build
-    s = plan["staleness_updates"]
-    assert s["max"] - s["min"] == pytest.approx(s["min"] + plan["queue_depth_updates"])
+    # the trainers wait for what the build takes beyond its head start of index_lag updates
+    head_start = 1000 * plan["seconds_per_update"]
+    assert plan["trainer_wait_per_refresh_s"] == pytest.approx(plan["build_s"] - head_start)
+    assert 0 < plan["trainer_wait_share"] < 1
 
 
 def test_cli_plan_needs_a_size_or_a_prepared_corpus(capsys):

@@ -260,3 +260,37 @@ def test_gzip_jsonl_is_read(tmp_path):
         for r in good_rows():
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     assert prepare(opts([path], tmp_path / "out"))["num_documents"] == 3
+
+
+def test_a_lone_surrogate_names_file_line_and_field(tmp_path):
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, good_rows())
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"language": "en", "text": "' + ENGLISH + ' broken \\ud800 here"}\n')  # valid JSON, not text
+    out = tmp_path / "out"
+    with pytest.raises(PrepareError, match=r"in\.jsonl:4: field 'text' has a lone surrogate \('\\ud800'\)"):
+        prepare(opts([path], out))
+    assert_nothing_written(out)
+    manifest = prepare(opts([path], out, on_bad_document="skip"))
+    assert manifest["stats"]["documents_skipped_bad"] == 1
+
+
+def test_a_corrupt_gzip_names_the_file_and_the_line_it_broke_at(tmp_path):
+    good = tmp_path / "good.jsonl.gz"
+    with gzip.open(good, "wt", encoding="utf-8") as f:
+        for _ in range(200):
+            for r in good_rows():
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    data = bytearray(good.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):  # garble the middle of the deflate stream
+        data[i] ^= 0xFF
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    with pytest.raises(PrepareError, match=r"bad\.jsonl\.gz:\d+: cannot be read after line \d+ .*gzip -t"):
+        prepare(opts([bad], out))
+    assert_nothing_written(out)
+    truncated = tmp_path / "truncated.jsonl.gz"
+    truncated.write_bytes(good.read_bytes()[:-200])
+    with pytest.raises(PrepareError, match=r"truncated\.jsonl\.gz:\d+: cannot be read"):
+        prepare(opts([truncated], out))

@@ -1,11 +1,10 @@
-"""The Redis batch queue against a real redis-server: encoding, backpressure, redelivery, dead letters."""
+"""The Redis batch queue against a real redis-server: encoding, slots, backpressure, commits, resets, dead letters
+and replays, a Redis killed and restarted, an orphaned server adopted."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,7 +13,7 @@ import pytest
 import redis
 
 from marge.batch import Batch
-from marge.protocol import CONSUMER_GROUP, BatchQueue, ProtocolError, QueueConfig, decode_batch, encode_batch
+from marge.protocol import BatchQueue, ProtocolError, Slots, VersionPlan, decode_batch, encode_batch, entry_id
 
 
 def make_batch(i: int, rng=np.random.default_rng(0)) -> Batch:
@@ -22,6 +21,11 @@ def make_batch(i: int, rng=np.random.default_rng(0)) -> Batch:
     return Batch(f"v0-e0-s0-{i}", 0, 0, np.array([10 * i, 10 * i + 1, 10 * i + 2], dtype=np.int64),
                  ("en", "de", "zh"), tokens, np.array([0], dtype=np.int32), np.array([1, 2], dtype=np.int32),
                  np.array([[0, 0], [0, 1]], dtype=np.int32), np.array([100.0, 100.0], dtype=np.float32))
+
+
+def fill(q: BatchQueue, slots: range, lookahead: int = 100) -> None:
+    for n in slots:
+        assert q.put(n, make_batch(n), lookahead)
 
 
 def test_encode_decode_round_trip_and_tampering():
@@ -48,121 +52,154 @@ def test_local_redis_is_private_persistent_and_never_evicts(redis_server):
         redis.Redis(host="127.0.0.1", port=redis_server.port).ping()
 
 
-def test_put_get_ack_and_the_ledger(redis_server):
-    q = BatchQueue.connect(redis_server.url, "t1")
-    q.ensure_group()
-    for i in range(3):
-        q.put(make_batch(i), max_depth=10)
-    got = [q.get("rank0", block_ms=100) for _ in range(3)]
-    assert [d.batch.batch_id for d in got] == [f"v0-e0-s0-{i}" for i in range(3)]
-    assert q.get("rank0", block_ms=50) is None
-    assert q.pending() == 3
-    assert q.ack(got[:2], step=1, rank=0) == []
+def test_slot_and_version_arithmetic():
+    s = Slots(world=2, grad_accum=3)
+    assert s.per_step == 6 and s.slot(step=4, rank=1, micro=2) == 29
+    assert (s.step_of(29), s.rank_of(29)) == (4, 1)
+    assert [s.rank_of(n) for n in range(6)] == [0, 0, 0, 1, 1, 1]
+    plan = VersionPlan(reindex_every=10, lag=4)
+    # version 0 serves updates 0..13; version v >= 1 serves 10v+4 .. 10v+13 and is built from snapshot 10v
+    assert [plan.version_for_step(t) for t in (0, 13, 14, 23, 24)] == [0, 0, 1, 1, 2]
+    assert [plan.first_step(v) for v in (0, 1, 2)] == [0, 14, 24]
+    assert plan.snapshot_step(2) == 20
+    assert all(plan.version_for_step(plan.first_step(v)) == v for v in range(50))
+
+
+def test_each_rank_reads_its_slots_and_batches_count_only_when_committed(redis_server):
+    q = BatchQueue.connect(redis_server.url, "t1", Slots(2, 1))
+    fill(q, range(6))
+    assert [q.get(n, block_ms=10).batch.batch_id for n in (0, 2, 4)] == [f"v0-e0-s0-{n}" for n in (0, 2, 4)]
+    assert q.r.xlen(q.keys.slots(0)) == 3 and q.r.xlen(q.keys.slots(1)) == 3  # even slots rank 0, odd rank 1
+    assert q.get(6, block_ms=10) is None  # not written yet
+    assert q.counts()["pending"] == 6 and q.counts()["ledger"] == 0  # read is not trained
+    # the checkpoint of update 2 is durable: each rank records its slots of updates 0-1 and trims below slot 4
+    assert q.commit(0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")]) == []
+    assert q.commit(1, 2, [(1, "v0-e0-s0-1"), (3, "v0-e0-s0-3")]) == []
     counts = q.counts()
-    assert counts["acked"] == 2 and counts["pending"] == 1 and counts["depth"] == 1 and counts["ledger"] == 2
-    assert q.already_trained("v0-e0-s0-0") and not q.already_trained("v0-e0-s0-2")
-    # acknowledging the same batch again is reported as a double training
-    assert q.ack([got[0]], step=2, rank=0) == ["v0-e0-s0-0"]
+    assert counts["trained"] == 4 and counts["ledger"] == 4 and counts["pending"] == 2 and counts["committed_step"] == 2
+    assert q.get(4, block_ms=10) is not None and q.r.xlen(q.keys.slots(0)) == 1
+    # committing the same batches again (the next commit repeats the previous one) changes nothing
+    assert q.commit(0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")]) == []
+    assert q.counts()["trained"] == 4 and q.counts().get("trained_twice", 0) == 0
+    # the same batch id in another slot is a batch trained twice, and is counted
+    assert q.commit(0, 3, [(4, "v0-e0-s0-0")]) == ["v0-e0-s0-0"]
+    assert q.counts()["trained_twice"] == 1
 
 
-def test_producer_waits_when_full_and_drops_nothing(redis_server):
-    q = BatchQueue.connect(redis_server.url, "t2")
-    q.ensure_group()
-    produced = []
+def test_the_batcher_waits_for_the_slowest_rank_and_drops_nothing(redis_server):
+    q = BatchQueue.connect(redis_server.url, "t2", Slots(2, 1))
+    written = []
 
     def produce():
-        for i in range(6):
-            q.put(make_batch(i), max_depth=3)
-            produced.append(i)
+        for n in range(8):
+            q.put(n, make_batch(n), lookahead_steps=2, poll_s=0.01)
+            written.append(n)
 
     thread = threading.Thread(target=produce)
     thread.start()
-    time.sleep(0.5)
-    assert len(produced) == 3 and q.depth() == 3  # waiting, not trimming
-    received = []
-    while len(received) < 6:
-        d = q.get("rank0", block_ms=500)
-        assert d is not None
-        assert q.depth() <= 3
-        q.ack([d], step=len(received), rank=0)
-        received.append(d.batch.batch_id)
+    time.sleep(0.3)
+    assert written == [0, 1, 2, 3]  # updates 0 and 1 written; update 2 waits for both ranks to pass update 0
+    q.progress(0, 1)
+    time.sleep(0.2)
+    assert written == [0, 1, 2, 3]  # rank 1 is still at update 0
+    q.progress(1, 1)
+    time.sleep(0.2)
+    assert written == [0, 1, 2, 3, 4, 5]
+    q.progress(0, 3)
+    q.progress(1, 3)
     thread.join(timeout=5)
-    assert received == [f"v0-e0-s0-{i}" for i in range(6)]
+    assert written == list(range(8)) and q.counts()["produced"] == 8 and q.next_slot() == 8
 
 
-CONSUMER = """
-import sys, time
-from marge.protocol import BatchQueue
-q = BatchQueue.connect(sys.argv[1], "t3")
-d = q.get("doomed", block_ms=5000)
-print(d.batch.batch_id, flush=True)
-time.sleep(60)  # 'training' forever: killed before it acknowledges
-"""
+def test_a_slot_is_written_once(redis_server):
+    q = BatchQueue.connect(redis_server.url, "t3", Slots(1, 1))
+    q.put(0, make_batch(0), 10)
+    q.put(0, make_batch(9), 10)  # a restarted batcher writing slot 0 again leaves the first write
+    assert q.get(0, block_ms=10).batch.batch_id == "v0-e0-s0-0" and q.r.xlen(q.keys.slots(0)) == 1
+    assert q.next_slot() == 1
 
 
-def test_a_batch_held_by_a_killed_consumer_is_redelivered_and_trained_once(redis_server):
-    q = BatchQueue.connect(redis_server.url, "t3", QueueConfig(claim_idle_ms=300))
-    q.ensure_group()
-    q.put(make_batch(7), max_depth=10)
-    proc = subprocess.Popen([sys.executable, "-c", CONSUMER, redis_server.url], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "v0-e0-s0-7"
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert q.pending() == 1
-    assert q.get("survivor", block_ms=50) is None  # not yet idle long enough to claim
-    time.sleep(0.4)
-    d = q.get("survivor", block_ms=50)
-    assert d is not None and d.batch.batch_id == "v0-e0-s0-7" and d.times_delivered == 2
-    assert q.ack([d], step=1, rank=1) == []
-    ledger = q.ledger_entries()
-    assert list(ledger) == ["v0-e0-s0-7"] and ledger["v0-e0-s0-7"]["rank"] == 1
+def test_an_undecodable_entry_is_delivered_with_the_reason(redis_server):
+    q = BatchQueue.connect(redis_server.url, "t4", Slots(1, 1))
+    q.r.xadd(q.keys.slots(0), {b"v": b"2", b"header": b"\x80\x04pickle", b"tokens": b"", b"sha256": b"x"},
+             id=entry_id(0))
+    delivery = q.get(0, block_ms=10)
+    assert delivery.batch is None and "sha256" in delivery.problem
+
+
+def test_reset_from_rewinds_the_queue_to_a_checkpoint(redis_server):
+    q = BatchQueue.connect(redis_server.url, "t5", Slots(2, 1))
+    fill(q, range(10))
+    q.commit(0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")])
+    q.commit(1, 2, [(1, "v0-e0-s0-1"), (3, "v0-e0-s0-3")])
+    q.commit(0, 3, [(4, "v0-e0-s0-4")])  # rank 0 committed update 2, rank 1 did not: the run resumes from 2
+    q.reset_from(2)
     counts = q.counts()
-    assert counts["redelivered"] == 1 and counts["pending"] == 0 and counts.get("trained_twice", 0) == 0
+    assert q.next_slot() == 4 and counts["pending"] == 0 and counts["committed_step"] == 2
+    assert set(q.ledger_entries()) == {f"v0-e0-s0-{n}" for n in range(4)}
+    assert q.slowest_progress() == 2
+    fill(q, range(4, 6))
+    assert q.get(4, block_ms=10).batch.batch_id == "v0-e0-s0-4"
 
 
-def test_a_redelivered_batch_already_in_the_ledger_is_not_trained_again(redis_server, tmp_path):
-    from marge.paths import RunPaths
-    from services.trainer.config import HealthConfig, TrainerConfig
-    from services.trainer.job import TrainerJob
-    from services.trainer.objectives import ObjectivesConfig
-    from services.trainer.source import RedisSource
+def test_dead_letters_are_listed_and_requeued_into_the_next_slot(redis_server):
+    q = BatchQueue.connect(redis_server.url, "t6", Slots(1, 1))
+    fill(q, range(4))
+    delivery = q.get(2, block_ms=10)
+    assert q.dead_letter(2, delivery.fields, "update 2: non-finite loss (nan) on batch v0-e0-s0-2")
+    assert not q.dead_letter(2, delivery.fields, "the same slot again (a resumed run)")  # once per slot
+    [dead] = q.dead_letters()
+    assert dead["slot"] == 2 and dead["batch_id"] == "v0-e0-s0-2" and "non-finite" in dead["reason"]
+    assert dead["replayed_to_slot"] is None and q.counts()["dead_lettered"] == 1
+    with pytest.raises(ValueError, match="no dead-lettered entry"):
+        q.request_replay("1-0")
+    q.request_replay(dead["entry"])
+    with pytest.raises(ValueError, match="requeued already"):
+        q.request_replay(dead["entry"])
+    assert q.next_replay_request() == dead["entry"]
+    assert q.put_replay(4, dead["entry"], 10)
+    assert q.next_replay_request() is None and q.replay_placements() == {4: dead["entry"]}
+    assert q.get(4, block_ms=10).batch.batch_id == "v0-e0-s0-2"
+    assert q.dead_letters()[0]["replayed_to_slot"] == 4
+    # a run resumed from before slot 4 forgets the placement and places the request again
+    q.reset_from(3)
+    assert q.replay_placements() == {} and q.next_replay_request() == dead["entry"]
 
-    q = BatchQueue.connect(redis_server.url, "t4", QueueConfig(claim_idle_ms=100))
-    q.ensure_group()
-    q.put(make_batch(1), max_depth=10)
-    q.put(make_batch(2), max_depth=10)
-    first = q.get("a", block_ms=100)
-    # trained and recorded, but the consumer died before XACK: simulate by writing the ledger only
-    q.r.hset(q.ledger, first.batch.batch_id, '{"step": 1, "rank": 0}')
-    time.sleep(0.15)
-    job = TrainerJob(TrainerConfig(), ObjectivesConfig(), HealthConfig(), QueueConfig(block_ms=100, claim_idle_ms=100),
-                     RunPaths.of("t4", tmp_path, tmp_path), seed=0, max_steps=10, deadline_unix=time.time() + 5,
-                     redis_url=redis_server.url)
-    d = RedisSource(job, rank=1, consumed=[]).next(step=1)
-    assert d.batch.batch_id == "v0-e0-s0-2"  # the already-trained one was skipped and acknowledged
-    assert q.counts()["skipped_already_trained"] == 1
-    assert q.r.xpending(q.stream, CONSUMER_GROUP)["pending"] == 1
+
+def test_a_killed_redis_is_restarted_on_its_port_and_clients_carry_on(tmp_path):
+    from services.driver.redis_server import LocalRedis
+
+    server = LocalRedis(tmp_path / "redis").start()
+    try:
+        url, pid = server.url, server.pid
+        q = BatchQueue.connect(url, "t7", Slots(1, 1))
+        fill(q, range(3))
+        time.sleep(1.2)  # appendfsync everysec: what is older than a second is on disk
+        os.kill(pid, signal.SIGKILL)
+        server.process.wait()
+        assert not server.alive()
+        result = {}
+        reader = threading.Thread(target=lambda: result.setdefault("batch", q.get(2, block_ms=10)))
+        reader.start()  # retries while the server is down
+        time.sleep(0.3)
+        server.restart()
+        reader.join(timeout=30)
+        assert server.url == url and server.pid != pid and server.alive()
+        assert result["batch"].batch.batch_id == "v0-e0-s0-2" and q.next_slot() == 3
+    finally:
+        server.stop()
 
 
-def test_tampered_and_poison_entries_go_to_the_dead_letter_stream(redis_server):
-    q = BatchQueue.connect(redis_server.url, "t5", QueueConfig(claim_idle_ms=50, max_deliveries=2))
-    q.ensure_group()
-    fields = encode_batch(make_batch(1))
-    fields[b"header"] = fields[b"header"].replace(b'"index_version":0', b'"index_version":1')
-    q.r.xadd(q.stream, fields)
-    q.r.xadd(q.stream, {b"v": b"1", b"header": b"\x80\x04pickle", b"tokens": b"", b"sha256": b"x"})
-    q.put(make_batch(2), max_depth=10)
-    d = q.get("a", block_ms=100)
-    assert d.batch.batch_id == "v0-e0-s0-2"
-    # never acknowledged: delivered again and again until it is dead-lettered
-    for _ in range(3):
-        time.sleep(0.07)
-        d = q.get("a", block_ms=10)
-        if d is None:
-            break
-    reasons = [entry[1][b"reason"].decode() for entry in q.r.xrange(q.dead)]
-    assert any("sha256" in r for r in reasons)
-    assert sum("delivered 3 times" in r for r in reasons) == 1
-    assert q.counts()["dead_lettered"] == 3 and q.depth() == 0
+def test_an_orphaned_server_is_adopted_not_started_twice(tmp_path):
+    from services.driver.redis_server import LocalRedis, pid_is_redis
+
+    first = LocalRedis(tmp_path / "redis").start()
+    orphan_pid = first.pid  # its driver "died": the server runs on, in its own session
+    again = LocalRedis.reopen(tmp_path / "redis").start()
+    try:
+        assert again.adopted_pid == orphan_pid and again.process is None and again.url == first.url
+        assert redis.Redis.from_url(again.url).ping()
+    finally:
+        again.stop()
+    assert not pid_is_redis(orphan_pid)
+    first.process.wait(timeout=5)  # reap it (it was this test's child)

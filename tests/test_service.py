@@ -174,6 +174,33 @@ def test_refuses_a_public_bind_without_a_token(served, capsys):
     from services.driver.cli import build_parser
 
     assert build_parser().parse_args(["serve", "--run", "x"]).host == "127.0.0.1"
+    empty = served["run"] / "empty-token"
+    empty.write_text("\n")
+    assert main(["serve", "--run", str(served["run"]), "--token-file", str(empty)]) == 2
+    assert f"--token-file {empty} is empty" in capsys.readouterr().err
+
+
+def test_a_search_over_the_in_flight_limit_gets_503_and_the_next_one_is_served(served):
+    from fastapi.testclient import TestClient
+
+    from services.retrieval.app import create_app
+    from services.retrieval.settings import ServeSettings
+
+    app = create_app(ServeSettings(run_dir=served["run"], corpus_dir=served["corpus"], token=TOKEN, max_in_flight=1))
+    body = {"query": "Tabellen und Diagramme", "k": 3}
+    with TestClient(app) as client:
+        deadline = time.time() + 30
+        while client.get("/healthz").json()["status"] != "ok" and time.time() < deadline:
+            time.sleep(0.1)
+        assert client.post("/v1/search", json=body, headers=auth()).status_code == 200
+        assert app.state.in_flight.acquire(blocking=False)  # one search in flight: the limit
+        try:
+            busy = client.post("/v1/search", json=body, headers=auth())
+        finally:
+            app.state.in_flight.release()
+        assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
+        assert "too many searches in flight" in busy.json()["detail"]
+        assert client.post("/v1/search", json=body, headers=auth()).status_code == 200
 
 
 def test_deployable_with_ray_serve(ray_cluster, served):

@@ -1,93 +1,106 @@
-"""The batcher stage on Ray: reads the newest index version, builds batches, feeds the Redis stream.
+"""The batcher stage on Ray: writes every slot's batch into the trainers' Redis streams, in slot order.
 
-Shown on the Ray dashboard as `marge-batcher`. It switches to a newer index version as soon as one
-is committed (the batches already queued stay valid: they carry their version and snapshot step), and
-waits instead of dropping anything when the stream is full. Its position (version, epoch) is kept in
-Redis so a restarted run does not rebuild batches it already produced.
+Shown on the Ray dashboard as `marge-batcher`. Which batch a slot holds is decided by the deterministic
+schedule (`services.batcher.schedule`); the actor only follows the queue's cursor (`next_slot`), waits for
+the index version a slot needs, and waits while it is `lookahead` updates ahead of the slowest rank. Killed,
+Ray restarts it (and its `run`) and it carries on from the cursor; if the cursor moves back (a resumed run, a
+Redis restart that lost its last writes) it writes those slots again, identically.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
+import numpy as np
 import ray
 
+from marge.batch import Batch
 from marge.corpus import Corpus
-from marge.index_store import latest_version
+from marge.faults import FaultsConfig
+from marge.index_store import IndexVersion
 from marge.metrics import StageMetrics
 from marge.paths import RunPaths
-from marge.protocol import BatchQueue, QueueConfig
+from marge.protocol import BatchQueue, QueueConfig, Slots, VersionPlan
 from marge.utils import setup_logging
 from services.batcher.config import BatcherConfig
-from services.batcher.core import DocumentStore, epoch_batches
+from services.batcher.core import DocumentStore
+from services.batcher.schedule import BatchSchedule, wait_for_version
 
 log = logging.getLogger(__name__)
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
-class Batcher:
-    """Gets the `batcher:` and `queue:` sections, the run's paths and seed, and the queue's address."""
+def poisoned(batch: Batch) -> Batch:
+    """The batch with one token id no vocabulary has (the `faults.poison_slot` switch)."""
+    tokens = list(batch.doc_tokens)
+    tokens[int(batch.targets[0])] = np.concatenate([tokens[int(batch.targets[0])], [2**30]]).astype(np.int32)
+    return Batch(batch.batch_id, batch.index_version, batch.snapshot_step, batch.doc_ids, batch.doc_langs,
+                 tuple(tokens), batch.targets, batch.evidence, batch.edges, batch.edge_weights)
 
-    def __init__(self, cfg: BatcherConfig, queue: QueueConfig, paths: RunPaths, seed: int, redis_url: str):
+
+@ray.remote(num_cpus=0, max_concurrency=4, max_restarts=-1, max_task_retries=-1)
+class Batcher:
+    """Gets its section, the queue's, the run's paths, seed, slot layout and version plan, and the queue's address."""
+
+    def __init__(self, cfg: BatcherConfig, queue: QueueConfig, paths: RunPaths, seed: int, redis_url: str,
+                 slots: Slots, plan: VersionPlan, faults: FaultsConfig | None = None):
         setup_logging()
-        self.cfg, self.queue_cfg, self.paths, self.seed = cfg, queue, paths, seed
+        self.cfg, self.paths, self.seed, self.slots, self.plan = cfg, paths, seed, slots, plan
+        self.faults = faults or FaultsConfig()
+        self.lookahead_steps = max(1, math.ceil(queue.max_depth / slots.per_step))
         self.docs = DocumentStore(Corpus.open(paths.corpus))
-        self.queue = BatchQueue.connect(redis_url, paths.name, queue)
-        self.queue.ensure_group()
+        self.queue = BatchQueue.connect(redis_url, paths.name, slots)
         self._stop = threading.Event()
         self.produced = 0
         self.produced_by_version: dict[int, int] = {}
         self.cross_share_sum = 0.0
         self.tokens_sum = 0
-        self.stats_extra: dict = {}
+        self.waiting_for_version: int | None = None
         m = self.metrics = StageMetrics("batcher", paths.name)
         m.counter("marge_batches_produced", "Batches written to the queue")
-        m.gauge("marge_queue_depth", "Batches waiting in the Redis stream")
+        m.gauge("marge_batcher_next_slot", "The first slot not written yet")
         m.gauge("marge_batcher_index_version", "Index version batches are built from")
         m.gauge("marge_batch_crosslingual_share", "Cross-lingual share of edges inside produced batches")
 
-    def run(self, poll_s: float = 0.2) -> None:
-        """Produce batches until stopped, always from the newest committed index version.
+    def _version(self, number: int) -> IndexVersion | None:
+        """Committed index version `number`, waiting for the indexer to build it; None once stopped."""
+        self.waiting_for_version = number
+        index = wait_for_version(self.paths.index, number, self._stop)
+        self.waiting_for_version = None
+        if index is not None:
+            self.metrics.set("marge_batcher_index_version", number)
+        return index
 
-        One epoch is one pass over a version's graph; the next pass (new seed order, new batch ids)
-        follows until a newer version is committed, which is taken up at once.
-        """
-        version_no, epoch = self.queue.batcher_position()  # the last pass started (-1, -1: none)
+    def run(self) -> None:
+        """Write slots from the queue's cursor on, until stopped: a requeued batch if an operator asked for one,
+        else the schedule's batch."""
+        schedule = BatchSchedule(self.docs, self.cfg, self.seed, self.slots, self.plan, self._version)
         while not self._stop.is_set():
-            version = latest_version(self.paths.index)
-            if version is None:
-                self._stop.wait(poll_s)
-                continue
-            if version.version != version_no:
-                version_no, epoch = version.version, 0
-            else:
-                epoch += 1
-            limit = self.cfg.epochs_per_version
-            if limit and epoch >= limit:
-                epoch -= 1  # this version is used up: wait for a newer one
-                self._stop.wait(poll_s)
-                continue
-            self.queue.save_batcher_position(version_no, epoch)
-            self.metrics.set("marge_batcher_index_version", version_no)
-            for batch in epoch_batches(version, self.docs, self.cfg, epoch, self.seed, stats=self.stats_extra):
-                if self.queue.put(batch, self.queue_cfg.max_depth, should_stop=self._stop.is_set) is None:
+            slot = self.queue.next_slot()  # follows a reset or a Redis restart that lost the last writes
+            request = self.queue.next_replay_request()
+            if request is not None:
+                log.info("batcher: writing requeued dead-letter entry %s into slot %d", request, slot)
+                if not self.queue.put_replay(slot, request, self.lookahead_steps, should_stop=self._stop.is_set):
                     return
-                self._count(batch, version_no)
-                if self.produced % 8 == 0:
-                    newer = latest_version(self.paths.index)
-                    if newer is not None and newer.version > version_no:
-                        log.info("batcher: index v%d appeared, leaving v%d", newer.version, version_no)
-                        break
+                continue
+            batch = schedule.batch(slot, schedule.replays_before(slot, self.queue.replay_placements()))
+            if batch is None:
+                return  # stopped while waiting for an index version
+            if slot == self.faults.poison_slot:
+                batch = poisoned(batch)
+            if not self.queue.put(slot, batch, self.lookahead_steps, should_stop=self._stop.is_set):
+                return
+            self._count(batch, slot)
 
-    def _count(self, batch, version_no: int) -> None:
+    def _count(self, batch: Batch, slot: int) -> None:
         self.produced += 1
-        self.produced_by_version[version_no] = self.produced_by_version.get(version_no, 0) + 1
+        self.produced_by_version[batch.index_version] = self.produced_by_version.get(batch.index_version, 0) + 1
         self.cross_share_sum += batch.cross_lingual_edge_share()
         self.tokens_sum += batch.cost_tokens()
         self.metrics.inc("marge_batches_produced")
-        self.metrics.set("marge_queue_depth", self.queue.depth())
+        self.metrics.set("marge_batcher_next_slot", slot + 1)
         self.metrics.set("marge_batch_crosslingual_share", self.cross_share_sum / self.produced)
 
     def stop(self) -> None:
@@ -96,5 +109,5 @@ class Batcher:
     def stats(self) -> dict:
         return {"produced": self.produced, "produced_by_version": dict(self.produced_by_version),
                 "crosslingual_share": self.cross_share_sum / max(1, self.produced),
-                "mean_batch_tokens": self.tokens_sum / max(1, self.produced), "depth": self.queue.depth(),
-                **self.stats_extra, "time": time.time()}
+                "mean_batch_tokens": self.tokens_sum / max(1, self.produced), "next_slot": self.queue.next_slot(),
+                "waiting_for_version": self.waiting_for_version, "time": time.time()}

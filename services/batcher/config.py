@@ -17,12 +17,14 @@ class BatcherConfig:
     """Weight of an edge between documents in the same language (paper: 1)."""
     seed_lookahead: int = 16
     """Unused seeds tried before a batch is closed as full (bounds the search per batch)."""
-    epochs_per_version: int = 0
-    """Passes over one index version's graph before waiting for the next (0: unlimited)."""
+    index_lag: int | None = None
+    """Updates after the snapshot an index version is built from at which its batches are trained (default:
+    indexer.reindex_every). The indexer's head start: if the version is not built by then, the trainers wait."""
 
     def __post_init__(self) -> None:
         at_least(self, "max_tokens", 16)
         at_least(self, "crosslingual_weight", 0)
         at_least(self, "monolingual_weight", 0)
         positive(self, "seed_lookahead")
-        at_least(self, "epochs_per_version", 0)
+        if self.index_lag is not None:
+            at_least(self, "index_lag", 0)

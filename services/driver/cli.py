@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from marge.utils import setup_logging
+from services.driver.lock import RunLocked
 from services.retrieval.settings import ServeSettings
 
 SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSettings)}
@@ -59,6 +60,42 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     summary = run_pipeline(cfg)
     print(json.dumps(summary), flush=True)
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from services.driver.audit import audit, run_queue
+
+    with run_queue(args.run, args.redis_url) as (cfg, queue):
+        result = audit(cfg, queue)
+    if not args.json:
+        print(f"run {args.run}: {result['steps']} updates in the newest checkpoint; batches produced "
+              f"{result['batches_produced']}, trained {result['batches_trained']}, lost {result['batches_lost']}, "
+              f"trained twice {result['trained_twice']}, pending {result['batches_pending']}, dead-lettered "
+              f"{result['batches_dead_lettered']} (replayed {result['batches_replayed']})", file=sys.stderr)
+    print(json.dumps(result), flush=True)
+    return 0 if result["ok"] else 1
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    from services.driver.audit import run_queue
+
+    with run_queue(args.run, args.redis_url) as (_, queue):
+        if args.queue_command == "list-dead":
+            dead = queue.dead_letters()
+            if args.json:
+                print(json.dumps(dead))
+            else:
+                for d in dead:
+                    where = (f"requeued into slot {d['replayed_to_slot']}" if d["replayed_to_slot"] is not None
+                             else "replay requested" if d["replay_requested"] else "")
+                    print(f"{d['entry']}  slot {d['slot']}  {d['batch_id']}  {d['reason']}  {where}")
+                print(f"{len(dead)} dead-lettered batch(es)", file=sys.stderr)
+        else:
+            for entry in args.entries:
+                queue.request_replay(entry)
+                print(f"requeued {entry}: the batcher writes it into the next slot it writes (a running run trains "
+                      "it within the queue's depth; a stopped one when it is resumed)")
     return 0
 
 
@@ -214,6 +251,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     token = os.environ.get("MARGE_API_TOKEN")
     if args.token_file:
         token = Path(args.token_file).read_text(encoding="utf-8").strip()
+        if not token:
+            raise ValueError(f"--token-file {args.token_file} is empty: write the bearer token into it (e.g. "
+                             "`python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE`)")
     if not token and not is_loopback(args.host) and not args.insecure:
         raise ValueError(f"refusing to serve on {args.host} without a token: set MARGE_API_TOKEN or --token-file "
                          "(or pass --insecure if the network is trusted)")
@@ -438,6 +478,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE")
     p.set_defaults(func=cmd_plan)
 
+    p = sub.add_parser("audit", help="was every batch of a run trained exactly once? (exit 1 if one was lost or twice)")
+    p.add_argument("--run", required=True, type=Path, help="run directory of `marge pretrain`")
+    p.add_argument("--redis-url", default=None, help="the run's Redis if it was external (or set MARGE_REDIS_URL)")
+    p.add_argument("--json", action="store_true", help="only the JSON object (always printed last, on one line)")
+    p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("queue", help="a run's dead-lettered batches: list them, requeue them")
+    queue_sub = p.add_subparsers(dest="queue_command", required=True)
+    for name, text in (("list-dead", "list the batches that could not be trained, with slot and reason"),
+                       ("replay", "requeue dead-lettered batches (entries from list-dead)")):
+        q = queue_sub.add_parser(name, help=text)
+        q.add_argument("--run", required=True, type=Path, help="run directory of `marge pretrain`")
+        q.add_argument("--redis-url", default=None, help="the run's Redis if it was external (or set MARGE_REDIS_URL)")
+        if name == "replay":
+            q.add_argument("entries", nargs="+", metavar="ENTRY", help="dead-letter entry ids")
+        else:
+            q.add_argument("--json", action="store_true")
+        q.set_defaults(func=cmd_queue)
+
     p = sub.add_parser("info", help="a model preset's configuration and parameter count")
     p.add_argument("--preset", required=True, help="tiny, base or paper")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a model field (repeatable)")
@@ -465,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_cleanly_on_sigterm()
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, RunLocked) as e:
         # bad input or configuration: one clear line, no traceback (set MARGE_LOG_LEVEL=DEBUG for it)
         log.debug("error details", exc_info=True)
         print(f"marge {args.command}: error: {e}", file=sys.stderr)

@@ -13,6 +13,7 @@ keys, wrong types and bad values name the key, the value and what is allowed) --
     health     HealthConfig         services.trainer.config
     redis      RedisConfig          (here)
     ray        RayConfig            (here)
+    faults     FaultsConfig         marge.faults    test-only fault injection
 
 Numbers live in the YAML files; `tiny.yaml` runs on a laptop, `paper.yaml` is the paper's setting.
 Deployment endpoints (Redis URL, Ray address) may also come from the environment (MARGE_REDIS_URL,
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +32,10 @@ from typing import Any
 
 from marge.batch import decoder_cost, encoder_cost, max_text_tokens
 from marge.config import ConfigError, FieldError, at_least, build, load_tree, one_of, positive
+from marge.faults import FaultsConfig
 from marge.model import MargeConfig, preset
 from marge.paths import RunPaths
-from marge.protocol import QueueConfig
+from marge.protocol import QueueConfig, Slots, VersionPlan
 from services.batcher.config import BatcherConfig
 from services.indexer.config import IndexerConfig
 from services.trainer.config import HealthConfig, TrainerConfig
@@ -117,6 +120,8 @@ class PipelineConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    """Test-only fault injection (marge.faults); null in every shipped config."""
 
     def __post_init__(self) -> None:
         """What involves two sections (each section checked its own fields when it was built)."""
@@ -130,6 +135,12 @@ class PipelineConfig:
             raise ConfigError(f"indexer.reindex_every must be a multiple of trainer.snapshot_every "
                               f"({self.trainer.snapshot_every}), got {self.indexer.reindex_every}: the indexer can "
                               "only use published snapshots")
+        plan = self.version_plan()
+        needed = math.ceil(plan.lag / plan.reindex_every) + 1
+        if self.indexer.keep_versions < needed:
+            raise ConfigError(f"indexer.keep_versions must be at least {needed} with batcher.index_lag {plan.lag} and "
+                              f"indexer.reindex_every {plan.reindex_every}: a resumed run must find the version its "
+                              f"next batches come from; got {self.indexer.keep_versions}")
         if "preset" not in self.model:
             raise ConfigError("model.preset is required: one of ['base', 'paper', 'tiny']")
         self.model_config(vocab_size=self.model.get("vocab_size", self.data.vocab_size))  # validates model fields
@@ -151,9 +162,24 @@ class PipelineConfig:
     def paths(self) -> RunPaths:
         return RunPaths.of(self.run.name, self.run.dir, self.data.corpus)
 
+    def slots(self) -> Slots:
+        return Slots(self.trainer.num_workers, self.trainer.grad_accum)
+
+    def version_plan(self) -> VersionPlan:
+        lag = self.batcher.index_lag if self.batcher.index_lag is not None else self.indexer.reindex_every
+        return VersionPlan(self.indexer.reindex_every, lag)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML/JSON values (tuples as lists): what `load_config` reads back to an equal config."""
         return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def to_saved_dict(self) -> dict[str, Any]:
+        """`to_dict` without secrets, for files other people read (the run's config.yaml, reports): the
+        password of `redis.url` is replaced by ***."""
+        out = self.to_dict()
+        if out["redis"]["url"]:
+            out["redis"]["url"] = redact_url(out["redis"]["url"])
+        return out
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
@@ -161,6 +187,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return build(PipelineConfig, load_tree(path, overrides or []))
     except ConfigError as e:
         raise ConfigError(f"{path or 'config'}: {e}") from None
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (redis://user:PASSWORD@host) replaced by ***."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def environment_endpoints(cfg: PipelineConfig) -> PipelineConfig:

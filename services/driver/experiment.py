@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marge.checkpoint import load_model, load_model_weights
+from marge.checkpoint import complete_checkpoints, load_model, load_model_weights
 from marge.evaluation import evaluate_model, evaluate_tfidf, mean_score, read_pairs
 from marge.utils import atomic_write_text
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
@@ -34,11 +34,6 @@ log = logging.getLogger("marge.experiment")
 def best_per_pair(by_layer: dict[int, dict[str, float]]) -> dict[str, float]:
     keys = next(iter(by_layer.values())).keys()
     return {k: max(results[k] for results in by_layer.values()) for k in keys}
-
-
-def checkpoints_of(run_dir: Path, run_name: str) -> list[Path]:
-    root = Path(run_dir) / "ray_train" / run_name
-    return sorted(p for p in root.glob("step-*") if (p / "manifest.json").exists())
 
 
 def measure_baselines(init_model, tokenizer, pairs, probe, device: str | torch.device = "cpu") -> dict:
@@ -100,7 +95,7 @@ def assemble_report(baselines: dict, over_time: list[dict], final_model, tokeniz
         },
         "p_at_1_over_time": over_time, "health": health_records,
         "index_builds": index_builds, "pipeline": pipeline,
-        "minutes": minutes, "elapsed_s": round(elapsed_s, 1), **(extra or {}), "config": cfg.to_dict(),
+        "minutes": minutes, "elapsed_s": round(elapsed_s, 1), **(extra or {}), "config": cfg.to_saved_dict(),
     }
     report["curves"] = str(plot_learning(report, records, out_dir / "curves.png"))
     atomic_write_text(out_dir / "report.json", json.dumps(report, indent=2) + "\n")
@@ -131,7 +126,7 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
 
     # 3. P@1 of every checkpoint
     over_time = []
-    checkpoints = checkpoints_of(Path(cfg.run.dir), cfg.run.name)
+    checkpoints = complete_checkpoints(cfg.paths().checkpoints)
     model = None
     for path in checkpoints:
         model = load_model(path)

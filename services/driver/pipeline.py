@@ -24,17 +24,20 @@ from typing import Any
 
 import yaml
 
+from marge.checkpoint import newest_good_checkpoint, read_manifest
 from marge.config import ConfigError
 from marge.corpus import Corpus
-from marge.index_store import latest_version
+from marge.index_store import drop_versions_after, latest_version
 from marge.paths import RunPaths
 from marge.protocol import BatchQueue
-from marge.snapshot import latest_snapshot
+from marge.snapshot import drop_snapshots_after, latest_snapshot
+from marge.utils import atomic_write_text
 from services.driver.config import PipelineConfig, environment_endpoints, with_absolute_paths
+from services.driver.lock import DriverLock
 from services.driver.plan import estimated_throughput, warn_if_behind
 from services.driver.progress import Progress
 from services.driver.report import read_train_log
-from services.driver.resources import apply_local_ray_env, ray_for, redis_for
+from services.driver.resources import RedisEndpoint, apply_local_ray_env, ray_for, redis_for
 from services.trainer.init import ensure_initial_model
 from services.trainer.job import TrainerJob
 from services.trainer.loop import train_loop_per_worker
@@ -43,25 +46,58 @@ log = logging.getLogger("marge.pipeline")
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
-    """Prepare what is missing, start Redis, Ray and the stages, train until done, stop what was started."""
+    """Prepare what is missing, start Redis, Ray and the stages, train until done, stop what was started.
+
+    Started again on a run that stopped or crashed, it resumes: from the newest checkpoint that verifies, with
+    the snapshots and index versions of later updates discarded and the queue reset to that update (the
+    batcher writes the same batches into the same slots again), so every batch is trained exactly once."""
     started = time.time()
     cfg = with_absolute_paths(environment_endpoints(cfg))
     paths = cfg.paths()
     paths.run_dir.mkdir(parents=True, exist_ok=True)
-    (paths.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
-    corpus = ensure_corpus(cfg)
-    model_cfg = cfg.model_config(vocab_size=corpus.tokenizer().vocab_size)
-    ensure_initial_model(model_cfg, paths, corpus, cfg.run.seed)
-    capacity = warn_if_behind(cfg, model_cfg, corpus, estimated_throughput(cfg))
-    with redis_for(cfg) as redis_url, ray_for(cfg), running_stages(cfg, paths, redis_url) as stages:
-        queue = BatchQueue.connect(redis_url, paths.name, cfg.queue)
-        queue.ensure_group()
-        queue.clear_stop()
-        deadline = started + 60 * cfg.run.max_minutes if cfg.run.max_minutes else None
-        trainer = make_trainer(cfg, trainer_job(cfg, redis_url, deadline))
-        progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batcher)
-        result = supervise(trainer, stages, queue, progress, cfg.run.progress_every_s)
-        return {**summarize(paths, queue, stages, result, started), "capacity_plan": capacity}
+    with DriverLock(paths.run_dir):
+        atomic_write_text(paths.run_dir / "config.yaml", yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))
+        corpus = ensure_corpus(cfg)
+        model_cfg = cfg.model_config(vocab_size=corpus.tokenizer().vocab_size)
+        ensure_initial_model(model_cfg, paths, corpus, cfg.run.seed)
+        capacity = warn_if_behind(cfg, model_cfg, corpus, estimated_throughput(cfg))
+        point = resume_point(paths)
+        with redis_for(cfg) as redis, redis.watched(), ray_for(cfg):
+            queue = BatchQueue.connect(redis.url, paths.name, cfg.slots())
+            queue.reset_from(point.step)
+            queue.clear_stop()
+            floor = cfg.version_plan().version_for_step(point.step)
+            with running_stages(cfg, paths, redis.url, floor) as stages:
+                deadline = started + 60 * cfg.run.max_minutes if cfg.run.max_minutes else None
+                job = trainer_job(cfg, redis.url, deadline, resume_from=point.checkpoint)
+                progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batcher)
+                result = supervise(make_trainer(cfg, job), stages, queue, progress, cfg.run.progress_every_s)
+                return {**summarize(paths, queue, stages, result, started, point, redis),
+                        "capacity_plan": capacity}
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    step: int
+    """The update the run continues from (0: a fresh run)."""
+    checkpoint: str | None
+    """The newest checkpoint that verifies, or None."""
+    discarded: dict[str, list[int]]
+    """Snapshot steps and index versions of updates after `step` (a crashed lineage), deleted."""
+
+
+def resume_point(paths: RunPaths) -> ResumePoint:
+    """Where a (re)started run continues: its newest good checkpoint. Snapshots and index versions of later
+    updates belong to a lineage the checkpoint does not hold: they are deleted, so the indexer builds those
+    versions again from the resumed model's snapshots."""
+    checkpoint = newest_good_checkpoint(paths.checkpoints)
+    step = read_manifest(checkpoint, verify=False)["step"] if checkpoint else 0
+    discarded = {"snapshots": drop_snapshots_after(paths.snapshots, step),
+                 "index_versions": drop_versions_after(paths.index, step)}
+    if checkpoint:
+        log.info("resuming from %s (update %d); discarded the later snapshots %s and index versions %s", checkpoint,
+                 step, discarded["snapshots"], discarded["index_versions"])
+    return ResumePoint(step, str(checkpoint) if checkpoint else None, discarded)
 
 
 def ensure_corpus(cfg: PipelineConfig) -> Corpus:
@@ -82,11 +118,11 @@ def ensure_corpus(cfg: PipelineConfig) -> Corpus:
 
 
 def trainer_job(cfg: PipelineConfig, redis_url: str | None, deadline_unix: float | None = None,
-                memory_batches: list[list] | None = None) -> TrainerJob:
+                memory_batches: list[list] | None = None, resume_from: str | None = None) -> TrainerJob:
     """What every trainer rank gets: its sections, the run's paths, and its batches' source."""
     return TrainerJob(cfg.trainer, cfg.objectives, cfg.health, cfg.queue, cfg.paths(), cfg.run.seed, cfg.run.max_steps,
                       heldout_pairs=cfg.data.heldout_pairs, deadline_unix=deadline_unix, redis_url=redis_url,
-                      memory_batches=memory_batches)
+                      memory_batches=memory_batches, resume_from=resume_from, faults=cfg.faults)
 
 
 def make_trainer(cfg: PipelineConfig, job: TrainerJob):
@@ -107,7 +143,7 @@ def make_trainer(cfg: PipelineConfig, job: TrainerJob):
         torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
         run_config=RunConfig(name=cfg.run.name, storage_path=str(job.paths.ray_train),
                              checkpoint_config=CheckpointConfig(num_to_keep=t.keep_checkpoints),
-                             failure_config=FailureConfig(max_failures=0)))
+                             failure_config=FailureConfig(max_failures=t.max_failures)))
 
 
 @dataclass
@@ -120,8 +156,9 @@ class Stages:
 
 
 @contextlib.contextmanager
-def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str) -> Iterator[Stages]:
-    """The indexer and batcher actors, named in the run's namespace, running until the block ends."""
+def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: int = 0) -> Iterator[Stages]:
+    """The indexer and batcher actors, named in the run's namespace, running until the block ends. `floor`: the
+    oldest index version the run still needs (the indexer builds it again if it is missing)."""
     import ray
 
     from services.batcher.actor import Batcher
@@ -132,9 +169,10 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str) -> Iter
     workers = [IndexerWorker.options(name=f"marge-indexer-{i}", namespace=namespace, num_cpus=ix.num_cpus_per_worker,
                                      num_gpus=ix.num_gpus_per_worker if ix.use_gpu else 0, resources=dict(ix.resources))
                .remote(ix, paths, cfg.run.seed, i) for i in range(ix.num_workers)]
-    coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(ix, paths, workers)
-    batcher = Batcher.options(name="marge-batcher", namespace=namespace).remote(cfg.batcher, cfg.queue, paths,
-                                                                                 cfg.run.seed, redis_url)
+    coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(
+        ix, paths, workers, floor)
+    batcher = Batcher.options(name="marge-batcher", namespace=namespace).remote(
+        cfg.batcher, cfg.queue, paths, cfg.run.seed, redis_url, cfg.slots(), cfg.version_plan(), cfg.faults)
     try:
         yield Stages(coordinator, batcher, {"indexer": coordinator.run.remote(), "batcher": batcher.run.remote()})
     finally:
@@ -146,8 +184,9 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str) -> Iter
 
 
 def supervise(trainer, stages: Stages, queue: BatchQueue, progress: Progress, progress_every_s: float):
-    """Run the trainer to its end, with a progress line per stage every `progress_every_s`. A stage that dies,
-    or an interrupt, asks the trainers to stop at their next step boundary (they checkpoint) and re-raises."""
+    """Run the trainer to its end, with a progress line per stage every `progress_every_s`. Killed actors are restarted by Ray, killed trainer workers by Ray Train (`trainer.max_failures`);
+    a stage's `run` that fails for good, or an interrupt, asks the trainers to stop at their next step boundary
+    (they checkpoint) and re-raises."""
     import ray
 
     outcome: dict = {}
@@ -185,7 +224,8 @@ def supervise(trainer, stages: Stages, queue: BatchQueue, progress: Progress, pr
     return outcome["result"]
 
 
-def summarize(paths: RunPaths, queue: BatchQueue, stages: Stages, result, started: float) -> dict:
+def summarize(paths: RunPaths, queue: BatchQueue, stages: Stages, result, started: float, point: ResumePoint,
+              redis: RedisEndpoint) -> dict:
     """The run in one JSON object (the driver's last stdout line); figures over the whole run come from
     train_log.jsonl, which keeps every update (Redis keeps only the newest)."""
     import ray
@@ -198,11 +238,13 @@ def summarize(paths: RunPaths, queue: BatchQueue, stages: Stages, result, starte
     index = latest_version(paths.index)
     checkpoint = result.checkpoint.path if result is not None and result.checkpoint is not None else None
     return {
-        "steps": last.get("step", 0), "index_versions": sorted({v for r in records for v in r["index_versions"]}),
+        "steps": last.get("step", 0), "resumed_from_step": point.step,
+        "index_versions": sorted({v for r in records for v in r["index_versions"]}),
         "index_versions_built": len(idx["history"]), "latest_index_version": index.version if index else None,
-        "batches_produced": counts.get("produced", 0), "batches_acked": counts.get("acked", 0),
-        "batches_pending": counts["depth"], "batches_dead_lettered": counts.get("dead_lettered", 0),
-        "batches_redelivered": counts.get("redelivered", 0), "trained_twice": counts.get("trained_twice", 0),
+        "batches_produced": counts.get("produced", 0), "batches_trained": counts.get("trained", 0),
+        "batches_committed_through_step": counts["committed_step"], "batches_pending": counts["pending"],
+        "batches_dead_lettered": counts.get("dead_lettered", 0), "trained_twice": counts.get("trained_twice", 0),
+        "redis_restarts": redis.restarts,
         "tokens_per_s": last.get("tokens_per_s", 0.0), "target_tokens_per_s": last.get("target_tokens_per_s", 0.0),
         "wait_share": last.get("wait_share", 0.0),
         "loss_first": records[0]["loss"] if records else None, "loss_last": last.get("loss"),

@@ -1,9 +1,10 @@
 """`marge plan`: does the indexer pool keep up with the trainers? A capacity model of one run's refresh loop.
 
-The loop (paper §2.4): every `indexer.reindex_every` updates the trainers publish g, the indexer pool embeds the
-whole corpus with it and links it, and the batcher switches to the new graph. What a run needs to know before
-it starts is whether a refresh fits in the time the trainers take for `reindex_every` updates, how stale the
-batches will be, and what the queue costs in Redis.
+The loop (paper §2.4): every `indexer.reindex_every` (R) updates the trainers publish g, the indexer pool embeds
+the whole corpus with it and links it, and `batcher.index_lag` (L) updates after the snapshot the batches switch
+to the new graph (a fixed step: `marge.protocol.VersionPlan`). What a run needs to know before it starts is
+whether a refresh is built within those L updates (else the trainers wait for it), and what the queue costs
+in Redis; the staleness of the batches is fixed by the schedule.
 
 Costs come from throughput measured on real hardware (`marge plan --measure`: one indexer worker embedding
 corpus documents, one trainer worker training on corpus batches, the config's model, this machine), kept as
@@ -17,10 +18,10 @@ on: at a given device and batch shape, time scales with FLOPs):
 and from them
 
     seconds per update       update FLOPs / (trainer workers x trainer FLOP/s)
-    refresh interval         reindex_every x seconds per update
+    refresh interval         R x seconds per update
     build time               corpus embedding + linking FLOPs / (indexer workers x indexer FLOP/s)
-    staleness (updates)      a batch's trainer step minus the snapshot its index came from: from the build
-                             time in updates to that + reindex_every, + the queue's depth in updates
+    trainer wait             per refresh: build time - L x seconds per update, when positive
+    staleness (updates)      a batch's trainer step minus the snapshot its index came from: L to L + R - 1
     Redis memory             queue depth x batch message size (4 bytes a token + header)
 """
 
@@ -77,29 +78,31 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
                                * training_flops_per_token(model_cfg, evidence_per_target_tokens))
     seconds_per_update = update_flops_per_worker / rates.train_flops_per_s
     refresh_interval_s = cfg.indexer.reindex_every * seconds_per_update
+    version_plan = cfg.version_plan()
+    head_start_s = version_plan.lag * seconds_per_update
     docs_per_shard = min(documents, cfg.data.docs_per_shard)
     build_flops = (documents * embed_flops_per_document(model_cfg, mean_document_tokens)
                    + link_flops(documents, docs_per_shard, languages, model_cfg.d_model))
     one_worker_build_s = build_flops / rates.embed_flops_per_s
     build_s = one_worker_build_s / cfg.indexer.num_workers
-    build_updates = build_s / seconds_per_update
+    wait_s = max(0.0, build_s - head_start_s)
     queue_updates = cfg.queue.max_depth / batches_per_update
-    keeps_up = build_s <= refresh_interval_s
-    # an index that takes longer than the interval is rebuilt back to back: each one serves `build_updates`
-    serves_updates = max(cfg.indexer.reindex_every, build_updates)
     message_bytes = 4 * cfg.batcher.max_tokens + HEADER_BYTES_PER_DOCUMENT * cfg.batcher.max_tokens / max(mean_document_tokens, 1)
     return {
         "documents": documents, "mean_document_tokens": round(mean_document_tokens, 1),
         "throughput": asdict(rates),
         "seconds_per_update": seconds_per_update,
         "refresh_interval_s": refresh_interval_s,
+        "index_lag_updates": version_plan.lag,
         "build_s": build_s,
         "build_s_one_worker": one_worker_build_s,
-        "keeps_up": keeps_up,
-        "indexer_workers_needed": max(1, math.ceil(one_worker_build_s / refresh_interval_s)),
-        "share_of_corpus_refreshable": min(1.0, refresh_interval_s / build_s),
-        "staleness_updates": {"min": build_updates, "mean": build_updates + serves_updates / 2 + queue_updates,
-                              "max": build_updates + serves_updates + queue_updates},
+        "keeps_up": wait_s == 0.0,
+        "trainer_wait_per_refresh_s": wait_s,
+        "trainer_wait_share": wait_s / (refresh_interval_s + wait_s),
+        "indexer_workers_needed": max(1, math.ceil(one_worker_build_s / max(head_start_s, 1e-9))),
+        "share_of_corpus_refreshable": min(1.0, head_start_s / build_s) if build_s else 1.0,
+        "staleness_updates": {"min": version_plan.lag, "mean": version_plan.lag + (cfg.indexer.reindex_every - 1) / 2,
+                              "max": version_plan.lag + cfg.indexer.reindex_every - 1},
         "queue_depth_updates": queue_updates,
         "redis_queue_bytes": cfg.queue.max_depth * message_bytes,
     }
@@ -111,9 +114,11 @@ def describe(plan: dict, cfg: PipelineConfig) -> list[str]:
         f"{plan['documents']:,} documents of {plan['mean_document_tokens']:.0f} tokens; {plan['throughput']['source']}",
         f"one update: {plan['seconds_per_update']:.3g} s -> refresh interval {cfg.indexer.reindex_every} updates = "
         f"{plan['refresh_interval_s']:.3g} s",
-        f"one refresh with {cfg.indexer.num_workers} indexer worker(s): {plan['build_s']:.3g} s "
-        f"({'keeps up' if plan['keeps_up'] else 'does NOT keep up'}; {plan['indexer_workers_needed']} needed for a full "
-        f"refresh, or refresh {100 * plan['share_of_corpus_refreshable']:.0f}% of the corpus)",
+        f"one refresh with {cfg.indexer.num_workers} indexer worker(s): {plan['build_s']:.3g} s, due "
+        f"{plan['index_lag_updates']} updates after its snapshot "
+        f"({'keeps up' if plan['keeps_up'] else 'does NOT keep up: the trainers wait %.3g s per refresh, %.0f%% of their time' % (plan['trainer_wait_per_refresh_s'], 100 * plan['trainer_wait_share'])}; "
+        f"{plan['indexer_workers_needed']} worker(s) needed, or refresh {100 * plan['share_of_corpus_refreshable']:.0f}% "
+        "of the corpus)",
         f"batch staleness: {s['min']:.0f} to {s['max']:.0f} updates (mean {s['mean']:.0f}); the queue holds "
         f"{plan['queue_depth_updates']:.1f} updates = {plan['redis_queue_bytes'] / 2**20:.1f} MiB of Redis memory",
     ]
@@ -130,10 +135,11 @@ def warn_if_behind(cfg: PipelineConfig, model_cfg: MargeConfig, corpus, rates: T
     plan = plan_capacity(cfg, model_cfg, m["num_documents"], m["num_tokens"] / max(1, m["num_documents"]),
                          len(m["languages"]), rates)
     if not plan["keeps_up"]:
-        log.warning("the indexer pool cannot keep up: one refresh takes about %.0f s but %d updates take about %.0f s "
-                    "(%s); raise indexer.num_workers to %d, or indexer.reindex_every, or expect batches up to %.0f "
-                    "updates stale", plan["build_s"], cfg.indexer.reindex_every, plan["refresh_interval_s"],
-                    plan["throughput"]["source"], plan["indexer_workers_needed"], plan["staleness_updates"]["max"])
+        log.warning("the indexer pool cannot keep up: one refresh takes about %.0f s but is due %d updates (about "
+                    "%.0f s) after its snapshot (%s); raise indexer.num_workers to %d, or batcher.index_lag, or expect "
+                    "the trainers to wait about %.0f s per refresh", plan["build_s"], plan["index_lag_updates"],
+                    plan["index_lag_updates"] * plan["seconds_per_update"], plan["throughput"]["source"],
+                    plan["indexer_workers_needed"], plan["trainer_wait_per_refresh_s"])
     return plan
 
 

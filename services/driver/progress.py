@@ -22,8 +22,10 @@ class Progress:
                        f"{h['docs_per_s']:.0f} docs/s | link cos {h['linked_cosine']:.3f} vs random {h['random_cosine']:.3f}")
         else:
             out.append("[indexer] building the first index")
-        out.append(f"[batcher] produced {bat['produced']} | queue depth {counts['depth']} | pending {counts['pending']} | "
-                   f"cross-lingual share in batches {100 * bat['crosslingual_share']:.0f}%")
+        waiting = f" | waiting for index v{bat['waiting_for_version']}" if bat["waiting_for_version"] is not None else ""
+        out.append(f"[batcher] produced {bat['produced']} | next slot {counts['next_slot']} | not yet in a checkpoint "
+                   f"{counts['pending']} | dead-lettered {counts.get('dead_lettered', 0)} | cross-lingual share in "
+                   f"batches {100 * bat['crosslingual_share']:.0f}%{waiting}")
         r = self.queue.last_step()
         if r:
             out.append(f"[trainer] step {r['step']}/{self.max_steps} | loss {r['loss']:.3f} | "

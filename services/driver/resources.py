@@ -7,10 +7,11 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.driver.config import PipelineConfig
-from services.driver.redis_server import LocalRedis
+from services.driver.redis_server import LocalRedis, private_conf_dir
 
 log = logging.getLogger("marge.pipeline")
 
@@ -30,17 +31,55 @@ def apply_local_ray_env(cfg: PipelineConfig) -> None:
             os.environ.setdefault(key, value)
 
 
+@dataclass
+class RedisEndpoint:
+    """The run's Redis: its URL, and the private server behind it when the driver runs one."""
+
+    url: str
+    server: LocalRedis | None = None
+    restarts: int = 0
+
+    def keep_alive(self) -> None:
+        """Start the private server again if it died (same port, password and AOF: clients reconnect)."""
+        if self.server is not None and not self.server.alive():
+            log.warning("redis-server (pid %s) died; starting it again on the same port from its AOF", self.server.pid)
+            self.server.restart()
+            self.restarts += 1
+
+    @contextlib.contextmanager
+    def watched(self, every_s: float = 0.2) -> Iterator["RedisEndpoint"]:
+        """`keep_alive` in a thread for the block: the driver's own Redis calls wait (retrying) while it is down."""
+        import threading
+
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(every_s):
+                try:
+                    self.keep_alive()
+                except Exception:  # noqa: BLE001 - logged; tried again at the next tick
+                    log.exception("restarting redis-server failed; trying again")
+
+        thread = threading.Thread(target=watch, name="redis-watchdog", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join(timeout=5)
+
+
 @contextlib.contextmanager
-def redis_for(cfg: PipelineConfig) -> Iterator[str]:
-    """The run's Redis URL: `redis.url` as given, or a private redis-server in the run folder (loopback, random
+def redis_for(cfg: PipelineConfig) -> Iterator[RedisEndpoint]:
+    """The run's Redis: `redis.url` as given, or a private redis-server in the run folder (loopback, random
     password, AOF) for as long as the block runs."""
     if cfg.redis.url:
-        yield cfg.redis.url
+        yield RedisEndpoint(cfg.redis.url)
         return
-    server = LocalRedis.reopen(Path(cfg.run.dir) / "redis", appendfsync=cfg.redis.appendfsync,
-                               maxmemory=cfg.redis.maxmemory)
+    server = LocalRedis.reopen(Path(cfg.run.dir) / "redis", private_conf_dir(Path(cfg.run.dir)),
+                               appendfsync=cfg.redis.appendfsync, maxmemory=cfg.redis.maxmemory)
     with server:
-        yield server.url
+        yield RedisEndpoint(server.url, server)
 
 
 @contextlib.contextmanager
@@ -61,7 +100,8 @@ def ray_for(cfg: PipelineConfig) -> Iterator[None]:
               + cfg.indexer.num_workers * cfg.indexer.num_cpus_per_worker)
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
     ray.init(address="local", namespace=namespace, num_cpus=num_cpus, include_dashboard=cfg.ray.include_dashboard,
-             dashboard_host="127.0.0.1", object_store_memory=cfg.ray.object_store_memory, log_to_driver=False)
+             dashboard_host="127.0.0.1", object_store_memory=cfg.ray.object_store_memory, log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": "services.trainer.loopback.install"})  # DDP's store on loopback
     try:
         yield
     finally:

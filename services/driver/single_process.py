@@ -39,6 +39,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,15 +49,18 @@ import torch
 import yaml
 
 from marge.batch import Batch
-from marge.checkpoint import load_model_weights, restore_training, save_checkpoint
-from marge.config import ConfigError
+from marge.checkpoint import (complete_checkpoints, load_model_weights, newest_good_checkpoint, restore_training,
+                              save_checkpoint)
 from marge.corpus import Corpus
 from marge.evaluation import read_pairs
-from marge.index_store import IndexVersion, commit_version, read_version, staging_dir, version_dirname
+from marge.index_store import IndexVersion, commit_version, drop_versions_after, staging_dir, version_dirname
 from marge.model import Marge, training_flops_per_token
-from marge.snapshot import SnapshotInfo, latest_snapshot, load_relevance_encoder, publish_snapshot
+from marge.protocol import Slots
+from marge.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_encoder, publish_snapshot, read_snapshot,
+                            snapshot_dirname)
 from marge.utils import atomic_directory, atomic_write_text
-from services.batcher.core import DocumentStore, epoch_batches
+from services.batcher.core import DocumentStore
+from services.batcher.schedule import BatchSchedule, wait_for_version
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
 from services.driver.experiment import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
 from services.driver.pipeline import ensure_corpus
@@ -65,7 +69,7 @@ from services.indexer.core import index_build_record, index_shard
 from services.trainer.health import HealthMonitor
 from services.trainer.init import ensure_initial_model
 from services.trainer.objectives import Objectives, PreparedBatch
-from services.trainer.step import build_optimizer, build_scheduler, device_peak_flops, train_step
+from services.trainer.step import build_optimizer, build_scheduler, device_peak_flops, seed_key, train_step
 
 log = logging.getLogger("marge.single_process")
 
@@ -84,55 +88,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The batcher core as a resumable stream
+# The batcher core: the pipeline's schedule, prefetched in a thread
 # ----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class StreamPosition:
-    """Where the batch stream is: index version, pass over its graph, batches of that pass already handed out."""
-
-    version: int = -1
-    epoch: int = 0
-    offset: int = 0
-
-
-class BatchStream:
-    """`epoch_batches` over one committed index version, pass after pass, resumable at a `StreamPosition`.
-
-    Batches are a pure function of (seed, version, epoch, graph), so resuming rebuilds the pass and skips
-    the batches already trained: the resumed run sees the batches an uninterrupted one would have.
-    """
-
-    def __init__(self, docs: DocumentStore, cfg: PipelineConfig):
-        self.docs, self.bcfg, self.seed = docs, cfg.batcher, cfg.run.seed
-        self.index: IndexVersion | None = None
-        self.position = StreamPosition()
-        self._batches = None
-
-    def use(self, index: IndexVersion, position: StreamPosition | None = None) -> None:
-        if position is not None and position.version != index.version:
-            raise ValueError(f"stream position is for index v{position.version}, not v{index.version}")
-        self.index = index
-        self.position = position or StreamPosition(index.version, 0, 0)
-        self._batches = None
-
-    def next(self) -> Batch:
-        for _ in range(2):  # the current pass, else a fresh one
-            if self._batches is None:
-                self._batches = epoch_batches(self.index, self.docs, self.bcfg, self.position.epoch, self.seed)
-                for skipped in range(self.position.offset):
-                    if next(self._batches, None) is None:
-                        raise RuntimeError(f"index v{self.index.version} pass {self.position.epoch} has only {skipped} "
-                                           f"batches, but the checkpoint says {self.position.offset} were trained")
-            batch = next(self._batches, None)
-            if batch is not None:
-                self.position.offset += 1
-                return batch
-            self.position = StreamPosition(self.index.version, self.position.epoch + 1, 0)
-            self._batches = None
-        raise RuntimeError(f"index v{self.index.version} yields no batch: no document has a link "
-                           "(see the index figures in index_builds.jsonl)")
 
 
 @dataclass
@@ -140,56 +97,50 @@ class StepInput:
     step: int
     batches: list[Batch]
     prepared: list[PreparedBatch]
-    position: StreamPosition
-    """The stream just after these batches."""
 
 
 class Prefetcher:
-    """Draws and prepares the next update's batches in a thread while the device trains on this one.
+    """Draws the next update's batches from the batch schedule and prepares them in a thread while the device
+    trains on this one.
 
-    Preparing (augmentation, tensors, pinned copies) is Python and numpy work that would otherwise leave a GPU
-    idle. The thread is the only user of the stream while it runs: `stop()` before switching its index.
+    The schedule (services.batcher.schedule) is the pipeline batcher's: slot n holds the same batch here as in
+    the pipeline's Redis streams, given the same index versions. Preparing (augmentation, tensors, pinned
+    copies) is Python and numpy work that would otherwise leave a GPU idle. When the schedule needs an index
+    version that is not built yet, the thread waits for the main thread to build it.
     """
 
-    def __init__(self, stream: BatchStream, prepare, batches_per_step: int, pin: bool):
+    def __init__(self, schedule: BatchSchedule, start_step: int, prepare, pin: bool):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.stream, self.prepare, self.batches_per_step, self.pin = stream, prepare, batches_per_step, pin
+        self.slots = schedule.slots
+        self.batches = schedule.batches(start_step * self.slots.per_step)
+        self.prepare, self.pin = prepare, pin
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="marge-prefetch")
-        self.pending = None
-        self.position_after_taken = dataclasses.replace(stream.position)
-        """Where the next update's batches start: what a checkpoint taken now records (the prefetched batches
-        are not trained yet, and batches drawn from an index that was replaced since are never trained)."""
+        self.pending = self.pool.submit(self._produce, start_step)
 
-    def _produce(self, step: int) -> StepInput:
-        batches = [self.stream.next() for _ in range(self.batches_per_step)]
-        position = dataclasses.replace(self.stream.position)
-        prepared = [self.prepare(b, step, slot) for slot, b in enumerate(batches)]
+    def _produce(self, step: int) -> StepInput | None:
+        batches = []
+        for expected in range(step * self.slots.per_step, (step + 1) * self.slots.per_step):
+            slot, batch = next(self.batches, (None, None))
+            if slot is None:
+                return None  # stopped while waiting for an index version
+            if slot != expected:
+                raise RuntimeError(f"the batch schedule gave slot {slot} where slot {expected} was due")
+            batches.append(batch)
+        prepared = [self.prepare(b, step, k) for k, b in enumerate(batches)]
         if self.pin:
             prepared = [p.pin_memory() for p in prepared]
-        return StepInput(step, batches, prepared, position)
-
-    def start(self, step: int) -> None:
-        self.position_after_taken = dataclasses.replace(self.stream.position)
-        self.pending = self.pool.submit(self._produce, step)
+        return StepInput(step, batches, prepared)
 
     def take(self, step: int) -> StepInput:
         item = self.pending.result()
-        if item.step != step:
-            raise RuntimeError(f"prefetched batches are for update {item.step}, not {step}")
-        self.position_after_taken = item.position
+        if item is None or item.step != step:
+            raise RuntimeError(f"prefetched batches are for update {item and item.step}, not {step}")
         self.pending = self.pool.submit(self._produce, step + 1)
         return item
 
-    def stop(self) -> None:
-        """Wait for the batches being prepared and drop them (the stream is free afterwards)."""
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
-
     def close(self) -> None:
-        if self.pending is not None:
-            self.pending.cancel()
+        self.pending.cancel()
         self.pool.shutdown(wait=True)
 
 
@@ -233,12 +184,6 @@ class InProcessIndexer:
         self.tokenizer_sha256 = corpus.tokenizer().sha256
         self.builds_log = self.run_dir / "index_builds.jsonl"
 
-    def build(self, model: Marge, step: int, version: int) -> IndexVersion:
-        """Snapshot `model` at `step` (the indexer reads g from the snapshot, as in the pipeline) and index it."""
-        started = time.time()
-        snapshot = publish_snapshot(self.run_dir / "snapshots", model, step, self.tokenizer_sha256)
-        return self.index_snapshot(snapshot, version, started)
-
     def index_snapshot(self, snapshot: SnapshotInfo, version: int, started: float | None = None) -> IndexVersion:
         started = started or time.time()
         encoder = load_relevance_encoder(snapshot, self.device)
@@ -273,20 +218,6 @@ def checkpoint_root(cfg: PipelineConfig) -> Path:
     return Path(cfg.run.dir) / "checkpoints"
 
 
-def complete_checkpoints(cfg: PipelineConfig) -> list[Path]:
-    return sorted(p for p in checkpoint_root(cfg).glob("step-*") if (p / "manifest.json").exists())
-
-
-def check_single_process_config(cfg: PipelineConfig) -> None:
-    """What the single process cannot honour, refused before anything starts."""
-    if cfg.batcher.epochs_per_version:
-        raise ConfigError("batcher.epochs_per_version must be 0 with --single-process: the index is rebuilt every "
-                          "indexer.reindex_every updates, and a batcher that waits for it would wait forever")
-    if cfg.trainer.max_staleness:
-        raise ConfigError("trainer.max_staleness must be 0 with --single-process: batches are never stale by more "
-                          "than indexer.reindex_every updates, and nothing would replace a dropped batch")
-
-
 class SingleProcessRun:
     """One resumable single-process learning experiment in `out_dir` (see the module docstring)."""
 
@@ -302,7 +233,11 @@ class SingleProcessRun:
         self.probe = self.monitor.probe
         self.indexer = InProcessIndexer(cfg, self.corpus, device)
         self.docs = DocumentStore(self.corpus)
-        self.stream = BatchStream(self.docs, cfg)
+        self.slots = Slots(cfg.trainer.num_workers, cfg.trainer.grad_accum)
+        self.plan = cfg.version_plan()
+        self.stop_waiting = threading.Event()
+        self.schedule = BatchSchedule(self.docs, cfg.batcher, cfg.run.seed, self.slots, self.plan,
+                                      lambda v: wait_for_version(self.paths.index, v, self.stop_waiting))
         self.train_log = Path(cfg.run.dir) / "train_log.jsonl"
         self.evals_log = self.out_dir / "checkpoint_evals.jsonl"
 
@@ -322,29 +257,21 @@ class SingleProcessRun:
         model = load_model_weights(self.paths.init_weights).to(self.device).train()
         optimizer = build_optimizer(model, cfg.trainer)
         scheduler = build_scheduler(optimizer, cfg.trainer, cfg.run.max_steps)
-        state = {"step": 0, "tokens_seen": 0, "target_tokens_seen": 0, "train_seconds": 0.0, "indexed_step": 0,
-                 "consumed_batches": []}
-        checkpoints = complete_checkpoints(cfg)
-        if self.resume and checkpoints:
-            path = checkpoints[-1]
-            saved = restore_training(path, model, optimizer, scheduler, self.device)
+        state = {"step": 0, "tokens_seen": 0, "target_tokens_seen": 0, "train_seconds": 0.0}
+        checkpoint = newest_good_checkpoint(checkpoint_root(cfg)) if self.resume else None
+        if checkpoint is not None:
+            saved = restore_training(checkpoint, model, optimizer, scheduler, self.device)
             state = {k: saved[k] for k in state}
-            position = StreamPosition(**saved["stream"])
-            self._forget_after(state["step"], position.version)
-            self.stream.use(read_version(Path(cfg.run.dir) / "index" / version_dirname(position.version)), position)
-            log.info("resumed at step %d from %s (index v%d, pass %d, %d batches into it)", state["step"], path,
-                     position.version, position.epoch, position.offset)
-        else:  # a new run, or one stopped before its first checkpoint: start at step 0
-            if self.resume:
-                log.info("%s has no checkpoint yet: starting it at step 0", self.out_dir)
-                self._forget_after(0, 0)
-            snapshot = latest_snapshot(Path(cfg.run.dir) / "snapshots")  # step 0, published by ensure_initial_model
-            self.stream.use(self.indexer.index_snapshot(snapshot, version=0))
+            log.info("resumed at step %d from %s", state["step"], checkpoint)
+        elif self.resume:
+            log.info("%s has no checkpoint yet: starting it at step 0", self.out_dir)
+        self._forget_after(state["step"])
+        self._build_missing_versions(state["step"])
         return model, optimizer, scheduler, state
 
-    def _forget_after(self, step: int, version: int) -> None:
-        """A chunk that died after its last checkpoint left log lines, evaluations and index versions from updates
-        the checkpoint does not hold: drop them, so that the resumed run writes them once."""
+    def _forget_after(self, step: int) -> None:
+        """A chunk that died after its last checkpoint left log lines, evaluations, snapshots and index versions
+        from updates the checkpoint does not hold: drop them, so that the resumed run writes them once."""
         def keep_lines(path: Path, keep) -> None:
             if path.exists():
                 lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -352,10 +279,18 @@ class SingleProcessRun:
 
         keep_lines(self.train_log, lambda record: record["step"] <= step)
         keep_lines(self.evals_log, lambda record: record["step"] <= step)
-        keep_lines(self.indexer.builds_log, lambda record: record["version"] <= version)
-        for newer in (Path(self.cfg.run.dir) / "index").glob("v[0-9]*"):
-            if int(newer.name[1:]) > version:
-                shutil.rmtree(newer)
+        keep_lines(self.indexer.builds_log, lambda record: record["snapshot_step"] <= step)
+        drop_snapshots_after(self.paths.snapshots, max(step, 0))
+        drop_versions_after(self.paths.index, step)
+
+    def _build_missing_versions(self, step: int) -> None:
+        """Index versions the next updates need that are not on disk (dropped, pruned, or never built because
+        the chunk died first), built from their snapshots."""
+        needed = range(self.plan.version_for_step(step), step // self.plan.reindex_every + 1)
+        for version in needed:
+            if not (self.paths.index / version_dirname(version) / "manifest.json").exists():
+                snapshot = read_snapshot(self.paths.snapshots / snapshot_dirname(self.plan.snapshot_step(version)))
+                self.indexer.index_snapshot(snapshot, version)
 
     # --- the loop -----------------------------------------------------------------------------------
 
@@ -366,17 +301,16 @@ class SingleProcessRun:
         corpus_tokens = list(self.docs.tokens.values()) if cfg.objectives.needs_corpus else None
         objectives = Objectives(cfg.objectives, self.tokenizer.specials, corpus_tokens)
 
-        def prepare(batch: Batch, step: int, slot: int) -> PreparedBatch:
-            return objectives.prepare(batch, (cfg.run.seed, step, slot))
+        def prepare(batch: Batch, step: int, position: int) -> PreparedBatch:
+            return objectives.prepare(batch, seed_key(cfg.run.seed, self.slots, self.slots.slot(step, 0, position)))
 
-        prefetcher = Prefetcher(self.stream, prepare, t.num_workers * t.grad_accum, pin=device.type == "cuda")
+        step = state["step"]
+        prefetcher = Prefetcher(self.schedule, step, prepare, pin=device.type == "cuda")
         meter = ChunkMeter(model.cfg, device_peak_flops(device))
         deadline = time.perf_counter() + 60 * minutes
         next_progress = time.perf_counter() + cfg.run.progress_every_s
-        step = state["step"]
         log.info("training on %s for %.1f min from step %d (%d batches per update, bf16 %s)", device, minutes, step,
-                 prefetcher.batches_per_step, t.bf16)
-        prefetcher.start(step)
+                 self.slots.per_step, t.bf16)
         try:
             while step < cfg.run.max_steps and time.perf_counter() < deadline:
                 item = prefetcher.take(step)
@@ -385,24 +319,25 @@ class SingleProcessRun:
                 step += 1
                 line = self.step_record(step, record, item.batches, meter, state)
                 if step % t.snapshot_every == 0:
-                    line["health"] = self.snapshot_and_reindex(model, step, state, prefetcher)
+                    line["health"] = self.snapshot_and_reindex(model, step)
                 with open(self.train_log, "a", encoding="utf-8") as f:
                     f.write(json.dumps(line) + "\n")
                 if step % t.checkpoint_every == 0:
-                    self.checkpoint(model, optimizer, scheduler, step, state, meter.elapsed(),
-                                    prefetcher.position_after_taken)
+                    self.checkpoint(model, optimizer, scheduler, step, state, meter.elapsed())
                 if time.perf_counter() >= next_progress:
-                    log.info("step %d | loss %.3f | %.0f tok/s (%.0f target)%s | beta %.3f | index v%d | %.1f/%.1f min",
+                    log.info("step %d | loss %.3f | %.0f tok/s (%.0f target)%s | beta %.3f | index v%s | %.1f/%.1f min",
                              step, record.loss, line["tokens_per_s"], line["target_tokens_per_s"],
                              f" | MFU {100 * line['mfu']:.1f}%" if "mfu" in line else "", float(np.mean(record.beta)),
-                             self.stream.index.version, meter.elapsed() / 60, minutes)
+                             ",".join(map(str, line["index_versions"])), meter.elapsed() / 60, minutes)
                     next_progress = time.perf_counter() + cfg.run.progress_every_s
         finally:
+            self.stop_waiting.set()  # a prefetch waiting for an index version this chunk will not build
             prefetcher.close()
+            self.stop_waiting.clear()
         state["train_seconds"] += meter.elapsed()
-        last = complete_checkpoints(cfg)
+        last = complete_checkpoints(checkpoint_root(cfg))
         if not last or int(last[-1].name.split("-")[1]) != step:  # the resume point of the next chunk
-            self.checkpoint(model, optimizer, scheduler, step, state, 0.0, prefetcher.position_after_taken)
+            self.checkpoint(model, optimizer, scheduler, step, state, 0.0)
         return {"steps": step, "chunk_steps": meter.steps, "chunk_seconds": round(meter.elapsed(), 1),
                 **{k: meter.rates()[k] for k in ("tokens_per_s", "target_tokens_per_s", "mfu")},
                 "train_seconds": state["train_seconds"], "model": model}
@@ -413,11 +348,12 @@ class SingleProcessRun:
         meter.add(tokens, record.target_tokens)
         state["tokens_seen"] += tokens
         state["target_tokens_seen"] += record.target_tokens
-        state["consumed_batches"] = [*state["consumed_batches"][-10000:], *record.batch_ids]
         rates = meter.rates()
         line = {"step": step, "loss": record.loss, "objectives": record.objectives, "lr": record.lr,
                 "grad_norm": record.grad_norm, "beta": record.beta,
-                "batch_ids": record.batch_ids, "index_versions": sorted(set(record.index_versions)),
+                "slots": [self.slots.slot(step - 1, 0, k) for k in range(len(batches))],
+                "batch_ids": record.batch_ids, "dead_lettered": [slot for slot, _ in record.dead_lettered],
+                "index_versions": sorted(set(record.index_versions)),
                 "snapshot_steps": sorted(set(record.snapshot_steps)),
                 "staleness_max": max(step - 1 - s for s in record.snapshot_steps), "step_seconds": record.seconds,
                 "tokens": tokens, "target_tokens": record.target_tokens, "tokens_per_s": rates["tokens_per_s"],
@@ -427,29 +363,24 @@ class SingleProcessRun:
             line["mfu"] = rates["mfu"]
         return line
 
-    def snapshot_and_reindex(self, model: Marge, step: int, state: dict, prefetcher: "Prefetcher") -> dict:
-        """Publish g, measure retrieval health, and rebuild the index when `indexer.reindex_every` updates have
-        passed since the last build (the batches prefetched from the old index are dropped)."""
-        snapshot = publish_snapshot(Path(self.cfg.run.dir) / "snapshots", model, step, self.tokenizer.sha256)
+    def snapshot_and_reindex(self, model: Marge, step: int) -> dict:
+        """Publish g and measure retrieval health; at a multiple of `indexer.reindex_every`, build the version
+        the schedule gives that snapshot (its batches are trained `batcher.index_lag` updates later, as in the
+        pipeline)."""
+        snapshot = publish_snapshot(self.paths.snapshots, model, step, self.tokenizer.sha256)
         health = self.monitor.measure(model, self.device)
         model.train()
         log.info("health at step %d: %s", step, {k: (round(v, 4) if isinstance(v, float) else v)
                                                  for k, v in health.items() if k != "p_at_1"})
-        if step - state["indexed_step"] >= self.cfg.indexer.reindex_every:
-            prefetcher.stop()
-            self.stream.use(self.indexer.index_snapshot(snapshot, self.stream.index.version + 1))
-            state["indexed_step"] = step
-            prefetcher.start(step)
+        if step % self.plan.reindex_every == 0:
+            self.indexer.index_snapshot(snapshot, step // self.plan.reindex_every)
         return health
 
-    def checkpoint(self, model: Marge, optimizer, scheduler, step: int, state: dict, chunk_seconds: float,
-                   position: StreamPosition) -> Path:
-        """The whole training state as a pipeline-format checkpoint, with `position`, the batch stream just after
-        this update's batches; then its held-out evaluation. Checkpoints beyond `trainer.keep_checkpoints` go."""
+    def checkpoint(self, model: Marge, optimizer, scheduler, step: int, state: dict, chunk_seconds: float) -> Path:
+        """The whole training state as a pipeline-format checkpoint, then its held-out evaluation. Checkpoints
+        beyond `trainer.keep_checkpoints` go."""
         # train_seconds counts the chunks before this one plus this chunk so far
-        saved_state = {**state, "step": step, "train_seconds": state["train_seconds"] + chunk_seconds,
-                       "stream": dataclasses.asdict(position),
-                       "consumed_batches": list(state["consumed_batches"])}
+        saved_state = {**state, "step": step, "train_seconds": state["train_seconds"] + chunk_seconds}
         target = checkpoint_root(self.cfg) / f"step-{step:08d}"
         with atomic_directory(target, overwrite=True) as tmp:
             save_checkpoint(tmp, model, optimizer, scheduler, step, self.corpus.root, saved_state)
@@ -459,7 +390,7 @@ class SingleProcessRun:
         model.train()
         with open(self.evals_log, "a", encoding="utf-8") as f:
             f.write(json.dumps(point) + "\n")
-        for old in complete_checkpoints(self.cfg)[:-max(1, self.cfg.trainer.keep_checkpoints)]:
+        for old in complete_checkpoints(checkpoint_root(self.cfg))[:-max(1, self.cfg.trainer.keep_checkpoints)]:
             shutil.rmtree(old)
         return target
 
@@ -471,7 +402,7 @@ class SingleProcessRun:
                      if self.evals_log.exists() else [])
         records = read_train_log(Path(cfg.run.dir))
         final_model = chunk["model"].eval()
-        checkpoints = complete_checkpoints(cfg)
+        checkpoints = complete_checkpoints(checkpoint_root(cfg))
         pipeline = {"steps": chunk["steps"], "mode": "single-process", "device": device_name(self.device),
                     "tokens_per_s": chunk["tokens_per_s"], "target_tokens_per_s": chunk["target_tokens_per_s"],
                     "mfu": chunk["mfu"], "last_chunk_steps": chunk["chunk_steps"],
@@ -511,7 +442,7 @@ def run_single_process(config: Path | None, overrides: list[str], minutes: float
                              "or start a new run in another --out")
         experiment = json.loads(meta_path.read_text(encoding="utf-8"))
         cfg = load_config(out_dir / "config.yaml", overrides)
-        atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))
     else:
         if meta_path.exists() or (out_dir / "run").exists():
             raise FileExistsError(f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out")
@@ -519,7 +450,6 @@ def run_single_process(config: Path | None, overrides: list[str], minutes: float
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(out_dir / "run"), max_minutes=0.0))
         cfg = with_absolute_paths(cfg)
         experiment = {"mode": "single-process", "chunks": []}
-    check_single_process_config(cfg)
     torch_device = resolve_device(device)
     if torch_device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 parts outside bf16 autocast (loss, norms)
@@ -528,7 +458,7 @@ def run_single_process(config: Path | None, overrides: list[str], minutes: float
     out_dir.mkdir(parents=True, exist_ok=True)
     if not resume:  # the config every later chunk resumes with (and `marge report` reads in run/)
         for path in (out_dir / "config.yaml", Path(cfg.run.dir) / "config.yaml"):
-            atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            atomic_write_text(path, yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))
         atomic_write_text(meta_path, json.dumps(experiment, indent=2) + "\n")
     run = SingleProcessRun(out_dir, cfg, torch_device, resume)
     baselines = run.baselines()

@@ -5,7 +5,9 @@ scoped by the run's Ray namespace). Workers are plain Ray actors with their own 
 (`indexer.num_cpus_per_worker`, `indexer.num_gpus_per_worker`), so the indexer scales on its own:
 more workers index more shards at once. A worker writes its shards' files into the version's
 staging folder; the coordinator commits the version (manifest, rename, LATEST) once every shard is in.
+Version v is always built from the snapshot of update v * reindex_every (the batch schedule relies on it).
 Each actor gets the `indexer:` section, the run's paths and its seed: nothing else of the run's config.
+Killed, an actor is restarted by Ray and the call it was serving is retried (its shards are indexed again).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ import time
 import ray
 
 from marge.corpus import Corpus
-from marge.index_store import commit_version, latest_version, staging_dir
+from marge.index_store import commit_version, latest_version, staging_dir, version_dirname
 from marge.metrics import StageMetrics
 from marge.paths import RunPaths
-from marge.snapshot import latest_snapshot, load_relevance_encoder, read_snapshot, snapshot_dirname
+from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
 from marge.utils import setup_logging
 from services.indexer.config import IndexerConfig
 from services.indexer.core import index_build_record, index_shard
@@ -29,7 +31,7 @@ from services.indexer.core import index_build_record, index_shard
 log = logging.getLogger(__name__)
 
 
-@ray.remote
+@ray.remote(max_restarts=-1, max_task_retries=-1)
 class IndexerWorker:
     def __init__(self, cfg: IndexerConfig, paths: RunPaths, seed: int, worker_index: int):
         import torch
@@ -61,16 +63,23 @@ class IndexerWorker:
         return entries
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
+@ray.remote(num_cpus=0, max_concurrency=4, max_restarts=-1, max_task_retries=-1)
 class IndexCoordinator:
-    """Re-indexes whenever the newest snapshot is `reindex_every` updates past the indexed one."""
+    """Builds version v as soon as the snapshot of update v * reindex_every is published.
 
-    def __init__(self, cfg: IndexerConfig, paths: RunPaths, workers: list):
+    `floor` is the oldest version the run still needs (a resumed run's): a needed version that is missing
+    (pruned, or dropped with a discarded lineage) is built again from its snapshot. The floor rises with the
+    versions built (never below the `keep_versions` newest), so a version pruned on purpose is not rebuilt,
+    also when Ray restarts the actor with its original arguments.
+    """
+
+    def __init__(self, cfg: IndexerConfig, paths: RunPaths, workers: list, floor: int = 0):
         setup_logging()
         self.cfg, self.paths, self.workers = cfg, paths, workers
         self.num_shards = Corpus.open(paths.corpus, verify_checksums=False).num_shards
         self._stop = threading.Event()
         current = latest_version(paths.index)
+        self.floor = max(floor, self._oldest_kept(current.version if current else -1))
         self.version = current.version if current else -1
         self.indexed_step = current.snapshot_step if current else None
         self.history: list[dict] = []
@@ -85,25 +94,31 @@ class IndexCoordinator:
         m.counter("marge_index_versions_built", "Index versions committed")
         m.histogram("marge_index_build_seconds", "Seconds to build one index version", [1, 5, 15, 60, 300, 1800])
 
+    def _oldest_kept(self, newest: int) -> int:
+        return newest + 1 - self.cfg.keep_versions
+
     def due(self) -> int | None:
-        """The snapshot step to index now, or None."""
-        snap = latest_snapshot(self.paths.snapshots)
-        if snap is None:
-            return None
-        if self.indexed_step is None or snap.step >= self.indexed_step + self.cfg.reindex_every:
-            return snap.step
+        """The version to build now (the oldest needed one that is missing and has its snapshot), or None."""
+        latest = latest_version(self.paths.index)
+        newest = latest.version if latest else -1
+        for version in range(max(0, self.floor), newest + 2):
+            if (self.paths.index / version_dirname(version) / "manifest.json").exists():
+                continue
+            if (self.paths.snapshots / snapshot_dirname(version * self.cfg.reindex_every) / "manifest.json").exists():
+                return version
         return None
 
-    def build(self, snapshot_step: int) -> dict:
+    def build(self, version: int) -> dict:
         started = time.time()
-        version = self.version + 1
+        snapshot_step = version * self.cfg.reindex_every
         shards = list(range(self.num_shards))
         n = len(self.workers)
         refs = [w.index_shards.remote(version, snapshot_step, shards[i::n]) for i, w in enumerate(self.workers)
                 if shards[i::n]]
         entries = [e for part in ray.get(refs) for e in part]
         committed = commit_version(self.paths.index, version, snapshot_step, entries, keep_versions=self.cfg.keep_versions)
-        self.version, self.indexed_step = version, snapshot_step
+        self.version, self.indexed_step = max(self.version, version), snapshot_step
+        self.floor = max(self.floor, self._oldest_kept(self.version))
         record = index_build_record(committed, entries, started)
         self.history.append(record)
         m = self.metrics

@@ -43,7 +43,8 @@ class IndexerConfig:
     lets re-indexing use the trainers' slack instead of their time (at the cost of staler indexes)."""
 
     def __post_init__(self) -> None:
-        positive(self, "num_workers", "reindex_every", "batch_tokens", "candidates_per_language", "keep_versions",
+        at_least(self, "keep_versions", 2)  # the version being trained on and the next one
+        positive(self, "num_workers", "reindex_every", "batch_tokens", "candidates_per_language",
                  "num_cpus_per_worker")
         at_least(self, "links_monolingual", 0)
         at_least(self, "links_crosslingual", 0)

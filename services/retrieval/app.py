@@ -117,6 +117,7 @@ def create_app(settings: ServeSettings, holder: IndexHolder | None = None) -> Fa
     app = FastAPI(title="MARGE retrieval service", version=__version__, lifespan=lifespan,
                   description="Search the newest committed MARGE index by text or by document id.")
     app.state.holder = holder
+    app.state.in_flight = in_flight
 
     def authorize(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if settings.token is None:

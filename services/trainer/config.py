@@ -35,8 +35,8 @@ class TrainerConfig:
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per worker, e.g. {marge_trainer: 1}."""
     torch_threads: int = 1
-    max_staleness: int = 0
-    """Batches whose snapshot is more than this many updates old are dead-lettered (0: no limit)."""
+    max_failures: int = 3
+    """Times Ray Train restarts the trainer group from its newest checkpoint after a worker dies (-1: always)."""
 
     def __post_init__(self) -> None:
         positive(self, "num_workers", "lr", "grad_accum", "snapshot_every", "checkpoint_every", "keep_checkpoints",
@@ -46,7 +46,7 @@ class TrainerConfig:
             positive(self, "total_steps")
         at_least(self, "weight_decay", 0)
         at_least(self, "clip_norm", 0)
-        at_least(self, "max_staleness", 0)
+        at_least(self, "max_failures", -1)
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             raise FieldError("adam_betas", self.adam_betas, "two numbers in [0, 1)")
         non_negative_mapping(self, "resources")

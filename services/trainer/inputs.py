@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -62,3 +63,31 @@ def to_model_inputs(batch: Batch, specials: SpecialTokens, attend_to: str = "all
         raise ValueError(f"attend_to must be 'all' or 'linked', got {attend_to!r}")
     return ModelInputs(pad_rows(enc, specials.pad_id), pad_rows(target_enc, specials.pad_id),
                        pad_rows(decoder_in, specials.pad_id), pad_rows(labels, specials.pad_id), allowed_NM, linked_NM)
+
+
+def untrainable(batch: Batch, specials: SpecialTokens, vocab_size: int, max_positions: int) -> str | None:
+    """Why the model cannot take this batch (a token id outside the vocabulary, a document too long for the
+    positions, a language without a token), or None. A batch like that is dead-lettered, never trained."""
+    from marge.batch import decoder_cost, encoder_cost
+
+    for i, tokens in enumerate(batch.doc_tokens):
+        tokens = np.asarray(tokens)
+        if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+            return (f"document {int(batch.doc_ids[i])} has token id {int(tokens.max()) if tokens.max() >= vocab_size else int(tokens.min())} "
+                    f"outside the vocabulary (0..{vocab_size - 1})")
+        if max(encoder_cost(len(tokens)), decoder_cost(len(tokens))) > max_positions:
+            return f"document {int(batch.doc_ids[i])} has {len(tokens)} tokens, more than model.max_positions allows"
+    unknown = sorted({batch.doc_langs[i] for i in batch.targets} - set(specials.lang_ids))
+    if unknown:
+        return f"target language(s) {unknown} have no language token in the tokenizer"
+    return None
+
+
+def substitute_batch(specials: SpecialTokens) -> Batch:
+    """A two-document batch any model can take: trained with weight 0 in place of a dead-lettered batch, so that
+    the rank still joins the update's gradient all-reduce (with a zero gradient)."""
+    lang = next(iter(specials.lang_ids))
+    tokens = np.array([specials.eos_id, specials.eos_id], dtype=np.int32)
+    return Batch("substitute", -1, -1, np.array([-1, -2], dtype=np.int64), (lang, lang), (tokens, tokens),
+                 np.array([0], dtype=np.int32), np.array([1], dtype=np.int32), np.array([[0, 0]], dtype=np.int32),
+                 np.ones(1, dtype=np.float32))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marge.faults import FaultsConfig
 from marge.paths import RunPaths
 from marge.protocol import QueueConfig
 from services.trainer.config import HealthConfig, TrainerConfig
@@ -27,3 +28,7 @@ class TrainerJob:
     """The queue's Redis; None with `memory_batches`."""
     memory_batches: list[list] | None = field(default=None, compare=False)
     """One list of batches per rank instead of the queue: the benchmark's and parity tests' in-process feed."""
+    resume_from: str | None = None
+    """The checkpoint the driver chose to resume from, used when Ray Train's newest one is missing or corrupt."""
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    """Test-only fault injection (marge.faults)."""

@@ -1,17 +1,23 @@
 """The trainer stage: the per-worker loop that Ray Train's TorchTrainer runs on every DDP rank.
 
-Each update, told top to bottom in `train_loop_per_worker`:
+Each update s, told top to bottom in `Rank.run`:
 
-    next batches      every rank takes `grad_accum` batches from its source (the Redis stream through the
-                      consumer group, or memory); the ranks agree (one all-reduce) that all have them
-    forward/backward  each rank runs the objectives on its batches (relevance recomputed with gradients
-                      from the batch tokens); DDP averages the gradients
-    step              the optimizer steps (never on a non-finite gradient)
-    acknowledge       each rank acknowledges its batches, only after the step that used them
-    log               rank 0 writes one record for the update (every rank's batches, the mean loss)
+    next batches      every rank takes its `grad_accum` slots of update s from its source (its stream in the
+                      run's Redis, or memory), waiting for them; the ranks agree (one all-reduce) that all have
+                      them, or all stop (stop asked, time up)
+    forward/backward  each rank runs the objectives on its batches (`backward_items`, the step the reference
+                      loop and the single process share; relevance recomputed with gradients from the batch
+                      tokens); a batch the model cannot take, or whose loss is not finite, is left out (its
+                      place taken by a zero-weight substitute, so the update goes on) and kept with the reason;
+                      DDP averages the gradients
+    step              the optimizer steps (an update whose gradient is not finite is skipped, its batches
+                      dead-lettered)
+    log               rank 0 writes one record for the update (every rank's slots, the mean loss)
     snapshot          every `snapshot_every` updates rank 0 publishes g and measures retrieval health
-    checkpoint        every `checkpoint_every` updates all ranks report the training state, so a resubmitted
-                      job (same run name and folder) resumes where it stopped
+    checkpoint        every `checkpoint_every` updates all ranks report the training state (every rank's
+                      batches and RNG); once it is durable each rank commits its batches and dead-letters the
+                      ones it could not train: only then do they count (marge.protocol), so a crash anywhere
+                      loses none of them and counts none twice
 """
 
 from __future__ import annotations
@@ -24,18 +30,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from marge.checkpoint import load_model_weights
+from marge.checkpoint import load_model_weights, rng_state, set_rng_state
 from marge.corpus import Corpus
 from marge.metrics import StageMetrics
-from marge.protocol import Delivery
+from marge.protocol import Delivery, Slots
 from marge.snapshot import publish_snapshot
 from marge.utils import setup_logging
 from services.trainer.health import HealthMonitor
 from services.trainer.job import TrainerJob
 from services.trainer.objectives import Objectives
 from services.trainer.source import source_for
-from services.trainer.state import recent_batches, report_checkpoint, resume
-from services.trainer.step import build_optimizer, build_scheduler, forward_backward, maybe_no_sync, optimizer_step
+from services.trainer.state import report_checkpoint, resume, truncate_log
+from services.trainer.step import Backward, Item, backward_items, build_optimizer, build_scheduler, update
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +85,7 @@ HEALTH_GAUGES = {
 
 def trainer_metrics(run: str, rank: int, with_health: bool) -> StageMetrics:
     m = StageMetrics("trainer", run, rank=str(rank))
-    m.counter("marge_batches_acked", "Batches trained and acknowledged")
+    m.counter("marge_batches_trained", "Batches trained (they count once the next checkpoint is durable)")
     m.gauge("marge_trainer_tokens_per_second", "Evidence + target tokens per second")
     m.gauge("marge_trainer_loss", "Mean target-token NLL of the last step")
     m.gauge("marge_trainer_beta", "Relevance bias weight beta")
@@ -92,116 +98,149 @@ def trainer_metrics(run: str, rank: int, with_health: bool) -> StageMetrics:
     return m
 
 
-def take_batches(source, step: int, count: int, world_ready) -> list[Delivery] | None:
-    """`count` batches for this rank, or None when any rank cannot get its own (then every rank stops)."""
-    deliveries = []
-    for _ in range(count):
-        delivery = source.next(step)
-        if delivery is None:
-            break
-        deliveries.append(delivery)
-    ready = torch.tensor([1.0 if len(deliveries) == count else 0.0])
-    world_ready(ready)
-    return deliveries if ready.item() == 1 else None  # unread or untrained batches stay pending: redelivered later
-
-
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train's entry point on every rank: `config["job"]` is the `TrainerJob`."""
-    run_rank(config["job"])
-
-
-def run_rank(job: TrainerJob) -> None:
-    import ray.train
-    import ray.train.torch
-
     setup_logging()
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    t = job.trainer
-    torch.set_num_threads(t.torch_threads)
-    torch.manual_seed(job.seed + rank)
-    device = ray.train.torch.get_device()
-    corpus = Corpus.open(job.paths.corpus, verify_checksums=False)
-    tokenizer = corpus.tokenizer()
-    model = load_model_weights(job.paths.init_weights).to(device)
-    optimizer = build_optimizer(model, t)
-    scheduler = build_scheduler(optimizer, t, job.max_steps)
-    step, consumed, tokens_seen = resume(model, optimizer, scheduler, device)
-    if step:
-        log.info("rank %d resumed from step %d (%d batches consumed)", rank, step, len(consumed))
-    ddp_model = ray.train.torch.prepare_model(model)  # DDP (gloo on CPU, NCCL on GPU)
-    corpus_tokens = [tok for s in range(corpus.num_shards) for tok in corpus.read_shard(s).tokens] \
-        if job.objectives.needs_corpus else None
-    objectives = Objectives(job.objectives, tokenizer.specials, corpus_tokens)
-    source = source_for(job, rank, consumed)
-    metrics = trainer_metrics(job.paths.name, rank, with_health=rank == 0)
-    health = HealthMonitor(job.health, job.heldout_pairs, tokenizer, seed=job.seed) if rank == 0 else None
-    speed, last_metrics, last_checkpoint = Throughput(), {}, step
-
-    def all_ranks_ready(flag: torch.Tensor) -> None:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-
-    while step < job.max_steps:
-        t_wait = time.perf_counter()
-        deliveries = take_batches(source, step, t.grad_accum, all_ranks_ready)
-        speed.waited(time.perf_counter() - t_wait)
-        if deliveries is None:
-            log.info("rank %d stopping at step %d (stop requested, time up or no batches left)", rank, step)
-            break
-
-        t_step = time.perf_counter()
-        results = []
-        for i, d in enumerate(deliveries):
-            prepared = objectives.prepare(d.batch, (job.seed, step, rank * t.grad_accum + i))
-            with maybe_no_sync(ddp_model, i < len(deliveries) - 1):
-                results.append(forward_backward(ddp_model, objectives, prepared, 1.0 / len(deliveries), device, t.bf16))
-        lr = optimizer.param_groups[0]["lr"]
-        grad_norm = optimizer_step(ddp_model, optimizer, scheduler, t.clip_norm)
-        step += 1
-        source.ack(deliveries, step)  # only after the optimizer step that used them
-        consumed.extend(d.batch.batch_id for d in deliveries)
-
-        record = step_record(step, deliveries, results, lr, grad_norm, model, world, t_step)
-        speed.tokens += record["tokens"]
-        speed.target_tokens += record["target_tokens"]
-        tokens_seen += record["target_tokens"]
-        for d in deliveries:
-            metrics.observe("marge_batch_staleness_steps", step - 1 - d.batch.snapshot_step)
-        metrics.inc("marge_batches_acked", len(deliveries))
-        if rank == 0:
-            record.update(speed.snapshot(), time=time.time())
-            last_metrics = {"step": step, "loss": record["loss"], **speed.snapshot()}
-            if step % t.snapshot_every == 0:
-                publish_snapshot(job.paths.snapshots, model, step, tokenizer.sha256)
-                record["health"] = health.measure(model, device)
-                log.info("health at step %d: %s", step, {k: v for k, v in record["health"].items() if k != "p_at_1"})
-            log_step(record, metrics, job, source)
-        if step % t.checkpoint_every == 0 or step >= job.max_steps:
-            consumed = recent_batches(consumed)
-            report_checkpoint(rank, step, model, optimizer, scheduler, corpus.root, consumed, tokens_seen, last_metrics)
-            last_checkpoint = step
-    if step > last_checkpoint:  # stopped early: still checkpoint the last completed step (all ranks take part)
-        report_checkpoint(rank, step, model, optimizer, scheduler, corpus.root, recent_batches(consumed), tokens_seen,
-                          last_metrics)
+    Rank(config["job"]).run()
 
 
-def step_record(step: int, deliveries: list[Delivery], results: list, lr: float, grad_norm: float, model, world: int,
+class Rank:
+    """One DDP rank's part of the run: its model, optimizer, objectives and source, and the loop over updates."""
+
+    def __init__(self, job: TrainerJob):
+        import ray.train
+        import ray.train.torch
+
+        ctx = ray.train.get_context()
+        self.job, self.rank, self.world = job, ctx.get_world_rank(), ctx.get_world_size()
+        t = job.trainer
+        if self.world != t.num_workers:
+            raise RuntimeError(f"{self.world} trainer ranks, but trainer.num_workers is {t.num_workers}")
+        self.slots = Slots(t.num_workers, t.grad_accum)
+        torch.set_num_threads(t.torch_threads)
+        torch.manual_seed(job.seed + self.rank)
+        self.device = ray.train.torch.get_device()
+        corpus = Corpus.open(job.paths.corpus, verify_checksums=False)
+        self.corpus_root, self.tokenizer = corpus.root, corpus.tokenizer()
+        self.model = load_model_weights(job.paths.init_weights).to(self.device)
+        self.optimizer = build_optimizer(self.model, t)
+        self.scheduler = build_scheduler(self.optimizer, t, job.max_steps)
+        resumed = resume(self.model, self.optimizer, self.scheduler, self.device, self.rank, job.resume_from)
+        self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
+        if self.step:
+            log.info("rank %d resumed at update %d", self.rank, self.step)
+        if self.rank == 0:
+            truncate_log(job.paths.train_log, self.step)  # lines of updates the checkpoint does not hold
+        self.ddp_model = ray.train.torch.prepare_model(self.model)  # DDP (gloo on CPU, NCCL on GPU)
+        corpus_tokens = [tok for s in range(corpus.num_shards) for tok in corpus.read_shard(s).tokens] \
+            if job.objectives.needs_corpus else None
+        self.objectives = Objectives(job.objectives, self.tokenizer.specials, corpus_tokens)
+        self.source = source_for(job, self.rank)
+        self.source.progress(self.step)  # a resumed rank: the batcher may write up to `lookahead` past it
+        self.committed = [(n, b) for n, b in resumed.trained if self.slots.rank_of(n) == self.rank]
+        """(slot, batch id) of this rank's last commit: committed again with the next one (commits are
+        idempotent), so a commit a Redis restart lost, or a crash cut off, is made good."""
+        if self.step:
+            self.source.commit(self.step, self.committed)
+        self.metrics = trainer_metrics(job.paths.name, self.rank, with_health=self.rank == 0)
+        self.health = HealthMonitor(job.health, job.heldout_pairs, self.tokenizer, seed=job.seed) if self.rank == 0 else None
+        self.uncommitted: list[tuple[int, str]] = []
+        """(slot, batch id) this rank trained since the last durable checkpoint."""
+        self.uncommitted_dead: list[tuple[Delivery, str]] = []
+        """Deliveries this rank could not train since the last durable checkpoint, and why."""
+        if resumed.rng is not None:  # last: a resumed rank draws what the uninterrupted run would have drawn
+            set_rng_state(resumed.rng)
+
+    def run(self) -> None:
+        job, t = self.job, self.job.trainer
+        speed, last_metrics, last_checkpoint = Throughput(), {}, self.step
+        while self.step < job.max_steps:
+            t_wait = time.perf_counter()
+            deliveries = self.take_deliveries()
+            speed.waited(time.perf_counter() - t_wait)
+            if deliveries is None:
+                log.info("rank %d stopping at update %d (stop requested or time up)", self.rank, self.step)
+                break
+            t_step = time.perf_counter()
+            items = [Item(d.slot, d.batch, d.problem) for d in deliveries]
+            done = backward_items(self.ddp_model, self.objectives, items, self.slots, t, self.device, job.seed,
+                                  self.model.cfg, self.tokenizer.specials, job.faults.nan_loss_slot)
+            lr = self.optimizer.param_groups[0]["lr"]
+            grad_norm = update(self.ddp_model, self.optimizer, self.scheduler, done, t.clip_norm)
+            by_slot = {d.slot: d for d in deliveries}
+            self.uncommitted_dead.extend((by_slot[slot], f"update {self.step}: {reason}") for slot, reason in done.dead_lettered)
+            self.step += 1
+            self.source.progress(self.step)
+            self.uncommitted.extend(done.trained)
+            record = step_record(self.step, deliveries, done, lr, grad_norm, self.model, self.world, t_step)
+            speed.tokens += record["tokens"]
+            speed.target_tokens += record["target_tokens"]
+            self.tokens_seen += record["target_tokens"]
+            for d in deliveries:
+                if d.batch is not None:
+                    self.metrics.observe("marge_batch_staleness_steps", self.step - 1 - d.batch.snapshot_step)
+            self.metrics.inc("marge_batches_trained", len(done.trained))
+            if self.rank == 0:
+                record.update(speed.snapshot(), time=time.time())
+                last_metrics = {"step": self.step, "loss": record["loss"], **speed.snapshot()}
+                if self.step % t.snapshot_every == 0:
+                    publish_snapshot(job.paths.snapshots, self.model, self.step, self.tokenizer.sha256)
+                    record["health"] = self.health.measure(self.model, self.device)
+                    log.info("health at step %d: %s", self.step,
+                             {k: v for k, v in record["health"].items() if k != "p_at_1"})
+                log_step(record, self.metrics, job, self.source)
+            if self.step % t.checkpoint_every == 0 or self.step >= job.max_steps:
+                self.checkpoint(last_metrics)
+                last_checkpoint = self.step
+        if self.step > last_checkpoint:  # stopped early: still checkpoint the last completed update (all ranks)
+            self.checkpoint(last_metrics)
+
+    def take_deliveries(self) -> list[Delivery] | None:
+        """This rank's deliveries of the current update, or None when any rank cannot get its own (all stop)."""
+        deliveries = []
+        for micro in range(self.slots.grad_accum):
+            delivery = self.source.get(self.slots.slot(self.step, self.rank, micro))
+            if delivery is None:
+                break
+            deliveries.append(delivery)
+        ready = torch.tensor([1.0 if len(deliveries) == self.slots.grad_accum else 0.0])
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
+        return deliveries if ready.item() == 1 else None  # nothing trained: the same slots are read again later
+
+    def checkpoint(self, metrics: dict) -> None:
+        """Report the state (every rank's uncommitted batches and RNG), then commit this rank's batches."""
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, {"trained": self.uncommitted, "rng": rng_state()})
+        report_checkpoint(self.rank, self.step, self.model, self.optimizer, self.scheduler, self.corpus_root,
+                          [item for part in gathered for item in part["trained"]], [part["rng"] for part in gathered],
+                          self.tokens_seen, metrics, self.job)
+        self.source.commit(self.step, self.committed + self.uncommitted)
+        for delivery, reason in self.uncommitted_dead:
+            self.source.dead_letter(delivery, reason)
+        self.committed, self.uncommitted, self.uncommitted_dead = self.uncommitted, [], []
+
+
+def step_record(step: int, deliveries: list[Delivery], done: Backward, lr: float, grad_norm: float, model, world: int,
                 t_step: float) -> dict:
-    """One update's record across ranks: every rank's batches, the mean loss over ranks, token counts (on every
-    rank: the collectives need them all; rank 0 writes it)."""
-    loss = sum(float(r[0]) for r in results) / len(results)
-    stats = torch.tensor([loss, float(sum(d.batch.cost_tokens() for d in deliveries)),
-                          float(sum(int(r[1]) for r in results))])
+    """One update's record across ranks: every rank's slots and batches, the mean loss over the batches trained,
+    token counts (on every rank: the collectives need them all; rank 0 writes it)."""
+    kept = {slot for slot, _ in done.trained}
+    stats = torch.tensor([sum(float(p["marge"]) for p in done.losses), float(len(done.losses)),
+                          float(sum(d.batch.cost_tokens() for d in deliveries if d.slot in kept)),
+                          float(sum(int(n) for n in done.target_tokens))])
     dist.all_reduce(stats)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, [(d.batch.batch_id, d.batch.index_version, d.batch.snapshot_step)
-                                      for d in deliveries])
-    flat = [item for part in gathered for item in part]
-    return {"step": step, "loss": float(stats[0]) / world, "lr": lr, "grad_norm": grad_norm,
-            "beta": model.beta.detach().float().cpu().tolist(), "batch_ids": [b for b, _, _ in flat],
-            "index_versions": sorted({v for _, v, _ in flat}), "snapshot_steps": sorted({s for _, _, s in flat}),
-            "staleness_max": max(step - 1 - s for _, _, s in flat), "step_seconds": time.perf_counter() - t_step,
-            "tokens": int(stats[1]), "target_tokens": int(stats[2])}
+    dist.all_gather_object(gathered, [(d.slot, d.batch.batch_id if d.batch else None,
+                                       d.batch.index_version if d.batch else -1, d.batch.snapshot_step if d.batch else -1,
+                                       d.slot in kept) for d in deliveries])
+    flat = sorted(item for part in gathered for item in part)
+    snapshot_steps = [s for _, _, _, s, _ in flat if s >= 0] or [step - 1]
+    return {"step": step, "loss": float(stats[0]) / max(1.0, float(stats[1])), "lr": lr, "grad_norm": grad_norm,
+            "beta": model.beta.detach().float().cpu().tolist(), "slots": [n for n, _, _, _, _ in flat],
+            "batch_ids": [b for _, b, _, _, _ in flat], "dead_lettered": [n for n, _, _, _, ok in flat if not ok],
+            "index_versions": sorted({v for _, _, v, _, _ in flat if v >= 0}),
+            "snapshot_steps": sorted(set(snapshot_steps)), "staleness_max": max(step - 1 - s for s in snapshot_steps),
+            "step_seconds": time.perf_counter() - t_step, "tokens": int(stats[2]), "target_tokens": int(stats[3])}
 
 
 def log_step(record: dict, metrics: StageMetrics, job: TrainerJob, source) -> None:

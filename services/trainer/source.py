@@ -1,84 +1,87 @@
-"""Where a trainer rank's batches come from: the run's Redis stream, or a list in memory (same loop, no queue)."""
+"""Where a trainer rank's batches come from: its slots in the run's Redis streams, or a list in memory."""
 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Protocol
 
-from marge.protocol import BatchQueue, Delivery
+from marge.protocol import BatchQueue, Delivery, Slots
 from services.trainer.job import TrainerJob
 
 
 class BatchSource(Protocol):
-    def next(self, step: int) -> Delivery | None:
-        """The next batch to train at `step`; None when the run must stop (stop asked, time up, nothing left)."""
+    def get(self, slot: int) -> Delivery | None:
+        """The batch of `slot`, waiting for it; None when the run must stop (stop asked, time up, nothing left)."""
 
-    def ack(self, deliveries: list[Delivery], step: int) -> None:
-        """The batches were trained by the update that made `step`."""
+    def progress(self, step: int) -> None:
+        """This rank has trained every update before `step`."""
+
+    def commit(self, step: int, trained: list[tuple[int, str]]) -> None:
+        """The checkpoint of update `step` is durable: `trained` (slot, batch id) of this rank are trained."""
+
+    def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        """Keep a batch that could not be trained, with the reason."""
 
     def publish(self, record: dict) -> None:
-        """Rank 0's record of an update, for progress lines and the run's summary."""
+        """Rank 0's record of an update, for progress lines."""
 
 
 class RedisSource:
-    """The pipeline's feed: the run's Redis stream, read through the consumer group.
+    """The pipeline's feed: this rank's stream in the run's Redis, read slot by slot."""
 
-    A batch already in the ledger (a redelivery of one an earlier step trained) is skipped; one whose
-    snapshot is more than `trainer.max_staleness` updates old is dead-lettered.
-    """
-
-    def __init__(self, job: TrainerJob, rank: int, consumed: list[str]):
+    def __init__(self, job: TrainerJob, rank: int):
         self.job, self.rank = job, rank
-        self.queue = BatchQueue.connect(job.redis_url, job.paths.name, job.queue)
-        self.queue.ensure_group()
-        if rank == 0 and consumed:  # a fresh Redis (or a lost ledger) still learns what the checkpoint trained on
-            self.queue.restore_ledger(consumed)
-        self.consumer = f"rank{rank}-{uuid.uuid4().hex[:8]}"
+        self.queue = BatchQueue.connect(job.redis_url, job.paths.name, Slots(job.trainer.num_workers,
+                                                                              job.trainer.grad_accum))
 
-    def next(self, step: int) -> Delivery | None:
-        max_staleness = self.job.trainer.max_staleness
+    def get(self, slot: int) -> Delivery | None:
         while True:
             if self.queue.stop_requested() or (self.job.deadline_unix is not None and time.time() > self.job.deadline_unix):
                 return None
-            delivery = self.queue.get(self.consumer, block_ms=self.job.queue.block_ms)
-            if delivery is None:
-                continue
-            if self.queue.already_trained(delivery.batch.batch_id):
-                self.queue.skip(delivery, "already_trained")  # a redelivery of a batch whose step already happened
-                continue
-            staleness = step - delivery.batch.snapshot_step
-            if max_staleness and staleness > max_staleness:
-                self.queue.dead_letter(delivery.entry_id, delivery.fields,
-                                       f"stale: {staleness} updates behind (max {max_staleness})")
-                continue
-            return delivery
+            delivery = self.queue.get(slot, block_ms=self.job.queue.block_ms)
+            if delivery is not None:
+                return delivery
 
-    def ack(self, deliveries: list[Delivery], step: int) -> None:
-        self.queue.ack(deliveries, step, self.rank)
+    def progress(self, step: int) -> None:
+        self.queue.progress(self.rank, step)
+
+    def commit(self, step: int, trained: list[tuple[int, str]]) -> None:
+        self.queue.commit(self.rank, step, trained)
+
+    def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        self.queue.dead_letter(delivery.slot, delivery.fields, reason)
 
     def publish(self, record: dict) -> None:
         self.queue.publish_step(record)
 
 
 class MemorySource:
-    """The in-process feed: a fixed list of batches for this rank (no Redis, no other stages)."""
+    """The in-process feed: this rank's batches in slot order (no Redis, no other stages)."""
 
-    def __init__(self, batches: list):
-        self.batches = iter(batches)
+    def __init__(self, batches: list, slots: Slots, rank: int):
+        self.by_slot = {}
+        for k, batch in enumerate(batches):  # the k-th batch of this rank: update k // G, micro-step k % G
+            self.by_slot[slots.slot(k // slots.grad_accum, rank, k % slots.grad_accum)] = batch
+        self.dead: list[tuple[int, str]] = []
 
-    def next(self, step: int) -> Delivery | None:
-        batch = next(self.batches, None)
-        return None if batch is None else Delivery(b"", batch, 1, {})
+    def get(self, slot: int) -> Delivery | None:
+        batch = self.by_slot.get(slot)
+        return None if batch is None else Delivery(slot, batch, {})
 
-    def ack(self, deliveries: list[Delivery], step: int) -> None:
+    def progress(self, step: int) -> None:
         pass
+
+    def commit(self, step: int, trained: list[tuple[int, str]]) -> None:
+        pass
+
+    def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        self.dead.append((delivery.slot, reason))
 
     def publish(self, record: dict) -> None:
         pass
 
 
-def source_for(job: TrainerJob, rank: int, consumed: list[str]) -> BatchSource:
+def source_for(job: TrainerJob, rank: int) -> BatchSource:
     if job.memory_batches is not None:
-        return MemorySource(job.memory_batches[rank])
-    return RedisSource(job, rank, consumed)
+        return MemorySource(job.memory_batches[rank], Slots(job.trainer.num_workers, job.trainer.grad_accum), rank)
+    return RedisSource(job, rank)

@@ -23,7 +23,9 @@ from torch import nn
 
 from marge.batch import Batch
 from marge.model import Marge
+from marge.protocol import Slots
 from services.trainer.config import TrainerConfig
+from services.trainer.inputs import substitute_batch, untrainable
 from services.trainer.objectives import Objectives, PreparedBatch
 
 # Dense bf16 tensor-core peak (FLOP/s) by device name, from the vendors' data sheets: the denominator of MFU.
@@ -54,6 +56,8 @@ class StepRecord:
     snapshot_steps: list[int] = field(default_factory=list)
     objectives: dict[str, float] = field(default_factory=dict)
     """Each objective's mean loss over the update's batches."""
+    dead_lettered: list[tuple[int, str]] = field(default_factory=list)
+    """(slot, reason) of the batches that could not be trained."""
 
 
 def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
@@ -96,6 +100,65 @@ def forward_backward(model: nn.Module, objectives: Objectives, prepared: Prepare
     return losses.parts["marge"], losses.target_tokens, losses.parts
 
 
+@dataclass
+class Item:
+    """One batch of an update, as its rank sees it: its slot, the batch (None when it could not be decoded) and
+    why it cannot be trained if that is known before the forward."""
+
+    slot: int
+    batch: Batch | None
+    problem: str | None = None
+    prepared: PreparedBatch | None = None
+    """Prepared beforehand (`Objectives.prepare` with this slot's key), e.g. by a prefetching thread."""
+
+
+@dataclass
+class Backward:
+    """What one rank's part of an update did: the losses of its trained batches, and which slots it trained."""
+
+    trained: list[tuple[int, str]] = field(default_factory=list)
+    losses: list[dict] = field(default_factory=list)
+    target_tokens: list = field(default_factory=list)
+    dead_lettered: list[tuple[int, str]] = field(default_factory=list)
+    """(slot, reason) of the batches that could not be trained."""
+
+
+def seed_key(seed: int, slots: Slots, slot: int) -> tuple[int, int, int]:
+    """What seeds a batch's preparation: (run seed, update, position in the update). The same on a DDP rank, in
+    the reference loop and in the single process."""
+    return seed, slots.step_of(slot), slot % slots.per_step
+
+
+def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], slots: Slots, cfg: TrainerConfig,
+                   device: torch.device, seed: int, model_cfg, specials, nan_loss_slot: int | None = None) -> Backward:
+    """Backpropagate a rank's batches of one update, each with weight 1/len(items).
+
+    A batch the model cannot take (undecodable, a token outside the vocabulary, ...) or whose loss is not
+    finite is not trained: its place is taken by a zero-weight substitute, so that a DDP rank still joins the
+    gradient all-reduce, and it is returned in `dead_lettered` with the reason."""
+    out = Backward()
+    for i, item in enumerate(items):
+        key = seed_key(seed, slots, item.slot)
+        problem = item.problem or untrainable(item.batch, specials, model_cfg.vocab_size, model_cfg.max_positions)
+        with maybe_no_sync(model, i < len(items) - 1):
+            if problem is None:
+                prepared = item.prepared or objectives.prepare(item.batch, key)
+                losses = objectives.losses(model, prepared, device, cfg.bf16)
+                if item.slot == nan_loss_slot:  # test-only fault (marge.faults)
+                    losses.objective = losses.objective * float("nan")
+                if bool(torch.isfinite(losses.objective)):
+                    (losses.objective / len(items)).backward()
+                    out.trained.append((item.slot, item.batch.batch_id))
+                    out.losses.append(losses.parts)
+                    out.target_tokens.append(losses.target_tokens)
+                    continue
+                problem = f"non-finite loss ({float(losses.objective)}) on batch {item.batch.batch_id}"
+            out.dead_lettered.append((item.slot, problem))
+            substitute = objectives.prepare(substitute_batch(specials), key)
+            (objectives.losses(model, substitute, device, cfg.bf16).objective * 0.0).backward()
+    return out
+
+
 class NonFiniteGradient(RuntimeError):
     pass
 
@@ -117,25 +180,42 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return grad_norm
 
 
+def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, done: Backward, clip_norm: float) -> float:
+    """The optimizer step after `backward_items`: an update whose gradient is not finite (every DDP rank sees the
+    same) is skipped, its place in the schedule used up and its trained batches moved to `done.dead_lettered`."""
+    try:
+        return optimizer_step(model, optimizer, scheduler, clip_norm)
+    except NonFiniteGradient:
+        scheduler.step()
+        done.dead_lettered.extend((slot, "non-finite gradient; update skipped") for slot, _ in done.trained)
+        done.trained.clear()
+        done.losses.clear()
+        done.target_tokens.clear()
+        return float("nan")
+
+
 def train_step(model: Marge, optimizer: torch.optim.Optimizer, scheduler, objectives: Objectives,
                batches: list[Batch], cfg: TrainerConfig, step: int, device: torch.device, seed: int = 0,
-               prepared: list[PreparedBatch] | None = None) -> StepRecord:
+               prepared: list[PreparedBatch] | None = None, specials=None, nan_loss_slot: int | None = None) -> StepRecord:
     """One optimizer update on `batches` in this process: the reference loop's and the single-process run's step.
 
-    Batch k of the list takes slot k (= rank * grad_accum + micro-step on the DDP ranks), so its preparation
-    and its 1/len(batches) share of the gradient are what the DDP trainer gives it. `prepared` are the
-    batches already prepared that way (`Objectives.prepare`), e.g. by a prefetching thread.
+    Batch k of the list takes slot step * len(batches) + k (rank * grad_accum + micro-step on the DDP ranks),
+    so its preparation and its 1/len(batches) share of the gradient are what the DDP trainer gives it.
+    `prepared` are the batches already prepared that way (`Objectives.prepare`), e.g. by a prefetching thread.
     """
     t0 = time.perf_counter()
-    if prepared is None:
-        prepared = [objectives.prepare(b, (seed, step, slot)) for slot, b in enumerate(batches)]
-    results = [forward_backward(model, objectives, item, 1.0 / len(prepared), device, cfg.bf16) for item in prepared]
+    slots = Slots(1, len(batches))
+    items = [Item(slots.slot(step, 0, k), b, None, prepared[k] if prepared else None) for k, b in enumerate(batches)]
+    done = backward_items(model, objectives, items, slots, cfg, device, seed, model.cfg,
+                          specials or objectives.specials, nan_loss_slot)
     lr = optimizer.param_groups[0]["lr"]
-    grad_norm = optimizer_step(model, optimizer, scheduler, cfg.clip_norm)  # waits for the device once
-    parts = {name: sum(float(r[2][name]) for r in results) / len(results) for name in results[0][2]}
-    return StepRecord(step, parts["marge"], int(sum(int(r[1]) for r in results)), [b.batch_id for b in batches], lr,
-                      model.beta.detach().float().cpu().tolist(), grad_norm, time.perf_counter() - t0,
-                      [b.index_version for b in batches], [b.snapshot_step for b in batches], parts)
+    grad_norm = update(model, optimizer, scheduler, done, cfg.clip_norm)
+    parts = {name: sum(float(p[name]) for p in done.losses) / len(done.losses) for name in done.losses[0]} \
+        if done.losses else {"marge": float("nan")}
+    return StepRecord(step, parts["marge"], int(sum(int(n) for n in done.target_tokens)),
+                      [b.batch_id for b in batches], lr, model.beta.detach().float().cpu().tolist(), grad_norm,
+                      time.perf_counter() - t0, [b.index_version for b in batches], [b.snapshot_step for b in batches],
+                      parts, done.dead_lettered)
 
 
 def reference_train(model: Marge, step_batches: Iterable[list[Batch]], objectives: Objectives, cfg: TrainerConfig,

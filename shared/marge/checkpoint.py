@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 import time
@@ -24,6 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from marge.model import Marge, MargeConfig
 from marge.utils import atomic_write_text, sha256_file
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "marge-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -50,8 +53,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(directory: Path, model: Marge, optimizer, scheduler, step: int, tokenizer_dir: Path,
-                    training_state: dict[str, Any]) -> Path:
-    """Write a complete checkpoint into `directory` (manifest last)."""
+                    training_state: dict[str, Any], before_manifest=None) -> Path:
+    """Write a complete checkpoint into `directory` (manifest last: a folder without one is not a checkpoint).
+
+    `before_manifest` is called with every file written but the manifest (the fault suite dies there)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -61,6 +66,8 @@ def save_checkpoint(directory: Path, model: Marge, optimizer, scheduler, step: i
                 "rng": rng_state(), **training_state}, directory / "training_state.pt")
     for name in ("tokenizer.model", "tokenizer.json"):
         shutil.copyfile(Path(tokenizer_dir) / name, directory / name)
+    if before_manifest is not None:
+        before_manifest()
     manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step, "created_unix": time.time(),
                 "sha256": {name: sha256_file(directory / name) for name in FILES}}
     atomic_write_text(directory / "manifest.json", json.dumps(manifest, indent=2) + "\n")
@@ -81,6 +88,23 @@ def read_manifest(directory: Path, verify: bool = True) -> dict[str, Any]:
             if sha256_file(directory / name) != digest:
                 raise CheckpointError(f"{directory / name}: sha256 does not match the manifest (corrupt checkpoint)")
     return manifest
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The `step-*` checkpoints under `root` that have a manifest, oldest first (not verified)."""
+    return sorted(p for p in Path(root).glob("step-*") if (p / "manifest.json").exists())
+
+
+def newest_good_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint under `root` whose files match its manifest; older ones are tried when the newest
+    is corrupt (each one skipped is logged)."""
+    for path in reversed(complete_checkpoints(root)):
+        try:
+            read_manifest(path, verify=True)
+            return path
+        except CheckpointError as e:
+            log.warning("skipping checkpoint %s: %s", path, e)
+    return None
 
 
 def load_training_state(directory: Path) -> dict[str, Any]:

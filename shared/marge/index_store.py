@@ -161,6 +161,24 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def drop_versions_after(root: Path, snapshot_step: int) -> list[int]:
+    """Delete the versions built from snapshots of updates after `snapshot_step` (a resumed run's discarded
+    lineage) and point LATEST at the newest one left. Returns the versions deleted."""
+    root = Path(root)
+    dropped = []
+    for path in sorted(root.glob("v[0-9]*")):
+        if (path / "manifest.json").exists() and read_version(path).snapshot_step > snapshot_step:
+            shutil.rmtree(path)
+            dropped.append(int(path.name[1:]))
+    if dropped:
+        kept = sorted(p for p in root.glob("v[0-9]*") if (p / "manifest.json").exists())
+        if kept:
+            atomic_write_text(root / "LATEST", json.dumps({"version": int(kept[-1].name[1:]), "dir": kept[-1].name}) + "\n")
+        else:
+            (root / "LATEST").unlink(missing_ok=True)
+    return dropped
+
+
 def read_version(path: Path) -> IndexVersion:
     path = Path(path)
     manifest_path = path / "manifest.json"

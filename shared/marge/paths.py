@@ -47,3 +47,8 @@ class RunPaths:
     @property
     def ray_train(self) -> Path:
         return self.run_dir / "ray_train"
+
+    @property
+    def checkpoints(self) -> Path:
+        """The DDP trainer's checkpoints, one `step-<update>` folder each (Ray Train's folder of this run)."""
+        return self.ray_train / self.name

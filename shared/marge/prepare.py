@@ -30,6 +30,7 @@ import logging
 import math
 import time
 import unicodedata
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -115,6 +116,7 @@ def _decode(raw: bytes, where: str) -> str:
 
 def read_jsonl(path: Path) -> Iterator[RawDocument]:
     opener = gzip.open if path.suffix == ".gz" else open
+    line_no = 0
     try:
         with opener(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
@@ -135,10 +137,11 @@ def read_jsonl(path: Path) -> Iterator[RawDocument]:
                         raise PrepareError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
                 doc_id = str(obj.get("id", f"{path.name}:{line_no}"))
                 yield RawDocument(where, doc_id, str(obj.get("group", doc_id)), obj["language"], obj["text"])
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:
         if isinstance(e, FileNotFoundError):
             raise PrepareError(f"{path}: file not found") from None
-        raise PrepareError(f"{path}: cannot be read ({e}); is it a complete (gzip) JSONL file?") from None
+        raise PrepareError(f"{path}:{line_no + 1}: cannot be read after line {line_no} ({e}); is it a complete, "
+                           "uncorrupted (gzip) JSONL file? (`gzip -t` checks one)") from None
 
 
 def read_folder(root: Path) -> Iterator[RawDocument]:
@@ -193,6 +196,13 @@ def check_document(doc: RawDocument, opts: PrepareOptions) -> RawDocument:
         raise PrepareError(f"{doc.source}: field 'language': {e}") from None
     if not doc.text.strip():
         raise PrepareError(f"{doc.source}: field 'text' is empty; remove the document or give it text")
+    for field, value in (("text", doc.text), ("id", doc.doc_id), ("group", doc.group)):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PrepareError(f"{doc.source}: field {field!r} has a lone surrogate ({value[e.start]!r}) at character "
+                               f"{e.start}, which is not text (a JSON escape like \\ud800 without its pair); fix "
+                               "the producer of the file, or pass --skip-bad-documents") from None
     if len(doc.text) > opts.max_document_chars:
         raise PrepareError(f"{doc.source}: document has {len(doc.text):,} characters, more than --max-document-chars "
                            f"{opts.max_document_chars:,}; split it into smaller documents or raise the limit")

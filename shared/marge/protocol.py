@@ -1,20 +1,40 @@
-"""The batch queue between batcher and trainers: a Redis Stream, a consumer group, a ledger.
+"""The batches between batcher and trainers, in Redis: one stream per trainer rank, one entry per slot.
 
-Message (one stream entry, no pickle anywhere):
-    v        protocol version ("1")
+Slots. An update (step) s takes B = world x grad_accum batches; slot n = s*B + rank*grad_accum + micro is
+one rank's batch of one update (`Slots`). The batcher fills slots in order with a deterministic sequence
+(services.batcher.schedule), so which batch a slot holds depends on the seed and the index versions,
+never on timing.
+
+Message (one stream entry, no pickle anywhere), in the stream of the slot's rank, with entry id `<n+1>-0`:
+    v        protocol version ("2")
+    slot     n
     header   JSON: batch_id, index_version, snapshot_step, doc ids/langs/lengths, targets, evidence, edges
     tokens   every document's token ids, int32 little-endian, concatenated in doc order
     sha256   of header + tokens
 
-Delivery (at least once, trained at most once):
-  * the batcher XADDs only while the stream holds fewer than `max_depth` entries: it waits rather
-    than trimming, so nothing is dropped (acknowledged entries are deleted, so XLEN = queue depth);
-  * a trainer reads through the consumer group; an entry stays pending until acknowledged, and one
-    that stays unacknowledged for `claim_idle_ms` (its trainer died) is claimed by another trainer;
-  * after the optimizer step that used a batch, the trainer records it in the ledger (HSETNX
-    batch_id -> step/rank), acknowledges and deletes the entry, in one transaction; a redelivered batch
-    already in the ledger is acknowledged without training;
-  * an undecodable, tampered or too-often-delivered entry goes to the dead-letter stream with a reason.
+Delivery (every slot trained, or dead-lettered, exactly once in the run's final model):
+  * the batcher writes slot n once (a second XADD of the same id is refused by Redis) together with its
+    cursor `next_slot`, in one transaction, and only while slot n's update is fewer than `lookahead`
+    updates ahead of the slowest rank (backpressure: nothing is trimmed or dropped);
+  * rank r reads its slots of update s in order and waits for a missing one; no other rank reads them;
+  * a batch counts as trained only when a durable checkpoint covers its update: after the checkpoint of
+    update C is reported, each rank trims its stream below slot C*B and records those slots' batches in the
+    ledger (batch id -> update, slot), with `committed` = C; a batch recorded twice is counted
+    (`trained_twice`);
+  * a crash before that loses nothing: the resumed run (from checkpoint C) reads slots C*B... again, and
+    whatever Redis lost (a restart inside `appendfsync everysec`'s last second) the batcher writes again,
+    identically (`reset_from`);
+  * a batch that cannot be trained (undecodable, tampered, poison, non-finite loss) is left out of its update
+    (a zero-weight substitute keeps the rank in the gradient all-reduce) and, when the checkpoint that covers
+    the update is durable, goes to the dead-letter stream with its slot and the reason (once per slot);
+  * `marge queue replay ENTRY` requeues a dead-lettered batch: the batcher writes it into the next slot it
+    writes (recorded in `replays`: slot -> dead-letter entry) and the scheduled batches of that version move
+    one slot on. A resumed run forgets the placements from its checkpoint on and places those requests again.
+
+What `appendfsync everysec` can still lose: a Redis killed outright loses up to its last second of writes.
+Batches it loses are written again (the batcher follows the cursor back); a lost commit is made again by
+the rank's next commit or by a resumed run (commits are idempotent); a dead letter or a replay request of
+that second is lost (the batch is then neither trained nor dead-lettered: `marge audit` reports it lost).
 """
 
 from __future__ import annotations
@@ -33,25 +53,68 @@ from marge.config import positive
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = b"1"
-CONSUMER_GROUP = "trainers"
+PROTOCOL_VERSION = b"2"
+
+STEP_RECORDS_KEPT = 10000
+"""Step records kept in Redis for progress lines (train_log.jsonl keeps them all)."""
+
+
+class ProtocolError(ValueError):
+    pass
 
 
 @dataclass(frozen=True, kw_only=True)
 class QueueConfig:
-    """The queue's settings (the `queue:` section), read by the batcher (depth) and the trainers (delivery)."""
+    """The queue's settings (the `queue:` section), read by the batcher (depth) and the trainers (waiting)."""
 
     max_depth: int = 32
-    """Batches waiting in the stream at most; the batcher waits (nothing is trimmed or dropped)."""
+    """Batches the batcher may write ahead of the slowest trainer rank (rounded up to whole updates)."""
     block_ms: int = 1000
-    """How long a trainer's read waits for a new batch before it checks whether to stop."""
-    claim_idle_ms: int = 60000
-    """A delivered batch not acknowledged for this long is claimed by another trainer."""
-    max_deliveries: int = 3
-    """A batch delivered more often than this goes to the dead-letter stream."""
+    """How long a trainer's read waits for its next batch before it checks whether to stop."""
 
     def __post_init__(self) -> None:
-        positive(self, "max_depth", "block_ms", "claim_idle_ms", "max_deliveries")
+        positive(self, "max_depth", "block_ms")
+
+
+@dataclass(frozen=True)
+class Slots:
+    """The slot arithmetic of one run's trainers: world size x gradient accumulation batches per update."""
+
+    world: int
+    grad_accum: int
+
+    @property
+    def per_step(self) -> int:
+        return self.world * self.grad_accum
+
+    def slot(self, step: int, rank: int, micro: int) -> int:
+        return step * self.per_step + rank * self.grad_accum + micro
+
+    def step_of(self, slot: int) -> int:
+        return slot // self.per_step
+
+    def rank_of(self, slot: int) -> int:
+        return (slot % self.per_step) // self.grad_accum
+
+
+@dataclass(frozen=True)
+class VersionPlan:
+    """Which index version serves which update (the batcher's schedule, services.batcher.schedule): version 0
+    serves updates [0, R+L), version v >= 1 [v*R+L, (v+1)*R+L), and is built from the snapshot of update v*R."""
+
+    reindex_every: int
+    lag: int
+
+    def version_for_step(self, step: int) -> int:
+        if step < self.reindex_every + self.lag:
+            return 0
+        return (step - self.lag) // self.reindex_every
+
+    def first_step(self, version: int) -> int:
+        return 0 if version == 0 else version * self.reindex_every + self.lag
+
+    def snapshot_step(self, version: int) -> int:
+        return version * self.reindex_every
 
 
 @dataclass(frozen=True)
@@ -64,13 +127,42 @@ class RunKeys:
     def prefix(self) -> str:
         return f"marge:{self.run}"
 
+    def slots(self, rank: int) -> str:
+        """Rank `rank`'s batches, one entry per slot."""
+        return f"{self.prefix}:slots:{rank}"
+
     @property
-    def stream(self) -> str:
-        return f"{self.prefix}:batches"
+    def next_slot(self) -> str:
+        """The first slot the batcher has not written."""
+        return f"{self.prefix}:next_slot"
+
+    def progress(self, rank: int) -> str:
+        """The first update rank `rank` has not trained (backpressure)."""
+        return f"{self.prefix}:progress:{rank}"
+
+    @property
+    def committed(self) -> str:
+        """The update of the newest checkpoint whose batches are in the ledger."""
+        return f"{self.prefix}:committed"
 
     @property
     def dead_letter(self) -> str:
         return f"{self.prefix}:deadletter"
+
+    @property
+    def dead_slots(self) -> str:
+        """The slots whose batches are in the dead-letter stream (a slot is dead-lettered once)."""
+        return f"{self.prefix}:deadletter:slots"
+
+    @property
+    def replay_requests(self) -> str:
+        """Dead-letter entries an operator asked to train again, oldest first (`marge queue replay`)."""
+        return f"{self.prefix}:replay:requested"
+
+    @property
+    def replays(self) -> str:
+        """Where requeued batches went: slot -> dead-letter entry."""
+        return f"{self.prefix}:replay:placed"
 
     @property
     def ledger(self) -> str:
@@ -95,8 +187,9 @@ class RunKeys:
         return f"{self.prefix}:control:stop"
 
     @property
-    def batcher_position(self) -> str:
-        return f"{self.prefix}:batcher"
+    def lease(self) -> str:
+        """The driver that owns the run (pid, host, heartbeat)."""
+        return f"{self.prefix}:lease"
 
 
 @dataclass(frozen=True)
@@ -122,14 +215,6 @@ class BatchId:
             return cls(int(parts[0][1:]), int(parts[1][1:]), int(parts[2][1:]), int(parts[3]))
         except ValueError:
             return None
-
-STEP_RECORDS_KEPT = 10000
-"""Step records kept in Redis for progress lines and summaries (train_log.jsonl keeps them all)."""
-
-
-class ProtocolError(ValueError):
-    pass
-
 
 def encode_batch(batch: Batch) -> dict[bytes, bytes]:
     lengths = [len(t) for t in batch.doc_tokens]
@@ -176,147 +261,206 @@ def decode_batch(fields: dict[bytes, bytes]) -> Batch:
         raise ProtocolError(f"malformed header ({e})") from None
 
 
+def entry_id(slot: int) -> str:
+    return f"{slot + 1}-0"
+
+
 @dataclass
 class Delivery:
-    entry_id: bytes
-    batch: Batch
-    times_delivered: int
+    slot: int
+    batch: Batch | None
+    """None when the entry could not be decoded (`problem` says why)."""
     fields: dict[bytes, bytes]
+    problem: str | None = None
 
 
 class BatchQueue:
-    """One run's batch stream on a Redis server (keys: `RunKeys`), and the run's small shared state there."""
+    """One run's batches on a Redis server (keys: `RunKeys`), and the run's small shared state there."""
 
-    def __init__(self, client, run_id: str, claim_idle_ms: int = 60000, max_deliveries: int = 3):
+    def __init__(self, client, run_id: str, slots: Slots | None = None):
         self.r = client
         self.keys = RunKeys(run_id)
-        self.stream = self.keys.stream
+        self.slots = slots
         self.dead = self.keys.dead_letter
         self.ledger = self.keys.ledger
         self.counters = self.keys.counters
-        self.claim_idle_ms = claim_idle_ms
-        self.max_deliveries = max_deliveries
 
     @classmethod
-    def connect(cls, url: str, run_id: str, cfg: QueueConfig | None = None) -> "BatchQueue":
+    def connect(cls, url: str, run_id: str, slots: Slots | None = None) -> "BatchQueue":
+        """A client that rides out a Redis restart (retries with backoff for about a minute)."""
         import redis
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
 
-        cfg = cfg or QueueConfig()
-        client = redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30)
-        return cls(client, run_id, claim_idle_ms=cfg.claim_idle_ms, max_deliveries=cfg.max_deliveries)
+        retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=40)
+        client = redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=10, retry=retry,
+                                      retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        return cls(client, run_id, slots)
 
-    def ensure_group(self) -> None:
-        import redis
-
-        try:
-            self.r.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+    def _slots(self) -> Slots:
+        if self.slots is None:
+            raise ValueError("this queue was opened without the run's slot layout (world size, grad_accum)")
+        return self.slots
 
     # --- producer ----------------------------------------------------------------------------
 
-    def depth(self) -> int:
-        return int(self.r.xlen(self.stream))
+    def next_slot(self) -> int:
+        value = self.r.get(self.keys.next_slot)
+        return int(value) if value is not None else 0
 
-    def put(self, batch: Batch, max_depth: int, poll_s: float = 0.05, should_stop=lambda: False) -> bytes | None:
-        """Append `batch`, first waiting while the stream holds `max_depth` entries. None if stopped."""
-        fields = encode_batch(batch)
-        while self.depth() >= max_depth:
+    def slowest_progress(self) -> int:
+        slots = self._slots()
+        values = self.r.mget([self.keys.progress(r) for r in range(slots.world)])
+        return min(int(v) if v is not None else 0 for v in values)
+
+    def put(self, slot: int, batch: Batch, lookahead_steps: int, poll_s: float = 0.05,
+            should_stop=lambda: False) -> bool:
+        """Write `batch` into `slot` once the slowest rank is within `lookahead_steps` updates of it.
+
+        False if stopped first. A slot written before (its entry id exists) is left as it is."""
+        return self._write(slot, encode_batch(batch), lookahead_steps, poll_s, should_stop)
+
+    def put_replay(self, slot: int, entry: str, lookahead_steps: int, poll_s: float = 0.05,
+                   should_stop=lambda: False) -> bool:
+        """Write the dead-lettered batch `entry` (the oldest replay request) into `slot`, and record where it went."""
+        found = self.r.xrange(self.dead, entry, entry)
+        if not found:
+            raise ValueError(f"replay request for dead-letter entry {entry}, which does not exist")
+        fields = {k: v for k, v in found[0][1].items() if k not in (b"slot", b"reason", b"time")}
+        return self._write(slot, {**fields, b"replay_of": entry.encode()}, lookahead_steps, poll_s, should_stop, entry)
+
+    def _write(self, slot: int, fields: dict[bytes, bytes], lookahead_steps: int, poll_s: float, should_stop,
+               replay_entry: str | None = None) -> bool:
+        import redis
+
+        slots = self._slots()
+        while slots.step_of(slot) >= self.slowest_progress() + lookahead_steps:
             if should_stop():
-                return None
+                return False
             time.sleep(poll_s)
-        entry_id = self.r.xadd(self.stream, fields)
-        self.r.hincrby(self.counters, "produced", 1)
-        return entry_id
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys.slots(slots.rank_of(slot)), {b"slot": str(slot).encode(), **fields}, id=entry_id(slot))
+        pipe.set(self.keys.next_slot, slot + 1)
+        pipe.hincrby(self.counters, "produced", 1)
+        if replay_entry is not None:
+            pipe.lpop(self.keys.replay_requests)
+            pipe.hset(self.keys.replays, str(slot), replay_entry)
+        try:
+            pipe.execute()
+        except redis.ResponseError as e:  # the id exists: this slot was written before (a restarted batcher)
+            if "equal or smaller" not in str(e):
+                raise
+            self.r.set(self.keys.next_slot, max(self.next_slot(), slot + 1))
+        return True
+
+    def replay_placements(self) -> dict[int, str]:
+        """Slot -> dead-letter entry of every requeued batch written so far."""
+        return {int(k): v.decode() for k, v in self.r.hgetall(self.keys.replays).items()}
+
+    def next_replay_request(self) -> str | None:
+        value = self.r.lindex(self.keys.replay_requests, 0)
+        return None if value is None else value.decode()
 
     # --- consumer ----------------------------------------------------------------------------
 
-    def get(self, consumer: str, block_ms: int = 1000) -> Delivery | None:
-        """The next batch for `consumer`: a stale pending one first (its trainer died), else a new one."""
-        while True:
-            claimed = self.r.xautoclaim(self.stream, CONSUMER_GROUP, consumer, self.claim_idle_ms, "0-0", count=1)
-            entries = claimed[1]
-            if entries:
-                self.r.hincrby(self.counters, "redelivered", 1)
-            else:
-                response = self.r.xreadgroup(CONSUMER_GROUP, consumer, {self.stream: ">"}, count=1, block=block_ms)
-                if not response:
-                    return None
-                entries = response[0][1]
-            entry_id, fields = entries[0]
-            if not fields:  # deleted while pending (already handled elsewhere)
-                self.r.xack(self.stream, CONSUMER_GROUP, entry_id)
-                continue
-            times = self._times_delivered(entry_id)
-            try:
-                batch = decode_batch(fields)
-            except ProtocolError as e:
-                self.dead_letter(entry_id, fields, f"undecodable: {e}")
-                continue
-            if times > self.max_deliveries:
-                self.dead_letter(entry_id, fields, f"delivered {times} times (max {self.max_deliveries})")
-                continue
-            return Delivery(entry_id, batch, times, fields)
+    def get(self, slot: int, block_ms: int = 1000) -> Delivery | None:
+        """The entry of `slot`, waiting up to `block_ms` for it; None if it has not been written yet."""
+        key = self.keys.slots(self._slots().rank_of(slot))
+        found = self.r.xrange(key, entry_id(slot), entry_id(slot))
+        if not found:
+            response = self.r.xread({key: f"{slot}-0"}, count=1, block=block_ms)
+            found = [e for e in (response[0][1] if response else []) if e[0].decode() == entry_id(slot)]
+            if not found:
+                return None
+        fields = found[0][1]
+        try:
+            return Delivery(slot, decode_batch(fields), fields)
+        except ProtocolError as e:
+            return Delivery(slot, None, fields, f"undecodable: {e}")
 
-    def _times_delivered(self, entry_id: bytes) -> int:
-        info = self.r.xpending_range(self.stream, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1)
-        return int(info[0]["times_delivered"]) if info else 1
+    def progress(self, rank: int, step: int) -> None:
+        """Rank `rank` has trained every update before `step` (lets the batcher write further ahead)."""
+        self.r.set(self.keys.progress(rank), step)
 
-    def already_trained(self, batch_id: str) -> bool:
-        return bool(self.r.hexists(self.ledger, batch_id))
-
-    def ack(self, deliveries: list[Delivery], step: int, rank: int) -> list[str]:
-        """Record the batches as trained at `step`, acknowledge and delete them (one transaction).
-
-        Returns the ids that were already in the ledger (a double training, which should never happen).
-        """
+    def commit(self, rank: int, step: int, trained: list[tuple[int, str]]) -> list[str]:
+        """The checkpoint of update `step` is durable: record `trained` (slot, batch id) of this rank in the
+        ledger and trim its stream below the update. Idempotent: a batch already recorded for the same slot is
+        left as it is (a rank commits its previous batches again with the next ones, and a resumed rank its
+        checkpoint's, so a commit a Redis restart lost is made good). Returns the ids recorded before for a
+        *different* slot: batches trained twice (counted in `trained_twice`)."""
+        slots = self._slots()
         pipe = self.r.pipeline(transaction=True)
-        for d in deliveries:
-            pipe.hsetnx(self.ledger, d.batch.batch_id, json.dumps({"step": step, "rank": rank, "t": time.time()}))
-        ids = [d.entry_id for d in deliveries]
-        if ids:
-            pipe.xack(self.stream, CONSUMER_GROUP, *ids)
-            pipe.xdel(self.stream, *ids)
-        pipe.hincrby(self.counters, "acked", len(deliveries))
-        results = pipe.execute()
-        doubles = [d.batch.batch_id for d, fresh in zip(deliveries, results) if not fresh]
+        for slot, batch_id in trained:
+            pipe.hsetnx(self.ledger, batch_id, json.dumps({"step": slots.step_of(slot), "slot": slot}))
+        pipe.xtrim(self.keys.slots(rank), minid=entry_id(step * slots.per_step), approximate=False)
+        fresh = pipe.execute()[:len(trained)]
+        seen = [(slot, batch_id) for (slot, batch_id), new in zip(trained, fresh) if not new]
+        recorded = self.r.hmget(self.ledger, [b for _, b in seen]) if seen else []
+        doubles = [b for (slot, b), entry in zip(seen, recorded) if entry is not None and json.loads(entry)["slot"] != slot]
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hincrby(self.counters, "trained", sum(bool(x) for x in fresh))
         if doubles:
-            self.r.hincrby(self.counters, "trained_twice", len(doubles))
+            pipe.hincrby(self.counters, "trained_twice", len(doubles))
             log.error("batches trained twice: %s", doubles)
+        if rank == 0:
+            pipe.set(self.keys.committed, step)
+        pipe.execute()
         return doubles
 
-    def skip(self, delivery: Delivery, reason: str) -> None:
-        """Acknowledge and delete without training (already trained, or stale)."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xack(self.stream, CONSUMER_GROUP, delivery.entry_id)
-        pipe.xdel(self.stream, delivery.entry_id)
-        pipe.hincrby(self.counters, f"skipped_{reason}", 1)
-        pipe.execute()
+    _DEAD_LETTER_ONCE = """
+        if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
+            redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+            redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1)
+            return 1
+        end
+        return 0"""
 
-    def dead_letter(self, entry_id: bytes, fields: dict[bytes, bytes], reason: str) -> None:
-        log.warning("dead-lettering entry %s: %s", entry_id, reason)
+    def dead_letter(self, slot: int, fields: dict[bytes, bytes], reason: str) -> bool:
+        """Keep a batch that cannot be trained, with its slot and why, for an operator (`marge queue`). A slot is
+        dead-lettered once (a resumed run meeting the same bad batch again adds nothing). True if it was new."""
+        entry = {**fields, b"slot": str(slot).encode(), b"reason": reason.encode(), b"time": str(time.time()).encode()}
+        flat = [x for pair in entry.items() for x in pair]
+        added = bool(self.r.eval(self._DEAD_LETTER_ONCE, 3, self.keys.dead_slots, self.dead, self.counters, slot, *flat))
+        if added:
+            log.warning("dead-lettered slot %d: %s", slot, reason)
+        return added
+
+    # --- resuming -------------------------------------------------------------------------------
+
+    def reset_from(self, step: int) -> None:
+        """Make the queue agree with a run resumed from the checkpoint of `step`: every slot from `step` on
+        is written again (the batcher's sequence is deterministic), ledger entries of later updates go, and
+        batches requeued into those slots are requested again (placed anew)."""
+        slots = self._slots()
+        first = step * slots.per_step
+        later_replays = sorted((n, e) for n, e in self.replay_placements().items() if n >= first)
         pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.dead, {**fields, b"reason": reason.encode(), b"entry_id": entry_id})
-        pipe.xack(self.stream, CONSUMER_GROUP, entry_id)
-        pipe.xdel(self.stream, entry_id)
-        pipe.hincrby(self.counters, "dead_lettered", 1)
+        for rank in range(slots.world):
+            pipe.delete(self.keys.slots(rank))
+            pipe.set(self.keys.progress(rank), step)
+        pipe.set(self.keys.next_slot, first)
+        pipe.set(self.keys.committed, step)
+        for n, entry in reversed(later_replays):
+            pipe.hdel(self.keys.replays, str(n))
+            pipe.lpush(self.keys.replay_requests, entry)
         pipe.execute()
+        later = [k for k, v in self.r.hscan_iter(self.ledger) if json.loads(v)["step"] >= step]
+        if later:
+            self.r.hdel(self.ledger, *later)
 
     # --- accounting ------------------------------------------------------------------------------
 
     def pending(self) -> int:
-        """Delivered but not yet acknowledged."""
-        try:
-            return int(self.r.xpending(self.stream, CONSUMER_GROUP)["pending"])
-        except Exception:  # group not created yet
-            return 0
+        """Written, not yet covered by a durable checkpoint."""
+        return sum(int(self.r.xlen(self.keys.slots(r))) for r in range(self._slots().world))
 
     def counts(self) -> dict[str, int]:
         raw = self.r.hgetall(self.counters)
         out = {k.decode(): int(v) for k, v in raw.items()}
-        out["depth"] = self.depth() if self.r.exists(self.stream) else 0
-        out["pending"] = self.pending()
+        out["next_slot"] = self.next_slot()
+        committed = self.r.get(self.keys.committed)
+        out["committed_step"] = int(committed) if committed is not None else 0
+        out["pending"] = self.pending() if self.slots is not None else 0
         out["ledger"] = int(self.r.hlen(self.ledger))
         out["dead_letter_depth"] = int(self.r.xlen(self.dead)) if self.r.exists(self.dead) else 0
         return out
@@ -324,12 +468,32 @@ class BatchQueue:
     def ledger_entries(self) -> dict[str, dict[str, Any]]:
         return {k.decode(): json.loads(v) for k, v in self.r.hgetall(self.ledger).items()}
 
-    def restore_ledger(self, batch_ids: list[str]) -> None:
-        """Mark batches a checkpoint says were trained (a fresh Redis, or a lost ledger, learns them again)."""
-        pipe = self.r.pipeline(transaction=False)
-        for batch_id in batch_ids:
-            pipe.hsetnx(self.ledger, batch_id, json.dumps({"step": -1, "rank": -1, "restored": True}))
-        pipe.execute()
+    def dead_letters(self) -> list[dict[str, Any]]:
+        """Every dead-lettered batch: its entry, slot, batch id, reason, and where it was requeued (if it was)."""
+        placed = {entry: slot for slot, entry in self.replay_placements().items()}
+        requested = {v.decode() for v in self.r.lrange(self.keys.replay_requests, 0, -1)}
+        out = []
+        for entry, fields in self.r.xrange(self.dead):
+            entry = entry.decode()
+            try:
+                batch_id = json.loads(fields[b"header"]).get("batch_id")
+            except (KeyError, ValueError, AttributeError):
+                batch_id = None  # undecodable: the reason says why
+            out.append({"entry": entry, "slot": int(fields.get(b"slot", b"-1")), "batch_id": batch_id,
+                        "reason": fields.get(b"reason", b"").decode(errors="replace"),
+                        "time_unix": float(fields.get(b"time", b"0")),
+                        "replayed_to_slot": placed.get(entry), "replay_requested": entry in requested})
+        return out
+
+    def request_replay(self, entry: str) -> None:
+        """Ask the batcher to write dead-lettered batch `entry` into the next slot it writes."""
+        known = {d["entry"]: d for d in self.dead_letters()}
+        if entry not in known:
+            raise ValueError(f"no dead-lettered entry {entry!r}; `marge queue list-dead` lists them")
+        if known[entry]["replayed_to_slot"] is not None or known[entry]["replay_requested"]:
+            raise ValueError(f"dead-lettered entry {entry} was requeued already "
+                             f"(slot {known[entry]['replayed_to_slot']})")
+        self.r.rpush(self.keys.replay_requests, entry)
 
     # --- the run's shared state ------------------------------------------------------------------
 
@@ -357,14 +521,3 @@ class BatchQueue:
 
     def step_records(self) -> list[dict]:
         return [json.loads(x) for x in self.r.lrange(self.keys.steps, 0, -1)]
-
-    def batcher_position(self) -> tuple[int, int]:
-        """(index version, pass) the batcher last started; (-1, -1) before its first."""
-        raw = self.r.get(self.keys.batcher_position)
-        if raw is None:
-            return -1, -1
-        state = json.loads(raw)
-        return int(state["version"]), int(state["epoch"])
-
-    def save_batcher_position(self, version: int, epoch: int) -> None:
-        self.r.set(self.keys.batcher_position, json.dumps({"version": version, "epoch": epoch}))

@@ -86,6 +86,27 @@ def latest_snapshot(root: Path) -> SnapshotInfo | None:
     return read_snapshot(Path(root) / latest["dir"], verify=False)
 
 
+def drop_snapshots_after(root: Path, step: int) -> list[int]:
+    """Delete snapshots of updates after `step` (a resumed run's discarded lineage) and point LATEST at the newest
+    one left. Returns the steps deleted."""
+    import shutil
+
+    root = Path(root)
+    dropped = []
+    for path in sorted(root.glob("step-*")):
+        if (path / "manifest.json").exists() and int(path.name.split("-")[1]) > step:
+            shutil.rmtree(path)
+            dropped.append(int(path.name.split("-")[1]))
+    if dropped:
+        kept = sorted(p for p in root.glob("step-*") if (p / "manifest.json").exists())
+        if kept:
+            atomic_write_text(root / "LATEST", json.dumps({"step": int(kept[-1].name.split("-")[1]),
+                                                           "dir": kept[-1].name}) + "\n")
+        else:
+            (root / "LATEST").unlink(missing_ok=True)
+    return dropped
+
+
 def load_relevance_encoder(info: SnapshotInfo, device: str | torch.device = "cpu") -> RelevanceEncoder:
     encoder = RelevanceEncoder(info.model_config)
     state = load_file(str(info.path / "relevance.safetensors"), device=str(device))

@@ -1,0 +1,92 @@
+"""`marge audit` and `marge queue`: what a run trained, checked against its checkpoint, ledger and logs.
+
+The account of one run (the `marge.protocol` delivery rules), from the newest good checkpoint C:
+
+    slots of updates 0..C-1   each trained (in the ledger, with the batch id train_log.jsonl gives that slot)
+                              or dead-lettered (in the dead-letter stream with that slot)
+    lost                      such a slot in neither
+    trained twice             a batch id the ledger recorded for two slots (counted at commit), or that
+                              train_log.jsonl shows in two updates up to C
+    pending                   written into the streams, not yet covered by a checkpoint
+
+The run's Redis is opened as the run left it: a `redis.url` from --redis-url or MARGE_REDIS_URL, else the
+run's private server, started from its AOF for the audit (and stopped again) when it is not running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+from marge.checkpoint import newest_good_checkpoint, read_manifest
+from marge.protocol import BatchQueue
+from services.driver.config import PipelineConfig, load_config
+from services.driver.redis_server import LocalRedis, private_conf_dir
+from services.driver.report import read_train_log
+
+
+def run_config_of(run_dir: Path) -> PipelineConfig:
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: --run must be the run.dir of a `marge pretrain` run")
+    return load_config(path)
+
+
+@contextlib.contextmanager
+def run_queue(run_dir: Path, redis_url: str | None = None) -> Iterator[tuple[PipelineConfig, BatchQueue]]:
+    """The run's config and its queue on the run's Redis (see the module docstring)."""
+    cfg = run_config_of(run_dir)
+    url = redis_url or os.environ.get("MARGE_REDIS_URL")
+    if url:
+        yield cfg, BatchQueue.connect(url, cfg.run.name, cfg.slots())
+        return
+    data_dir, conf_dir = Path(run_dir) / "redis", private_conf_dir(Path(run_dir))
+    if not (conf_dir / "redis.conf").exists():
+        raise FileNotFoundError(f"{conf_dir}/redis.conf not found: the run used an external Redis (pass --redis-url or "
+                                "set MARGE_REDIS_URL), or its private server ran as another user or with another "
+                                "MARGE_STATE_DIR")
+    server = LocalRedis.reopen(data_dir, conf_dir).start()
+    try:
+        yield cfg, BatchQueue.connect(server.url, cfg.run.name, cfg.slots())
+    finally:
+        if server.process is not None:  # started here for the audit; a server that a live driver owns stays
+            server.stop()
+
+
+def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
+    """The run's account (see the module docstring); `ok` is whether nothing was lost or trained twice."""
+    slots = cfg.slots()
+    checkpoint = newest_good_checkpoint(cfg.paths().checkpoints)
+    step = int(read_manifest(checkpoint, verify=False)["step"]) if checkpoint else 0
+    covered = step * slots.per_step
+    counts = queue.counts()
+    ledger = queue.ledger_entries()
+    trained_slot = {entry["slot"]: batch_id for batch_id, entry in ledger.items() if entry["slot"] < covered}
+    dead = queue.dead_letters()
+    dead_slots = {d["slot"] for d in dead}
+    lost = [n for n in range(covered) if n not in trained_slot and n not in dead_slots]
+
+    records = [r for r in read_train_log(cfg.paths().run_dir) if r["step"] <= step]
+    logged = {n: b for r in records for n, b in zip(r.get("slots", []), r["batch_ids"])
+              if n not in set(r.get("dead_lettered", []))}
+    logged_twice = [b for b, k in Counter(b for r in records for n, b in zip(r.get("slots", []), r["batch_ids"])
+                                          if n not in set(r.get("dead_lettered", []))).items() if k > 1]
+    disagree = sorted(n for n, b in logged.items() if n in trained_slot and trained_slot[n] != b)
+    trained_twice = counts.get("trained_twice", 0) + len(logged_twice)
+    return {
+        "ok": not lost and trained_twice == 0 and not disagree,
+        "steps": step, "checkpoint": str(checkpoint) if checkpoint else None,
+        "committed_step": counts["committed_step"],
+        "batches_produced": counts.get("produced", 0),
+        "batches_trained": len(trained_slot),
+        "batches_lost": len(lost), "lost_slots": lost[:100],
+        "trained_twice": trained_twice, "trained_twice_ids": logged_twice[:100],
+        "ledger_disagrees_with_train_log": disagree[:100],
+        "batches_pending": counts["pending"],
+        "batches_dead_lettered": sum(1 for d in dead if d["replayed_to_slot"] is None),
+        "batches_replayed": sum(1 for d in dead if d["replayed_to_slot"] is not None),
+        "train_log_updates": len(records),
+    }

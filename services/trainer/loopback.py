@@ -1,0 +1,65 @@
+"""Keep DDP's rendezvous store on loopback when the whole run is on one machine (the embedded default).
+
+torch.distributed's TCPStore server, which rank 0 starts for the process group's rendezvous, listens on every
+interface (`::`/0.0.0.0) whatever MASTER_ADDR says, and torch has no setting for its bind address. It takes
+a listening socket instead (`master_listen_fd`), and a multi-tenant store reuses the server already running on
+its port in the same process. So, in rank 0's process and only when MASTER_ADDR is a loopback address, this
+starts that server first, on a socket bound to MASTER_ADDR itself; the store torch then creates is a tenant
+of it. The driver installs it in the local cluster's worker processes (Ray's `worker_process_setup_hook`);
+on a multi-node cluster MASTER_ADDR is not loopback and nothing changes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from datetime import timedelta
+
+log = logging.getLogger(__name__)
+
+_SERVERS: list = []
+"""The loopback servers started in this process (kept alive for the process group's lifetime)."""
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def start_loopback_server(host: str, port: int, world_size: int, timeout: timedelta, use_libuv: bool = True):
+    from torch.distributed import TCPStore
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    store = TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False, multi_tenant=True,
+                     use_libuv=use_libuv, master_listen_fd=sock.detach())  # the store owns the socket now
+    _SERVERS.append(store)
+    return store
+
+
+def install() -> None:
+    """Ray's `worker_process_setup_hook`: wrap torch's store factory as described in the module docstring."""
+    try:
+        import torch.distributed.rendezvous as rendezvous
+    except ImportError:  # a worker without torch.distributed has no rendezvous to guard
+        return
+    original = getattr(rendezvous, "_create_c10d_store", None)
+    if original is None or getattr(original, "loopback_guarded", False):
+        if original is None:
+            log.warning("this torch has no _create_c10d_store: DDP's rendezvous store listens on every interface")
+        return
+
+    def create_c10d_store(hostname, port, rank, world_size, timeout, use_libuv=True):
+        agent_store = getattr(rendezvous, "_torchelastic_use_agent_store", lambda: False)()
+        if rank == 0 and is_loopback(hostname) and not agent_store:
+            start_loopback_server(hostname, port, world_size, timeout, use_libuv)
+        return original(hostname, port, rank, world_size, timeout, use_libuv)
+
+    create_c10d_store.loopback_guarded = True
+    rendezvous._create_c10d_store = create_c10d_store

@@ -1,0 +1,33 @@
+"""Faults on purpose, for the fault suite (tests/test_faults.py): the `faults:` section of a run's config.
+
+Test-only switches, off (null) in every shipped config: they make a stage misbehave at a chosen slot or
+update the way real faults do (a batch that cannot be trained, a loss that is not finite, a process that
+dies in the middle of writing a checkpoint), so that the delivery guarantees are checked against the real
+pipeline, never against a mock. Process kills (a trainer, the batcher, an indexer worker, Redis, the driver)
+need no switch: the suite sends real signals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from marge.config import at_least
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultsConfig:
+    poison_slot: int | None = None
+    """The batcher writes this slot's batch with a token id outside the vocabulary."""
+    nan_loss_slot: int | None = None
+    """The trainer's loss on this slot's batch is NaN."""
+    crash_in_checkpoint_step: int | None = None
+    """Trainer rank 0 dies (os._exit) halfway through writing the checkpoint of this update, once."""
+
+    def __post_init__(self) -> None:
+        for name in ("poison_slot", "nan_loss_slot", "crash_in_checkpoint_step"):
+            if getattr(self, name) is not None:
+                at_least(self, name, 0)
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in (self.poison_slot, self.nan_loss_slot, self.crash_in_checkpoint_step))

@@ -1,0 +1,324 @@
+"""Exactly-once under faults, on the real pipeline (Ray, redis-server, the `tiny` model, a small corpus).
+
+Faults are real: SIGKILL of a trainer worker, the batcher actor, an indexer worker, redis-server and the driver;
+a crash halfway through writing a checkpoint, a NaN loss and a poison batch come from the test-only `faults:`
+config section (marge.faults), never from a mock. Every run ends with `marge audit` passing, and every slot
+holds the batch an uninterrupted run with the same seed trains in it. The poison batch (slot 5) and the NaN
+loss (slot 13) are part of every run's data, the uninterrupted one's too: they change the model, and with it
+the later index versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCHEDULE = ("run.max_steps=24", "trainer.num_workers=2", "trainer.snapshot_every=6", "indexer.reindex_every=6",
+            "trainer.checkpoint_every=6", "trainer.max_failures=3", "trainer.warmup_steps=2", "trainer.lr=2e-3",
+            "faults.poison_slot=5", "faults.nan_loss_slot=13")
+
+
+def fault_config(tmp_path: Path, corpus: Path, name: str, *extra: str):
+    from services.driver.config import load_config
+
+    return load_config(REPO / "deploy/configs/tiny.yaml", [
+        f"run.name={name}", f"run.dir={tmp_path / name}", f"data.corpus={corpus}", "data.max_chunk_tokens=128",
+        "model.max_positions=128", "batcher.max_tokens=400", "run.progress_every_s=2", *SCHEDULE, *extra])
+
+
+def slot_batches(run_dir: Path) -> dict[int, str]:
+    """slot -> batch id, from the run's train_log.jsonl."""
+    out = {}
+    for line in (run_dir / "train_log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out.update(zip(record["slots"], record["batch_ids"]))
+    return out
+
+
+def audit_of(run_dir: Path) -> tuple[int, dict]:
+    """`marge audit --run DIR --json`: its exit status and its JSON line."""
+    proc = subprocess.run([sys.executable, "-m", "services.driver.cli", "audit", "--run", str(run_dir), "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def newest_step(run_dir: Path) -> int:
+    log = run_dir / "train_log.jsonl"
+    if not log.exists():
+        return 0
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    try:
+        return json.loads(lines[-1])["step"] if lines else 0
+    except ValueError:
+        return 0  # a line being written
+
+
+def pids_with_title(prefix: str) -> list[int]:
+    """Processes whose command line starts with `prefix` (Ray titles its workers `ray::<Class>[.<method>]`)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().startswith(prefix.encode()):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def sigkill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def reference_run(ray_cluster, small_corpus, tmp_path_factory):
+    """The uninterrupted run every faulty run is compared with."""
+    from services.driver.pipeline import run_pipeline
+
+    summary = run_pipeline(fault_config(tmp_path_factory.mktemp("reference"), small_corpus, "reference"))
+    return Path(summary["run_dir"]), summary
+
+
+@pytest.mark.slow
+def test_reference_run_audits_clean(reference_run):
+    run_dir, summary = reference_run
+    code, audit = audit_of(run_dir)
+    assert code == 0 and audit["ok"]
+    assert audit["steps"] == 24 and audit["batches_trained"] == 46 and audit["batches_lost"] == 0
+    assert audit["trained_twice"] == 0 and audit["batches_dead_lettered"] == 2
+    assert summary["batches_trained"] == 46 and summary["trained_twice"] == 0
+    assert sorted(slot_batches(run_dir)) == list(range(48))
+    # the index switches at fixed steps: version v (snapshot 6v) serves updates 6v+6 .. 6v+11
+    records = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    assert [r["index_versions"] for r in records] == [[0]] * 12 + [[1]] * 6 + [[2]] * 6
+    assert max(r["staleness_max"] for r in records) <= 6 + 6 - 1
+    # the private redis-server's password is nowhere under run.dir
+    from services.driver.redis_server import private_conf_dir
+
+    conf = (private_conf_dir(run_dir) / "redis.conf").read_text()
+    password = next(line.split(" ", 1)[1] for line in conf.splitlines() if line.startswith("requirepass "))
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and password.encode() in p.read_bytes()]
+
+
+@pytest.mark.slow
+def test_faults_inside_a_run_lose_nothing_and_train_nothing_twice(reference_run, small_corpus, tmp_path, caplog):
+    """One run through: the batcher, an indexer worker, redis-server and a trainer worker SIGKILLed at different
+    updates, rank 0 dying halfway through the checkpoint of update 12, a poison batch in slot 5 and a NaN loss in
+    slot 13."""
+    import logging
+
+    from services.driver.pipeline import run_pipeline
+
+    cfg = fault_config(tmp_path, small_corpus, "faults", "faults.crash_in_checkpoint_step=12")
+    run_dir = Path(cfg.run.dir)
+    kills: dict[str, int] = {}
+    done = threading.Event()
+
+    def killer() -> None:
+        plan = [(3, "batcher", lambda: pids_with_title("ray::Batcher")),
+                (7, "indexer worker", lambda: pids_with_title("ray::IndexerWorker")[:1]),
+                (9, "redis-server", lambda: [int((run_dir / "redis" / "redis-server.pid").read_text())]),
+                (16, "trainer worker", lambda: pids_with_title("ray::RayTrainWorker")[-1:])]
+        for at_step, name, find in plan:
+            while newest_step(run_dir) < at_step or (name == "trainer worker" and not
+                                                     (run_dir / "faults" / "crashed-in-checkpoint-12").exists()):
+                if done.wait(0.1):
+                    return
+            pids = find()
+            assert pids, f"no {name} process to kill"
+            sigkill(pids)
+            kills[name] = newest_step(run_dir)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    caplog.set_level(logging.INFO)
+    try:
+        summary = run_pipeline(cfg)
+    finally:
+        done.set()
+        thread.join(timeout=10)
+    assert set(kills) == {"batcher", "indexer worker", "redis-server", "trainer worker"}, kills
+    assert summary["steps"] == 24 and summary["redis_restarts"] == 1
+
+    code, audit = audit_of(run_dir)
+    assert code == 0 and audit["ok"], audit
+    assert (audit["batches_lost"], audit["trained_twice"]) == (0, 0)
+    assert audit["batches_trained"] == 46 and audit["batches_dead_lettered"] == 2
+    # every slot holds the batch the uninterrupted run trained there
+    assert slot_batches(run_dir) == slot_batches(reference_run[0])
+    from services.driver.audit import run_queue
+
+    with run_queue(run_dir) as (_, queue):
+        dead = {d["slot"]: d["reason"] for d in queue.dead_letters()}
+    assert set(dead) == {5, 13}
+    assert "outside the vocabulary" in dead[5] and "non-finite loss" in dead[13] and "v0-e0-s" in dead[13]
+    assert (run_dir / "faults" / "crashed-in-checkpoint-12").exists()
+    stored = list((run_dir / "ray_train" / cfg.run.name).glob("step-*"))
+    assert stored and all((p / "manifest.json").exists() for p in stored)  # nothing half-written was stored
+    print(json.dumps({"kills_at_step": kills, "audit": audit}))
+
+
+DRIVER = [sys.executable, "-m", "services.driver.cli", "pretrain", "--config", str(REPO / "deploy/configs/tiny.yaml")]
+
+
+@pytest.mark.slow
+def test_a_killed_driver_resubmitted_resumes_from_its_newest_good_checkpoint(reference_run, small_corpus, tmp_path):
+    """SIGKILL the driver (its redis-server is orphaned, its Ray goes with it), corrupt its newest checkpoint, and
+    submit it again: it adopts the orphan, falls back to the previous checkpoint, discards the later snapshots
+    and index versions, and trains every slot once, as the uninterrupted run does."""
+    from marge.checkpoint import complete_checkpoints
+    from services.driver.redis_server import pid_is_redis
+
+    cfg = fault_config(tmp_path, small_corpus, "driver")
+    run_dir = Path(cfg.run.dir)
+    args = [f"run.name={cfg.run.name}", f"run.dir={run_dir}", f"data.corpus={small_corpus}", "data.max_chunk_tokens=128",
+            "model.max_positions=128", "batcher.max_tokens=400", "run.progress_every_s=2", "ray.num_cpus=4", *SCHEDULE]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    driver = subprocess.Popen([*DRIVER, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while newest_step(run_dir) < 14 and driver.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert newest_step(run_dir) >= 14, driver.stdout.read()[-3000:] if driver.poll() is not None else "too slow"
+        redis_pid = int((run_dir / "redis" / "redis-server.pid").read_text())
+        # the embedded default listens on loopback only: the driver, its Ray, its workers and its redis-server
+        listening = listening_addresses([*pids_in_session(driver.pid), redis_pid])
+        assert listening and all(host in LOOPBACK for host, _ in listening), listening
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+    finally:
+        with_ray = [p for p in pids_in_session(driver.pid) if p != redis_pid] if driver.pid else []
+        sigkill(with_ray)  # the killed driver's local Ray (its redis-server has a session of its own)
+    assert pid_is_redis(redis_pid)  # orphaned
+    checkpoints = complete_checkpoints(run_dir / "ray_train" / cfg.run.name)
+    assert [p.name for p in checkpoints][-2:] == ["step-00000006", "step-00000012"]
+    (checkpoints[-1] / "model.safetensors").write_bytes(b"torn")  # the newest checkpoint is corrupt
+
+    again = subprocess.run([*DRIVER, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    log = again.stderr
+    assert f"adopted redis-server pid {redis_pid}" in log
+    assert "skipping checkpoint" in log and "resuming from" in log and "(update 6)" in log
+    assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from_step"] == 6
+    assert not pid_is_redis(redis_pid)  # stopped at the end of the resumed run, not doubled
+    code, audit = audit_of(run_dir)
+    assert code == 0 and audit["ok"] and audit["batches_trained"] == 46, audit
+    assert slot_batches(run_dir) == slot_batches(reference_run[0])
+    steps = [json.loads(line)["step"] for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 25))  # the lines of updates 7-14 the crashed lineage wrote are gone
+    print(json.dumps({"killed_at_step": 14, "resumed_from": 6, "audit": audit}))
+
+
+LOOPBACK = {"127.0.0.1", "::1"}
+
+
+def listening_addresses(pids: list[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state that one of `pids` holds (from /proc/net/tcp{,6})."""
+    import ipaddress
+
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    out = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hex_address, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_address)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))  # little-endian 32-bit words
+            address = ipaddress.ip_address(raw)
+            address = getattr(address, "ipv4_mapped", None) or address
+            out.append((str(address), int(hex_port, 16)))
+    return out
+
+
+def pids_in_session(session_id: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == session_id:
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_a_second_driver_on_a_live_run_is_refused_and_a_dead_drivers_lock_is_taken_over(tmp_path):
+    from services.driver.lock import DriverLock, RunLocked
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom services.driver.lock import DriverLock\n"
+                               f"DriverLock({str(tmp_path)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(60)"],
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunLocked, match=f"another `marge pretrain`.*\"pid\": {holder.pid}"):
+            DriverLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    with DriverLock(tmp_path) as lock:  # the holder died: its lock went with it
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+
+
+def test_a_bad_batch_is_left_out_of_its_update_with_a_zero_weight_stand_in(small_index, small_corpus):
+    """backward_items on [good, poison] gives half the gradient of [good] alone (each batch weighs 1/2; the poison
+    batch's stand-in weighs 0), and on [good, NaN loss] the same; both name the slot and the reason."""
+    from marge.corpus import Corpus
+    from marge.model import Marge, preset
+    from marge.protocol import Slots
+    from services.batcher.actor import poisoned
+    from services.batcher.config import BatcherConfig
+    from services.batcher.core import DocumentStore, epoch_batches
+    from services.trainer.config import TrainerConfig
+    from services.trainer.objectives import Objectives, ObjectivesConfig
+    from services.trainer.step import Item, backward_items
+
+    corpus = Corpus.open(small_corpus)
+    specials = corpus.tokenizer().specials
+    good, other = list(epoch_batches(small_index, DocumentStore(corpus), BatcherConfig(max_tokens=400), 0))[:2]
+    torch.manual_seed(0)
+    model = Marge(preset("tiny", vocab_size=corpus.tokenizer().vocab_size, max_positions=128, dropout=0.0))
+    objectives = Objectives(ObjectivesConfig(), specials)
+
+    def gradient(items: list[Item], slots: Slots, nan_slot=None):
+        model.zero_grad(set_to_none=True)
+        done = backward_items(model, objectives, items, slots, TrainerConfig(), torch.device("cpu"), 0, model.cfg,
+                              specials, nan_slot)
+        return done, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    _, alone = gradient([Item(0, good)], Slots(1, 1))
+    done, with_poison = gradient([Item(0, good), Item(1, poisoned(other))], Slots(1, 2))
+    assert done.trained == [(0, good.batch_id)] and done.dead_lettered[0][0] == 1
+    assert "outside the vocabulary" in done.dead_lettered[0][1]
+    # the same key seeds slot 0's preparation in both (seed, update 0, position 0): only the weight differs
+    assert np.allclose(with_poison.numpy(), 0.5 * alone.numpy(), atol=1e-6)
+    done, with_nan = gradient([Item(0, good), Item(1, other)], Slots(1, 2), nan_slot=1)
+    assert done.dead_lettered == [(1, f"non-finite loss (nan) on batch {other.batch_id}")]
+    assert np.allclose(with_nan.numpy(), 0.5 * alone.numpy(), atol=1e-6)
