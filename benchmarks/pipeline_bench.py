@@ -40,7 +40,7 @@ def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
     from services.driver.resources import ray_for
     from services.trainer.init import ensure_initial_model
 
-    cfg = load_config(REPO / "deploy/configs/tiny.yaml", [f"run.name=bench-pipeline", f"run.dir={workdir / 'pipeline'}",
+    cfg = load_config(REPO / "deploy/configs/tiny.yaml", ["run.name=bench-pipeline", f"run.dir={workdir / 'pipeline'}",
                                                           f"run.max_steps={steps}", "indexer.keep_versions=1000",
                                                           "run.progress_every_s=30", *overrides])
     summary = run_pipeline(cfg)

@@ -274,7 +274,7 @@ def test_a_second_driver_on_a_live_run_is_refused_and_a_dead_drivers_lock_is_tak
     from services.driver.lock import DriverLock, RunLocked
 
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom services.driver.lock import DriverLock\n"
-                               f"DriverLock({str(tmp_path)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(60)"],
+                               f"lock = DriverLock({str(tmp_path)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(60)"],
                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -322,3 +322,28 @@ def test_a_bad_batch_is_left_out_of_its_update_with_a_zero_weight_stand_in(small
     done, with_nan = gradient([Item(0, good), Item(1, other)], Slots(1, 2), nan_slot=1)
     assert done.dead_lettered == [(1, f"non-finite loss (nan) on batch {other.batch_id}")]
     assert np.allclose(with_nan.numpy(), 0.5 * alone.numpy(), atol=1e-6)
+
+
+def test_the_newest_good_checkpoint_skips_torn_and_half_uploaded_ones_and_orders_attempts(tmp_path):
+    """Storage copies a checkpoint's files in no fixed order: a crash mid-upload can leave a torn manifest or
+    a manifest without its files. Both are skipped (never an exception that stops every resume), and a second
+    attempt at an update (`step-N-1`, written after resuming from an older checkpoint) is newer than the first."""
+    from marge.checkpoint import checkpoint_dir_name, complete_checkpoints, newest_good_checkpoint, save_checkpoint
+    from marge.model import Marge, preset
+
+    torch.manual_seed(0)
+    model = Marge(preset("tiny", vocab_size=64, max_positions=32))
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.model", "tokenizer.json"):
+        (tokenizer_dir / name).write_text("x")
+    root = tmp_path / "ckpt"
+    for step in (6, 12, 12):
+        save_checkpoint(root / checkpoint_dir_name(root, step), model, optimizer, scheduler, step, tokenizer_dir, {})
+    assert [p.name for p in complete_checkpoints(root)] == ["step-00000006", "step-00000012", "step-00000012-1"]
+    assert newest_good_checkpoint(root).name == "step-00000012-1"
+    (root / "step-00000012-1" / "manifest.json").write_text('{"format": "marge-checkpoint", "ver')  # torn
+    (root / "step-00000012" / "training_state.pt").unlink()  # its upload never got there
+    assert newest_good_checkpoint(root).name == "step-00000006"

@@ -282,8 +282,7 @@ def test_a_corrupt_gzip_names_the_file_and_the_line_it_broke_at(tmp_path):
             for r in good_rows():
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
     data = bytearray(good.read_bytes())
-    for i in range(len(data) // 2, len(data) // 2 + 64):  # garble the middle of the deflate stream
-        data[i] ^= 0xFF
+    data[-8] ^= 0xFF  # the CRC-32 trailer: every line decodes, the check at the end of the stream fails
     bad = tmp_path / "bad.jsonl.gz"
     bad.write_bytes(bytes(data))
     out = tmp_path / "out"

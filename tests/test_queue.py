@@ -119,6 +119,22 @@ def test_a_slot_is_written_once(redis_server):
     assert q.next_slot() == 1
 
 
+def test_a_write_the_client_retries_after_it_went_through_changes_nothing(redis_server):
+    """redis-py retries a call whose reply a connection reset hid: the slot script must be a no-op the second
+    time, also for a replay (its request is not popped twice, its placement not moved)."""
+    q = BatchQueue.connect(redis_server.url, "t3b", Slots(1, 1))
+    fill(q, range(3))
+    delivery = q.get(1, block_ms=10)
+    q.dead_letter(1, delivery.fields, "poison")
+    [dead] = q.dead_letters()
+    q.request_replay(dead["entry"])
+    q.r.rpush(q.keys.replay_requests, "9-0")  # a second request behind it
+    assert q.put_replay(3, dead["entry"], 10)
+    assert q.put_replay(3, dead["entry"], 10)  # the retry
+    assert q.r.lrange(q.keys.replay_requests, 0, -1) == [b"9-0"] and q.replay_placements() == {3: dead["entry"]}
+    assert q.counts()["produced"] == 4 and q.next_slot() == 4
+
+
 def test_an_undecodable_entry_is_delivered_with_the_reason(redis_server):
     q = BatchQueue.connect(redis_server.url, "t4", Slots(1, 1))
     q.r.xadd(q.keys.slots(0), {b"v": b"2", b"header": b"\x80\x04pickle", b"tokens": b"", b"sha256": b"x"},
@@ -164,6 +180,11 @@ def test_dead_letters_are_listed_and_requeued_into_the_next_slot(redis_server):
     # a run resumed from before slot 4 forgets the placement and places the request again
     q.reset_from(3)
     assert q.replay_placements() == {} and q.next_replay_request() == dead["entry"]
+    # a run resumed from before the dead slot trains it again: its dead letter belonged to the discarded updates
+    q.reset_from(2)
+    assert q.dead_letters() == [] and q.next_replay_request() is None and q.counts()["dead_lettered"] == 0
+    fill(q, range(2, 4))
+    assert q.dead_letter(2, q.get(2, block_ms=10).fields, "dead again in the resumed run")
 
 
 def test_a_killed_redis_is_restarted_on_its_port_and_clients_carry_on(tmp_path):

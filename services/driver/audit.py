@@ -4,7 +4,9 @@ The account of one run (the `marge.protocol` delivery rules), from the newest go
 
     slots of updates 0..C-1   each trained (in the ledger, with the batch id train_log.jsonl gives that slot)
                               or dead-lettered (in the dead-letter stream with that slot)
-    lost                      such a slot in neither
+                              (or in the checkpoint's record of its last interval, when the driver died
+                              before the ranks recorded it in Redis: `batches_awaiting_commit`)
+    lost                      such a slot in none of these
     trained twice             a batch id the ledger recorded for two slots (counted at commit), or that
                               train_log.jsonl shows in two updates up to C
     pending                   written into the streams, not yet covered by a checkpoint
@@ -56,6 +58,18 @@ def run_queue(run_dir: Path, redis_url: str | None = None) -> Iterator[tuple[Pip
             server.stop()
 
 
+def checkpoint_deliveries(checkpoint: Path | None) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """(slot, batch id) trained and (slot, reason) left out in the checkpoint's last interval (its tensors are
+    memory-mapped, not read)."""
+    if checkpoint is None:
+        return [], []
+    import torch
+
+    state = torch.load(Path(checkpoint) / "training_state.pt", map_location="cpu", weights_only=True, mmap=True)
+    return ([(int(n), str(b)) for n, b in state.get("trained_since_previous", ())],
+            [(int(n), str(r)) for n, _, r in state.get("dead_since_previous", ())])
+
+
 def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
     """The run's account (see the module docstring); `ok` is whether nothing was lost or trained twice."""
     slots = cfg.slots()
@@ -67,7 +81,13 @@ def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
     trained_slot = {entry["slot"]: batch_id for batch_id, entry in ledger.items() if entry["slot"] < covered}
     dead = queue.dead_letters()
     dead_slots = {d["slot"] for d in dead}
-    lost = [n for n in range(covered) if n not in trained_slot and n not in dead_slots]
+    # the checkpoint is the commit point: its last interval counts even if the driver died before the ranks
+    # recorded it in Redis (the resumed run records it first thing)
+    trained_in_checkpoint, dead_in_checkpoint = checkpoint_deliveries(checkpoint)
+    awaiting = {n: b for n, b in trained_in_checkpoint if n not in trained_slot}
+    awaiting_dead = {n for n, _ in dead_in_checkpoint if n not in dead_slots}
+    trained_slot.update(awaiting)
+    lost = [n for n in range(covered) if n not in trained_slot and n not in dead_slots and n not in awaiting_dead]
 
     records = [r for r in read_train_log(cfg.paths().run_dir) if r["step"] <= step]
     logged = {n: b for r in records for n, b in zip(r.get("slots", []), r["batch_ids"])
@@ -86,7 +106,8 @@ def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
         "trained_twice": trained_twice, "trained_twice_ids": logged_twice[:100],
         "ledger_disagrees_with_train_log": disagree[:100],
         "batches_pending": counts["pending"],
-        "batches_dead_lettered": sum(1 for d in dead if d["replayed_to_slot"] is None),
+        "batches_awaiting_commit": len(awaiting) + len(awaiting_dead),
+        "batches_dead_lettered": sum(1 for d in dead if d["replayed_to_slot"] is None) + len(awaiting_dead),
         "batches_replayed": sum(1 for d in dead if d["replayed_to_slot"] is not None),
         "train_log_updates": len(records),
     }

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marge.checkpoint import complete_checkpoints, load_model, load_model_weights
+from marge.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
 from marge.evaluation import evaluate_model, evaluate_tfidf, mean_score, read_pairs
 from marge.utils import atomic_write_text
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
@@ -131,7 +131,7 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
     for path in checkpoints:
         model = load_model(path)
         over_time.append(checkpoint_evaluation(model, tokenizer, pairs, cfg.health.eval_layer, probe,
-                                               int(path.name.split("-")[1])))
+                                               checkpoint_order(path)[0]))
     return assemble_report(baselines, over_time, model, tokenizer, pairs, cfg.health.eval_layer,
                            read_train_log(Path(cfg.run.dir)), str(checkpoints[-1]) if checkpoints else None,
                            summary.get("index_builds", []), {k: v for k, v in summary.items() if k != "index_builds"},

@@ -49,8 +49,8 @@ import torch
 import yaml
 
 from marge.batch import Batch
-from marge.checkpoint import (complete_checkpoints, load_model_weights, newest_good_checkpoint, restore_training,
-                              save_checkpoint)
+from marge.checkpoint import (checkpoint_order, complete_checkpoints, load_model_weights, newest_good_checkpoint,
+                              restore_training, save_checkpoint)
 from marge.corpus import Corpus
 from marge.evaluation import read_pairs
 from marge.index_store import IndexVersion, commit_version, drop_versions_after, staging_dir, version_dirname
@@ -336,7 +336,7 @@ class SingleProcessRun:
             self.stop_waiting.clear()
         state["train_seconds"] += meter.elapsed()
         last = complete_checkpoints(checkpoint_root(cfg))
-        if not last or int(last[-1].name.split("-")[1]) != step:  # the resume point of the next chunk
+        if not last or checkpoint_order(last[-1])[0] != step:  # the resume point of the next chunk
             self.checkpoint(model, optimizer, scheduler, step, state, 0.0)
         return {"steps": step, "chunk_steps": meter.steps, "chunk_seconds": round(meter.elapsed(), 1),
                 **{k: meter.rates()[k] for k in ("tokens_per_s", "target_tokens_per_s", "mfu")},

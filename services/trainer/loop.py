@@ -15,8 +15,8 @@ Each update s, told top to bottom in `Rank.run`:
     log               rank 0 writes one record for the update (every rank's slots, the mean loss)
     snapshot          every `snapshot_every` updates rank 0 publishes g and measures retrieval health
     checkpoint        every `checkpoint_every` updates all ranks report the training state (every rank's
-                      batches and RNG); once it is durable each rank commits its batches and dead-letters the
-                      ones it could not train: only then do they count (marge.protocol), so a crash anywhere
+                      batches, the ones it left out, and RNG); once it is durable each rank dead-letters the
+                      ones it could not train and commits the rest: only then do they count (marge.protocol), so a crash anywhere
                       loses none of them and counts none twice
 """
 
@@ -125,7 +125,8 @@ class Rank:
         self.model = load_model_weights(job.paths.init_weights).to(self.device)
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_scheduler(self.optimizer, t, job.max_steps)
-        resumed = resume(self.model, self.optimizer, self.scheduler, self.device, self.rank, job.resume_from)
+        resumed = resume(self.model, self.optimizer, self.scheduler, self.device, self.rank, job.resume_from,
+                         job.paths.checkpoints)
         self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
         if self.step:
             log.info("rank %d resumed at update %d", self.rank, self.step)
@@ -140,7 +141,10 @@ class Rank:
         self.committed = [(n, b) for n, b in resumed.trained if self.slots.rank_of(n) == self.rank]
         """(slot, batch id) of this rank's last commit: committed again with the next one (commits are
         idempotent), so a commit a Redis restart lost, or a crash cut off, is made good."""
-        if self.step:
+        if self.step:  # dead letters first: a commit trims the stream that holds their batches
+            for slot, fields, reason in resumed.dead:
+                if self.slots.rank_of(slot) == self.rank:
+                    self.source.dead_letter(Delivery(slot, None, fields), reason)
             self.source.commit(self.step, self.committed)
         self.metrics = trainer_metrics(job.paths.name, self.rank, with_health=self.rank == 0)
         self.health = HealthMonitor(job.health, job.heldout_pairs, self.tokenizer, seed=job.seed) if self.rank == 0 else None
@@ -210,13 +214,16 @@ class Rank:
     def checkpoint(self, metrics: dict) -> None:
         """Report the state (every rank's uncommitted batches and RNG), then commit this rank's batches."""
         gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, {"trained": self.uncommitted, "rng": rng_state()})
+        dead = [(d.slot, d.fields, reason) for d, reason in self.uncommitted_dead]
+        dist.all_gather_object(gathered, {"trained": self.uncommitted, "dead": dead, "rng": rng_state()})
         report_checkpoint(self.rank, self.step, self.model, self.optimizer, self.scheduler, self.corpus_root,
-                          [item for part in gathered for item in part["trained"]], [part["rng"] for part in gathered],
+                          [item for part in gathered for item in part["trained"]],
+                          [item for part in gathered for item in part["dead"]], [part["rng"] for part in gathered],
                           self.tokens_seen, metrics, self.job)
-        self.source.commit(self.step, self.committed + self.uncommitted)
-        for delivery, reason in self.uncommitted_dead:
+        dist.barrier()  # ranks other than 0 return from report before rank 0's upload is done: commit after it
+        for delivery, reason in self.uncommitted_dead:  # before the commit, which trims the stream below the update
             self.source.dead_letter(delivery, reason)
+        self.source.commit(self.step, self.committed + self.uncommitted)
         self.committed, self.uncommitted, self.uncommitted_dead = self.uncommitted, [], []
 
 

@@ -9,7 +9,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from marge.checkpoint import CheckpointError, restore_training, save_checkpoint
+from marge.checkpoint import (CheckpointError, checkpoint_dir_name, newest_good_checkpoint, read_manifest,
+                              restore_training, save_checkpoint)
 from marge.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -21,40 +22,66 @@ class Resumed:
     tokens_seen: int = 0
     trained: tuple[tuple[int, str], ...] = ()
     """(slot, batch id) of every rank's batches the checkpoint's interval trained (committed again on resume)."""
+    dead: tuple[tuple[int, dict, str], ...] = ()
+    """(slot, stream fields, reason) of every rank's batches the interval left out: dead-lettered again on resume
+    (once per slot), so a crash between the checkpoint and the dead letters loses none of them."""
     rng: dict | None = None
     """This rank's RNG state at the checkpoint: set last, once everything that draws at start-up is built."""
 
 
-def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None) -> Resumed:
+def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None, checkpoints: Path) -> Resumed:
     """The checkpoint this rank continues from (update, target tokens seen, the batches it covers), restored
     into the arguments.
 
-    Ray Train's newest checkpoint of the run first (after a worker failure, the one it restarts from); if it is
-    missing or does not verify, `fallback` (the newest good one the driver found); else a fresh start. Each rank
-    gets its own RNG state back."""
+    The newest that verifies of: Ray Train's checkpoint (after a worker failure, the one it restarts from),
+    `fallback` (the newest good one the driver found) and the newest good one in `checkpoints` (the run's
+    storage). Storage counts because Ray registers a checkpoint only after every rank's report reached its
+    controller: a rank killed in between makes Ray restart from the one before, whose batches later ranks
+    may already have committed. Every rank must pick the same update (checked); each gets its own RNG back."""
     import ray.train
+    import torch
+    import torch.distributed as dist
 
-    candidates = []
+    candidates: list[tuple[int, int, str]] = []  # (update, preference, path)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
-        candidates.append(checkpoint)
-    if fallback:
-        candidates.append(fallback)
-    for candidate in candidates:
+        import pyarrow.fs
+
+        local = isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
+        ray_dir = checkpoint.path if local else checkpoint.to_directory()  # remote storage: a local copy
+        candidates.append((checkpoint_step(ray_dir), 2, str(ray_dir)))
+    for path, preference in ((fallback, 1), (newest_good_checkpoint(checkpoints), 0)):
+        if path:
+            candidates.append((checkpoint_step(path), preference, str(path)))
+    loaded = None
+    for _, _, path in sorted(candidates, reverse=True):  # newest first; of equal updates, Ray's
         try:
-            if isinstance(candidate, str):
-                state = restore_training(Path(candidate), model, optimizer, scheduler, device)
-            else:
-                with candidate.as_directory() as d:
-                    state = restore_training(Path(d), model, optimizer, scheduler, device)
-        except CheckpointError as e:
-            log.warning("rank %d: checkpoint %s cannot be used (%s); trying an older one", rank, candidate, e)
-            continue
-        rng_by_rank = state.get("rng_by_rank") or []
-        return Resumed(int(state["step"]), int(state["tokens_seen"]),
-                       tuple((int(n), str(b)) for n, b in state.get("trained_since_previous", ())),
-                       rng_by_rank[rank] if rank < len(rng_by_rank) else None)
-    return Resumed()
+            loaded = restore_training(Path(path), model, optimizer, scheduler, device)
+            break
+        except (CheckpointError, OSError, ValueError, KeyError) as e:
+            log.warning("rank %d: checkpoint %s cannot be used (%s); trying an older one", rank, path, e)
+    step = int(loaded["step"]) if loaded else 0
+    if dist.is_available() and dist.is_initialized():
+        bounds = torch.tensor([step, -step])
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+        if int(bounds[0]) != -int(bounds[1]):
+            raise RuntimeError(f"trainer ranks resume from different updates ({-int(bounds[1])} .. {int(bounds[0])}): "
+                               f"every rank must see the same checkpoint storage ({checkpoints})")
+    if loaded is None:
+        return Resumed()
+    rng_by_rank = loaded.get("rng_by_rank") or []
+    return Resumed(step, int(loaded["tokens_seen"]),
+                   tuple((int(n), str(b)) for n, b in loaded.get("trained_since_previous", ())),
+                   tuple((int(n), dict(f), str(r)) for n, f, r in loaded.get("dead_since_previous", ())),
+                   rng_by_rank[rank] if rank < len(rng_by_rank) else None)
+
+
+def checkpoint_step(path) -> int:
+    """The update a checkpoint folder holds (-1 when its manifest cannot be read: tried last)."""
+    try:
+        return int(read_manifest(Path(path), verify=False)["step"])
+    except (CheckpointError, OSError, ValueError, KeyError):
+        return -1
 
 
 def truncate_log(path: Path, step: int) -> None:
@@ -74,10 +101,13 @@ def truncate_log(path: Path, step: int) -> None:
 
 
 def report_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenizer_dir: Path,
-                      trained: list[tuple[int, str]], rng_by_rank: list, tokens_seen: int, metrics: dict, job) -> None:
-    """All ranks call report (it is a barrier that returns once the checkpoint is persisted); rank 0 attaches the
-    checkpoint: weights, optimizer, schedule, update, every rank's RNG and the (slot, batch id) every rank
-    trained since the previous checkpoint."""
+                      trained: list[tuple[int, str]], dead: list[tuple[int, dict, str]], rng_by_rank: list,
+                      tokens_seen: int, metrics: dict, job) -> None:
+    """All ranks call report; rank 0 attaches the checkpoint: weights, optimizer, schedule, update, every rank's
+    RNG, the (slot, batch id) every rank trained since the previous checkpoint and the (slot, fields, reason) of
+    those it left out. Ranks other than 0 may return before rank 0's upload is done: the caller barriers after
+    it. A run resumed from an older checkpoint writes an update again into a new folder (`step-N-1`): Ray deletes
+    old checkpoints by folder, and the abandoned one it still lists must not take the new one with it."""
     import ray.train
     from ray.train import Checkpoint
 
@@ -85,10 +115,11 @@ def report_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokeniz
         with tempfile.TemporaryDirectory(prefix="marge-ckpt-") as tmp:
             crash = crash_point(job, step)
             save_checkpoint(Path(tmp), model, optimizer, scheduler, step, tokenizer_dir,
-                            {"trained_since_previous": trained, "rng_by_rank": rng_by_rank, "tokens_seen": tokens_seen},
+                            {"trained_since_previous": trained, "dead_since_previous": dead, "rng_by_rank": rng_by_rank,
+                             "tokens_seen": tokens_seen},
                             before_manifest=crash)
             ray.train.report({**metrics, "step": step}, checkpoint=Checkpoint.from_directory(tmp),
-                             checkpoint_dir_name=f"step-{step:08d}")
+                             checkpoint_dir_name=checkpoint_dir_name(job.paths.checkpoints, step))
     else:
         ray.train.report({"step": step})
 

@@ -152,7 +152,7 @@ def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], 
                     out.losses.append(losses.parts)
                     out.target_tokens.append(losses.target_tokens)
                     continue
-                problem = f"non-finite loss ({float(losses.objective)}) on batch {item.batch.batch_id}"
+                problem = f"non-finite loss ({float(losses.objective.detach())}) on batch {item.batch.batch_id}"
             out.dead_lettered.append((item.slot, problem))
             substitute = objectives.prepare(substitute_batch(specials), key)
             (objectives.losses(model, substitute, device, cfg.bf16).objective * 0.0).backward()

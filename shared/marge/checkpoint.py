@@ -80,19 +80,52 @@ def read_manifest(directory: Path, verify: bool = True) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"{path} is missing: {directory} is not a complete MARGE checkpoint "
                               "(pass the folder printed as `checkpoint` by `marge pretrain`)")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # torn by a crash mid-upload (storage copies files in no fixed order)
+        raise CheckpointError(f"{path} cannot be read ({e}): an incomplete checkpoint") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("sha256"), dict):
+        raise CheckpointError(f"{path}: not a {CHECKPOINT_FORMAT} manifest")
     if manifest.get("format") != CHECKPOINT_FORMAT or manifest.get("version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path}: not a version-{CHECKPOINT_VERSION} {CHECKPOINT_FORMAT} manifest")
     if verify:
         for name, digest in manifest["sha256"].items():
+            if not (directory / name).is_file():
+                raise CheckpointError(f"{directory / name} is missing (an incomplete checkpoint)")
             if sha256_file(directory / name) != digest:
                 raise CheckpointError(f"{directory / name}: sha256 does not match the manifest (corrupt checkpoint)")
     return manifest
 
 
+def checkpoint_order(path: Path) -> tuple[int, int]:
+    """(update, attempt) of a checkpoint folder `step-<update>[-<attempt>]`: a run resumed from an older
+    checkpoint writes the update again as `step-<update>-1` (then -2, ...), never over the folder it abandoned."""
+    parts = Path(path).name.split("-")
+    try:
+        return int(parts[1]), int(parts[2]) if len(parts) > 2 else 0
+    except (IndexError, ValueError):
+        raise CheckpointError(f"{path}: not a checkpoint folder name (step-<update>[-<attempt>])") from None
+
+
+def checkpoint_dir_name(root: Path, step: int) -> str:
+    """The folder name for the checkpoint of `step` under `root`: `step-<step>`, or the next free attempt."""
+    name, attempt = f"step-{step:08d}", 0
+    while (Path(root) / (name if attempt == 0 else f"{name}-{attempt}")).exists():
+        attempt += 1
+    return name if attempt == 0 else f"{name}-{attempt}"
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """The `step-*` checkpoints under `root` that have a manifest, oldest first (not verified)."""
-    return sorted(p for p in Path(root).glob("step-*") if (p / "manifest.json").exists())
+    """The `step-*` checkpoints under `root` that have a manifest, oldest first (not verified); of two attempts at
+    one update, the later one last."""
+    found = []
+    for p in Path(root).glob("step-*"):
+        try:
+            if (p / "manifest.json").exists():
+                found.append((checkpoint_order(p), p))
+        except CheckpointError:
+            continue
+    return [p for _, p in sorted(found)]
 
 
 def newest_good_checkpoint(root: Path) -> Path | None:

@@ -38,7 +38,8 @@ class StageMetrics:
         self.metrics[name].set(value)
 
     def inc(self, name: str, value: float = 1.0) -> None:
-        self.metrics[name].inc(value)
+        if value > 0:  # Ray's Counter refuses 0 (an update whose batches were all dead-lettered adds nothing)
+            self.metrics[name].inc(value)
 
     def observe(self, name: str, value: float) -> None:
         self.metrics[name].observe(value)

@@ -196,11 +196,11 @@ def check_document(doc: RawDocument, opts: PrepareOptions) -> RawDocument:
         raise PrepareError(f"{doc.source}: field 'language': {e}") from None
     if not doc.text.strip():
         raise PrepareError(f"{doc.source}: field 'text' is empty; remove the document or give it text")
-    for field, value in (("text", doc.text), ("id", doc.doc_id), ("group", doc.group)):
+    for name, value in (("text", doc.text), ("id", doc.doc_id), ("group", doc.group)):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise PrepareError(f"{doc.source}: field {field!r} has a lone surrogate ({value[e.start]!r}) at character "
+            raise PrepareError(f"{doc.source}: field {name!r} has a lone surrogate ({value[e.start]!r}) at character "
                                f"{e.start}, which is not text (a JSON escape like \\ud800 without its pair); fix "
                                "the producer of the file, or pass --skip-bad-documents") from None
     if len(doc.text) > opts.max_document_chars:

@@ -13,8 +13,8 @@ Message (one stream entry, no pickle anywhere), in the stream of the slot's rank
     sha256   of header + tokens
 
 Delivery (every slot trained, or dead-lettered, exactly once in the run's final model):
-  * the batcher writes slot n once (a second XADD of the same id is refused by Redis) together with its
-    cursor `next_slot`, in one transaction, and only while slot n's update is fewer than `lookahead`
+  * the batcher writes slot n once, together with its cursor `next_slot`, in one script (all or nothing; a
+    second write of slot n, by a restarted batcher or a retried call, changes nothing), and only while slot n's update is fewer than `lookahead`
     updates ahead of the slowest rank (backpressure: nothing is trimmed or dropped);
   * rank r reads its slots of update s in order and waits for a missing one; no other rank reads them;
   * a batch counts as trained only when a durable checkpoint covers its update: after the checkpoint of
@@ -22,17 +22,18 @@ Delivery (every slot trained, or dead-lettered, exactly once in the run's final 
     ledger (batch id -> update, slot), with `committed` = C; a batch recorded twice is counted
     (`trained_twice`);
   * a crash before that loses nothing: the resumed run (from checkpoint C) reads slots C*B... again, and
-    whatever Redis lost (a restart inside `appendfsync everysec`'s last second) the batcher writes again,
-    identically (`reset_from`);
+    whatever Redis lost the batcher writes again, identically (`reset_from`);
   * a batch that cannot be trained (undecodable, tampered, poison, non-finite loss) is left out of its update
     (a zero-weight substitute keeps the rank in the gradient all-reduce) and, when the checkpoint that covers
-    the update is durable, goes to the dead-letter stream with its slot and the reason (once per slot);
+    the update is durable, goes to the dead-letter stream with its slot and the reason (once per slot; the
+    checkpoint keeps them too, so a crash before the dead letter is written loses none);
   * `marge queue replay ENTRY` requeues a dead-lettered batch: the batcher writes it into the next slot it
     writes (recorded in `replays`: slot -> dead-letter entry) and the scheduled batches of that version move
     one slot on. A resumed run forgets the placements from its checkpoint on and places those requests again.
 
-What `appendfsync everysec` can still lose: a Redis killed outright loses up to its last second of writes.
-Batches it loses are written again (the batcher follows the cursor back); a lost commit is made again by
+What `appendfsync everysec` can still lose: redis-server writes each change to its AOF before it replies, so a
+killed server loses nothing it acknowledged; an operating-system crash or power loss loses up to the last
+second of writes. Batches it loses are written again (the batcher follows the cursor back); a lost commit is made again by
 the rank's next commit or by a resumed run (commits are idempotent); a dead letter or a replay request of
 that second is lost (the batch is then neither trained nor dead-lettered: `marge audit` reports it lost).
 """
@@ -329,28 +330,34 @@ class BatchQueue:
         fields = {k: v for k, v in found[0][1].items() if k not in (b"slot", b"reason", b"time")}
         return self._write(slot, {**fields, b"replay_of": entry.encode()}, lookahead_steps, poll_s, should_stop, entry)
 
+    _WRITE_SLOT = """
+        local slot = tonumber(ARGV[1])
+        if slot < tonumber(redis.call('GET', KEYS[2]) or '0') then return 0 end
+        if #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) > 0 then
+            redis.call('SET', KEYS[2], slot + 1)
+            return 0
+        end
+        redis.call('XADD', KEYS[1], ARGV[2], unpack(ARGV, 4))
+        redis.call('SET', KEYS[2], slot + 1)
+        redis.call('HINCRBY', KEYS[3], 'produced', 1)
+        if ARGV[3] ~= '' then
+            redis.call('LREM', KEYS[4], 1, ARGV[3])
+            redis.call('HSET', KEYS[5], ARGV[1], ARGV[3])
+        end
+        return 1"""
+
     def _write(self, slot: int, fields: dict[bytes, bytes], lookahead_steps: int, poll_s: float, should_stop,
                replay_entry: str | None = None) -> bool:
-        import redis
-
+        """One script, so all or nothing, and a no-op when `slot` was written before: by a batcher that was
+        restarted, or by this very call when the client retried it after a connection reset that hid the reply."""
         slots = self._slots()
         while slots.step_of(slot) >= self.slowest_progress() + lookahead_steps:
             if should_stop():
                 return False
             time.sleep(poll_s)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.slots(slots.rank_of(slot)), {b"slot": str(slot).encode(), **fields}, id=entry_id(slot))
-        pipe.set(self.keys.next_slot, slot + 1)
-        pipe.hincrby(self.counters, "produced", 1)
-        if replay_entry is not None:
-            pipe.lpop(self.keys.replay_requests)
-            pipe.hset(self.keys.replays, str(slot), replay_entry)
-        try:
-            pipe.execute()
-        except redis.ResponseError as e:  # the id exists: this slot was written before (a restarted batcher)
-            if "equal or smaller" not in str(e):
-                raise
-            self.r.set(self.keys.next_slot, max(self.next_slot(), slot + 1))
+        flat = [x for pair in {b"slot": str(slot).encode(), **fields}.items() for x in pair]
+        self.r.eval(self._WRITE_SLOT, 5, self.keys.slots(slots.rank_of(slot)), self.keys.next_slot, self.counters,
+                    self.keys.replay_requests, self.keys.replays, slot, entry_id(slot), replay_entry or "", *flat)
         return True
 
     def replay_placements(self) -> dict[int, str]:
@@ -429,16 +436,30 @@ class BatchQueue:
 
     def reset_from(self, step: int) -> None:
         """Make the queue agree with a run resumed from the checkpoint of `step`: every slot from `step` on
-        is written again (the batcher's sequence is deterministic), ledger entries of later updates go, and
-        batches requeued into those slots are requested again (placed anew)."""
+        is written again (the batcher's sequence is deterministic), ledger entries and dead letters of later
+        updates go (those slots are trained again), and batches requeued into those slots are requested again
+        (placed anew)."""
         slots = self._slots()
         first = step * slots.per_step
-        later_replays = sorted((n, e) for n, e in self.replay_placements().items() if n >= first)
+        # dead letters of the discarded updates: those slots are trained again (and may be dead-lettered again)
+        dropped = {entry.decode() for entry, fields in self.r.xrange(self.dead) if int(fields.get(b"slot", b"-1")) >= first}
+        later_replays = sorted((n, e) for n, e in self.replay_placements().items() if n >= first and e not in dropped)
         pipe = self.r.pipeline(transaction=True)
+        for entry in dropped:
+            pipe.xdel(self.dead, entry)
+            pipe.lrem(self.keys.replay_requests, 0, entry)
+        pipe.hincrby(self.counters, "dead_lettered", -len(dropped))
+        later_dead_slots = [m for m in self.r.smembers(self.keys.dead_slots) if int(m) >= first]
+        if later_dead_slots:
+            pipe.srem(self.keys.dead_slots, *later_dead_slots)
+        for n, entry in self.replay_placements().items():
+            if n >= first and entry in dropped:
+                pipe.hdel(self.keys.replays, str(n))
         for rank in range(slots.world):
             pipe.delete(self.keys.slots(rank))
             pipe.set(self.keys.progress(rank), step)
         pipe.set(self.keys.next_slot, first)
+        pipe.hset(self.counters, "produced", first)  # the later slots are written (and counted) again
         pipe.set(self.keys.committed, step)
         for n, entry in reversed(later_replays):
             pipe.hdel(self.keys.replays, str(n))
@@ -447,6 +468,7 @@ class BatchQueue:
         later = [k for k, v in self.r.hscan_iter(self.ledger) if json.loads(v)["step"] >= step]
         if later:
             self.r.hdel(self.ledger, *later)
+        self.r.hset(self.counters, "trained", self.r.hlen(self.ledger))
 
     # --- accounting ------------------------------------------------------------------------------
 
@@ -493,7 +515,12 @@ class BatchQueue:
         if known[entry]["replayed_to_slot"] is not None or known[entry]["replay_requested"]:
             raise ValueError(f"dead-lettered entry {entry} was requeued already "
                              f"(slot {known[entry]['replayed_to_slot']})")
-        self.r.rpush(self.keys.replay_requests, entry)
+        self.r.eval(self._REQUEST_ONCE, 1, self.keys.replay_requests, entry)
+
+    _REQUEST_ONCE = """
+        if redis.call('LPOS', KEYS[1], ARGV[1]) then return 0 end
+        redis.call('RPUSH', KEYS[1], ARGV[1])
+        return 1"""
 
     # --- the run's shared state ------------------------------------------------------------------
 
