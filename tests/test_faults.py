@@ -99,6 +99,7 @@ def reference_run(ray_cluster, small_corpus, tmp_path_factory):
 def test_reference_run_audits_clean(reference_run):
     run_dir, summary = reference_run
     code, audit = audit_of(run_dir)
+    print("REFERENCE " + json.dumps(audit))
     assert code == 0 and audit["ok"]
     assert audit["steps"] == 24 and audit["batches_trained"] == 46 and audit["batches_lost"] == 0
     assert audit["trained_twice"] == 0 and audit["batches_dead_lettered"] == 2
@@ -145,16 +146,46 @@ def test_faults_inside_a_run_lose_nothing_and_train_nothing_twice(reference_run,
             sigkill(pids)
             kills[name] = newest_step(run_dir)
 
+    audits: dict[int, dict] = {}  # checkpoint update -> `marge audit` of the live run at that checkpoint
+
+    def auditor() -> None:
+        """Audit the live run at every new checkpoint, so each fault has the figures measured after it."""
+        from marge.protocol import BatchQueue
+        from services.driver.audit import audit, run_config_of
+        from services.driver.redis_server import LocalRedis, private_conf_dir
+
+        while not (private_conf_dir(run_dir) / "redis.conf").exists() or not (run_dir / "config.yaml").exists():
+            if done.wait(0.2):
+                return
+        run_cfg = run_config_of(run_dir)
+        queue = BatchQueue.connect(LocalRedis.reopen(run_dir / "redis", private_conf_dir(run_dir)).url,
+                                   run_cfg.run.name, run_cfg.slots())
+        while not done.wait(0.3):
+            try:
+                record = audit(run_cfg, queue)
+            except Exception:  # noqa: BLE001 - Redis restarting, a checkpoint being written: try again
+                continue
+            audits.setdefault(record["steps"], record)
+
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
+    watcher = threading.Thread(target=auditor, daemon=True)
+    watcher.start()
     caplog.set_level(logging.INFO)
     try:
         summary = run_pipeline(cfg)
     finally:
         done.set()
         thread.join(timeout=10)
+        watcher.join(timeout=30)
     assert set(kills) == {"batcher", "indexer worker", "redis-server", "trainer worker"}, kills
     assert summary["steps"] == 24 and summary["redis_restarts"] == 1
+    # nothing lost or trained twice at any checkpoint of the live run either
+    assert audits and all(a["batches_lost"] == 0 and a["trained_twice"] == 0 for a in audits.values()), audits
+    after = {name: next((a for step, a in sorted(audits.items()) if step > at), None) for name, at in kills.items()}
+    figures = {name: {"killed_at_update": kills[name], **({k: a[k] for k in ("steps", "batches_produced",
+               "batches_trained", "batches_lost", "trained_twice", "batches_dead_lettered")} if a else {})}
+               for name, a in after.items()}
 
     code, audit = audit_of(run_dir)
     assert code == 0 and audit["ok"], audit
@@ -171,7 +202,7 @@ def test_faults_inside_a_run_lose_nothing_and_train_nothing_twice(reference_run,
     assert (run_dir / "faults" / "crashed-in-checkpoint-12").exists()
     stored = list((run_dir / "ray_train" / cfg.run.name).glob("step-*"))
     assert stored and all((p / "manifest.json").exists() for p in stored)  # nothing half-written was stored
-    print(json.dumps({"kills_at_step": kills, "audit": audit}))
+    print("FAULTS " + json.dumps({"after_each_fault": figures, "final_audit": audit}))
 
 
 DRIVER = [sys.executable, "-m", "services.driver.cli", "pretrain", "--config", str(REPO / "deploy/configs/tiny.yaml")]
@@ -223,7 +254,7 @@ def test_a_killed_driver_resubmitted_resumes_from_its_newest_good_checkpoint(ref
     assert slot_batches(run_dir) == slot_batches(reference_run[0])
     steps = [json.loads(line)["step"] for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 25))  # the lines of updates 7-14 the crashed lineage wrote are gone
-    print(json.dumps({"killed_at_step": 14, "resumed_from": 6, "audit": audit}))
+    print("DRIVER " + json.dumps({"killed_at_update": 14, "resumed_from": 6, "final_audit": audit}))
 
 
 LOOPBACK = {"127.0.0.1", "::1"}
