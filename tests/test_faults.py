@@ -231,7 +231,8 @@ def test_a_killed_driver_resubmitted_resumes_from_its_newest_good_checkpoint(ref
         redis_pid = int((run_dir / "redis" / "redis-server.pid").read_text())
         # the embedded default listens on loopback only: the driver, its Ray, its workers and its redis-server
         listening = listening_addresses([*pids_in_session(driver.pid), redis_pid])
-        assert listening and all(host in LOOPBACK for host, _ in listening), listening
+        exposed = [(host, port, owner) for host, port, owner in listening if host not in LOOPBACK]
+        assert listening and not exposed, exposed
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
     finally:
@@ -260,17 +261,19 @@ def test_a_killed_driver_resubmitted_resumes_from_its_newest_good_checkpoint(ref
 LOOPBACK = {"127.0.0.1", "::1"}
 
 
-def listening_addresses(pids: list[int]) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket in LISTEN state that one of `pids` holds (from /proc/net/tcp{,6})."""
+def listening_addresses(pids: list[int]) -> list[tuple[str, int, str]]:
+    """(address, port, owner's command line) of every TCP socket in LISTEN state that one of `pids` holds (from
+    /proc/net/tcp{,6})."""
     import ipaddress
 
-    inodes = set()
+    inodes: dict[str, str] = {}
     for pid in pids:
         try:
+            owner = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
             for fd in Path(f"/proc/{pid}/fd").iterdir():
                 target = os.readlink(fd)
                 if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
+                    inodes[target[8:-1]] = owner
         except OSError:
             continue
     out = []
@@ -285,7 +288,7 @@ def listening_addresses(pids: list[int]) -> list[tuple[str, int]]:
             raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))  # little-endian 32-bit words
             address = ipaddress.ip_address(raw)
             address = getattr(address, "ipv4_mapped", None) or address
-            out.append((str(address), int(hex_port, 16)))
+            out.append((str(address), int(hex_port, 16), inodes[inode]))
     return out
 
 

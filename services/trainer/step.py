@@ -134,8 +134,9 @@ def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], 
     """Backpropagate a rank's batches of one update, each with weight 1/len(items).
 
     A batch the model cannot take (undecodable, a token outside the vocabulary, ...) or whose loss is not
-    finite is not trained: its place is taken by a zero-weight substitute, so that a DDP rank still joins the
-    gradient all-reduce, and it is returned in `dead_lettered` with the reason."""
+    finite is not trained: its place is taken by a zero-weight substitute (a tiny stand-in batch, or, after a
+    forward whose loss is not finite, a zero-weight backward over the parameters), so that a DDP rank makes
+    the same collectives as the others, and it is returned in `dead_lettered` with the reason."""
     out = Backward()
     for i, item in enumerate(items):
         key = seed_key(seed, slots, item.slot)
@@ -153,6 +154,12 @@ def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], 
                     out.target_tokens.append(losses.target_tokens)
                     continue
                 problem = f"non-finite loss ({float(losses.objective.detach())}) on batch {item.batch.batch_id}"
+                out.dead_lettered.append((item.slot, problem))
+                # the forward is done (a second one would put this rank's collectives out of step with the
+                # others': DDP syncs buffers in every forward); a zero-weight backward reaching every parameter
+                # joins the gradient all-reduce without the non-finite loss
+                (sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0).backward()
+                continue
             out.dead_lettered.append((item.slot, problem))
             substitute = objectives.prepare(substitute_batch(specials), key)
             (objectives.losses(model, substitute, device, cfg.bf16).objective * 0.0).backward()

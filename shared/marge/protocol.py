@@ -35,7 +35,8 @@ What `appendfsync everysec` can still lose: redis-server writes each change to i
 killed server loses nothing it acknowledged; an operating-system crash or power loss loses up to the last
 second of writes. Batches it loses are written again (the batcher follows the cursor back); a lost commit is made again by
 the rank's next commit or by a resumed run (commits are idempotent); a dead letter or a replay request of
-that second is lost (the batch is then neither trained nor dead-lettered: `marge audit` reports it lost).
+that second is lost, or a replay placed again in another slot (`marge audit` reports the slot lost or
+trained twice).
 """
 
 from __future__ import annotations
