@@ -45,8 +45,10 @@ def start_loopback_server(host: str, port: int, world_size: int, timeout: timede
 
 def install() -> None:
     """Ray's `worker_process_setup_hook`: wrap torch's store factory as described in the module docstring."""
-    try:
-        import torch.distributed.rendezvous as rendezvous
+    import importlib
+
+    try:  # `import torch.distributed.rendezvous as m` would bind the function torch.distributed exports by that name
+        rendezvous = importlib.import_module("torch.distributed.rendezvous")
     except ImportError:  # a worker without torch.distributed has no rendezvous to guard
         return
     original = getattr(rendezvous, "_create_c10d_store", None)
