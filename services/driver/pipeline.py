@@ -173,12 +173,15 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: 
         ix, paths, workers, floor)
     batcher = Batcher.options(name="marge-batcher", namespace=namespace).remote(
         cfg.batcher, cfg.queue, paths, cfg.run.seed, redis_url, cfg.slots(), cfg.version_plan(), cfg.faults)
+    runs = {"indexer": coordinator.run.remote(), "batcher": batcher.run.remote()}
     try:
-        yield Stages(coordinator, batcher, {"indexer": coordinator.run.remote(), "batcher": batcher.run.remote()})
+        yield Stages(coordinator, batcher, runs)
     finally:
         for loop in (coordinator, batcher):
             with contextlib.suppress(Exception):  # best effort: the actor is killed next
                 ray.get(loop.stop.remote(), timeout=10)
+        # let the `run` loops return first: killed mid-task, Ray would retry them (max_task_retries) and log it
+        ray.wait(list(runs.values()), num_returns=len(runs), timeout=10)
         for actor in (coordinator, batcher, *workers):
             ray.kill(actor)
 
