@@ -25,7 +25,7 @@ from marge.metrics import StageMetrics
 from marge.paths import RunPaths
 from marge.protocol import BatchQueue, QueueConfig, Slots, VersionPlan
 from marge.utils import setup_logging
-from services.batcher.config import BatcherConfig
+from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.core import DocumentStore
 from services.batcher.schedule import BatchSchedule, wait_for_version
 
@@ -45,9 +45,9 @@ class Batcher:
     """Gets its section, the queue's, the run's paths, seed, slot layout and version plan, and the queue's address."""
 
     def __init__(self, cfg: BatcherConfig, queue: QueueConfig, paths: RunPaths, seed: int, redis_url: str,
-                 slots: Slots, plan: VersionPlan, faults: FaultsConfig | None = None):
+                 slots: Slots, plan: VersionPlan, faults: FaultsConfig | None = None, shape: BatchShape = BatchShape()):
         setup_logging()
-        self.cfg, self.paths, self.seed, self.slots, self.plan = cfg, paths, seed, slots, plan
+        self.cfg, self.paths, self.seed, self.slots, self.plan, self.shape = cfg, paths, seed, slots, plan, shape
         self.faults = faults or FaultsConfig()
         self.lookahead_steps = max(1, math.ceil(queue.max_depth / slots.per_step))
         self.docs = DocumentStore(Corpus.open(paths.corpus))
@@ -76,7 +76,7 @@ class Batcher:
     def run(self) -> None:
         """Write slots from the queue's cursor on, until stopped: a requeued batch if an operator asked for one,
         else the schedule's batch."""
-        schedule = BatchSchedule(self.docs, self.cfg, self.seed, self.slots, self.plan, self._version)
+        schedule = BatchSchedule(self.docs, self.cfg, self.seed, self.slots, self.plan, self._version, self.shape)
         while not self._stop.is_set():
             slot = self.queue.next_slot()  # follows a reset or a Redis restart that lost the last writes
             request = self.queue.next_replay_request()

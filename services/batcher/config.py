@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from marge.batch import decoder_cost, encoder_cost
 from marge.config import at_least, positive
+
+BATCH_KINDS = ("retrieval", "documents")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,3 +31,32 @@ class BatcherConfig:
         positive(self, "seed_lookahead")
         if self.index_lag is not None:
             at_least(self, "index_lag", 0)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What the run's objectives need from the batcher (`ObjectivesConfig.batches`, derived by the driver, not
+    configured)."""
+
+    kind: str = "retrieval"
+    """'retrieval': greedy subgraphs of the index graph (targets and their evidence, MARGE); 'documents':
+    documents packed in a seeded order without an index (every document a target and its own source:
+    BART, VECO's halves)."""
+    extra_target_passes: int = 0
+    """Extra encoder + decoder passes each target of a retrieval batch costs (a BART objective on MARGE's
+    targets): counted in the token budget, so every objective's examples share one budget."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in BATCH_KINDS:
+            raise ValueError(f"batch kind must be one of {list(BATCH_KINDS)}, got {self.kind!r}")
+        if self.extra_target_passes < 0:
+            raise ValueError(f"extra_target_passes must be >= 0, got {self.extra_target_passes}")
+
+    def target_cost(self, text_tokens: int) -> int:
+        """Budget tokens of a target: decoded once, plus its extra passes (encoded and decoded again)."""
+        return decoder_cost(text_tokens) + self.extra_target_passes * (encoder_cost(text_tokens) + decoder_cost(text_tokens))
+
+    def document_cost(self, text_tokens: int) -> int:
+        """Budget tokens of a document in a 'documents' batch: encoded once (its noised copy, or VECO's two
+        segments twice over half the length) and decoded once."""
+        return encoder_cost(text_tokens) + decoder_cost(text_tokens)

@@ -12,8 +12,8 @@ from marge.batch import Batch
 from marge.corpus import Corpus
 from marge.index_store import IndexVersion
 from marge.protocol import BatchId
-from services.batcher.config import BatcherConfig
-from services.batcher.greedy import BatchPlan, plan_shard_batches
+from services.batcher.config import BatcherConfig, BatchShape
+from services.batcher.greedy import BatchPlan, plan_document_batches, plan_shard_batches
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +24,11 @@ class DocumentStore:
     def __init__(self, corpus: Corpus, shards: list[int] | None = None):
         self.tokens: dict[int, np.ndarray] = {}
         self.langs: dict[int, str] = {}
+        self.shard_docs: dict[int, np.ndarray] = {}
+        """Doc ids of each shard (what a batch without an index is drawn from)."""
         for s in shards if shards is not None else range(corpus.num_shards):
             docs = corpus.read_shard(s)
+            self.shard_docs[s] = docs.doc_ids
             for doc_id, lang, tokens in zip(docs.doc_ids.tolist(), docs.langs, docs.tokens):
                 self.tokens[doc_id] = tokens
                 self.langs[doc_id] = lang
@@ -47,7 +50,8 @@ def materialize(plan: BatchPlan, docs: DocumentStore, batch_id: BatchId, index_v
 
 
 def epoch_batches(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig, epoch: int, seed: int = 0,
-                  shards: list[int] | None = None, stats: dict | None = None) -> Iterator[Batch]:
+                  shards: list[int] | None = None, stats: dict | None = None,
+                  shape: BatchShape = BatchShape()) -> Iterator[Batch]:
     """One pass over the graph of `version`: shards in a seeded order, greedy batches within each.
 
     Batch ids are deterministic (`BatchId`), so the same seed, version and epoch always give the same
@@ -65,9 +69,30 @@ def epoch_batches(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig
         plans, counters = plan_shard_batches(
             graph.column("target_id").to_numpy(), graph.column("evidence_id").to_numpy(),
             graph.column("cross_lingual").to_numpy(zero_copy_only=False), graph.column("score").to_numpy(),
-            lengths, cfg.max_tokens, cfg.crosslingual_weight, cfg.monolingual_weight, rng, cfg.seed_lookahead)
+            lengths, cfg.max_tokens, cfg.crosslingual_weight, cfg.monolingual_weight, rng, cfg.seed_lookahead,
+            shape.target_cost)
         if stats is not None:
             stats["oversized_seeds"] = stats.get("oversized_seeds", 0) + counters["oversized_seeds"]
         for n, plan in enumerate(plans):
             yield materialize(plan, docs, BatchId(version.version, epoch, shard, n), version.version,
                               version.snapshot_step)
+
+
+NO_INDEX = -1
+"""index_version and snapshot_step of batches built without an index (their id says version 0)."""
+
+
+def corpus_epoch_batches(docs: DocumentStore, cfg: BatcherConfig, shape: BatchShape, epoch: int, seed: int = 0,
+                         stats: dict | None = None) -> Iterator[Batch]:
+    """One pass over the corpus without an index ('documents' batches): shards in a seeded order, each shard's
+    documents packed in a seeded order under the token budget. Ids are deterministic, as `epoch_batches`'."""
+    lengths = docs.lengths()
+    shard_numbers = sorted(docs.shard_docs)
+    for j in np.random.default_rng([seed, 0, epoch]).permutation(len(shard_numbers)):
+        shard = shard_numbers[j]
+        plans, counters = plan_document_batches(docs.shard_docs[shard], lengths, cfg.max_tokens,
+                                                np.random.default_rng([seed, 0, epoch, shard]), shape.document_cost)
+        if stats is not None:
+            stats["oversized_seeds"] = stats.get("oversized_seeds", 0) + counters["oversized_seeds"]
+        for n, plan in enumerate(plans):
+            yield materialize(plan, docs, BatchId(0, epoch, shard, n), NO_INDEX, NO_INDEX)

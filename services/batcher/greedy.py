@@ -16,6 +16,7 @@ Each target is used once per pass over the graph; evidence may serve many batche
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,13 +38,13 @@ class BatchPlan:
         return float(sum(w for _, _, w in self.edges))
 
 
-
-
 def plan_shard_batches(target_ids: np.ndarray, evidence_ids: np.ndarray, cross_lingual: np.ndarray,
                        scores: np.ndarray, lengths: dict[int, int], max_tokens: int, crosslingual_weight: float,
                        monolingual_weight: float, rng: np.random.Generator,
-                       seed_lookahead: int = 16) -> tuple[list[BatchPlan], dict[str, int]]:
-    """Greedy batches over one shard's links. Returns the plans and counters (oversized seeds, ...)."""
+                       seed_lookahead: int = 16,
+                       target_cost: Callable[[int], int] = decoder_cost) -> tuple[list[BatchPlan], dict[str, int]]:
+    """Greedy batches over one shard's links. Returns the plans and counters (oversized seeds, ...).
+    `target_cost(text tokens)`: a target's share of the budget (decoded once, by default)."""
     w = np.where(cross_lingual, crosslingual_weight, monolingual_weight).astype(np.float64)
     out_edges: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
     in_edges: dict[int, list[tuple[int, float]]] = defaultdict(list)
@@ -52,7 +53,7 @@ def plan_shard_batches(target_ids: np.ndarray, evidence_ids: np.ndarray, cross_l
         in_edges[e].append((t, wt))
     for t in out_edges:  # heaviest, then most similar first: the seed's evidence is the head
         out_edges[t].sort(key=lambda x: (-x[1], -x[2], x[0]))
-    t_cost = {t: decoder_cost(lengths[t]) for t in out_edges}
+    t_cost = {t: target_cost(lengths[t]) for t in out_edges}
     e_cost = {e: encoder_cost(lengths[e]) for e in in_edges}
     order = [int(t) for t in rng.permutation(np.array(sorted(out_edges), dtype=np.int64))]
     position = {t: i for i, t in enumerate(order)}
@@ -150,5 +151,30 @@ def plan_shard_batches(target_ids: np.ndarray, evidence_ids: np.ndarray, cross_l
             for e, wt, _ in out_edges[t]:
                 if e in e_pos:
                     plan.edges.append((i, e_pos[e], wt))
+        plans.append(plan)
+    return plans, counters
+
+
+def plan_document_batches(doc_ids: np.ndarray, lengths: dict[int, int], max_tokens: int, rng: np.random.Generator,
+                          document_cost: Callable[[int], int]) -> tuple[list[BatchPlan], dict[str, int]]:
+    """Batches of documents without an index (BART, VECO's halves): the shard's documents in a seeded order,
+    each batch filled in that order while the next document fits. Every document is a target and its own
+    source (a self-edge of weight 1); one that fits no batch is skipped and counted."""
+    plans: list[BatchPlan] = []
+    counters = {"oversized_seeds": 0}
+    plan = BatchPlan()
+    for d in rng.permutation(np.asarray(doc_ids, dtype=np.int64)).tolist():
+        cost = document_cost(lengths[d])
+        if cost > max_tokens:
+            counters["oversized_seeds"] += 1
+            continue
+        if plan.cost + cost > max_tokens:
+            plans.append(plan)
+            plan = BatchPlan()
+        plan.edges.append((len(plan.targets), len(plan.evidence), 1.0))
+        plan.targets.append(d)
+        plan.evidence.append(d)
+        plan.cost += cost
+    if plan.targets:
         plans.append(plan)
     return plans, counters

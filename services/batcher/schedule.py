@@ -25,8 +25,8 @@ from pathlib import Path
 from marge.batch import Batch
 from marge.index_store import IndexVersion, read_version, version_dirname
 from marge.protocol import Slots, VersionPlan
-from services.batcher.config import BatcherConfig
-from services.batcher.core import DocumentStore, epoch_batches
+from services.batcher.config import BatcherConfig, BatchShape
+from services.batcher.core import DocumentStore, corpus_epoch_batches, epoch_batches
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +54,28 @@ class BatchSchedule:
     """
 
     def __init__(self, docs: DocumentStore, cfg: BatcherConfig, seed: int, slots: Slots, plan: VersionPlan,
-                 load_version: Callable[[int], IndexVersion | None]):
+                 load_version: Callable[[int], IndexVersion | None], shape: BatchShape = BatchShape()):
         self.docs, self.cfg, self.seed, self.slots, self.plan = docs, cfg, seed, slots, plan
-        self.load_version = load_version
+        self.load_version, self.shape = load_version, shape
+        if shape.kind == "documents" and plan.reindex_every:
+            raise ValueError("'documents' batches need no index: give them VersionPlan.without_index()")
         self._cursor: tuple[int, int, Iterator[Batch]] | None = None
         """(version, position of the next batch, the version's sequence there): consecutive slots cost one step."""
 
-    def version_sequence(self, index: IndexVersion) -> Iterator[Batch]:
-        """Every batch of one version: pass 0, pass 1, ... (each pass a new seeded order and new batch ids)."""
+    def version_sequence(self, index: IndexVersion | None) -> Iterator[Batch]:
+        """Every batch of one version (None: the corpus without an index): pass 0, pass 1, ... (each pass a new
+        seeded order and new batch ids)."""
         epoch = 0
         while True:
             produced = False
-            for batch in epoch_batches(index, self.docs, self.cfg, epoch, self.seed):
+            passes = (corpus_epoch_batches(self.docs, self.cfg, self.shape, epoch, self.seed) if index is None
+                      else epoch_batches(index, self.docs, self.cfg, epoch, self.seed, shape=self.shape))
+            for batch in passes:
                 produced = True
                 yield batch
             if not produced:
-                raise RuntimeError(f"index v{index.version} yields no batch: no document has a link")
+                raise RuntimeError("the corpus yields no batch: no document fits batcher.max_tokens" if index is None
+                                   else f"index v{index.version} yields no batch: no document has a link")
             epoch += 1
 
     def first_slot_of_version(self, slot: int) -> int:
@@ -85,13 +91,16 @@ class BatchSchedule:
         version = self.plan.version_for_step(self.slots.step_of(slot))
         position = slot - self.first_slot_of_version(slot) - replays_before
         if self._cursor is None or self._cursor[:2] != (version, position):
-            index = self.load_version(version)
-            if index is None:
-                return None
-            if index.snapshot_step != self.plan.snapshot_step(version):
-                raise RuntimeError(f"index v{version} was built from snapshot {index.snapshot_step}, not "
-                                   f"{self.plan.snapshot_step(version)}: it does not belong to this schedule")
-            sequence = self.version_sequence(index)
+            if self.shape.kind == "documents":
+                sequence = self.version_sequence(None)
+            else:
+                index = self.load_version(version)
+                if index is None:
+                    return None
+                if index.snapshot_step != self.plan.snapshot_step(version):
+                    raise RuntimeError(f"index v{version} was built from snapshot {index.snapshot_step}, not "
+                                       f"{self.plan.snapshot_step(version)}: it does not belong to this schedule")
+                sequence = self.version_sequence(index)
             for _ in range(position):  # resuming inside the version: its first batches went to earlier slots
                 next(sequence)
             self._cursor = (version, position, sequence)

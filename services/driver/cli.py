@@ -291,6 +291,19 @@ def cmd_experiment_learning(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment_objectives(args: argparse.Namespace) -> int:
+    from services.driver.objectives_experiment import run_objectives_experiment
+
+    only = [name.strip() for name in args.only.split(",")] if args.only else None
+    report = run_objectives_experiment(args.config, args.overrides, args.minutes, args.out, only, args.device,
+                                       args.chrf_pairs)
+    table = [{k: row[k] for k in ("variant", "parameters", "updates", "final_losses", "chrf_zero_shot_mean")}
+             | {"p_at_1": round(row["p_at_1_best_layer"]["mean"], 4), "layer": row["p_at_1_best_layer"]["layer"]}
+             for row in report["variants"]]
+    print(json.dumps({"variants": table, "report": str(Path(args.out) / "report.json"), "plot": report["plot"]}))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
@@ -448,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-snapshots", type=int, default=8)
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("experiment", help="experiments: `learning` (does the retrieval loop learn?)")
+    p = sub.add_parser("experiment", help="experiments: `learning` (does the retrieval loop learn?), `objectives` "
+                                          "(MARGE vs BART vs VECO)")
     exp_sub = p.add_subparsers(dest="experiment", required=True)
     q = exp_sub.add_parser("learning", help="run the pipeline N minutes and measure what it learned, next to baselines")
     q.add_argument("--minutes", type=float, required=True, help="wall-clock minutes of training")
@@ -462,6 +476,18 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", default="auto", help="--single-process: auto (CUDA when present), cpu or cuda[:N]")
     q.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE")
     q.set_defaults(func=cmd_experiment_learning)
+    q = exp_sub.add_parser("objectives", help="MARGE, BART, VECO and a mixture on the same data for the same minutes, "
+                                              "side by side (single-process runs)")
+    q.add_argument("--minutes", type=float, required=True, help="wall-clock training minutes of each variant")
+    q.add_argument("--out", type=Path, required=True, help="folder for report.json, comparison.png and one run per "
+                                                           "variant (finished variants are kept on a second run)")
+    q.add_argument("--config", type=Path, default=None, help="base config (default deploy/configs/learning.yaml)")
+    q.add_argument("--only", default=None, help="comma-separated variants: marge, bart, veco, marge+bart")
+    q.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
+    q.add_argument("--chrf-pairs", type=int, default=8,
+                   help="held-out pairs per direction (to/from en) translated for chrF (0: none)")
+    q.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="applied to every variant")
+    q.set_defaults(func=cmd_experiment_objectives)
 
     p = sub.add_parser("plan", help="capacity model: does the indexer pool keep up with the trainers?")
     p.add_argument("--config", type=Path, default=Path("deploy/configs/tiny.yaml"))

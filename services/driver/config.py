@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from marge.batch import decoder_cost, encoder_cost, max_text_tokens
+from marge.batch import encoder_cost, max_text_tokens
 from marge.config import ConfigError, FieldError, at_least, build, load_tree, one_of, positive
 from marge.faults import FaultsConfig
 from marge.model import MargeConfig, preset
+from marge.veco import VecoConfig, veco_preset
 from marge.paths import RunPaths
 from marge.protocol import QueueConfig, Slots, VersionPlan
-from services.batcher.config import BatcherConfig
+from services.batcher.config import BatchShape, BatcherConfig
 from services.indexer.config import IndexerConfig
 from services.trainer.config import HealthConfig, TrainerConfig
 from services.trainer.objectives import ObjectivesConfig
@@ -126,11 +127,21 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         """What involves two sections (each section checked its own fields when it was built)."""
         longest = max_text_tokens(self.data.max_chunk_tokens)
-        one_pair = decoder_cost(longest) + encoder_cost(longest)
+        shape = self.batch_shape()
+        one_pair = (shape.target_cost(longest) + encoder_cost(longest) if shape.kind == "retrieval"
+                    else shape.document_cost(longest))
         if self.batcher.max_tokens < one_pair:
             raise ConfigError(f"batcher.max_tokens must fit one target and one evidence document of "
-                              f"data.max_chunk_tokens ({self.data.max_chunk_tokens}): at least {one_pair}, got "
-                              f"{self.batcher.max_tokens}")
+                              f"data.max_chunk_tokens ({self.data.max_chunk_tokens}) with the objectives' work on them "
+                              f"({', '.join(self.objectives.enabled)}): at least {one_pair}, got {self.batcher.max_tokens}")
+        if self.objectives.needs_index:
+            self.check_index_schedule()
+        if "preset" not in self.model:
+            raise ConfigError("model.preset is required: one of ['base', 'paper', 'tiny']")
+        self.model_config(vocab_size=self.model.get("vocab_size", self.data.vocab_size))  # validates model fields
+
+    def check_index_schedule(self) -> None:
+        """The indexer's settings against the trainer's (only for objectives that need an index)."""
         if self.indexer.reindex_every % self.trainer.snapshot_every:
             raise ConfigError(f"indexer.reindex_every must be a multiple of trainer.snapshot_every "
                               f"({self.trainer.snapshot_every}), got {self.indexer.reindex_every}: the indexer can "
@@ -141,21 +152,22 @@ class PipelineConfig:
             raise ConfigError(f"indexer.keep_versions must be at least {needed} with batcher.index_lag {plan.lag} and "
                               f"indexer.reindex_every {plan.reindex_every}: a resumed run must find the version its "
                               f"next batches come from; got {self.indexer.keep_versions}")
-        if "preset" not in self.model:
-            raise ConfigError("model.preset is required: one of ['base', 'paper', 'tiny']")
-        self.model_config(vocab_size=self.model.get("vocab_size", self.data.vocab_size))  # validates model fields
 
-    def model_config(self, vocab_size: int | None = None) -> MargeConfig:
-        """The architecture; `vocab_size` (normally the tokenizer's) fills in an unset model.vocab_size."""
+    def model_config(self, vocab_size: int | None = None) -> MargeConfig | VecoConfig:
+        """The architecture of the objectives' model family (`objectives.model_family`: a MargeConfig, or a
+        VecoConfig for veco) from `model.preset` plus field overrides; `vocab_size` (normally the tokenizer's)
+        fills in an unset model.vocab_size."""
+        family = self.objectives.model_family
+        config_type, build_preset = (VecoConfig, veco_preset) if family == "veco" else (MargeConfig, preset)
         overrides = {k: v for k, v in self.model.items() if k != "preset"}
-        known = {f.name for f in dataclasses.fields(MargeConfig)}
+        known = {f.name for f in dataclasses.fields(config_type)}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise ConfigError(f"unknown model field(s) {unknown}; model fields are {sorted(known)}")
+            raise ConfigError(f"unknown model field(s) {unknown} for the {family} model; its fields are {sorted(known)}")
         if vocab_size is not None:
             overrides.setdefault("vocab_size", vocab_size)
         try:
-            return preset(self.model["preset"], **overrides)
+            return build_preset(self.model["preset"], **overrides)
         except (ValueError, TypeError) as e:
             raise ConfigError(str(e)) from None
 
@@ -166,8 +178,16 @@ class PipelineConfig:
         return Slots(self.trainer.num_workers, self.trainer.grad_accum)
 
     def version_plan(self) -> VersionPlan:
+        """Which index version serves which update; without an index (`objectives.needs_index` False) one
+        "version" of corpus batches serves the whole run."""
+        if not self.objectives.needs_index:
+            return VersionPlan.without_index()
         lag = self.batcher.index_lag if self.batcher.index_lag is not None else self.indexer.reindex_every
         return VersionPlan(self.indexer.reindex_every, lag)
+
+    def batch_shape(self) -> BatchShape:
+        """What the batcher builds for the run's objectives."""
+        return BatchShape(self.objectives.batches, self.objectives.extra_target_passes)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML/JSON values (tuples as lists): what `load_config` reads back to an equal config."""

@@ -73,7 +73,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batcher)
                 result = supervise(make_trainer(cfg, job), stages, queue, progress, cfg.run.progress_every_s)
                 return {**summarize(paths, queue, stages, result, started, point, redis),
-                        "capacity_plan": capacity}
+                        "objectives": list(cfg.objectives.enabled), "capacity_plan": capacity}
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,7 @@ class Stages:
     """The running indexer and batcher actors, and the object refs of their `run` loops."""
 
     coordinator: Any
+    """None when the run's objectives need no index."""
     batcher: Any
     runs: dict[str, Any]
 
@@ -166,23 +167,30 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: 
 
     namespace = f"marge-{cfg.run.name}"  # actor names are unique per run, also on a shared cluster
     ix = cfg.indexer
-    workers = [IndexerWorker.options(name=f"marge-indexer-{i}", namespace=namespace, num_cpus=ix.num_cpus_per_worker,
-                                     num_gpus=ix.num_gpus_per_worker if ix.use_gpu else 0, resources=dict(ix.resources))
-               .remote(ix, paths, cfg.run.seed, i) for i in range(ix.num_workers)]
-    coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(
-        ix, paths, workers, floor)
+    workers, coordinator, runs = [], None, {}
+    if cfg.objectives.needs_index:  # BART alone, or VECO on document halves, trains without one
+        workers = [IndexerWorker.options(name=f"marge-indexer-{i}", namespace=namespace,
+                                         num_cpus=ix.num_cpus_per_worker,
+                                         num_gpus=ix.num_gpus_per_worker if ix.use_gpu else 0,
+                                         resources=dict(ix.resources))
+                   .remote(ix, paths, cfg.run.seed, i) for i in range(ix.num_workers)]
+        coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(
+            ix, paths, workers, floor)
+        runs["indexer"] = coordinator.run.remote()
     batcher = Batcher.options(name="marge-batcher", namespace=namespace).remote(
-        cfg.batcher, cfg.queue, paths, cfg.run.seed, redis_url, cfg.slots(), cfg.version_plan(), cfg.faults)
-    runs = {"indexer": coordinator.run.remote(), "batcher": batcher.run.remote()}
+        cfg.batcher, cfg.queue, paths, cfg.run.seed, redis_url, cfg.slots(), cfg.version_plan(), cfg.faults,
+        cfg.batch_shape())
+    runs["batcher"] = batcher.run.remote()
+    loops = [actor for actor in (coordinator, batcher) if actor is not None]
     try:
         yield Stages(coordinator, batcher, runs)
     finally:
-        for loop in (coordinator, batcher):
+        for loop in loops:
             with contextlib.suppress(Exception):  # best effort: the actor is killed next
                 ray.get(loop.stop.remote(), timeout=10)
         # let the `run` loops return first: killed mid-task, Ray would retry them (max_task_retries) and log it
         ray.wait(list(runs.values()), num_returns=len(runs), timeout=10)
-        for actor in (coordinator, batcher, *workers):
+        for actor in (*loops, *workers):
             ray.kill(actor)
 
 
@@ -233,7 +241,8 @@ def summarize(paths: RunPaths, queue: BatchQueue, stages: Stages, result, starte
     train_log.jsonl, which keeps every update (Redis keeps only the newest)."""
     import ray
 
-    idx, bat = ray.get([stages.coordinator.stats.remote(), stages.batcher.stats.remote()], timeout=60)
+    bat = ray.get(stages.batcher.stats.remote(), timeout=60)
+    idx = ray.get(stages.coordinator.stats.remote(), timeout=60) if stages.coordinator is not None else {"history": []}
     records = read_train_log(paths.run_dir)
     counts = queue.counts()
     last = records[-1] if records else {}
@@ -250,7 +259,8 @@ def summarize(paths: RunPaths, queue: BatchQueue, stages: Stages, result, starte
         "redis_restarts": redis.restarts,
         "tokens_per_s": last.get("tokens_per_s", 0.0), "target_tokens_per_s": last.get("target_tokens_per_s", 0.0),
         "wait_share": last.get("wait_share", 0.0),
-        "loss_first": records[0]["loss"] if records else None, "loss_last": last.get("loss"),
+        "loss_first": records[0]["loss"] if records else None,
+        "loss_last": last.get("loss"), "objective_losses_last": last.get("objectives", {}),
         "beta": last.get("beta"), "staleness_max": max((r["staleness_max"] for r in records), default=0),
         "batch_crosslingual_share": bat["crosslingual_share"],
         "index_builds": idx["history"],

@@ -12,10 +12,13 @@ class Progress:
     def lines(self) -> list[str]:
         import ray
 
-        idx, bat = ray.get([self.coordinator.stats.remote(), self.batcher.stats.remote()], timeout=30)
+        bat = ray.get(self.batcher.stats.remote(), timeout=30)
+        idx = ray.get(self.coordinator.stats.remote(), timeout=30) if self.coordinator is not None else None
         counts = self.queue.counts()
         out = []
-        if idx["history"]:
+        if idx is None:
+            out.append("[indexer] not needed by these objectives")
+        elif idx["history"]:
             h = idx["history"][-1]
             out.append(f"[indexer] v{h['version']} from snapshot {h['snapshot_step']} | {h['num_documents']} docs, "
                        f"{h['num_edges']} links, {100 * h['crosslingual_share']:.0f}% cross-lingual | "
@@ -28,9 +31,13 @@ class Progress:
                    f"batches {100 * bat['crosslingual_share']:.0f}%{waiting}")
         r = self.queue.last_step()
         if r:
-            out.append(f"[trainer] step {r['step']}/{self.max_steps} | loss {r['loss']:.3f} | "
-                       f"{r['tokens_per_s']:.0f} tok/s | waiting {100 * r['wait_share']:.1f}% | beta "
-                       f"{sum(r['beta']) / len(r['beta']):.3f} | staleness {r['staleness_max']} | index v{max(r['index_versions'])}")
+            parts = r.get("objectives", {})
+            losses = " + ".join(f"{name} {value:.3f}" for name, value in parts.items()) if len(parts) > 1 else ""
+            index = (f" | beta {sum(r['beta']) / len(r['beta']):.3f} | staleness {r['staleness_max']} | index "
+                     f"v{max(r['index_versions'])}") if r["index_versions"] else ""
+            out.append(f"[trainer] step {r['step']}/{self.max_steps} | loss {r['loss']:.3f}"
+                       f"{' (' + losses + ')' if losses else ''} | {r['tokens_per_s']:.0f} tok/s | waiting "
+                       f"{100 * r['wait_share']:.1f}%{index}")
         else:
             out.append("[trainer] starting")
         return out

@@ -55,6 +55,7 @@ from marge.corpus import Corpus
 from marge.evaluation import read_pairs
 from marge.index_store import IndexVersion, commit_version, drop_versions_after, staging_dir, version_dirname
 from marge.model import Marge, training_flops_per_token
+from marge.veco import VecoConfig, veco_training_flops_per_token
 from marge.protocol import Slots
 from marge.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_encoder, publish_snapshot, read_snapshot,
                             snapshot_dirname)
@@ -68,7 +69,7 @@ from services.driver.report import read_train_log
 from services.indexer.core import index_build_record, index_shard
 from services.trainer.health import HealthMonitor
 from services.trainer.init import ensure_initial_model
-from services.trainer.objectives import Objectives, PreparedBatch
+from services.trainer.objectives import PreparedBatch, objectives_for
 from services.trainer.step import build_optimizer, build_scheduler, device_peak_flops, seed_key, train_step
 
 log = logging.getLogger("marge.single_process")
@@ -149,6 +150,7 @@ class ChunkMeter:
 
     def __init__(self, model_cfg, peak_flops: float | None):
         self.model_cfg, self.peak = model_cfg, peak_flops
+        self.is_veco = isinstance(model_cfg, VecoConfig)
         self.started = time.perf_counter()
         self.steps, self.tokens, self.target_tokens, self.flops = 0, 0, 0, 0.0
 
@@ -156,8 +158,11 @@ class ChunkMeter:
         self.steps += 1
         self.tokens += tokens
         self.target_tokens += target_tokens
-        evidence_ratio = (tokens - target_tokens) / max(1, target_tokens)
-        self.flops += target_tokens * training_flops_per_token(self.model_cfg, evidence_ratio)
+        if self.is_veco:  # target tokens = the pairs' text, each read by 4 passes (counted in the per-token FLOPs)
+            self.flops += target_tokens * veco_training_flops_per_token(self.model_cfg)
+        else:
+            evidence_ratio = (tokens - target_tokens) / max(1, target_tokens)
+            self.flops += target_tokens * training_flops_per_token(self.model_cfg, evidence_ratio)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -229,15 +234,19 @@ class SingleProcessRun:
         self.corpus = ensure_corpus(cfg)
         self.tokenizer = self.corpus.tokenizer()
         ensure_initial_model(cfg.model_config(vocab_size=self.tokenizer.vocab_size), self.paths, self.corpus, cfg.run.seed)
-        self.monitor = HealthMonitor(cfg.health, cfg.data.heldout_pairs, self.tokenizer, seed=cfg.run.seed)
-        self.probe = self.monitor.probe
+        self.objectives_cfg = cfg.objectives
+        # retrieval and evidence probes of g and the decoder: for the MARGE model (a BART run's too), not VECO's
+        self.monitor = HealthMonitor(cfg.health, cfg.data.heldout_pairs, self.tokenizer, seed=cfg.run.seed) \
+            if cfg.objectives.model_family == "marge" else None
+        self.probe = self.monitor.probe if self.monitor else None
         self.indexer = InProcessIndexer(cfg, self.corpus, device)
         self.docs = DocumentStore(self.corpus)
         self.slots = Slots(cfg.trainer.num_workers, cfg.trainer.grad_accum)
         self.plan = cfg.version_plan()
         self.stop_waiting = threading.Event()
         self.schedule = BatchSchedule(self.docs, cfg.batcher, cfg.run.seed, self.slots, self.plan,
-                                      lambda v: wait_for_version(self.paths.index, v, self.stop_waiting))
+                                      lambda v: wait_for_version(self.paths.index, v, self.stop_waiting),
+                                      cfg.batch_shape())
         self.train_log = Path(cfg.run.dir) / "train_log.jsonl"
         self.evals_log = self.out_dir / "checkpoint_evals.jsonl"
 
@@ -266,7 +275,8 @@ class SingleProcessRun:
         elif self.resume:
             log.info("%s has no checkpoint yet: starting it at step 0", self.out_dir)
         self._forget_after(state["step"])
-        self._build_missing_versions(state["step"])
+        if self.objectives_cfg.needs_index:
+            self._build_missing_versions(state["step"])
         return model, optimizer, scheduler, state
 
     def _forget_after(self, step: int) -> None:
@@ -299,7 +309,7 @@ class SingleProcessRun:
         cfg, device, t = self.cfg, self.device, self.cfg.trainer
         model, optimizer, scheduler, state = self.build_training_state()
         corpus_tokens = list(self.docs.tokens.values()) if cfg.objectives.needs_corpus else None
-        objectives = Objectives(cfg.objectives, self.tokenizer.specials, corpus_tokens)
+        objectives = objectives_for(cfg.objectives, self.tokenizer, corpus_tokens)
 
         def prepare(batch: Batch, step: int, position: int) -> PreparedBatch:
             return objectives.prepare(batch, seed_key(cfg.run.seed, self.slots, self.slots.slot(step, 0, position)))
@@ -318,17 +328,20 @@ class SingleProcessRun:
                                     item.prepared)
                 step += 1
                 line = self.step_record(step, record, item.batches, meter, state)
-                if step % t.snapshot_every == 0:
+                if step % t.snapshot_every == 0 and (self.objectives_cfg.needs_index or self.monitor):
                     line["health"] = self.snapshot_and_reindex(model, step)
                 with open(self.train_log, "a", encoding="utf-8") as f:
                     f.write(json.dumps(line) + "\n")
                 if step % t.checkpoint_every == 0:
                     self.checkpoint(model, optimizer, scheduler, step, state, meter.elapsed())
                 if time.perf_counter() >= next_progress:
-                    log.info("step %d | loss %.3f | %.0f tok/s (%.0f target)%s | beta %.3f | index v%s | %.1f/%.1f min",
-                             step, record.loss, line["tokens_per_s"], line["target_tokens_per_s"],
-                             f" | MFU {100 * line['mfu']:.1f}%" if "mfu" in line else "", float(np.mean(record.beta)),
-                             ",".join(map(str, line["index_versions"])), meter.elapsed() / 60, minutes)
+                    log.info("step %d | loss %.3f %s| %.0f tok/s (%.0f target)%s%s%s | %.1f/%.1f min",
+                             step, record.loss, record.objectives if len(record.objectives) > 1 else "",
+                             line["tokens_per_s"], line["target_tokens_per_s"],
+                             f" | MFU {100 * line['mfu']:.1f}%" if "mfu" in line else "",
+                             f" | beta {float(np.mean(record.beta)):.3f}" if record.beta else "",
+                             f" | index v{','.join(map(str, line['index_versions']))}" if line["index_versions"] else "",
+                             meter.elapsed() / 60, minutes)
                     next_progress = time.perf_counter() + cfg.run.progress_every_s
         finally:
             self.stop_waiting.set()  # a prefetch waiting for an index version this chunk will not build
@@ -353,9 +366,10 @@ class SingleProcessRun:
                 "grad_norm": record.grad_norm, "beta": record.beta,
                 "slots": [self.slots.slot(step - 1, 0, k) for k in range(len(batches))],
                 "batch_ids": record.batch_ids, "dead_lettered": [slot for slot, _ in record.dead_lettered],
-                "index_versions": sorted(set(record.index_versions)),
-                "snapshot_steps": sorted(set(record.snapshot_steps)),
-                "staleness_max": max(step - 1 - s for s in record.snapshot_steps), "step_seconds": record.seconds,
+                "index_versions": sorted(v for v in set(record.index_versions) if v >= 0),
+                "snapshot_steps": sorted(s for s in set(record.snapshot_steps) if s >= 0),
+                "staleness_max": max((step - 1 - s for s in record.snapshot_steps if s >= 0), default=0),
+                "step_seconds": record.seconds,
                 "tokens": tokens, "target_tokens": record.target_tokens, "tokens_per_s": rates["tokens_per_s"],
                 "target_tokens_per_s": rates["target_tokens_per_s"], "wait_share": 0.0,
                 "elapsed_s": rates["elapsed_s"], "time": time.time()}
@@ -364,16 +378,19 @@ class SingleProcessRun:
         return line
 
     def snapshot_and_reindex(self, model: Marge, step: int) -> dict:
-        """Publish g and measure retrieval health; at a multiple of `indexer.reindex_every`, build the version
-        the schedule gives that snapshot (its batches are trained `batcher.index_lag` updates later, as in the
-        pipeline)."""
-        snapshot = publish_snapshot(self.paths.snapshots, model, step, self.tokenizer.sha256)
-        health = self.monitor.measure(model, self.device)
-        model.train()
-        log.info("health at step %d: %s", step, {k: (round(v, 4) if isinstance(v, float) else v)
-                                                 for k, v in health.items() if k != "p_at_1"})
-        if step % self.plan.reindex_every == 0:
-            self.indexer.index_snapshot(snapshot, step // self.plan.reindex_every)
+        """Measure retrieval health (a MARGE model); with an index, publish g and, at a multiple of
+        `indexer.reindex_every`, build the version the schedule gives that snapshot (its batches are trained
+        `batcher.index_lag` updates later, as in the pipeline)."""
+        health = {}
+        if self.monitor is not None:
+            health = self.monitor.measure(model, self.device)
+            model.train()
+            log.info("health at step %d: %s", step, {k: (round(v, 4) if isinstance(v, float) else v)
+                                                     for k, v in health.items() if k != "p_at_1"})
+        if self.objectives_cfg.needs_index:
+            snapshot = publish_snapshot(self.paths.snapshots, model, step, self.tokenizer.sha256)
+            if step % self.plan.reindex_every == 0:
+                self.indexer.index_snapshot(snapshot, step // self.plan.reindex_every)
         return health
 
     def checkpoint(self, model: Marge, optimizer, scheduler, step: int, state: dict, chunk_seconds: float) -> Path:

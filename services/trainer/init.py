@@ -1,5 +1,5 @@
-"""Step 0 of a run: the seeded initial weights every trainer rank starts from, and the snapshot the first
-index is built from."""
+"""Step 0 of a run: the seeded initial weights every trainer rank starts from, and (for a MARGE model) the
+snapshot the first index is built from."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import logging
 
 import torch
 
-from marge.checkpoint import load_model_weights, save_model_weights
+from marge.checkpoint import build_model, load_model_weights, save_model_weights, saved_config
 from marge.config import ConfigError
 from marge.corpus import Corpus
-from marge.model import Marge, MargeConfig
+from marge.model import MargeConfig
 from marge.paths import RunPaths
 from marge.snapshot import latest_snapshot, publish_snapshot
 
 log = logging.getLogger(__name__)
 
 
-def ensure_initial_model(model_cfg: MargeConfig, paths: RunPaths, corpus: Corpus, seed: int) -> None:
+def ensure_initial_model(model_cfg, paths: RunPaths, corpus: Corpus, seed: int) -> None:
     """Write the run's initial weights (seeded) and step-0 snapshot unless they exist; a run folder that holds
     another model's weights is an error (resume with the same model config, or choose another folder)."""
     tokenizer = corpus.tokenizer()
@@ -30,11 +30,11 @@ def ensure_initial_model(model_cfg: MargeConfig, paths: RunPaths, corpus: Corpus
     path = paths.init_weights
     if path.exists():
         saved = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
-        if saved != model_cfg.to_dict():
+        if saved != saved_config(model_cfg):
             raise ConfigError(f"{paths.run_dir} holds a run with a different model config; resume it with the same "
                               "config or choose another run.dir / run.name")
     else:
         torch.manual_seed(seed)
-        save_model_weights(path, Marge(model_cfg))
-    if latest_snapshot(paths.snapshots) is None:
+        save_model_weights(path, build_model(model_cfg))
+    if isinstance(model_cfg, MargeConfig) and latest_snapshot(paths.snapshots) is None:
         publish_snapshot(paths.snapshots, load_model_weights(path), 0, tokenizer.sha256)

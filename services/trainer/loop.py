@@ -38,7 +38,7 @@ from marge.snapshot import publish_snapshot
 from marge.utils import setup_logging
 from services.trainer.health import HealthMonitor
 from services.trainer.job import TrainerJob
-from services.trainer.objectives import Objectives
+from services.trainer.objectives import objectives_for
 from services.trainer.source import source_for
 from services.trainer.state import report_checkpoint, resume, truncate_log
 from services.trainer.step import Backward, Item, backward_items, build_optimizer, build_scheduler, update
@@ -135,7 +135,7 @@ class Rank:
         self.ddp_model = ray.train.torch.prepare_model(self.model)  # DDP (gloo on CPU, NCCL on GPU)
         corpus_tokens = [tok for s in range(corpus.num_shards) for tok in corpus.read_shard(s).tokens] \
             if job.objectives.needs_corpus else None
-        self.objectives = Objectives(job.objectives, self.tokenizer.specials, corpus_tokens)
+        self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens)
         self.source = source_for(job, self.rank)
         self.source.progress(self.step)  # a resumed rank: the batcher may write up to `lookahead` past it
         self.committed = [(n, b) for n, b in resumed.trained if self.slots.rank_of(n) == self.rank]
@@ -147,7 +147,9 @@ class Rank:
                     self.source.dead_letter(Delivery(slot, None, fields), reason)
             self.source.commit(self.step, self.committed)
         self.metrics = trainer_metrics(job.paths.name, self.rank, with_health=self.rank == 0)
-        self.health = HealthMonitor(job.health, job.heldout_pairs, self.tokenizer, seed=job.seed) if self.rank == 0 else None
+        self.health = HealthMonitor(job.health, job.heldout_pairs, self.tokenizer, seed=job.seed) \
+            if self.rank == 0 and job.objectives.model_family == "marge" else None
+        """Retrieval and evidence probes of g and the decoder: for the MARGE model (a BART run's too)."""
         self.uncommitted: list[tuple[int, str]] = []
         """(slot, batch id) this rank trained since the last durable checkpoint."""
         self.uncommitted_dead: list[tuple[Delivery, str]] = []
@@ -176,22 +178,25 @@ class Rank:
             self.step += 1
             self.source.progress(self.step)
             self.uncommitted.extend(done.trained)
-            record = step_record(self.step, deliveries, done, lr, grad_norm, self.model, self.world, t_step)
+            record = step_record(self.step, deliveries, done, lr, grad_norm, self.model, self.world, t_step,
+                                 self.objectives.primary, [p.name for p in self.objectives.plugins])
             speed.tokens += record["tokens"]
             speed.target_tokens += record["target_tokens"]
             self.tokens_seen += record["target_tokens"]
             for d in deliveries:
-                if d.batch is not None:
+                if d.batch is not None and d.batch.snapshot_step >= 0:  # batches without an index have none
                     self.metrics.observe("marge_batch_staleness_steps", self.step - 1 - d.batch.snapshot_step)
             self.metrics.inc("marge_batches_trained", len(done.trained))
             if self.rank == 0:
                 record.update(speed.snapshot(), time=time.time())
                 last_metrics = {"step": self.step, "loss": record["loss"], **speed.snapshot()}
                 if self.step % t.snapshot_every == 0:
-                    publish_snapshot(job.paths.snapshots, self.model, self.step, self.tokenizer.sha256)
-                    record["health"] = self.health.measure(self.model, self.device)
-                    log.info("health at step %d: %s", self.step,
-                             {k: v for k, v in record["health"].items() if k != "p_at_1"})
+                    if job.objectives.needs_index:  # the indexer's input
+                        publish_snapshot(job.paths.snapshots, self.model, self.step, self.tokenizer.sha256)
+                    if self.health is not None:
+                        record["health"] = self.health.measure(self.model, self.device)
+                        log.info("health at step %d: %s", self.step,
+                                 {k: v for k, v in record["health"].items() if k != "p_at_1"})
                 log_step(record, self.metrics, job, self.source)
             if self.step % t.checkpoint_every == 0 or self.step >= job.max_steps:
                 self.checkpoint(last_metrics)
@@ -228,32 +233,38 @@ class Rank:
 
 
 def step_record(step: int, deliveries: list[Delivery], done: Backward, lr: float, grad_norm: float, model, world: int,
-                t_step: float) -> dict:
-    """One update's record across ranks: every rank's slots and batches, the mean loss over the batches trained,
-    token counts (on every rank: the collectives need them all; rank 0 writes it)."""
+                t_step: float, primary: str = "marge", objectives: list[str] | None = None) -> dict:
+    """One update's record across ranks: every rank's slots and batches, the mean loss of the primary objective
+    (`loss`) and of each objective (`objectives`) over the batches trained, token counts (on every rank: the
+    collectives need them all; rank 0 writes it)."""
     kept = {slot for slot, _ in done.trained}
-    stats = torch.tensor([sum(float(p["marge"]) for p in done.losses), float(len(done.losses)),
-                          float(sum(d.batch.cost_tokens() for d in deliveries if d.slot in kept)),
-                          float(sum(int(n) for n in done.target_tokens))])
+    names = objectives or [primary]
+    sums = [sum(float(p[name]) for p in done.losses if name in p) for name in names]
+    counts = [float(sum(1 for p in done.losses if name in p)) for name in names]
+    stats = torch.tensor([float(sum(d.batch.cost_tokens() for d in deliveries if d.slot in kept)),
+                          float(sum(int(n) for n in done.target_tokens)), *sums, *counts])
     dist.all_reduce(stats)
+    means = {name: float(stats[2 + i]) / max(1.0, float(stats[2 + len(names) + i])) for i, name in enumerate(names)}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, [(d.slot, d.batch.batch_id if d.batch else None,
                                        d.batch.index_version if d.batch else -1, d.batch.snapshot_step if d.batch else -1,
                                        d.slot in kept) for d in deliveries])
     flat = sorted(item for part in gathered for item in part)
     snapshot_steps = [s for _, _, _, s, _ in flat if s >= 0] or [step - 1]
-    return {"step": step, "loss": float(stats[0]) / max(1.0, float(stats[1])), "lr": lr, "grad_norm": grad_norm,
-            "beta": model.beta.detach().float().cpu().tolist(), "slots": [n for n, _, _, _, _ in flat],
+    beta = getattr(model, "beta", None)  # MARGE's relevance-bias weight (a VECO model has none)
+    return {"step": step, "loss": means[primary], "objectives": means, "lr": lr, "grad_norm": grad_norm,
+            "beta": [] if beta is None else beta.detach().float().cpu().tolist(), "slots": [n for n, _, _, _, _ in flat],
             "batch_ids": [b for _, b, _, _, _ in flat], "dead_lettered": [n for n, _, _, _, ok in flat if not ok],
             "index_versions": sorted({v for _, _, v, _, _ in flat if v >= 0}),
             "snapshot_steps": sorted(set(snapshot_steps)), "staleness_max": max(step - 1 - s for s in snapshot_steps),
-            "step_seconds": time.perf_counter() - t_step, "tokens": int(stats[2]), "target_tokens": int(stats[3])}
+            "step_seconds": time.perf_counter() - t_step, "tokens": int(stats[0]), "target_tokens": int(stats[1])}
 
 
 def log_step(record: dict, metrics: StageMetrics, job: TrainerJob, source) -> None:
     """Rank 0: the update's gauges, its line in train_log.jsonl, and its record for the driver's progress."""
     metrics.set("marge_trainer_loss", record["loss"])
-    metrics.set("marge_trainer_beta", sum(record["beta"]) / len(record["beta"]))
+    if record["beta"]:
+        metrics.set("marge_trainer_beta", sum(record["beta"]) / len(record["beta"]))
     metrics.set("marge_trainer_step", record["step"])
     metrics.set("marge_trainer_tokens_per_second", record["tokens_per_s"])
     metrics.set("marge_trainer_wait_share", record["wait_share"])

@@ -1,23 +1,40 @@
 """What the trainer optimises: the objectives of a run, each with its settings (the `objectives:` section).
 
-An objective owns how its inputs are made from a batch of corpus documents and what loss the model pays
-(fairseq's criterion idea); the training step sums the weighted losses. The model (`marge.model`) holds
-only the architecture and its reconstruction loss.
+An objective is a plug-in (fairseq's criterion idea): it owns how its inputs are made from a batch of corpus
+documents (`prepare`, CPU, no model) and what loss the model pays on them (`loss`); the training step sums the
+weighted losses and logs each. The models (`marge.model`, `marge.veco`) hold only architectures.
 
     objectives:
       marge:                  {weight: 1.0, attend_to: all}                       # paper Eq. 2
+      bart:                   {weight: 1.0, text_infilling: 0.3, sentence_permutation: 1.0}
+      veco:                   {weight: 1.0, mask_share: 0.15, pairs: halves}       # CA-MLM, its own model
       self_evidence:          {prob: 0.5, until: 1500, deletion: 0.3}             # deviation, off in `paper`
       denoising_contrastive:  {weight: 0.3, deletion: 0.6, temperature: 0.05, extra_documents: 64}  # deviation
 
+A section that names none of marge, bart and veco trains MARGE alone; one that names some trains exactly
+those. What the run needs follows from them (`ObjectivesConfig.needs_index`, `.batches`, `.model_family`):
+
 * **marge** — reconstruct every target from the evidence of its batch, cross-attention biased by
-  beta * f (paper Eq. 2, 4). `attend_to: all` lets a target read every evidence document of its batch
-  (Eq. 2 conditions x_i on z_1..M); deviation `linked`: only those it has a retrieval link to.
-* **self_evidence** (deviation) — early in training the decoder has no reason to read its evidence:
-  retrieved documents are translations or paraphrases it cannot yet use, so the reconstruction loss
-  ignores them and g gets no signal. A share `prob` of targets also receives a noised copy of itself as
-  an extra, linked evidence document (tokens deleted, neighbours shuffled), which the decoder learns to
-  read within tens of updates, as in a denoising autoencoder. The share anneals linearly to 0 at `until`.
-* **denoising_contrastive** (deviation) — makes g a discriminative fingerprint of a document: two
+  beta * f (paper Eq. 2, 4): needs the retrieval index and batches built from its graph. `attend_to: all`
+  lets a target read every evidence document of its batch (Eq. 2 conditions x_i on z_1..M); deviation
+  `linked`: only those it has a retrieval link to.
+* **bart** (Lewis et al. 2019) — reconstruct each target document from a noised copy of itself
+  (`services.trainer.noising`: text infilling and sentence permutation by default, the BART paper's best
+  pair), on the same encoder-decoder with no relevance bias; the decoder's language token selects the output
+  language (mBART). Alone it needs no index: the batcher packs documents. With marge it denoises the targets
+  of MARGE's batches (the batcher counts that work in the token budget): the mixture this project compares,
+  because denoising teaches the decoder to read its encoder from the first update, which MARGE's retrieved
+  evidence does not (README, "Copy race").
+* **veco** (Luo et al. 2020) — cross-attention masked LM on pairs (x, y), its own model (`marge.veco`):
+  `pairs: halves` splits each document at the sentence end nearest its middle (VECO's rule for monolingual
+  text: adjacent segments of one document; no index); `pairs: index` pairs each target of a MARGE batch with
+  its strongest cross-lingual link (pseudo-parallel text from MARGE's own index; no translation data).
+* **self_evidence** (deviation, with marge) — early in training the decoder has no reason to read its
+  evidence: retrieved documents are translations or paraphrases it cannot yet use, so the reconstruction loss
+  ignores them and g gets no signal. A share `prob` of targets also receives a noised copy of itself as an
+  extra, linked evidence document (tokens deleted, neighbours shuffled), which the decoder learns to read
+  within tens of updates, as in a denoising autoencoder. The share anneals linearly to 0 at `until`.
+* **denoising_contrastive** (deviation, with marge) — makes g a discriminative fingerprint of a document: two
   noised views of every document in the batch, plus `extra_documents` random corpus documents as more
   negatives (embedded with the current parameters: a queue of stale vectors lets the encoder drift away
   from them, a degenerate solution), must find each other (SimCSE style). g learns which tokens identify a
@@ -29,19 +46,24 @@ way on a DDP rank, in the reference loop and in the single-process run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from marge.batch import Batch, SpecialTokens, as_encoder_input
-from marge.config import FieldError, at_least, one_of, positive, within
+from marge.batch import Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels
+from marge.config import ConfigError, FieldError, at_least, one_of, positive, within
 from marge.model import Marge, pad_rows
+from marge.veco import mlm_mask
 from services.trainer.inputs import ModelInputs, to_model_inputs
+from services.trainer.noising import BartNoise, bart_noise
 
 ATTEND_TO = ("all", "linked")
+VECO_PAIRS = ("halves", "index")
+MAIN_OBJECTIVES = ("marge", "bart", "veco")
+"""Objectives that can make up a run on their own; the first configured one is the run's logged `loss`."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -59,6 +81,35 @@ class MargeObjectiveConfig:
     def __post_init__(self) -> None:
         positive(self, "weight")
         one_of(self, "attend_to", ATTEND_TO)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BartObjectiveConfig(BartNoise):
+    """The BART objective: its weight and its noise (`BartNoise`: which noising functions, at which rates)."""
+
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive(self, "weight")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VecoObjectiveConfig:
+    weight: float = 1.0
+    mask_share: float = 0.15
+    """Share of each side's tokens chosen for the masked LM (80% mask, 10% random, 10% kept: BERT, VECO)."""
+    pairs: str = "halves"
+    """'halves': (x, y) = the two halves of a document, split at the sentence end nearest its middle (VECO's
+    adjacent-sentence rule for monolingual text); 'index': a MARGE batch's target and its strongest
+    cross-lingual link (pseudo-parallel pairs from the index; needs one)."""
+
+    def __post_init__(self) -> None:
+        positive(self, "weight")
+        within(self, "mask_share", 0.0, 1.0)
+        if self.mask_share == 0:
+            raise FieldError("mask_share", 0, "> 0")
+        one_of(self, "pairs", VECO_PAIRS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,15 +149,60 @@ class DenoisingContrastiveConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ObjectivesConfig:
-    """The run's objectives; an absent (null) entry is off."""
+    """The run's objectives; an absent (null) entry is off. Naming none of marge, bart, veco means marge."""
 
-    marge: MargeObjectiveConfig = field(default_factory=MargeObjectiveConfig)
+    marge: MargeObjectiveConfig | None = None
+    bart: BartObjectiveConfig | None = None
+    veco: VecoObjectiveConfig | None = None
     self_evidence: SelfEvidenceConfig | None = None
     denoising_contrastive: DenoisingContrastiveConfig | None = None
 
     def __post_init__(self) -> None:
+        if all(getattr(self, name) is None for name in MAIN_OBJECTIVES):
+            object.__setattr__(self, "marge", MargeObjectiveConfig())  # the default run: MARGE alone
         if self.self_evidence is not None and self.self_evidence.prob == 0:
             raise FieldError("self_evidence.prob", 0, "> 0 (or leave self_evidence out to turn it off)")
+        if self.veco is not None and (self.marge is not None or self.bart is not None):
+            raise ConfigError("objectives.veco trains its own model (an encoder with plug-in cross-attention, "
+                              "marge.veco); it cannot share a run with marge or bart (an encoder-decoder): "
+                              "configure veco alone")
+        if self.marge is None:
+            for aux in ("self_evidence", "denoising_contrastive"):
+                if getattr(self, aux) is not None:
+                    raise ConfigError(f"objectives.{aux} is an auxiliary of the marge objective: add "
+                                      f"objectives.marge or remove {aux}")
+
+    @property
+    def enabled(self) -> tuple[str, ...]:
+        """The configured objectives, main ones first."""
+        names = (*MAIN_OBJECTIVES, "self_evidence", "denoising_contrastive")
+        return tuple(name for name in names if getattr(self, name) is not None)
+
+    @property
+    def primary(self) -> str:
+        """The objective whose loss is the run's `loss` (train_log, summary): the first of marge, bart, veco."""
+        return next(name for name in MAIN_OBJECTIVES if getattr(self, name) is not None)
+
+    @property
+    def needs_index(self) -> bool:
+        """Whether batches come from the retrieval index (and so the indexer runs and snapshots are published)."""
+        return self.marge is not None or (self.veco is not None and self.veco.pairs == "index")
+
+    @property
+    def batches(self) -> str:
+        """'retrieval': the batcher's greedy subgraphs of the index graph; 'documents': documents packed without
+        an index (every document a target)."""
+        return "retrieval" if self.needs_index else "documents"
+
+    @property
+    def model_family(self) -> str:
+        """'marge' (the encoder-decoder of `marge.model`) or 'veco' (`marge.veco`)."""
+        return "veco" if self.veco is not None else "marge"
+
+    @property
+    def extra_target_passes(self) -> int:
+        """Extra encoder+decoder passes per target a retrieval batch's budget must hold (bart on MARGE's targets)."""
+        return 1 if self.bart is not None and self.batches == "retrieval" else 0
 
     @property
     def needs_corpus(self) -> bool:
@@ -177,26 +273,166 @@ def denoising_loss(model: Marge, views: tuple[Tensor, Tensor], temperature: floa
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
 
+
 # ----------------------------------------------------------------------------------------------------
-# The objectives of a run
+# The objectives as plug-ins
 # ----------------------------------------------------------------------------------------------------
+
+
+def first_text_id(specials: SpecialTokens) -> int:
+    """Ids from here on are text pieces (never pad, BOS, EOS, <unk>/mask or a language token): where random
+    replacement tokens are drawn from."""
+    return max(specials.pad_id, specials.bos_id, specials.eos_id, specials.mask_id, *specials.lang_ids.values()) + 1
+
+
+class Tensors(dict):
+    """An objective's prepared tensors by name, movable as one (to the device, into pinned memory)."""
+
+    def to(self, device: torch.device | str) -> "Tensors":
+        return Tensors({k: v.to(device, non_blocking=True) for k, v in self.items()})
+
+    def pin_memory(self) -> "Tensors":
+        return Tensors({k: v.pin_memory() for k, v in self.items()})
+
+
+def core_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DDP wrapper (for methods other than forward, which DDP does not wrap)."""
+    return model.module if hasattr(model, "module") else model
+
+
+class MargeObjective:
+    """Paper Eq. 2: every target reconstructed from its batch's evidence, cross-attention biased by beta * f."""
+
+    name = "marge"
+
+    def __init__(self, cfg: MargeObjectiveConfig, specials: SpecialTokens):
+        self.cfg, self.specials = cfg, specials
+
+    def prepare(self, batch: Batch, rng: np.random.Generator) -> ModelInputs:
+        return to_model_inputs(batch, self.specials, self.cfg.attend_to)
+
+    def loss(self, model: torch.nn.Module, inputs: ModelInputs) -> tuple[Tensor, Tensor]:
+        out = model(**inputs.as_kwargs())
+        return out.loss, out.tokens_per_target_N.sum()
+
+
+class BartObjective:
+    """BART: each target reconstructed from a noised copy of itself (the only evidence it sees, no relevance
+    bias); in a MARGE batch, the batch's targets."""
+
+    name = "bart"
+
+    def __init__(self, cfg: BartObjectiveConfig, specials: SpecialTokens, sentence_ends: np.ndarray,
+                 vocab_size: int):
+        self.cfg, self.specials, self.sentence_ends, self.vocab_size = cfg, specials, sentence_ends, vocab_size
+        self.text_low = first_text_id(specials)
+
+    def prepare(self, batch: Batch, rng: np.random.Generator) -> Tensors:
+        sp = self.specials
+        sources, decoder_in, labels = [], [], []
+        for i in batch.targets:
+            tokens = np.asarray(batch.doc_tokens[i])
+            noisy = bart_noise(tokens, self.cfg, sp.mask_id, self.sentence_ends, rng, self.vocab_size, self.text_low)
+            sources.append(as_encoder_input(noisy[: max(1, len(tokens))], sp))  # never longer than the original
+            decoder_in.append(as_decoder_input(tokens, batch.doc_langs[i], sp))
+            labels.append(as_labels(tokens, sp))
+        n = len(sources)
+        return Tensors(evidence_MS=pad_rows(sources, sp.pad_id), decoder_in_NT=pad_rows(decoder_in, sp.pad_id),
+                       labels_NT=pad_rows(labels, sp.pad_id), allowed_NM=torch.eye(n, dtype=torch.bool))
+
+    def loss(self, model: torch.nn.Module, inputs: Tensors) -> tuple[Tensor, Tensor]:
+        out = model(evidence_MS=inputs["evidence_MS"], target_enc_NS=None, decoder_in_NT=inputs["decoder_in_NT"],
+                    labels_NT=inputs["labels_NT"], allowed_NM=inputs["allowed_NM"])
+        return out.loss, out.tokens_per_target_N.sum()
+
+
+def split_in_halves(tokens: np.ndarray, sentence_ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Two adjacent segments of a document (>= 2 tokens): cut after the sentence end nearest its middle, or in
+    the middle when no sentence ends inside."""
+    middle = len(tokens) // 2
+    ends = np.flatnonzero(np.isin(tokens[:-1], sentence_ends)) + 1  # cut positions that leave both sides non-empty
+    cut = int(ends[np.argmin(np.abs(ends - middle))]) if len(ends) else middle
+    return tokens[:cut], tokens[cut:]
+
+
+class VecoObjective:
+    """VECO's CA-MLM on pairs (x, y): both sides masked, each predicted from itself and from itself + the other
+    side's last-layer states (`marge.veco.Veco.forward`)."""
+
+    name = "veco"
+
+    def __init__(self, cfg: VecoObjectiveConfig, specials: SpecialTokens, sentence_ends: np.ndarray,
+                 vocab_size: int):
+        self.cfg, self.specials, self.sentence_ends, self.vocab_size = cfg, specials, sentence_ends, vocab_size
+        self.text_low = first_text_id(specials)
+
+    def pairs(self, batch: Batch) -> list[tuple[np.ndarray, np.ndarray]]:
+        if self.cfg.pairs == "index":
+            strongest: dict[int, tuple[float, int]] = {}
+            for (t, e), w in zip(batch.edges.tolist(), batch.edge_weights.tolist()):
+                t_doc, e_doc = int(batch.targets[t]), int(batch.evidence[e])
+                if batch.doc_langs[t_doc] != batch.doc_langs[e_doc] and w > strongest.get(t, (-np.inf, 0))[0]:
+                    strongest[t] = (w, e_doc)
+            linked = [(np.asarray(batch.doc_tokens[int(batch.targets[t])]), np.asarray(batch.doc_tokens[e]))
+                      for t, (_, e) in sorted(strongest.items())]
+            if linked:
+                return linked  # a batch without a cross-lingual link falls back to halves
+        docs = [np.asarray(batch.doc_tokens[i]) for i in batch.targets]
+        return [split_in_halves(d, self.sentence_ends) for d in docs if len(d) >= 2] or \
+               [(d, d) for d in docs]  # one-token documents only (the substitute batch): a copy pair
+
+    def prepare(self, batch: Batch, rng: np.random.Generator) -> Tensors:
+        sp = self.specials
+        rows: dict[str, list[list[int]]] = {"x_in": [], "x_labels": [], "y_in": [], "y_labels": []}
+        for x, y in self.pairs(batch):
+            for side, tokens in (("x", x), ("y", y)):
+                masked, labels = mlm_mask(tokens, self.cfg.mask_share, sp.mask_id, self.text_low, self.vocab_size, rng)
+                rows[f"{side}_in"].append(as_encoder_input(masked, sp))
+                rows[f"{side}_labels"].append([sp.pad_id, *np.where(labels < 0, sp.pad_id, labels).tolist(), sp.pad_id])
+        return Tensors({f"{name}_BS": pad_rows(r, sp.pad_id) for name, r in rows.items()})
+
+    def loss(self, model: torch.nn.Module, inputs: Tensors) -> tuple[Tensor, Tensor]:
+        out = model(inputs["x_in_BS"], inputs["x_labels_BS"], inputs["y_in_BS"], inputs["y_labels_BS"])
+        text_tokens = ((inputs["x_in_BS"] != self.specials.pad_id).sum() + (inputs["y_in_BS"] != self.specials.pad_id).sum()
+                       - 2 * 2 * inputs["x_in_BS"].shape[0])  # without BOS and EOS
+        return out.loss, text_tokens
+
+
+class DenoisingContrastiveObjective:
+    """(Deviation, with marge) two noised views of every document must find each other through g."""
+
+    name = "denoising_contrastive"
+
+    def __init__(self, cfg: DenoisingContrastiveConfig, specials: SpecialTokens, corpus_tokens: list | None):
+        self.cfg, self.specials, self.corpus_tokens = cfg, specials, corpus_tokens
+
+    def prepare(self, batch: Batch, rng: np.random.Generator) -> Tensors | None:
+        views = denoising_views(batch, self.cfg, self.specials, self.corpus_tokens, rng)
+        return None if views is None else Tensors(first=views[0], second=views[1])
+
+    def loss(self, model: torch.nn.Module, views: Tensors) -> tuple[Tensor, Tensor]:
+        loss = denoising_loss(core_model(model), (views["first"], views["second"]), self.cfg.temperature)
+        return loss, torch.zeros((), dtype=torch.long)
+
+
+RNG_STREAM = {"marge": 0, "denoising_contrastive": 1, "bart": 2, "veco": 3}
+"""Each objective draws from its own stream of the batch's seed key, so adding one leaves the others' draws
+(and so earlier runs' figures) unchanged."""
 
 
 @dataclass
 class PreparedBatch:
-    """A batch's CPU-side work done: augmented, turned into tensors, its extra views drawn.
+    """A batch's CPU-side work done: augmented, and each objective's tensors made (None: nothing to train on).
 
     Preparing needs no model, so a single-process trainer prepares the next step's batches in a thread
     while the device runs this one; the DDP worker prepares and computes in turn.
     """
 
     batch_id: str
-    inputs: ModelInputs
-    denoise_views: tuple[Tensor, Tensor] | None = None
+    parts: dict[str, object]
 
     def pin_memory(self) -> "PreparedBatch":
-        views = None if self.denoise_views is None else tuple(v.pin_memory() for v in self.denoise_views)
-        return PreparedBatch(self.batch_id, self.inputs.pin_memory(), views)
+        return PreparedBatch(self.batch_id, {k: None if v is None else v.pin_memory() for k, v in self.parts.items()})
 
 
 @dataclass
@@ -204,42 +440,63 @@ class Losses:
     objective: Tensor
     """The weighted sum the step backpropagates."""
     parts: dict[str, Tensor]
-    """Each objective's loss, detached; `parts["marge"]` (mean NLL per target token) is the step's logged loss.
-    Tensors, not floats: reading them waits for the device, which the step does once, at its end."""
+    """Each objective's loss, detached; `parts[primary]` (e.g. marge's mean NLL per target token) is the step's
+    logged loss. Tensors, not floats: reading them waits for the device, which the step does once, at its end."""
     target_tokens: Tensor
+    """Tokens the primary objective reconstructs (marge, bart: target text + EOS; veco: the pair's text)."""
 
 
 class Objectives:
     """The configured objectives: `prepare` a batch (CPU), then `losses` of the prepared batch on the model."""
 
-    def __init__(self, cfg: ObjectivesConfig, specials: SpecialTokens, corpus_tokens: list | None = None):
+    def __init__(self, cfg: ObjectivesConfig, specials: SpecialTokens, corpus_tokens: list | None = None,
+                 sentence_ends: np.ndarray | None = None, vocab_size: int | None = None):
         if cfg.needs_corpus and not corpus_tokens:
             raise ValueError("objectives.denoising_contrastive.extra_documents > 0 needs the corpus's documents")
+        if (cfg.bart is not None or cfg.veco is not None) and (sentence_ends is None or vocab_size is None):
+            raise ValueError("the bart and veco objectives need the tokenizer's sentence ends and vocabulary size "
+                             "(build them with `objectives_for`)")
         self.cfg, self.specials, self.corpus_tokens = cfg, specials, corpus_tokens
+        self.primary = cfg.primary
+        self.plugins: list = []
+        if cfg.marge is not None:
+            self.plugins.append(MargeObjective(cfg.marge, specials))
+        if cfg.bart is not None:
+            self.plugins.append(BartObjective(cfg.bart, specials, sentence_ends, vocab_size))
+        if cfg.veco is not None:
+            self.plugins.append(VecoObjective(cfg.veco, specials, sentence_ends, vocab_size))
+        if cfg.denoising_contrastive is not None:
+            self.plugins.append(DenoisingContrastiveObjective(cfg.denoising_contrastive, specials, corpus_tokens))
+        self.weights = {p.name: getattr(cfg, p.name).weight for p in self.plugins}
 
     def prepare(self, batch: Batch, seed_key: tuple[int, ...]) -> PreparedBatch:
         """`seed_key` = (run seed, step, slot of the batch within the step)."""
         if self.cfg.self_evidence is not None:
             step = seed_key[1] if len(seed_key) > 1 else 0
             batch = with_self_evidence(batch, self.cfg.self_evidence, step, np.random.default_rng(list(seed_key)))
-        views = None
-        if self.cfg.denoising_contrastive is not None:
-            views = denoising_views(batch, self.cfg.denoising_contrastive, self.specials, self.corpus_tokens,
-                                    np.random.default_rng([*seed_key, 1]))
-        return PreparedBatch(batch.batch_id, to_model_inputs(batch, self.specials, self.cfg.marge.attend_to), views)
+        parts = {p.name: p.prepare(batch, np.random.default_rng([*seed_key, RNG_STREAM[p.name]])) for p in self.plugins}
+        return PreparedBatch(batch.batch_id, parts)
 
     def losses(self, model: torch.nn.Module, prepared: PreparedBatch, device: torch.device, bf16: bool) -> Losses:
         """The weighted objective of one prepared batch (`model` may be DDP-wrapped: its forward runs the model)."""
-        inputs = prepared.inputs.to(device)
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = model(**inputs.as_kwargs())
-        objective = self.cfg.marge.weight * out.loss
-        parts = {"marge": out.loss.detach()}
-        denoising = self.cfg.denoising_contrastive
-        if denoising is not None and prepared.denoise_views is not None:
-            core = model.module if hasattr(model, "module") else model  # DDP wraps the model
-            views = tuple(v.to(device, non_blocking=True) for v in prepared.denoise_views)
-            loss = denoising_loss(core, views, denoising.temperature)
-            objective = objective + denoising.weight * loss
-            parts["denoising_contrastive"] = loss.detach()
-        return Losses(objective, parts, out.tokens_per_target_N.sum())
+        objective, parts, tokens = None, {}, None
+        for plugin in self.plugins:
+            inputs = prepared.parts[plugin.name]
+            if inputs is None:
+                continue
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss, predicted = plugin.loss(model, inputs.to(device))
+            weighted = self.weights[plugin.name] * loss
+            objective = weighted if objective is None else objective + weighted
+            parts[plugin.name] = loss.detach()
+            if plugin.name == self.primary:
+                tokens = predicted
+        return Losses(objective, parts, tokens)
+
+
+def objectives_for(cfg: ObjectivesConfig, tokenizer, corpus_tokens: list | None = None) -> Objectives:
+    """The run's objectives with what they need from its tokenizer (`marge.tokenizer.MargeTokenizer`)."""
+    from services.trainer.noising import sentence_end_ids
+
+    pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    return Objectives(cfg, tokenizer.specials, corpus_tokens, sentence_end_ids(pieces), tokenizer.vocab_size)

@@ -45,7 +45,7 @@ def device_peak_flops(device: torch.device) -> float | None:
 class StepRecord:
     step: int
     loss: float
-    """Mean MARGE loss (NLL per target token) over the update's batches."""
+    """Mean loss of the run's primary objective (marge: NLL per target token) over the update's batches."""
     target_tokens: int
     batch_ids: list[str]
     lr: float
@@ -94,10 +94,10 @@ def forward_backward(model: nn.Module, objectives: Objectives, prepared: Prepare
                      device: torch.device, bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The objectives of one prepared batch, backpropagated with weight `scale`.
 
-    Returns (MARGE loss, target tokens, each objective's loss), as tensors still on the device."""
+    Returns (the primary objective's loss, target tokens, each objective's loss), as tensors still on the device."""
     losses = objectives.losses(model, prepared, device, bf16)
     (losses.objective * scale).backward()
-    return losses.parts["marge"], losses.target_tokens, losses.parts
+    return losses.parts[objectives.primary], losses.target_tokens, losses.parts
 
 
 @dataclass
@@ -218,9 +218,11 @@ def train_step(model: Marge, optimizer: torch.optim.Optimizer, scheduler, object
     lr = optimizer.param_groups[0]["lr"]
     grad_norm = update(model, optimizer, scheduler, done, cfg.clip_norm)
     parts = {name: sum(float(p[name]) for p in done.losses) / len(done.losses) for name in done.losses[0]} \
-        if done.losses else {"marge": float("nan")}
-    return StepRecord(step, parts["marge"], int(sum(int(n) for n in done.target_tokens)),
-                      [b.batch_id for b in batches], lr, model.beta.detach().float().cpu().tolist(), grad_norm,
+        if done.losses else {objectives.primary: float("nan")}
+    beta = getattr(model, "beta", None)  # MARGE's relevance-bias weight (a VECO model has none)
+    return StepRecord(step, parts[objectives.primary], int(sum(int(n) for n in done.target_tokens)),
+                      [b.batch_id for b in batches], lr, [] if beta is None else beta.detach().float().cpu().tolist(),
+                      grad_norm,
                       time.perf_counter() - t0, [b.index_version for b in batches], [b.snapshot_step for b in batches],
                       parts, done.dead_lettered)
 

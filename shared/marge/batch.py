@@ -46,6 +46,10 @@ class SpecialTokens:
     bos_id: int
     eos_id: int
     lang_ids: dict[str, int]
+    mask_id: int = 1
+    """What noising objectives (BART's infilling, VECO's masked LM) put in place of hidden text: SentencePiece's
+    <unk>, which never comes out of tokenizing text (the tokenizer falls back to bytes), so it is free to mean
+    "something was here" without a new vocabulary entry (BART's <mask>)."""
 
     def lang_id(self, lang: str) -> int:
         try:

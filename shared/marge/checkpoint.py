@@ -1,7 +1,7 @@
 """Training checkpoints: the whole training state, in a folder Ray Train persists.
 
     model.safetensors     model weights (what eval, translate and serve load)
-    model_config.json     the MargeConfig
+    model_config.json     the model's config (MargeConfig; a VecoConfig carries "family": "veco")
     training_state.pt     optimizer, LR schedule, step, RNG states, consumed batch ids (torch.save of
                           tensors and plain containers only; loaded with weights_only=True)
     tokenizer.model/.json the tokenizer the model was trained with
@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from torch import nn
+
 from marge.model import Marge, MargeConfig
 from marge.utils import atomic_write_text, sha256_file
 
@@ -35,6 +37,34 @@ FILES = ("model.safetensors", "model_config.json", "training_state.pt", "tokeniz
 
 class CheckpointError(ValueError):
     pass
+
+
+def saved_config(cfg) -> dict[str, Any]:
+    """A model config as model_config.json holds it: MargeConfig's fields (the format since the first release),
+    or VecoConfig's plus `"family": "veco"`."""
+    from marge.veco import FAMILY, VecoConfig
+
+    return {"family": FAMILY, **cfg.to_dict()} if isinstance(cfg, VecoConfig) else cfg.to_dict()
+
+
+def config_from_saved(values: dict[str, Any]):
+    """The MargeConfig or VecoConfig a model_config.json describes."""
+    from marge.veco import FAMILY, VecoConfig
+
+    values = dict(values)
+    family = values.pop("family", "marge")
+    if family == FAMILY:
+        return VecoConfig.from_dict(values)
+    if family != "marge":
+        raise CheckpointError(f"model family {family!r} is unknown to this version of marge (known: marge, veco)")
+    return MargeConfig.from_dict(values)
+
+
+def build_model(cfg) -> nn.Module:
+    """A freshly initialised model of the config's family."""
+    from marge.veco import Veco, VecoConfig
+
+    return Veco(cfg) if isinstance(cfg, VecoConfig) else Marge(cfg)
 
 
 def rng_state() -> dict[str, Any]:
@@ -61,7 +91,7 @@ def save_checkpoint(directory: Path, model: Marge, optimizer, scheduler, step: i
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(state, str(directory / "model.safetensors"))
-    atomic_write_text(directory / "model_config.json", json.dumps(model.cfg.to_dict(), indent=2) + "\n")
+    atomic_write_text(directory / "model_config.json", json.dumps(saved_config(model.cfg), indent=2) + "\n")
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
                 "rng": rng_state(), **training_state}, directory / "training_state.pt")
     for name in ("tokenizer.model", "tokenizer.json"):
@@ -156,27 +186,25 @@ def restore_training(directory: Path, model: Marge, optimizer, scheduler, device
     return state
 
 
-def load_model(directory: Path, device: str | torch.device = "cpu") -> Marge:
-    """The trained model in a checkpoint folder (eval mode)."""
+def load_model(directory: Path, device: str | torch.device = "cpu") -> nn.Module:
+    """The trained model in a checkpoint folder (eval mode): a `Marge`, or a `Veco` for a VECO run."""
     directory = Path(directory)
     read_manifest(directory)
-    cfg = MargeConfig.from_dict(json.loads((directory / "model_config.json").read_text(encoding="utf-8")))
-    model = Marge(cfg)
+    model = build_model(config_from_saved(json.loads((directory / "model_config.json").read_text(encoding="utf-8"))))
     model.load_state_dict(load_file(str(directory / "model.safetensors"), device="cpu"))
     return model.to(device).eval()
 
 
-def save_model_weights(path: Path, model: Marge) -> None:
+def save_model_weights(path: Path, model: nn.Module) -> None:
     """Weights alone plus config next to them (the run's initial model)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path))
-    atomic_write_text(path.with_suffix(".json"), json.dumps(model.cfg.to_dict(), indent=2) + "\n")
+    atomic_write_text(path.with_suffix(".json"), json.dumps(saved_config(model.cfg), indent=2) + "\n")
 
 
-def load_model_weights(path: Path) -> Marge:
+def load_model_weights(path: Path) -> nn.Module:
     path = Path(path)
-    cfg = MargeConfig.from_dict(json.loads(path.with_suffix(".json").read_text(encoding="utf-8")))
-    model = Marge(cfg)
+    model = build_model(config_from_saved(json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))))
     model.load_state_dict(load_file(str(path), device="cpu"))
     return model

@@ -563,12 +563,13 @@ class Marge(nn.Module):
 
     # --- the reconstruction loss ----------------------------------------------------------------
 
-    def forward(self, evidence_MS: Tensor, target_enc_NS: Tensor, decoder_in_NT: Tensor, labels_NT: Tensor,
+    def forward(self, evidence_MS: Tensor, target_enc_NS: Tensor | None, decoder_in_NT: Tensor, labels_NT: Tensor,
                 allowed_NM: Tensor, return_logits: bool = False) -> MargeOutput:
         """Negative log-likelihood of each target given the evidence and relevance scores (paper Eq. 2).
 
         evidence_MS    evidence documents as encoder input (BOS ... EOS, padded)
-        target_enc_NS  the targets as encoder input, only used for g(x_i)
+        target_enc_NS  the targets as encoder input, only used for g(x_i); None: no relevance bias (f = 0, no
+                       g pass over the targets), as a plain encoder-decoder (the BART objective)
         decoder_in_NT  language token, then the target's text tokens (padded)
         labels_NT      the target's text tokens, then EOS (padded with pad_id: ignored)
         allowed_NM     True where target i may attend to evidence j (never its own document)
@@ -577,7 +578,10 @@ class Marge(nn.Module):
         if decoder_in_NT.shape != labels_NT.shape:
             raise ValueError(f"decoder input {tuple(decoder_in_NT.shape)} and labels {tuple(labels_NT.shape)} differ")
         evidence = self.encode_evidence(evidence_MS)
-        relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD)
+        if target_enc_NS is None:
+            relevance_NM = torch.zeros(allowed_NM.shape, device=allowed_NM.device)
+        else:
+            relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD)
         cross = self.cross_memory(evidence, relevance_NM, allowed_NM)
         logits_NTV = self.logits(self.decode(decoder_in_NT, evidence.memory_1LD, cross))
         n, t, v = logits_NTV.shape  # (N*T, V) rows: no transposed copy of the logits, the largest tensor

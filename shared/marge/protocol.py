@@ -105,10 +105,15 @@ class VersionPlan:
     serves updates [0, R+L), version v >= 1 [v*R+L, (v+1)*R+L), and is built from the snapshot of update v*R."""
 
     reindex_every: int
+    """0: a run without an index; version 0 (its corpus batches) serves every update."""
     lag: int
 
+    @classmethod
+    def without_index(cls) -> "VersionPlan":
+        return cls(0, 0)
+
     def version_for_step(self, step: int) -> int:
-        if step < self.reindex_every + self.lag:
+        if self.reindex_every == 0 or step < self.reindex_every + self.lag:
             return 0
         return (step - self.lag) // self.reindex_every
 

@@ -44,7 +44,7 @@ class MargeTokenizer:
         if broken:
             raise ValueError(f"tokenizer model has no language token for {broken}")
         self.specials = SpecialTokens(pad_id=self.sp.pad_id(), bos_id=self.sp.bos_id(), eos_id=self.sp.eos_id(),
-                                      lang_ids=lang_ids)
+                                      lang_ids=lang_ids, mask_id=self.sp.unk_id())
         self.sha256 = hashlib.sha256(model_bytes).hexdigest()
 
     @property
