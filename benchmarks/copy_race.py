@@ -20,8 +20,12 @@ otherwise. `--optimizer torch-adamw` uses torch's AdamW defaults on every parame
 eps 1e-8, weight decay 0.01) and no clipping instead.
 
 Tasks (`--source`, `--evidence`): random tokens (default) or 48-token windows of the prepared demo corpus
-(vocabulary = its tokenizer's); the evidence is the exact copy (default) or BART's text infilling of it
-(30% of the tokens masked in spans of Poisson(3) length, each span replaced by one mask token).
+(vocabulary = its tokenizer's); the evidence is the exact copy (default), BART's text infilling of it
+(30% of the tokens masked in spans of Poisson(3) length, each span replaced by one mask token), or
+`--evidence bart`: the `bart` objective's own noise with its defaults (services.trainer.noising: text
+infilling + sentence permutation), i.e. a denoising race (issue 13). With one linked document per target the
+marge objective's relevance bias is the same on all of a target's keys, so our loss is the `bart` objective's
+(tests/test_objectives.py checks the two paths agree).
 
 Variants (`--variants`) switch ONE thing of a model, for the diagnosis in the README (issue 17); they are
 built here, as subclasses or module swaps, and are not options of the model. `--list` prints them.
@@ -30,6 +34,7 @@ built here, as subclasses or module swaps, and are not options of the model. `--
     python benchmarks/copy_race.py                     # ours, before, BART: random tokens, 3 seeds, 700 updates
     python benchmarks/copy_race.py --source text --steps 700
     python benchmarks/copy_race.py --evidence infilled --steps 700
+    python benchmarks/copy_race.py --source text --evidence bart --variants ours,bart --steps 700
     python benchmarks/copy_race.py --variants before,before:post_ln,bart:our_old_norms --steps 300 --jobs 2
     python benchmarks/copy_race.py --g-at-init         # how alike a fresh model's g vectors are
 """
@@ -59,6 +64,7 @@ from marge.batch import Batch, SpecialTokens
 from marge.model import Attention, CrossMemory, DecoderLayer, EncodedEvidence, EncoderLayer, Marge, MargeConfig
 from services.trainer.config import TrainerConfig
 from services.trainer.inputs import to_model_inputs
+from services.trainer.noising import BartNoise, bart_noise, sentence_end_ids, text_infilling
 from services.trainer.objectives import MargeObjectiveConfig, Objectives, ObjectivesConfig
 from services.trainer.step import build_optimizer, build_scheduler, forward_backward, optimizer_step
 
@@ -91,6 +97,8 @@ class Task:
     specials: SpecialTokens
     mask_id: int  # the infilling's mask token: one that never occurs in a target
     text_windows: list[tuple[np.ndarray, str]] = field(default_factory=list)  # (48 tokens, language)
+    sentence_ends: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    """Token ids that end a sentence (`--evidence bart` permutes sentences): the tokenizer's, none for random."""
 
     def batch(self, seed: int, step: int) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
         """Targets, their evidence documents and languages of one step: a function of (seed, step) only."""
@@ -105,37 +113,12 @@ class Task:
             langs = [self.text_windows[i][1] for i in picks]
         if self.evidence == "copy":
             evidence = [t.copy() for t in targets]
-        else:
-            evidence = [text_infilling(t, rng, self.mask_id) for t in targets]
+        elif self.evidence == "infilled":
+            evidence = [text_infilling(t, 0.3, 3.0, self.mask_id, rng) for t in targets]
+        else:  # the bart objective's own noise, with its defaults (infilling + sentence permutation)
+            evidence = [bart_noise(t, BartNoise(), self.mask_id, self.sentence_ends, rng, self.vocab_size)
+                        for t in targets]
         return targets, evidence, langs
-
-
-def text_infilling(tokens: np.ndarray, rng: np.random.Generator, mask_id: int, ratio: float = 0.3,
-                   mean_span: float = 3.0) -> np.ndarray:
-    """BART's text infilling: spans of Poisson(3) length are masked until 30% of the tokens are; each
-    maximal run of masked tokens becomes ONE mask token (so the model must also infer how many are
-    missing). A zero-length span inserts a mask token without removing anything, as in BART."""
-    n = len(tokens)
-    budget = int(round(ratio * n))
-    masked = np.zeros(n, dtype=bool)
-    insert_before = np.zeros(n + 1, dtype=bool)
-    while masked.sum() < budget:
-        span = int(rng.poisson(mean_span))
-        start = int(rng.integers(n))
-        if span == 0:
-            insert_before[start] = True
-        else:
-            masked[start:start + min(span, budget - int(masked.sum()))] = True
-    out: list[int] = []
-    for i in range(n):
-        if insert_before[i]:
-            out.append(mask_id)
-        if masked[i]:
-            if not out or out[-1] != mask_id or not masked[i - 1]:
-                out.append(mask_id)
-        else:
-            out.append(int(tokens[i]))
-    return np.asarray(out, dtype=np.int32)
 
 
 def load_task(source: str, evidence: str, corpus_dir: Path) -> Task:
@@ -155,8 +138,10 @@ def load_task(source: str, evidence: str, corpus_dir: Path) -> Task:
             # Non-overlapping 48-token windows: every window is a real stretch of one document.
             for start in range(0, len(tokens) - TARGET_TOKENS + 1, TARGET_TOKENS):
                 windows.append((np.asarray(tokens[start:start + TARGET_TOKENS], dtype=np.int32), str(lang)))
-    # <unk> never comes out of the tokenizer (byte fallback), so it can serve as the infilling's mask token.
-    return Task(source, evidence, tokenizer.vocab_size, tokenizer.specials, tokenizer.sp.unk_id(), windows)
+    # <unk> never comes out of the tokenizer (byte fallback): the objectives' mask token (SpecialTokens.mask_id)
+    pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    return Task(source, evidence, tokenizer.vocab_size, tokenizer.specials, tokenizer.specials.mask_id, windows,
+                sentence_end_ids(pieces))
 
 
 def as_batch(targets: list[np.ndarray], evidence: list[np.ndarray], langs: list[str], step: int) -> Batch:
@@ -576,7 +561,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=700)
     parser.add_argument("--source", choices=["random", "text"], default="random")
-    parser.add_argument("--evidence", choices=["copy", "infilled"], default="copy")
+    parser.add_argument("--evidence", choices=["copy", "infilled", "bart"], default="copy",
+                        help="the exact copy, BART's text infilling, or the bart objective's whole noise")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="prepared corpus for --source text")
     parser.add_argument("--optimizer", choices=["marge", "torch-adamw"], default="marge")
     parser.add_argument("--lr", type=float, default=1e-3)

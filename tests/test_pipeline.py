@@ -6,6 +6,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from marge.checkpoint import load_model_weights, read_manifest
@@ -128,3 +129,33 @@ def test_learning_experiment_writes_a_complete_report(ray_cluster, redis_server,
     assert main(["eval", "retrieval", "--pairs", str(pairs), "--checkpoint", report["checkpoint"], "--json",
                  "--layer", str(report["eval_layer"])]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == pytest.approx(report["p_at_1"]["trained"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["bart", "veco"])
+def test_bart_and_veco_pretrain_through_the_same_pipeline_without_an_index(ray_cluster, redis_server, small_corpus,
+                                                                           tmp_path, objective):
+    """deploy/configs/tiny-{bart,veco}.yaml through the real pipeline: no indexer, document batches from the
+    batcher, the objective's loss falling, every batch trained once, the checkpoint holding the right model."""
+    from marge.checkpoint import load_model
+    from services.driver.pipeline import run_pipeline
+
+    cfg = load_config(REPO / f"deploy/configs/tiny-{objective}.yaml", [
+        f"run.name={objective}", f"run.dir={tmp_path / objective}", f"data.corpus={small_corpus}",
+        "data.max_chunk_tokens=128", "model.max_positions=128", "batcher.max_tokens=400", f"redis.url={redis_server.url}",
+        "run.progress_every_s=2", "run.max_steps=16", "trainer.checkpoint_every=8", "trainer.warmup_steps=2",
+        "trainer.lr=2e-3"])
+    summary = run_pipeline(cfg)
+
+    assert summary["steps"] == 16 and summary["objectives"] == [objective]
+    assert summary["index_versions_built"] == 0 and summary["index_versions"] == []
+    assert summary["capacity_plan"] is None
+    assert summary["batches_trained"] == 32 and summary["trained_twice"] == 0
+    run_dir = Path(summary["run_dir"])
+    records = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    assert all(set(r["objectives"]) == {objective} and r["index_versions"] == [] for r in records)
+    assert all(b.startswith("v0-e0-s") for r in records for b in r["batch_ids"])  # document batches, pass 0
+    assert np.mean([r["loss"] for r in records[-4:]]) < np.mean([r["loss"] for r in records[:4]])
+    model = load_model(Path(summary["checkpoint"]))
+    assert type(model).__name__ == ("Veco" if objective == "veco" else "Marge")
+    assert not list((run_dir / "index").glob("v*"))

@@ -60,7 +60,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         corpus = ensure_corpus(cfg)
         model_cfg = cfg.model_config(vocab_size=corpus.tokenizer().vocab_size)
         ensure_initial_model(model_cfg, paths, corpus, cfg.run.seed)
-        capacity = warn_if_behind(cfg, model_cfg, corpus, estimated_throughput(cfg))
+        capacity = (warn_if_behind(cfg, model_cfg, corpus, estimated_throughput(cfg)) if cfg.objectives.needs_index
+                    else None)  # the plan is the indexer's against the trainers'; without an index there is none
         point = resume_point(paths)
         with redis_for(cfg) as redis, redis.watched(), ray_for(cfg):
             queue = BatchQueue.connect(redis.url, paths.name, cfg.slots())

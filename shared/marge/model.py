@@ -85,25 +85,15 @@ class MargeConfig:
     before issue 17."""
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "d_model", "num_heads", "encoder_layers", "encoder_ffn",
-                    "decoder_local_ffn", "decoder_layers", "decoder_ffn", "max_positions", "relevance_layers")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        check_shared_fields(self, ("vocab_size", "d_model", "num_heads", "encoder_layers", "encoder_ffn",
+                                   "decoder_local_ffn", "decoder_layers", "decoder_ffn", "max_positions",
+                                   "relevance_layers"))
         if self.decoder_local_layers < 0:
             raise ValueError(f"model.decoder_local_layers must be >= 0, got {self.decoder_local_layers}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})")
         if self.relevance_layers > self.encoder_layers:
             raise ValueError(
                 f"model.relevance_layers ({self.relevance_layers}) cannot exceed model.encoder_layers "
                 f"({self.encoder_layers}): g shares the first layers of the encoder")
-        for name in ("dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
-        if not 0 <= self.pad_id < self.vocab_size:
-            raise ValueError(f"model.pad_id ({self.pad_id}) must be a valid token id below vocab_size ({self.vocab_size})")
         if self.max_positions < 3:
             raise ValueError("model.max_positions must leave room for BOS, one token and EOS (>= 3)")
         if self.relevance_pooling not in ("bos", "mean"):
@@ -133,6 +123,39 @@ class MargeConfig:
 
     def with_overrides(self, **overrides: Any) -> "MargeConfig":
         return replace(self, **overrides)
+
+
+def check_shared_fields(cfg: Any, positive_ints: tuple[str, ...]) -> None:
+    """The checks every architecture's config makes (`MargeConfig`, `marge.veco.VecoConfig`): positive sizes,
+    heads that divide the width, dropout rates in [0, 1), a padding id inside the vocabulary."""
+    for name in positive_ints:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+    if cfg.d_model % cfg.num_heads:
+        raise ValueError(f"model.d_model ({cfg.d_model}) must be divisible by model.num_heads ({cfg.num_heads})")
+    for name in ("dropout", "attention_dropout"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            raise ValueError(f"model.{name} must be in [0, 1), got {getattr(cfg, name)}")
+    if not 0 <= cfg.pad_id < cfg.vocab_size:
+        raise ValueError(f"model.pad_id ({cfg.pad_id}) must be a valid token id below vocab_size ({cfg.vocab_size})")
+
+
+def init_parameters(model: nn.Module, std: float, pad_id: int) -> None:
+    """Every architecture's initialisation: Linear and Embedding weights N(0, std), biases 0, LayerNorms the
+    identity, and the padding row of every embedding 0."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+            if module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[pad_id].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
 
 
 RETIRED_FIELDS: dict[str, Any] = {
@@ -432,20 +455,8 @@ class Marge(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        std = self.cfg.init_std
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=std)
-                nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+        init_parameters(self, self.cfg.init_std, self.cfg.pad_id)
         with torch.no_grad():
-            self.embed_tokens.weight[self.cfg.pad_id].zero_()
-            if self.encoder_embed_tokens is not None:
-                self.encoder_embed_tokens.weight[self.cfg.pad_id].zero_()
             self.beta.fill_(self.cfg.beta_init)
 
     @property

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from marge.model import Attention, FeedForward, count_parameters, embed
+from marge.model import Attention, FeedForward, check_shared_fields, count_parameters, embed, init_parameters
 
 FAMILY = "veco"
 """The model family this module builds (MARGE's is `marge.model`); configs do not carry it as a field."""
@@ -65,17 +65,7 @@ class VecoConfig:
     measurement): the two families differ in their objective, not in this."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "num_heads", "layers", "ffn", "max_positions"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})")
-        for name in ("dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
-        if not 0 <= self.pad_id < self.vocab_size:
-            raise ValueError(f"model.pad_id ({self.pad_id}) must be a valid token id below vocab_size ({self.vocab_size})")
+        check_shared_fields(self, ("vocab_size", "d_model", "num_heads", "layers", "ffn", "max_positions"))
         if not self.init_std > 0.0:
             raise ValueError(f"model.init_std must be > 0, got {self.init_std}")
         if not isinstance(self.embedding_layernorm, bool):
@@ -183,18 +173,7 @@ class Veco(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        std = self.cfg.init_std
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=std)
-                nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
-        with torch.no_grad():
-            self.embed_tokens.weight[self.cfg.pad_id].zero_()
+        init_parameters(self, self.cfg.init_std, self.cfg.pad_id)
 
     def _check_tokens(self, tokens: Tensor, what: str) -> None:
         if tokens.dim() != 2:
