@@ -124,3 +124,26 @@ def test_report_writes_link_matrix_and_curves(trained, tmp_path, capsys):
     report = run_json(["report", "--run", str(trained["run"]), "--out", str(tmp_path / "r2"), "--checkpoint",
                        str(trained["checkpoint"]), "--max-snapshots", "1"], capsys)
     assert report["source"].startswith("index of checkpoint")
+
+
+def test_a_veco_checkpoint_is_evaluated_for_retrieval_and_refused_for_translation(small_corpus, few_pairs, tmp_path,
+                                                                                 capsys, monkeypatch):
+    """`load_model` builds a VECO checkpoint as `Veco`: the retrieval sweep takes it, translation says why not."""
+    from marge.checkpoint import save_checkpoint
+    from marge.corpus import Corpus
+    from marge.veco import Veco, veco_preset
+    from services.trainer.config import TrainerConfig
+    from services.trainer.step import build_optimizer, build_scheduler
+
+    torch.manual_seed(0)
+    model = Veco(veco_preset("tiny", vocab_size=Corpus.open(small_corpus).tokenizer().vocab_size, max_positions=128))
+    optimizer = build_optimizer(model, TrainerConfig())
+    checkpoint = save_checkpoint(tmp_path / "veco", model, optimizer, build_scheduler(optimizer, TrainerConfig(), 10),
+                                 0, small_corpus, {})
+    both = run_json(["eval", "retrieval", "--checkpoint", str(checkpoint), "--pairs", str(few_pairs), "--layer", "2",
+                     "--compare", "--json"], capsys)  # random init: a fresh Veco of the checkpoint's shape
+    assert "en->de" in both["trained"] and set(both["random_init"]) == set(both["trained"])
+    assert all(0 <= v <= 1 for v in both["trained"].values())
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello.\n"))
+    assert main(["translate", "--checkpoint", str(checkpoint), "--tgt-lang", "de"]) != 0
+    assert "holds a Veco model, an encoder that cannot generate" in capsys.readouterr().err

@@ -113,8 +113,7 @@ def load_eval_model(args: argparse.Namespace):
     """(model, tokenizer, label) for --checkpoint / --snapshot / --random-init / --config."""
     import torch
 
-    from marge.checkpoint import load_model
-    from marge.model import Marge, MargeConfig
+    from marge.checkpoint import build_model, load_model
     from marge.snapshot import load_relevance_encoder, read_snapshot
     from marge.tokenizer import MargeTokenizer
 
@@ -129,7 +128,7 @@ def load_eval_model(args: argparse.Namespace):
         tokenizer = MargeTokenizer.load(Path(args.checkpoint))
         if args.random_init:
             torch.manual_seed(args.seed)
-            return Marge(MargeConfig.from_dict(model.cfg.to_dict())).eval(), tokenizer, "random init"
+            return build_model(model.cfg).eval(), tokenizer, "random init"  # the checkpoint's family and shape
         return model, tokenizer, "trained"
     if args.config:
         from services.driver.config import load_config
@@ -138,7 +137,7 @@ def load_eval_model(args: argparse.Namespace):
         cfg = load_config(args.config)
         tokenizer = Corpus.open(args.corpus or cfg.data.corpus).tokenizer()
         torch.manual_seed(args.seed)
-        return Marge(cfg.model_config(vocab_size=tokenizer.vocab_size)).eval(), tokenizer, "random init"
+        return build_model(cfg.model_config(vocab_size=tokenizer.vocab_size)).eval(), tokenizer, "random init"
     raise ValueError("give --checkpoint PATH (a folder printed as `checkpoint` by marge pretrain), "
                      "--snapshot PATH --corpus DIR, or --config YAML --random-init")
 
@@ -234,6 +233,9 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
     args.snapshot = None
     model, tok, _ = load_eval_model(args)
+    if not hasattr(model, "decode"):
+        raise ValueError(f"{args.checkpoint or args.config} holds a {type(model).__name__} model, an encoder that cannot "
+                         "generate: translate with a MARGE or BART checkpoint (`marge eval retrieval` takes this one)")
     cfg = generation_config(args)
     for line in sys.stdin:
         if line.strip():
