@@ -112,6 +112,24 @@ def test_marge_pretrain_refuses_a_bad_setting_within_seconds_before_ray_or_redis
     assert not (tmp_path / "run").exists()  # nothing was started or written
 
 
+def test_a_run_the_ray_cluster_cannot_hold_is_refused_naming_what_it_needs_and_what_there_is(small_corpus, tmp_path):
+    """Issue 12: with too few logical CPUs Ray Train used to time out (WorkerGroupStartupTimeoutError)."""
+    cfg = load_config(DEPLOY / "configs" / "tiny.yaml")
+    assert cfg.cpus_needed() == 3 and load_config(DEPLOY / "configs" / "tiny-bart.yaml").cpus_needed() == 2
+    cfg.check_fits(3)
+    with pytest.raises(ConfigError, match=r"needs 3 logical CPUs \(trainer 2 x 1 \+ indexer 1 x 1\) but the Ray "
+                                          r"cluster has 2: add nodes"):
+        cfg.check_fits(2)
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "services.driver.cli", "pretrain", "--config",
+                           str(DEPLOY / "configs" / "tiny.yaml"), "ray.num_cpus=2", f"run.dir={tmp_path / 'run'}",
+                           f"data.corpus={small_corpus}", "data.max_chunk_tokens=128", "model.max_positions=128",
+                           "batcher.max_tokens=400"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "needs 3 logical CPUs" in proc.stderr and "has 2" in proc.stderr
+    assert time.time() - started < 60  # refused before Ray starts, not after Ray Train's start-up timeout
+
+
 def all_manifests():
     return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml", ".conf"))
 

@@ -174,6 +174,24 @@ class PipelineConfig:
     def paths(self) -> RunPaths:
         return RunPaths.of(self.run.name, self.run.dir, self.data.corpus)
 
+    def cpus_needed(self) -> float:
+        """Logical CPUs the run's actors ask Ray for: the trainers, and the indexer workers when there is an index
+        (the batcher and the indexer's coordinator ask for none)."""
+        indexer = self.indexer.num_workers * self.indexer.num_cpus_per_worker if self.objectives.needs_index else 0.0
+        return self.trainer.num_workers * self.trainer.num_cpus_per_worker + indexer
+
+    def check_fits(self, cluster_cpus: float) -> None:
+        """Refuse up front a run the cluster cannot hold, instead of Ray Train timing out while its workers wait
+        for CPUs (WorkerGroupStartupTimeoutError)."""
+        needed = self.cpus_needed()
+        if cluster_cpus + 1e-9 < needed:
+            indexer = (f" + indexer {self.indexer.num_workers} x {self.indexer.num_cpus_per_worker:g}"
+                       if self.objectives.needs_index else "")
+            raise ConfigError(f"the run needs {needed:g} logical CPUs (trainer {self.trainer.num_workers} x "
+                              f"{self.trainer.num_cpus_per_worker:g}{indexer}) but the Ray cluster has {cluster_cpus:g}: "
+                              "add nodes or start Ray with more --num-cpus, or lower trainer.num_workers, "
+                              "trainer.num_cpus_per_worker, indexer.num_workers or indexer.num_cpus_per_worker")
+
     def slots(self) -> Slots:
         return Slots(self.trainer.num_workers, self.trainer.grad_accum)
 

@@ -90,15 +90,20 @@ def ray_for(cfg: PipelineConfig) -> Iterator[None]:
 
     namespace = f"marge-{cfg.run.name}"
     if ray.is_initialized():  # embedded in a program (or a test) that already runs Ray
+        cfg.check_fits(ray.cluster_resources().get("CPU", 0.0))
         yield
         return
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, namespace=namespace, log_to_driver=True)
+        try:
+            cfg.check_fits(ray.cluster_resources().get("CPU", 0.0))
+        except BaseException:
+            ray.shutdown()  # the connection only: a cluster we joined keeps running
+            raise
         yield
         return
-    needed = (cfg.trainer.num_workers * cfg.trainer.num_cpus_per_worker
-              + cfg.indexer.num_workers * cfg.indexer.num_cpus_per_worker)
-    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999))
+    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(cfg.cpus_needed() + 0.999))
+    cfg.check_fits(num_cpus)  # an explicit ray.num_cpus too small for the run
     ray.init(address="local", namespace=namespace, num_cpus=num_cpus, include_dashboard=cfg.ray.include_dashboard,
              dashboard_host="127.0.0.1", object_store_memory=cfg.ray.object_store_memory, log_to_driver=False,
              runtime_env={"worker_process_setup_hook": "services.trainer.loopback.install"})  # DDP's store on loopback
