@@ -239,3 +239,30 @@ def test_marge_objective_config_defaults_are_the_papers():
     assert BartObjectiveConfig().text_infilling == 0.3 and BartObjectiveConfig().poisson_lambda == 3.0
     assert BartObjectiveConfig().document_rotation == 0.0 and BartObjectiveConfig().sentence_permutation == 1.0
     assert VecoObjectiveConfig().mask_share == 0.15
+
+
+@pytest.mark.slow
+def test_objectives_experiment_reports_the_variants_side_by_side_and_keeps_finished_ones(small_corpus, few_pairs,
+                                                                                        tmp_path):
+    from services.driver.objectives_experiment import run_objectives_experiment
+
+    short = [f"data.corpus={small_corpus}", "data.max_chunk_tokens=128", "model.max_positions=128",
+             "batcher.max_tokens=400", f"data.heldout_pairs={few_pairs}", "health.probe_size=4",
+             "health.pairs_per_language=4", "trainer.snapshot_every=2", "indexer.reindex_every=4",
+             "trainer.checkpoint_every=3", "trainer.warmup_steps=2", "trainer.total_steps=100", "run.max_steps=4"]
+    out = tmp_path / "objectives"
+    report = run_objectives_experiment(None, short, 1.0, out, only=["bart", "veco"], device="cpu", chrf_pairs=1)
+
+    bart, veco = report["variants"]
+    assert (bart["variant"], veco["variant"]) == ("bart", "veco")
+    assert bart["updates"] == veco["updates"] == 4
+    assert set(bart["final_losses"]) == {"bart"} and set(veco["final_losses"]) == {"veco"}
+    assert bart["parameters"] != veco["parameters"]  # two model families
+    assert bart["chrf_zero_shot"] and veco["chrf_zero_shot"] == {}  # VECO cannot generate
+    for row in (bart, veco):
+        assert 0 <= row["p_at_1_best_layer"]["mean"] <= 1 and 0 < row["tfidf_mean"] <= 1
+        assert row["p_at_1_best_layer"]["mean"] == max(row["p_at_1_by_layer"].values())
+    assert len(veco["p_at_1_by_layer"]) == 7  # embeddings + 6 layers, the sweep kept
+    assert (out / "comparison.png").exists() and (out / "report.json").exists()
+    again = run_objectives_experiment(None, short, 1.0, out, only=["bart"], device="cpu", chrf_pairs=1)
+    assert again["variants"][0]["updates"] == 4  # finished: kept, not trained again

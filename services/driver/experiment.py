@@ -171,7 +171,7 @@ def plot_learning(report: dict, records: list[dict], path: Path) -> Path:
                     {"label": "f(target, other evidence)", "x": hsteps, "y": [h.get("relevance_cos_shuffled") for h in health], "style": "o-"},
                     {"label": "spread of g", "x": hsteps, "y": [h.get("g_spread") for h in health], "style": "x--"}]},
         {"title": "beta and index link precision", "ylabel": "value",
-         "series": [{"label": "beta (mean)", "x": steps, "y": [float(np.mean(r["beta"])) for r in records]},
+         "series": [{"label": "beta (mean)", "x": steps, "y": [float(np.mean(r["beta"])) if r["beta"] else None for r in records]},
                     {"label": "x-lingual links joining translations", "x": [b["snapshot_step"] for b in builds],
                      "y": [b.get("crosslingual_link_precision") for b in builds], "style": "s-"}]},
         {"title": "held-out P@1 (mean over directions)", "ylabel": "P@1",

@@ -33,7 +33,9 @@ import torch
 from marge.checkpoint import complete_checkpoints, load_model
 from marge.evaluation import mean_score, read_pairs
 from marge.generate import GenerationConfig, generate
+from marge.tokenizer import MargeTokenizer
 from marge.utils import atomic_write_text
+from services.driver.report import read_train_log
 from services.driver.single_process import EXPERIMENT_FILE, run_single_process
 
 log = logging.getLogger("marge.objectives_experiment")
@@ -111,15 +113,11 @@ def mean_tail(records: list[dict], key: str, share: float = 0.1) -> dict[str, fl
 
 
 def summarize_variant(variant: Variant, out: Path, report: dict, device: str, chrf_pairs: int) -> dict:
-    from services.driver.report import read_train_log
-
+    """One row of the comparison, from the variant's report, train log and final checkpoint."""
     records = read_train_log(out / "run")
     checkpoint = complete_checkpoints(out / "run" / "checkpoints")[-1]
     model = load_model(checkpoint)
-    tokenizer_dir = checkpoint  # a checkpoint carries its tokenizer
-    from marge.tokenizer import MargeTokenizer
-
-    tokenizer = MargeTokenizer.load(tokenizer_dir)
+    tokenizer = MargeTokenizer.load(checkpoint)  # a checkpoint carries its tokenizer
     by_layer = {int(k): mean_score(v) for k, v in report["trained_by_layer"].items()}
     best_layer = max(by_layer, key=by_layer.get)
     random_by_layer = {int(k): mean_score(v) for k, v in report["random_init_by_layer"].items()}
