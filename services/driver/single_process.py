@@ -234,7 +234,6 @@ class SingleProcessRun:
         self.corpus = ensure_corpus(cfg)
         self.tokenizer = self.corpus.tokenizer()
         ensure_initial_model(cfg.model_config(vocab_size=self.tokenizer.vocab_size), self.paths, self.corpus, cfg.run.seed)
-        self.objectives_cfg = cfg.objectives
         # retrieval and evidence probes of g and the decoder: for the MARGE model (a BART run's too), not VECO's
         self.monitor = HealthMonitor(cfg.health, cfg.data.heldout_pairs, self.tokenizer, seed=cfg.run.seed) \
             if cfg.objectives.model_family == "marge" else None
@@ -275,7 +274,7 @@ class SingleProcessRun:
         elif self.resume:
             log.info("%s has no checkpoint yet: starting it at step 0", self.out_dir)
         self._forget_after(state["step"])
-        if self.objectives_cfg.needs_index:
+        if self.cfg.objectives.needs_index:
             self._build_missing_versions(state["step"])
         return model, optimizer, scheduler, state
 
@@ -328,7 +327,7 @@ class SingleProcessRun:
                                     item.prepared)
                 step += 1
                 line = self.step_record(step, record, item.batches, meter, state)
-                if step % t.snapshot_every == 0 and (self.objectives_cfg.needs_index or self.monitor):
+                if step % t.snapshot_every == 0 and (self.cfg.objectives.needs_index or self.monitor):
                     line["health"] = self.snapshot_and_reindex(model, step)
                 with open(self.train_log, "a", encoding="utf-8") as f:
                     f.write(json.dumps(line) + "\n")
@@ -387,7 +386,7 @@ class SingleProcessRun:
             model.train()
             log.info("health at step %d: %s", step, {k: (round(v, 4) if isinstance(v, float) else v)
                                                      for k, v in health.items() if k != "p_at_1"})
-        if self.objectives_cfg.needs_index:
+        if self.cfg.objectives.needs_index:
             snapshot = publish_snapshot(self.paths.snapshots, model, step, self.tokenizer.sha256)
             if step % self.plan.reindex_every == 0:
                 self.indexer.index_snapshot(snapshot, step // self.plan.reindex_every)

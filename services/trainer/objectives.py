@@ -456,8 +456,7 @@ class Objectives:
         if (cfg.bart is not None or cfg.veco is not None) and (sentence_ends is None or vocab_size is None):
             raise ValueError("the bart and veco objectives need the tokenizer's sentence ends and vocabulary size "
                              "(build them with `objectives_for`)")
-        self.cfg, self.specials, self.corpus_tokens = cfg, specials, corpus_tokens
-        self.primary = cfg.primary
+        self.cfg, self.specials, self.primary = cfg, specials, cfg.primary
         self.plugins: list = []
         if cfg.marge is not None:
             self.plugins.append(MargeObjective(cfg.marge, specials))

@@ -27,6 +27,7 @@ from torch import nn
 
 from marge.model import Marge, MargeConfig
 from marge.utils import atomic_write_text, sha256_file
+from marge.veco import FAMILY, Veco, VecoConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,11 @@ class CheckpointError(ValueError):
 def saved_config(cfg) -> dict[str, Any]:
     """A model config as model_config.json holds it: MargeConfig's fields (the format since the first release),
     or VecoConfig's plus `"family": "veco"`."""
-    from marge.veco import FAMILY, VecoConfig
-
     return {"family": FAMILY, **cfg.to_dict()} if isinstance(cfg, VecoConfig) else cfg.to_dict()
 
 
 def config_from_saved(values: dict[str, Any]):
     """The MargeConfig or VecoConfig a model_config.json describes."""
-    from marge.veco import FAMILY, VecoConfig
-
     values = dict(values)
     family = values.pop("family", "marge")
     if family == FAMILY:
@@ -62,8 +59,6 @@ def config_from_saved(values: dict[str, Any]):
 
 def build_model(cfg) -> nn.Module:
     """A freshly initialised model of the config's family."""
-    from marge.veco import Veco, VecoConfig
-
     return Veco(cfg) if isinstance(cfg, VecoConfig) else Marge(cfg)
 
 
