@@ -204,6 +204,7 @@ def cmd_eval_translate(args: argparse.Namespace) -> int:
     from marge.evaluation import read_pairs
     from marge.generate import translate
 
+    refuse_classifier(args.checkpoint)
     model, tok, _ = load_eval_model(args)
     if args.docs:
         pairs = read_document_pairs(Path(args.docs), args.src, args.tgt, args.limit)
@@ -232,6 +233,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     from marge.generate import translate
 
     args.snapshot = None
+    refuse_classifier(args.checkpoint)
     model, tok, _ = load_eval_model(args)
     if not hasattr(model, "decode"):
         raise ValueError(f"{args.checkpoint or args.config} holds a {type(model).__name__} model, an encoder that cannot "
@@ -240,6 +242,104 @@ def cmd_translate(args: argparse.Namespace) -> int:
     for line in sys.stdin:
         if line.strip():
             print(translate(model, tok, line.rstrip("\n"), args.tgt_lang, cfg), flush=True)
+    return 0
+
+
+def refuse_classifier(checkpoint: str | None) -> None:
+    """A fine-tuned classifier's decoder was trained to feed its head, not to write text: translating with it
+    would print noise, so say which directory to use instead."""
+    config = Path(checkpoint) / "finetune_config.json" if checkpoint else None
+    if config is not None and config.is_file():
+        task = json.loads(config.read_text(encoding="utf-8")).get("task")
+        if task != "generation":
+            raise ValueError(f"{checkpoint} is a model fine-tuned for {task}, which cannot translate: use a pre-training "
+                             "checkpoint or a `marge finetune --task generation` directory (`marge eval finetuned` "
+                             "evaluates this one)")
+
+
+FREEZE_HELP = ("what to keep fixed, comma-separated: `embeddings` (word embeddings, tied to the output), "
+               "`decoder-layers=N` (the first N decoder layers), `local-decoder-layers` (the decoder's "
+               "self-attention-only layers), `zero-shot` (the paper's transfer recipe: embeddings and the first 4 "
+               "decoder layers, i.e. the paper model's 4 self-attention-only ones)")
+
+
+def parse_freeze(values: list[str] | None) -> tuple[bool, int, bool]:
+    """(freeze embeddings, first decoder layers to freeze, freeze the self-attention-only layers) from `--freeze`."""
+    embeddings, layers, local = False, 0, False
+    for item in (x.strip() for v in values or [] for x in v.split(",")):
+        if not item:
+            continue
+        if item == "embeddings":
+            embeddings = True
+        elif item == "local-decoder-layers":
+            local = True
+        elif item == "zero-shot":
+            embeddings, local = True, True
+        elif item.startswith("decoder-layers="):
+            try:
+                layers = max(layers, int(item.split("=", 1)[1]))
+            except ValueError:
+                raise ValueError(f"--freeze {item}: N in decoder-layers=N must be an integer") from None
+        else:
+            raise ValueError(f"--freeze {item!r} is not known; {FREEZE_HELP}")
+    return embeddings, layers, local
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from services.trainer.finetune import FinetuneConfig, run_finetune
+
+    embeddings, layers, local = parse_freeze(args.freeze)
+    cfg = FinetuneConfig(
+        task=args.task, train=args.train, valid=args.valid, out=args.out, checkpoint=args.checkpoint,
+        random_init=args.random_init, steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
+        freeze_embeddings=embeddings, freeze_decoder_layers=layers,
+        freeze_local_decoder_layers=local, eval_every=args.eval_every, metric=args.metric,
+        patience=args.patience, valid_limit=args.valid_limit or None, classifier_dropout=args.classifier_dropout,
+        pair_input=args.pair_input, workers=args.workers, ray_address=args.address, seed=args.seed, torch_threads=args.torch_threads,
+        overwrite=args.overwrite)
+    summary = run_finetune(cfg)
+    best = summary.get("best")
+    print(f"fine-tuned {summary['steps']} updates in {summary['seconds']:.0f} s -> {summary['out']}"
+          + (f"; best validation {summary['metric']} {best[summary['metric']]:.4f} at update {best['step']}"
+             if best else ""), file=sys.stderr)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("train_loss", "evaluations", "frozen_parameters")}),
+          flush=True)
+    return 0
+
+
+def cmd_eval_finetuned(args: argparse.Namespace) -> int:
+    from marge.finetuned import evaluate, load
+    from marge.tasks import read_task_file
+
+    model = load(args.model)
+    task = model.task or "generation"  # a pre-training checkpoint generates zero-shot
+    examples = read_task_file(args.data, task, model.tokenizer.languages, model.labels)[: args.limit or None]
+    from tqdm import tqdm
+
+    with tqdm(total=len(examples), desc="evaluating", unit="example", disable=not sys.stderr.isatty()) as bar:
+        result = evaluate(model, examples, args.beam, args.no_repeat_ngram, progress=bar.update)
+    hypotheses = result.pop("hypotheses", None)
+    if args.out and hypotheses is not None:
+        Path(args.out).write_text("".join(" ".join(h.split()) + "\n" for h in hypotheses), encoding="utf-8")
+    result = {"model": str(args.model), "data": str(args.data), "task": task, **result}
+    if task == "generation":
+        result.update(beam=args.beam, no_repeat_ngram=args.no_repeat_ngram)
+    if not args.json:
+        names = ("accuracy", "macro_f1") if task == "classification" else ("bleu", "chrf")
+        for group, scores in [("all", result), *result["by_language"].items()]:
+            print(f"{group:<10}" + "".join(f"  {n} {scores[n]:.4f}" for n in names) + f"  ({scores['examples']} examples)",
+                  file=sys.stderr)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def cmd_prepare_tasks(args: argparse.Namespace) -> int:
+    from marge.demo_tasks import DemoTasksOptions, build_demo_tasks
+
+    info = build_demo_tasks(DemoTasksOptions(corpus=Path(args.corpus), out=Path(args.out), seed=args.seed,
+                                             overwrite=args.overwrite))
+    print(json.dumps({"out": str(args.out), "counts": info.get("counts")}))
     return 0
 
 
@@ -303,6 +403,30 @@ def cmd_experiment_objectives(args: argparse.Namespace) -> int:
              | {"p_at_1": round(row["p_at_1_best_layer"]["mean"], 4), "layer": row["p_at_1_best_layer"]["layer"]}
              for row in report["variants"]]
     print(json.dumps({"variants": table, "report": str(Path(args.out) / "report.json"), "plot": report["plot"]}))
+    return 0
+
+
+def named_paths(values: list[str], flag: str) -> dict[str, Path]:
+    out = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"{flag} {value!r}: expected NAME=PATH")
+        out[name] = Path(path)
+    return out
+
+
+def cmd_experiment_finetune(args: argparse.Namespace) -> int:
+    from services.driver.finetune_experiment import run_finetune_experiment
+
+    steps = {name: int(value) for name, value in (s.split("=", 1) for s in args.steps)}
+    report = run_finetune_experiment(named_paths(args.checkpoint, "--checkpoint"), args.tasks, args.out, args.work,
+                                     args.seed, args.only.split(",") if args.only else None, args.eval_limit, steps)
+    table = [{"system": r["system"], "task": r["task"], "updates": r["updates"],
+              **{k: round(v, 4) for k, v in r["test"].items() if k in ("accuracy", "macro_f1", "bleu", "chrf")},
+              **({"zero_shot_accuracy_mean": round(r["zero_shot_accuracy_mean"], 4)}
+                 if r.get("zero_shot_accuracy_mean") is not None else {})} for r in report["rows"]]
+    print(json.dumps({"rows": table, "report": str(Path(args.out) / "report.json")}))
     return 0
 
 
@@ -425,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--max-len-a", type=float, default=1.5)
         q.add_argument("--max-len-b", type=int, default=10)
 
-    p = sub.add_parser("eval", help="evaluation: retrieval P@1, translation BLEU/chrF")
+    p = sub.add_parser("eval", help="evaluation: retrieval P@1, translation BLEU/chrF, fine-tuned models")
     eval_sub = p.add_subparsers(dest="eval_command", required=True)
     q = eval_sub.add_parser("retrieval", help="cross-lingual sentence retrieval P@1 (paper §4.1)")
     q.add_argument("--pairs", required=True, help="TSV: src_lang, src_text, tgt_lang, tgt_text")
@@ -449,6 +573,59 @@ def build_parser() -> argparse.ArgumentParser:
     generation_args(q)
     q.set_defaults(func=cmd_eval_translate)
 
+    q = eval_sub.add_parser("finetuned", help="a fine-tuned model on a task file: accuracy and macro-F1, or BLEU and chrF")
+    q.add_argument("--model", required=True, help="a `marge finetune` output folder (or a pre-training checkpoint: "
+                                                  "zero-shot generation)")
+    q.add_argument("--data", required=True, help="task JSONL with labels / targets (the format `marge finetune` reads)")
+    q.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
+    q.add_argument("--out", default=None, help="generation: write the outputs here, one per line")
+    q.add_argument("--json", action="store_true", help="only the JSON result (always printed last)")
+    generation_args(q)
+    q.set_defaults(func=cmd_eval_finetuned)
+
+    p = sub.add_parser("finetune", help="fine-tune a checkpoint on a generation or classification task (JSONL)")
+    p.add_argument("--task", required=True, choices=["generation", "classification"],
+                   help="generation: {source, target, target_language}; classification: {text, text_pair?, label}")
+    p.add_argument("--checkpoint", required=True, help="a pre-training checkpoint (`checkpoint` in marge pretrain's "
+                                                       "summary) or a fine-tuned model folder")
+    p.add_argument("--random-init", action="store_true", help="random weights of the checkpoint's shape (the baseline)")
+    p.add_argument("--train", required=True, help="training JSONL")
+    p.add_argument("--valid", default=None, help="validation JSONL: early stopping and the best model")
+    p.add_argument("--out", required=True, help="the model folder to write (safetensors, configs, tokenizer, metrics)")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--steps", type=int, default=None, help="optimizer updates")
+    budget.add_argument("--epochs", type=float, default=None, help="passes over the training set")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per update, over all workers")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default 6%% of the updates), then "
+                                                                   "linear decay to 0")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip-norm", type=float, default=1.0)
+    p.add_argument("--freeze", action="append", metavar="WHAT", help=FREEZE_HELP)
+    p.add_argument("--eval-every", type=int, default=None, help="validate every N updates (default: 10 times a run)")
+    p.add_argument("--metric", default=None, help="validation metric to stop on: chrf, bleu or loss (generation); "
+                                                  "accuracy, macro_f1 or loss (classification)")
+    p.add_argument("--patience", type=int, default=3, help="stop after N evaluations without improvement (0: never)")
+    p.add_argument("--valid-limit", type=int, default=64, help="validate on the first N examples (0: all)")
+    p.add_argument("--classifier-dropout", type=float, default=0.1)
+    p.add_argument("--pair-input", default="both", choices=["both", "split"],
+                   help="classification pairs: both (the paper's: the joined pair into encoder and decoder) or split "
+                        "(text into the encoder, pair into the decoder, as MARGE pre-trains)")
+    p.add_argument("--workers", type=int, default=1, help="DDP ranks on Ray Train (1: this process, no Ray)")
+    p.add_argument("--address", default=None, help="Ray cluster for --workers > 1 (default: a local Ray)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=cmd_finetune)
+
+    p = sub.add_parser("prepare-tasks", help="build the demo fine-tuning tasks (translation, PAWS-X-like pairs) from "
+                                             "the bundled corpus")
+    p.add_argument("--corpus", default="data/demo/libreoffice-help", help="the demo corpus folder")
+    p.add_argument("--out", default="data/demo/tasks")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_prepare_tasks)
+
     p = sub.add_parser("translate", help="translate documents (one per stdin line) into --tgt-lang")
     model_args(p)
     p.add_argument("--tgt-lang", required=True)
@@ -464,7 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("experiment", help="experiments: `learning` (does the retrieval loop learn?), `objectives` "
-                                          "(MARGE vs BART vs VECO)")
+                                          "(MARGE vs BART vs VECO), `finetune` (downstream tasks)")
     exp_sub = p.add_subparsers(dest="experiment", required=True)
     q = exp_sub.add_parser("learning", help="run the pipeline N minutes and measure what it learned, next to baselines")
     q.add_argument("--minutes", type=float, required=True, help="wall-clock minutes of training")
@@ -490,6 +667,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out pairs per direction (to/from en) translated for chrF (0: none)")
     q.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="applied to every variant")
     q.set_defaults(func=cmd_experiment_objectives)
+    q = exp_sub.add_parser("finetune", help="the demo tasks fine-tuned from each checkpoint and from random init, "
+                                            "one recipe and budget, scored on test")
+    q.add_argument("--checkpoint", action="append", required=True, metavar="NAME=PATH",
+                   help="a starting point (repeatable), e.g. marge=runs/.../step-00000600; random init takes the "
+                        "first one's shape and tokenizer")
+    q.add_argument("--tasks", type=Path, default=Path("data/demo/tasks"), help="the task set (`marge prepare-tasks`)")
+    q.add_argument("--out", type=Path, required=True, help="folder for report.json (finished systems are kept)")
+    q.add_argument("--work", type=Path, default=Path("runs/finetune"), help="where the fine-tuned models go")
+    q.add_argument("--only", default=None, help="comma-separated tasks: translation, pawsx")
+    q.add_argument("--steps", action="append", default=[], metavar="TASK=N", help="override a task's update budget")
+    q.add_argument("--eval-limit", type=int, default=None, help="score only the first N test examples")
+    q.add_argument("--seed", type=int, default=0)
+    q.set_defaults(func=cmd_experiment_finetune)
 
     p = sub.add_parser("plan", help="capacity model: does the indexer pool keep up with the trainers?")
     p.add_argument("--config", type=Path, default=Path("deploy/configs/tiny.yaml"))
@@ -548,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    if args.command in ("pretrain", "experiment"):
+    if args.command in ("pretrain", "experiment", "finetune"):
         exit_cleanly_on_sigterm()
     try:
         return args.func(args)

@@ -32,6 +32,8 @@ from marge.veco import FAMILY, Veco, VecoConfig
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "marge-checkpoint"
+FINETUNED_FORMAT = "marge-finetuned"
+"""A `marge finetune` output (marge.finetuned): the same manifest, its own files."""
 CHECKPOINT_VERSION = 1
 FILES = ("model.safetensors", "model_config.json", "training_state.pt", "tokenizer.model", "tokenizer.json")
 
@@ -93,13 +95,19 @@ def save_checkpoint(directory: Path, model: Marge, optimizer, scheduler, step: i
         shutil.copyfile(Path(tokenizer_dir) / name, directory / name)
     if before_manifest is not None:
         before_manifest()
-    manifest = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step, "created_unix": time.time(),
-                "sha256": {name: sha256_file(directory / name) for name in FILES}}
-    atomic_write_text(directory / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    write_manifest(directory, CHECKPOINT_FORMAT, FILES, step=step)
     return directory
 
 
-def read_manifest(directory: Path, verify: bool = True) -> dict[str, Any]:
+def write_manifest(directory: Path, fmt: str, files: tuple[str, ...], **extra: Any) -> None:
+    """The manifest that makes a folder complete, written last: its format, the sha256 of each of `files`."""
+    manifest = {"format": fmt, "version": CHECKPOINT_VERSION, **extra, "created_unix": time.time(),
+                "sha256": {name: sha256_file(Path(directory) / name) for name in files}}
+    atomic_write_text(Path(directory) / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+
+
+def read_manifest(directory: Path, verify: bool = True, formats: tuple[str, ...] = (CHECKPOINT_FORMAT,)) -> dict[str, Any]:
+    """A folder's manifest, checked to be one of `formats` and (with `verify`) to match every file's sha256."""
     directory = Path(directory)
     path = directory / "manifest.json"
     if not path.exists():
@@ -111,8 +119,9 @@ def read_manifest(directory: Path, verify: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"{path} cannot be read ({e}): an incomplete checkpoint") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("sha256"), dict):
         raise CheckpointError(f"{path}: not a {CHECKPOINT_FORMAT} manifest")
-    if manifest.get("format") != CHECKPOINT_FORMAT or manifest.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"{path}: not a version-{CHECKPOINT_VERSION} {CHECKPOINT_FORMAT} manifest")
+    if manifest.get("format") not in formats or manifest.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path}: not a version-{CHECKPOINT_VERSION} {' or '.join(formats)} manifest "
+                              f"(it says {manifest.get('format')!r} version {manifest.get('version')!r})")
     if verify:
         for name, digest in manifest["sha256"].items():
             if not (directory / name).is_file():
@@ -182,11 +191,17 @@ def restore_training(directory: Path, model: Marge, optimizer, scheduler, device
 
 
 def load_model(directory: Path, device: str | torch.device = "cpu") -> nn.Module:
-    """The trained model in a checkpoint folder (eval mode): a `Marge`, or a `Veco` for a VECO run."""
+    """The trained model in a checkpoint folder (eval mode): a `Marge`, or a `Veco` for a VECO run.
+
+    A fine-tuned model folder (`marge finetune`) loads too, as its MARGE model without a classifier head
+    (`marge.finetuned.load` gives the whole fine-tuned model)."""
     directory = Path(directory)
-    read_manifest(directory)
+    manifest = read_manifest(directory, formats=(CHECKPOINT_FORMAT, FINETUNED_FORMAT))
     model = build_model(config_from_saved(json.loads((directory / "model_config.json").read_text(encoding="utf-8"))))
-    model.load_state_dict(load_file(str(directory / "model.safetensors"), device="cpu"))
+    weights = load_file(str(directory / "model.safetensors"), device="cpu")
+    if manifest["format"] == FINETUNED_FORMAT:
+        weights = {k: v for k, v in weights.items() if not k.startswith("classifier.")}
+    model.load_state_dict(weights)
     return model.to(device).eval()
 
 
