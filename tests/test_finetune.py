@@ -311,3 +311,31 @@ def test_task_loss_through_collate_is_the_marge_loss_with_one_source_per_target(
     one_by_one = [task_loss(model, collate([e], tok.specials.pad_id)) * len(e.labels) for e in encoded]
     tokens = sum(len(e.labels) for e in encoded)
     torch.testing.assert_close(task_loss(model, batch), sum(one_by_one) / tokens, rtol=1e-5, atol=1e-5)
+
+
+def test_the_finetune_experiment_compares_each_checkpoint_with_random_init_and_keeps_finished_systems(
+        checkpoint, tmp_path, capsys, monkeypatch):
+    tasks = tmp_path / "tasks"
+    (tasks / "pawsx").mkdir(parents=True)
+    write_jsonl(tasks / "pawsx" / "train.jsonl", pawsx_rows("train", 16))
+    write_jsonl(tasks / "pawsx" / "valid.jsonl", pawsx_rows("valid", 8))
+    write_jsonl(tasks / "pawsx" / "test.jsonl", pawsx_rows("test", 4, "de") + pawsx_rows("test", 4, "ru"))
+    args = ["experiment", "finetune", "--checkpoint", f"pretrained={checkpoint}", "--tasks", str(tasks),
+            "--out", str(tmp_path / "report"), "--work", str(tmp_path / "work"), "--only", "pawsx",
+            "--steps", "pawsx=2"]
+    assert main(args) == 0
+    table = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [(r["system"], r["task"], r["updates"]) for r in table] == [("pretrained", "pawsx", 2),
+                                                                       ("random_init", "pawsx", 2)]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    for row in report["rows"]:
+        assert set(row["test"]["by_language"]) == {"en-de", "en-ru"}
+        assert row["zero_shot_accuracy_mean"] == row["test"]["by_language"]["en-ru"]["accuracy"]
+        assert row["command"].startswith("marge finetune --task classification") and "--freeze zero-shot" in row["command"]
+    assert "--random-init" in report["rows"][1]["command"]
+    # run again: both systems are kept, nothing is fine-tuned a second time
+    import services.driver.finetune_experiment as experiment
+
+    monkeypatch.setattr(experiment, "run_finetune", lambda cfg: pytest.fail(f"{cfg.out} fine-tuned again"))
+    assert main(args) == 0
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["rows"] == report["rows"]
