@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,6 +123,23 @@ def test_report_writes_link_matrix_and_curves(trained, tmp_path, capsys):
     report = run_json(["report", "--run", str(trained["run"]), "--out", str(tmp_path / "r2"), "--checkpoint",
                        str(trained["checkpoint"]), "--max-snapshots", "1"], capsys)
     assert report["source"].startswith("index of checkpoint")
+    assert report["refresh"]["per_version"] == []  # this run's indexer wrote no build records
+
+
+def test_report_shows_what_each_index_refresh_cost(trained, tmp_path, capsys):
+    import shutil
+
+    from marge.refresh import append_build
+
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    append_build(run, {"version": 0, "snapshot_step": 0, "started_unix": 0.0, "finished_unix": 1.0, "seconds": 1.0,
+                       "indexer_workers": 1})
+    report = run_json(["report", "--run", str(run), "--out", str(tmp_path / "r"), "--max-snapshots", "1"], capsys)
+    assert report["refresh"]["per_version"] == [{"version": 0, "snapshot_step": 0, "build_seconds": 1.0,
+                                                 "indexer_workers": 1, "steps_during_build": 0, "first_use_step": None,
+                                                 "staleness_at_first_use": None}]
+    assert (tmp_path / "r" / "curves.png").stat().st_size > 0
 
 
 def test_a_veco_checkpoint_is_evaluated_for_retrieval_and_refused_for_translation(small_corpus, few_pairs, tmp_path,

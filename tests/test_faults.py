@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 import torch
 
+from processes import LOOPBACK, listening_addresses, pids_in_session  # tests/processes.py
+
 REPO = Path(__file__).resolve().parents[1]
 
 SCHEDULE = ("run.max_steps=24", "trainer.num_workers=2", "trainer.snapshot_every=6", "indexer.reindex_every=6",
@@ -256,52 +258,6 @@ def test_a_killed_driver_resubmitted_resumes_from_its_newest_good_checkpoint(ref
     steps = [json.loads(line)["step"] for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 25))  # the lines of updates 7-14 the crashed lineage wrote are gone
     print("DRIVER " + json.dumps({"killed_at_update": 14, "resumed_from": 6, "final_audit": audit}))
-
-
-LOOPBACK = {"127.0.0.1", "::1"}
-
-
-def listening_addresses(pids: list[int]) -> list[tuple[str, int, str]]:
-    """(address, port, owner's command line) of every TCP socket in LISTEN state that one of `pids` holds (from
-    /proc/net/tcp{,6})."""
-    import ipaddress
-
-    inodes: dict[str, str] = {}
-    for pid in pids:
-        try:
-            owner = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    inodes[target[8:-1]] = owner
-        except OSError:
-            continue
-    out = []
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            hex_address, hex_port = local.split(":")
-            raw = bytes.fromhex(hex_address)
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))  # little-endian 32-bit words
-            address = ipaddress.ip_address(raw)
-            address = getattr(address, "ipv4_mapped", None) or address
-            out.append((str(address), int(hex_port, 16), inodes[inode]))
-    return out
-
-
-def pids_in_session(session_id: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == session_id:
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 def test_a_second_driver_on_a_live_run_is_refused_and_a_dead_drivers_lock_is_taken_over(tmp_path):

@@ -58,7 +58,7 @@ class Batcher:
         self.cross_share_sum = 0.0
         self.tokens_sum = 0
         self.waiting_for_version: int | None = None
-        m = self.metrics = StageMetrics("batcher", paths.name)
+        m = self.metrics = StageMetrics("batcher", paths.name, worker="0")
         m.counter("marge_batches_produced", "Batches written to the queue")
         m.gauge("marge_batcher_next_slot", "The first slot not written yet")
         m.gauge("marge_batcher_index_version", "Index version batches are built from")

@@ -430,6 +430,41 @@ def cmd_experiment_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Resize a running job's indexer pool; the coordinator applies it from the next index version."""
+    import os
+
+    import ray
+
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise ValueError("marge scale needs the Ray cluster: --address HOST:PORT (as `ray start --head` prints it) "
+                         "or RAY_ADDRESS")
+    if args.indexer_workers < 1:
+        raise ValueError(f"--indexer-workers must be >= 1, got {args.indexer_workers}")
+    namespace = f"marge-{args.run}"
+    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        try:
+            coordinator = ray.get_actor("marge-indexer-coordinator")
+        except ValueError:
+            raise ValueError(f"no indexer of a run named {args.run!r} on {address} (namespace {namespace}): is it "
+                             "training, and does it build an index (BART alone has none)? `ray list actors` shows "
+                             "the running ones") from None
+        pool = ray.get(coordinator.pool.remote())
+        extra_cpus = (args.indexer_workers - pool["wanted"]) * pool["cpus_per_worker"]
+        free = ray.available_resources().get("CPU", 0.0)
+        if extra_cpus > free + 1e-9:
+            raise ValueError(f"{args.indexer_workers} indexer workers need {extra_cpus:g} more logical CPUs "
+                             f"({pool['cpus_per_worker']:g} each) but the cluster has {free:g} free: add a node "
+                             "or ask for fewer workers")
+        result = ray.get(coordinator.scale.remote(args.indexer_workers))
+    finally:
+        ray.shutdown()  # the connection only
+    print(json.dumps({"run": args.run, **result}))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
@@ -617,6 +652,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_finetune)
+
+    p = sub.add_parser("scale", help="resize a running job's indexer pool (from its next index version)")
+    p.add_argument("--run", required=True, help="the job's run.name")
+    p.add_argument("--indexer-workers", type=int, required=True, help="indexer workers wanted")
+    p.add_argument("--address", default=None, help="the Ray cluster, HOST:PORT as `ray start --head` prints it "
+                                                   "(default: RAY_ADDRESS)")
+    p.set_defaults(func=cmd_scale)
 
     p = sub.add_parser("prepare-tasks", help="build the demo fine-tuning tasks (translation, PAWS-X-like pairs) from "
                                              "the bundled corpus")

@@ -101,6 +101,41 @@ def run_system(name: str, task_name: str, cfg: FinetuneConfig, test: Path, eval_
     return row
 
 
+def tfidf_pawsx_reference(folder: Path) -> dict[str, Any]:
+    """What lexical overlap alone scores on pawsx, no model: the char 2-4-gram TF-IDF cosine of text and pair
+    (the retrieval baseline's features, `marge.evaluation.evaluate_tfidf`), "translation" above a threshold
+    chosen on the en-de validation set."""
+    import numpy as np
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    from marge.finetuned import classification_scores
+
+    def rows(split: str) -> list:
+        return read_task_file(folder / f"{split}.jsonl", "classification")
+
+    train, valid, test = rows("train"), rows("valid"), rows("test")
+    vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 4), sublinear_tf=True)
+    vectorizer.fit([e.text for e in train] + [e.text_pair for e in train])
+
+    def cosines(examples: list) -> np.ndarray:
+        a, b = vectorizer.transform([e.text for e in examples]), vectorizer.transform([e.text_pair for e in examples])
+        return np.asarray(a.multiply(b).sum(axis=1)).ravel()  # rows are L2-normalised
+
+    valid_cos, gold = cosines(valid), np.array([e.label == "translation" for e in valid])
+    threshold = max(np.unique(valid_cos), key=lambda t: ((valid_cos >= t) == gold).mean())
+    predicted = ["translation" if c >= threshold else "other" for c in cosines(test)]
+    result = classification_scores(predicted, [e.label for e in test], ["other", "translation"])
+    result["by_language"] = {}
+    for group in sorted({e.group for e in test}):
+        idx = [i for i, e in enumerate(test) if e.group == group]
+        result["by_language"][group] = classification_scores([predicted[i] for i in idx], [test[i].label for i in idx],
+                                                             ["other", "translation"])
+    zero_shot = [result["by_language"][p]["accuracy"] for p in ZERO_SHOT_PAIRS if p in result["by_language"]]
+    return {"system": "tfidf_threshold", "task": "pawsx", "threshold": float(threshold),
+            "validation_accuracy": float(((valid_cos >= threshold) == gold).mean()), "test": result,
+            "zero_shot_accuracy_mean": sum(zero_shot) / len(zero_shot) if zero_shot else None}
+
+
 def run_finetune_experiment(checkpoints: dict[str, Path], tasks: Path, out: Path, work: Path, seed: int = 0,
                             only_tasks: list[str] | None = None, eval_limit: int | None = None,
                             steps: dict[str, int] | None = None) -> dict[str, Any]:
@@ -123,4 +158,8 @@ def run_finetune_experiment(checkpoints: dict[str, Path], tasks: Path, out: Path
                       "random_init_shape_of": first_name, "recipes": {k: asdict(r) for k, r in recipes.items()},
                       "seed": seed, "rows": list(rows.values())}
             atomic_write_text(report_path, json.dumps(report, indent=2) + "\n")  # after each system: resumable
+    if "pawsx" in recipes:  # the no-model reference, cheap: measured again each time
+        report = json.loads(report_path.read_text(encoding="utf-8"))
+        report["references"] = [tfidf_pawsx_reference(tasks / RECIPES["pawsx"].folder)]
+        atomic_write_text(report_path, json.dumps(report, indent=2) + "\n")
     return json.loads(report_path.read_text(encoding="utf-8"))

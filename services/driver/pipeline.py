@@ -30,6 +30,7 @@ from marge.corpus import Corpus
 from marge.index_store import drop_versions_after, latest_version
 from marge.paths import RunPaths
 from marge.protocol import BatchQueue
+from marge.refresh import refresh_cost
 from marge.snapshot import drop_snapshots_after, latest_snapshot
 from marge.utils import atomic_write_text
 from services.driver.config import PipelineConfig, environment_endpoints, with_absolute_paths
@@ -164,19 +165,16 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: 
     import ray
 
     from services.batcher.actor import Batcher
-    from services.indexer.actor import IndexCoordinator, IndexerWorker
+    from services.indexer.actor import IndexCoordinator, worker_options
 
     namespace = f"marge-{cfg.run.name}"  # actor names are unique per run, also on a shared cluster
     ix = cfg.indexer
     workers, coordinator, runs = [], None, {}
     if cfg.objectives.needs_index:  # BART alone, or VECO on document halves, trains without one
-        workers = [IndexerWorker.options(name=f"marge-indexer-{i}", namespace=namespace,
-                                         num_cpus=ix.num_cpus_per_worker,
-                                         num_gpus=ix.num_gpus_per_worker if ix.use_gpu else 0,
-                                         resources=dict(ix.resources))
-                   .remote(ix, paths, cfg.run.seed, i) for i in range(ix.num_workers)]
+        # the config's pool; `marge scale` resizes it while the run trains (the coordinator owns the change)
+        workers = [worker_options(ix, i, namespace).remote(ix, paths, cfg.run.seed, i) for i in range(ix.num_workers)]
         coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(
-            ix, paths, workers, floor)
+            ix, paths, workers, floor, cfg.run.seed)
         runs["indexer"] = coordinator.run.remote()
     batcher = Batcher.options(name="marge-batcher", namespace=namespace).remote(
         cfg.batcher, cfg.queue, paths, cfg.run.seed, redis_url, cfg.slots(), cfg.version_plan(), cfg.faults,
@@ -265,6 +263,7 @@ def summarize(paths: RunPaths, queue: BatchQueue, stages: Stages, result, starte
         "beta": last.get("beta"), "staleness_max": max((r["staleness_max"] for r in records), default=0),
         "batch_crosslingual_share": bat["crosslingual_share"],
         "index_builds": idx["history"],
+        "refresh": refresh_cost(idx["history"], records),
         "checkpoint": checkpoint, "snapshot": str(snap.path) if snap else None,
         "run_dir": str(paths.run_dir), "elapsed_s": round(time.time() - started, 1),
     }

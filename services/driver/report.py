@@ -3,7 +3,9 @@
 * link matrix: for an index, the share of a target language's kept links that point into each evidence
   language (rows sum to 1), written as CSV and a PNG heat map;
 * learning curves: loss and beta per step from the run's train log, and held-out retrieval P@1 of
-  every snapshot (mean over language pairs), as PNG.
+  every snapshot (mean over language pairs), as PNG;
+* refresh cost (`marge.refresh`): build seconds, updates trained while building and staleness at first use
+  per index version.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import logging
 from pathlib import Path
 
 import numpy as np
+
+from marge.refresh import read_builds, refresh_cost
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +184,24 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
          "series": [{"label": "snapshot g", "x": [c["step"] for c in curve], "y": [c["p_at_1_mean"] for c in curve],
                      "style": "o-"}]},
     ]
+    refresh = refresh_cost(read_builds(run_dir), log_records)
+    versions = refresh["per_version"]
+    if versions:  # runs with an index: what each refresh cost the trainers
+        x = [v["version"] for v in versions]
+        panels += [
+            {"title": "index build seconds per version", "ylabel": "seconds", "xlabel": "index version",
+             "series": [{"label": "", "x": x, "y": [v["build_seconds"] for v in versions], "style": "o-"}]},
+            {"title": "updates while building / staleness at first use", "ylabel": "updates", "xlabel": "index version",
+             "series": [{"label": "trained while building", "x": x, "y": [v["steps_during_build"] for v in versions],
+                         "style": "o-"},
+                        {"label": "staleness at first use", "x": x,
+                         "y": [v["staleness_at_first_use"] for v in versions], "style": "s--"}]},
+        ]
     files["curves"] = str(plot_curves(panels, out_dir / "curves.png", f"run {run_dir.name}"))
     report = {"source": source, "languages": langs, "link_matrix": shares.round(4).tolist(),
               "crosslingual_share": float(len([1 for a, b in zip(t_langs, e_langs) if a != b]) / max(1, len(t_langs))),
               "languages_without_links": [lang for lang, row in zip(langs, shares) if row.sum() == 0],
               "steps": steps[-1] if steps else 0, "loss_last": losses[-1] if losses else None,
-              "snapshot_p_at_1": curve, "files": files}
+              "snapshot_p_at_1": curve, "refresh": refresh, "files": files}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report

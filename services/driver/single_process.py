@@ -55,6 +55,7 @@ from marge.corpus import Corpus
 from marge.evaluation import read_pairs
 from marge.index_store import IndexVersion, commit_version, drop_versions_after, staging_dir, version_dirname
 from marge.model import Marge, training_flops_per_token
+from marge.refresh import INDEX_BUILDS, append_build
 from marge.veco import VecoConfig, veco_training_flops_per_token
 from marge.protocol import Slots
 from marge.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_encoder, publish_snapshot, read_snapshot,
@@ -66,7 +67,7 @@ from services.driver.config import PipelineConfig, load_config, with_absolute_pa
 from services.driver.experiment import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
 from services.driver.pipeline import ensure_corpus
 from services.driver.report import read_train_log
-from services.indexer.core import index_build_record, index_shard
+from services.indexer.core import carry_shards, index_build_record, index_shard, plan_refresh
 from services.trainer.health import HealthMonitor
 from services.trainer.init import ensure_initial_model
 from services.trainer.objectives import PreparedBatch, objectives_for
@@ -187,22 +188,25 @@ class InProcessIndexer:
         self.run_dir = Path(cfg.run.dir)
         self.root = self.run_dir / "index"
         self.tokenizer_sha256 = corpus.tokenizer().sha256
-        self.builds_log = self.run_dir / "index_builds.jsonl"
+        self.builds_log = self.run_dir / INDEX_BUILDS
 
     def index_snapshot(self, snapshot: SnapshotInfo, version: int, started: float | None = None) -> IndexVersion:
         started = started or time.time()
         encoder = load_relevance_encoder(snapshot, self.device)
         staging = staging_dir(self.root, version)
         staging.mkdir(parents=True, exist_ok=True)
-        entries = [index_shard(self.corpus.read_shard(s), encoder, self.corpus.tokenizer().specials, staging,
-                               self.cfg.indexer, device=str(self.device), seed=self.cfg.run.seed + s,
-                               search="torch").as_manifest_entry()
-                   for s in range(self.corpus.num_shards)]
+        previous, shards, carried = plan_refresh(self.root, version, self.corpus.num_shards,
+                                                 self.cfg.indexer.shards_per_refresh)
+        entries = [{**index_shard(self.corpus.read_shard(s), encoder, self.corpus.tokenizer().specials, staging,
+                                  self.cfg.indexer, device=str(self.device), seed=self.cfg.run.seed + s,
+                                  search="torch").as_manifest_entry(), "snapshot_step": snapshot.step}
+                   for s in shards]
+        if carried:
+            entries += carry_shards(previous, carried, staging)
         committed = commit_version(self.root, version, snapshot.step, entries, keep_versions=self.cfg.indexer.keep_versions,
                                    extra={"search": "torch-exact"})
         record = index_build_record(committed, entries, started)
-        with open(self.builds_log, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        append_build(self.run_dir, record)
         log.info("index v%d from snapshot %d: %d docs, %d links (%.0f%% cross-lingual, %.0f%% of those join "
                  "translations) in %.1f s", version, snapshot.step, record["num_documents"], record["num_edges"],
                  100 * record["crosslingual_share"], 100 * record["crosslingual_link_precision"], record["seconds"])

@@ -8,10 +8,16 @@ staging folder; the coordinator commits the version (manifest, rename, LATEST) o
 Version v is always built from the snapshot of update v * reindex_every (the batch schedule relies on it).
 Each actor gets the `indexer:` section, the run's paths and its seed: nothing else of the run's config.
 Killed, an actor is restarted by Ray and the call it was serving is retried (its shards are indexed again).
+
+The pool can change while the run trains (`marge scale --run NAME --indexer-workers N`): the coordinator
+records the wanted size in the run folder (`indexer_pool.json`, so a restarted coordinator keeps it) and
+applies it between versions, never during one, so a removed worker never takes a shard of a version being
+built with it. Each version's manifest says how many workers built it (`indexer_workers`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -23,10 +29,11 @@ from marge.corpus import Corpus
 from marge.index_store import commit_version, latest_version, staging_dir, version_dirname
 from marge.metrics import StageMetrics
 from marge.paths import RunPaths
+from marge.refresh import append_build
 from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
-from marge.utils import setup_logging
+from marge.utils import atomic_write_text, setup_logging
 from services.indexer.config import IndexerConfig
-from services.indexer.core import index_build_record, index_shard
+from services.indexer.core import carry_shards, index_build_record, index_shard, plan_refresh
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +80,13 @@ class IndexCoordinator:
     also when Ray restarts the actor with its original arguments.
     """
 
-    def __init__(self, cfg: IndexerConfig, paths: RunPaths, workers: list, floor: int = 0):
+    def __init__(self, cfg: IndexerConfig, paths: RunPaths, workers: list, floor: int = 0, seed: int = 0):
         setup_logging()
-        self.cfg, self.paths, self.workers = cfg, paths, workers
+        self.cfg, self.paths, self.seed = cfg, paths, seed
+        self.workers = list(workers)  # the driver's first `num_workers`; `scale` adds and removes from the end
+        self.wanted_workers = read_pool_size(paths) or len(self.workers)
+        self.building: int | None = None  # the version being built (its pool is fixed)
+        self._pool_lock = threading.Lock()  # `scale` (another thread of this actor) vs a build taking its pool
         self.num_shards = Corpus.open(paths.corpus, verify_checksums=False).num_shards
         self._stop = threading.Event()
         current = latest_version(paths.index)
@@ -83,8 +94,9 @@ class IndexCoordinator:
         self.version = current.version if current else -1
         self.indexed_step = current.snapshot_step if current else None
         self.history: list[dict] = []
-        m = self.metrics = StageMetrics("indexer", paths.name)
+        m = self.metrics = StageMetrics("indexer", paths.name, worker="coordinator")
         m.gauge("marge_index_version", "Newest committed index version")
+        m.gauge("marge_indexer_workers", "Indexer workers in the pool (applied between versions)")
         m.gauge("marge_index_edges", "Links in the newest index")
         m.gauge("marge_index_crosslingual_share", "Share of cross-lingual links in the newest index")
         m.gauge("marge_index_linked_cosine", "Mean cosine of kept links")
@@ -93,6 +105,8 @@ class IndexCoordinator:
                 "Share of cross-lingual links that join translations of the same page")
         m.counter("marge_index_versions_built", "Index versions committed")
         m.histogram("marge_index_build_seconds", "Seconds to build one index version", [1, 5, 15, 60, 300, 1800])
+        m.gauge("marge_index_embed_seconds", "Seconds the workers spent embedding the newest version (summed)")
+        m.gauge("marge_index_link_seconds", "Seconds the workers spent searching and linking the newest version (summed)")
 
     def _oldest_kept(self, newest: int) -> int:
         return newest + 1 - self.cfg.keep_versions
@@ -108,19 +122,80 @@ class IndexCoordinator:
                 return version
         return None
 
+    # --- the worker pool -------------------------------------------------------------------------------
+
+    def scale(self, workers: int) -> dict:
+        """Ask for `workers` indexer workers from the next version on (the one being built keeps its pool)."""
+        if workers < 1:
+            raise ValueError(f"the indexer needs at least 1 worker, asked for {workers}")
+        with self._pool_lock:
+            before = self.wanted_workers
+            self.wanted_workers = workers
+            write_pool_size(self.paths, workers)
+            # a version being built keeps the pool it started with
+            first = (self.building if self.building is not None else self.version) + 1
+        log.info("indexer pool: %d -> %d workers, from index version v%d", before, workers, first)
+        return {"workers": len(self.workers), "wanted": workers, "from_version": first}
+
+    def pool(self) -> dict:
+        return {"workers": len(self.workers), "wanted": self.wanted_workers, "version": self.version,
+                "cpus_per_worker": self.cfg.num_cpus_per_worker}
+
+    def _apply_pool(self) -> None:
+        """Grow or shrink the pool to the wanted size; only called between versions."""
+        namespace = ray.get_runtime_context().namespace
+        while len(self.workers) < self.wanted_workers:
+            i = len(self.workers)
+            self.workers.append(worker_options(self.cfg, i, namespace).remote(self.cfg, self.paths, self.seed, i))
+            log.info("indexer pool: started marge-indexer-%d", i)
+        while len(self.workers) > self.wanted_workers:
+            ray.kill(self.workers.pop(), no_restart=True)
+            log.info("indexer pool: stopped marge-indexer-%d", len(self.workers))
+        self.metrics.set("marge_indexer_workers", len(self.workers))
+
+    # --- building ----------------------------------------------------------------------------------------
+
+    def _index(self, version: int, snapshot_step: int, shards_of: dict[int, list[int]]) -> list[dict]:
+        """Every worker indexes its shards. Ray restarts a crashed worker and retries its call; a worker that
+        is gone for good (stopped by an earlier pool change this coordinator no longer knows of, after a
+        restart) is replaced and its shards are indexed by the new one."""
+        refs = {i: self.workers[i].index_shards.remote(version, snapshot_step, shards) for i, shards in shards_of.items()}
+        entries = []
+        for i, ref in refs.items():
+            try:
+                entries += ray.get(ref)
+            except ray.exceptions.RayActorError:
+                log.warning("marge-indexer-%d is gone; starting a new one for shards %s of v%d", i, shards_of[i], version)
+                namespace = ray.get_runtime_context().namespace
+                self.workers[i] = worker_options(self.cfg, i, namespace).remote(self.cfg, self.paths, self.seed, i)
+                entries += ray.get(self.workers[i].index_shards.remote(version, snapshot_step, shards_of[i]))
+        return entries
+
     def build(self, version: int) -> dict:
         started = time.time()
+        with self._pool_lock:
+            self.building = version
+            self._apply_pool()
         snapshot_step = version * self.cfg.reindex_every
-        shards = list(range(self.num_shards))
+        previous, shards, carried = plan_refresh(self.paths.index, version, self.num_shards, self.cfg.shards_per_refresh)
         n = len(self.workers)
-        refs = [w.index_shards.remote(version, snapshot_step, shards[i::n]) for i, w in enumerate(self.workers)
-                if shards[i::n]]
-        entries = [e for part in ray.get(refs) for e in part]
-        committed = commit_version(self.paths.index, version, snapshot_step, entries, keep_versions=self.cfg.keep_versions)
-        self.version, self.indexed_step = max(self.version, version), snapshot_step
+        entries = [{**e, "snapshot_step": snapshot_step}
+                   for e in self._index(version, snapshot_step, {i: shards[i::n] for i in range(n) if shards[i::n]})]
+        if carried:
+            entries += carry_shards(previous, carried, staging_dir(self.paths.index, version))
+        cost = {"indexer_workers": n, "build_seconds": round(time.time() - started, 3),
+                "embed_seconds": round(sum(e["embed_seconds"] for e in entries), 3),
+                "link_seconds": round(sum(e["link_seconds"] for e in entries), 3),
+                "shards_rebuilt": len(shards), "shards_carried": len(carried)}
+        committed = commit_version(self.paths.index, version, snapshot_step, entries, extra=cost,
+                                   keep_versions=self.cfg.keep_versions)
+        with self._pool_lock:
+            self.version, self.indexed_step, self.building = max(self.version, version), snapshot_step, None
         self.floor = max(self.floor, self._oldest_kept(self.version))
-        record = index_build_record(committed, entries, started)
+        record = {**index_build_record(committed, entries, started), "indexer_workers": n,
+                  "shards_rebuilt": len(shards), "shards_carried": len(carried)}
         self.history.append(record)
+        append_build(self.paths.run_dir, record)  # for `marge report` and the driver's refresh figures
         m = self.metrics
         m.set("marge_index_version", version)
         m.set("marge_index_edges", record["num_edges"])
@@ -130,6 +205,8 @@ class IndexCoordinator:
         m.set("marge_index_crosslingual_link_precision", record["crosslingual_link_precision"])
         m.inc("marge_index_versions_built")
         m.observe("marge_index_build_seconds", record["seconds"])
+        m.set("marge_index_embed_seconds", record["embed_seconds"])
+        m.set("marge_index_link_seconds", record["link_seconds"])
         log.info("index v%d committed from snapshot step %d: %d docs, %d links (%.0f%% cross-lingual, %.0f%% of those "
                  "join translations) in %.1fs", version, snapshot_step, record["num_documents"], record["num_edges"],
                  100 * record["crosslingual_share"], 100 * record["crosslingual_link_precision"], record["seconds"])
@@ -149,3 +226,23 @@ class IndexCoordinator:
 
     def stats(self) -> dict:
         return {"version": self.version, "indexed_step": self.indexed_step, "history": list(self.history)}
+
+
+def worker_options(cfg: IndexerConfig, index: int, namespace: str):
+    """`IndexerWorker` as the run names and sizes it: `marge-indexer-<index>` in the run's namespace."""
+    return IndexerWorker.options(name=f"marge-indexer-{index}", namespace=namespace, num_cpus=cfg.num_cpus_per_worker,
+                                 num_gpus=cfg.num_gpus_per_worker if cfg.use_gpu else 0, resources=dict(cfg.resources))
+
+
+def pool_file(paths: RunPaths):
+    return paths.run_dir / "indexer_pool.json"
+
+
+def read_pool_size(paths: RunPaths) -> int | None:
+    """The pool size last asked for with `marge scale` (None: the config's `indexer.num_workers`)."""
+    path = pool_file(paths)
+    return int(json.loads(path.read_text(encoding="utf-8"))["workers"]) if path.exists() else None
+
+
+def write_pool_size(paths: RunPaths, workers: int) -> None:
+    atomic_write_text(pool_file(paths), json.dumps({"workers": workers, "unix": time.time()}) + "\n")

@@ -38,6 +38,11 @@ class IndexerConfig:
     num_gpus_per_worker: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per worker, e.g. {marge_indexer: 1} to place indexers on their own node group."""
+    shards_per_refresh: int = 0
+    """Sampled refresh: each new version re-embeds this many shards, rotating (version v rebuilds shards
+    v*k .. v*k+k-1 modulo the shard count), and carries the others over from the previous version with
+    the older snapshot step they were built from (per shard in the manifest). 0: every shard, every
+    version (the paper's full refresh). Trades index freshness for refresh cost on a large corpus."""
     nice: int = 0
     """OS niceness of indexer workers (0-19). Where indexers share CPUs with trainers, a positive value
     lets re-indexing use the trainers' slack instead of their time (at the cost of staler indexes)."""
@@ -46,6 +51,7 @@ class IndexerConfig:
         at_least(self, "keep_versions", 2)  # the version being trained on and the next one
         positive(self, "num_workers", "reindex_every", "batch_tokens", "candidates_per_language",
                  "num_cpus_per_worker")
+        at_least(self, "shards_per_refresh", 0)
         at_least(self, "links_monolingual", 0)
         at_least(self, "links_crosslingual", 0)
         within(self, "min_score", -1.0, 1.0)

@@ -209,6 +209,7 @@ def index_build_record(committed, entries: list[dict], started_unix: float) -> d
     """The figures of one committed index version (what the coordinator logs, exports and reports)."""
     m = committed.manifest
     seconds = time.time() - started_unix
+    embedded = sum(e["num_documents"] for e in entries if "carried_from_version" not in e)  # not carried over
 
     def mean(key: str) -> float:  # weighted by shard size
         total = sum(e["num_documents"] for e in entries)
@@ -218,9 +219,51 @@ def index_build_record(committed, entries: list[dict], started_unix: float) -> d
             "started_unix": started_unix, "finished_unix": time.time(),
             "num_documents": m["num_documents"], "num_edges": m["num_edges"],
             "crosslingual_share": m["cross_lingual_edges"] / max(1, m["num_edges"]),
-            "docs_per_s": m["num_documents"] / max(seconds, 1e-9),
+            "documents_embedded": embedded, "docs_per_s": embedded / max(seconds, 1e-9),
             "embed_seconds": round(sum(e["embed_seconds"] for e in entries), 3),
             "link_seconds": round(sum(e["link_seconds"] for e in entries), 3),
             "linked_cosine": mean("mean_positive_cosine"), "random_cosine": mean("mean_random_cosine"),
             "crosslingual_link_precision": mean("crosslingual_same_group"),
             "monolingual_same_group": mean("monolingual_same_group")}
+
+
+def shards_to_rebuild(version: int, num_shards: int, shards_per_refresh: int, has_previous: bool) -> list[int]:
+    """The shards version `version` re-embeds: all of them for a full refresh (or when there is no previous
+    version to carry from), else a rotating window of `shards_per_refresh` that depends on the version alone,
+    so a version rebuilt after a resume takes the same shards."""
+    if not shards_per_refresh or shards_per_refresh >= num_shards or not has_previous:
+        return list(range(num_shards))
+    return sorted({(version * shards_per_refresh + j) % num_shards for j in range(shards_per_refresh)})
+
+
+def plan_refresh(root: Path, version: int, num_shards: int, shards_per_refresh: int):
+    """(previous committed version or None, shards to re-embed, shards to carry over) for building `version`."""
+    from marge.index_store import latest_version
+
+    previous = latest_version(root)
+    previous = previous if previous is not None and previous.version < version else None
+    rebuild = shards_to_rebuild(version, num_shards, shards_per_refresh, previous is not None)
+    return previous, rebuild, sorted(set(range(num_shards)) - set(rebuild))
+
+
+def carry_shards(previous, shards: list[int], staging: Path) -> list[dict]:
+    """Manifest entries of `shards` taken over from the committed version `previous` (an IndexVersion): their
+    files hard-linked into `staging` (copied where links are not possible), the snapshot step they were built
+    from kept, their build seconds zeroed (this version did not pay them)."""
+    import os
+    import shutil
+
+    entries = []
+    by_shard = {e["shard"]: e for e in previous.shards}
+    for shard in shards:
+        entry = {k: v for k, v in by_shard[shard].items() if not k.endswith("_sha256")}
+        for key in ("graph_file", "index_file"):
+            if entry.get(key):
+                source, target = previous.path / entry[key], Path(staging) / entry[key]
+                try:
+                    os.link(source, target)
+                except OSError:
+                    shutil.copyfile(source, target)
+        entry.setdefault("snapshot_step", previous.snapshot_step)
+        entries.append({**entry, "carried_from_version": previous.version, "embed_seconds": 0.0, "link_seconds": 0.0})
+    return entries

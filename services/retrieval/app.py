@@ -16,8 +16,6 @@ import contextlib
 import hmac
 import logging
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse

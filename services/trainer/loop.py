@@ -84,7 +84,7 @@ HEALTH_GAUGES = {
 
 
 def trainer_metrics(run: str, rank: int, with_health: bool) -> StageMetrics:
-    m = StageMetrics("trainer", run, rank=str(rank))
+    m = StageMetrics("trainer", run, worker=str(rank), rank=str(rank))
     m.counter("marge_batches_trained", "Batches trained (they count once the next checkpoint is durable)")
     m.gauge("marge_trainer_tokens_per_second", "Evidence + target tokens per second")
     m.gauge("marge_trainer_loss", "Mean target-token NLL of the last step")

@@ -1,0 +1,104 @@
+"""`marge.refresh`: what each index refresh cost the trainers, from build records and the train log."""
+
+from __future__ import annotations
+
+import pytest
+
+from marge.refresh import append_build, read_builds, refresh_cost, union_seconds
+
+
+def step(n: int, end: float, seconds: float, tokens: int, versions: list[int]) -> dict:
+    return {"step": n, "time": end, "step_seconds": seconds, "tokens": tokens, "index_versions": versions}
+
+
+def test_updates_during_a_build_staleness_at_first_use_and_throughput_with_and_without_a_build():
+    # ten 1-second updates from t=100; version 1 (snapshot of update 2) is built over t=[102.5, 105.5] and used
+    # from update 7 on; version 0 was built before training started
+    builds = [{"version": 0, "snapshot_step": 0, "started_unix": 90.0, "finished_unix": 95.0, "seconds": 5.0},
+              {"version": 1, "snapshot_step": 2, "started_unix": 102.5, "finished_unix": 105.5, "seconds": 3.0,
+               "indexer_workers": 2}]
+    records = [step(n, 100.0 + n, 1.0, 100 if n in (3, 4, 5, 6) else 200, [0] if n < 7 else [1]) for n in range(1, 11)]
+    cost = refresh_cost(builds, records)
+    v0, v1 = cost["per_version"]
+    assert v0 == {"version": 0, "snapshot_step": 0, "build_seconds": 5.0, "indexer_workers": None,
+                  "steps_during_build": 0, "first_use_step": 1, "staleness_at_first_use": 1}
+    # updates 3 (ends 103), 4, 5 and 6 (runs 105-106) overlap [102.5, 105.5]
+    assert v1["steps_during_build"] == 4 and v1["first_use_step"] == 7 and v1["staleness_at_first_use"] == 5
+    assert v1["indexer_workers"] == 2
+    assert cost["steps_building"] == 4 and cost["steps_idle"] == 6
+    assert cost["tokens_per_s_building"] == pytest.approx(100.0) and cost["tokens_per_s_idle"] == pytest.approx(200.0)
+    assert cost["build_share"] == pytest.approx(3.0 / 10.0)  # training ran over t=[100, 110]
+
+
+def test_a_version_never_used_and_a_run_without_builds():
+    cost = refresh_cost([{"version": 3, "snapshot_step": 30, "started_unix": 0.0, "finished_unix": 1.0}],
+                        [step(1, 5.0, 1.0, 10, [2])])
+    assert cost["per_version"][0]["first_use_step"] is None and cost["per_version"][0]["staleness_at_first_use"] is None
+    empty = refresh_cost([], [step(1, 5.0, 1.0, 10, [])])
+    assert empty["build_share"] == 0.0 and empty["tokens_per_s_building"] is None and empty["tokens_per_s_idle"] == 10.0
+
+
+def test_overlapping_builds_are_counted_once():
+    assert union_seconds([(0, 4), (2, 6), (8, 9), (20, 30)], 1, 10) == pytest.approx(5 + 1)
+
+
+def test_the_newest_record_of_a_version_rebuilt_after_a_resume_wins(tmp_path):
+    append_build(tmp_path, {"version": 1, "seconds": 9.0})
+    append_build(tmp_path, {"version": 0, "seconds": 1.0})
+    append_build(tmp_path, {"version": 1, "seconds": 2.0})
+    assert read_builds(tmp_path) == [{"version": 0, "seconds": 1.0}, {"version": 1, "seconds": 2.0}]
+    assert read_builds(tmp_path / "nowhere") == []
+
+
+def test_the_rotating_window_of_a_sampled_refresh_depends_on_the_version_alone():
+    from services.indexer.core import shards_to_rebuild
+
+    assert shards_to_rebuild(5, 10, 0, True) == list(range(10))  # full refresh
+    assert shards_to_rebuild(5, 10, 3, False) == list(range(10))  # nothing to carry from
+    assert shards_to_rebuild(5, 10, 10, True) == list(range(10))
+    windows = [shards_to_rebuild(v, 10, 3, True) for v in range(1, 5)]
+    assert windows == [[3, 4, 5], [6, 7, 8], [0, 1, 9], [2, 3, 4]]
+    covered: set[int] = set()
+    for v in range(1, 5):
+        covered |= set(shards_to_rebuild(v, 10, 3, True))
+    assert covered == set(range(10))  # every shard refreshed within ceil(10 / 3) versions
+
+
+def test_a_sampled_refresh_re_embeds_its_window_and_carries_the_other_shards_with_their_snapshot_step(
+        small_corpus, small_index, tmp_path):
+    import shutil
+
+    import torch
+
+    from marge.corpus import Corpus
+    from marge.index_store import commit_version, read_version, staging_dir
+    from marge.model import Marge, RelevanceEncoder, preset
+    from services.indexer.config import IndexerConfig
+    from services.indexer.core import carry_shards, index_shard, plan_refresh
+
+    root = tmp_path / "index"
+    shutil.copytree(small_index.path.parent, root)  # the session's index stays as it is
+    corpus = Corpus.open(small_corpus)
+    assert corpus.num_shards >= 2
+    previous, rebuild, carried = plan_refresh(root, 1, corpus.num_shards, 1)
+    assert previous.version == 0 and rebuild == [1] and carried == [s for s in range(corpus.num_shards) if s != 1]
+
+    torch.manual_seed(1)  # a different encoder than version 0's
+    encoder = RelevanceEncoder.from_model(Marge(preset("tiny", vocab_size=corpus.tokenizer().vocab_size,
+                                                       max_positions=128))).eval()
+    staging = staging_dir(root, 1)
+    staging.mkdir(parents=True)
+    entries = [{**index_shard(corpus.read_shard(s), encoder, corpus.tokenizer().specials, staging,
+                              IndexerConfig()).as_manifest_entry(), "snapshot_step": 10} for s in rebuild]
+    entries += carry_shards(previous, carried, staging)
+    committed = commit_version(root, 1, 10, entries)
+
+    v1 = read_version(committed.path)
+    assert sorted(e["shard"] for e in v1.shards) == list(range(corpus.num_shards))
+    steps = {e["shard"]: e["snapshot_step"] for e in v1.shards}
+    assert steps == {s: 10 if s == 1 else 0 for s in range(corpus.num_shards)}
+    for s in carried:  # the same links as in version 0
+        assert v1.read_graph(s).equals(previous.read_graph(s))
+        entry = next(e for e in v1.shards if e["shard"] == s)
+        assert entry["carried_from_version"] == 0 and entry["embed_seconds"] == 0.0
+    assert not v1.read_graph(1).equals(previous.read_graph(1))  # re-embedded with the new encoder
