@@ -165,13 +165,16 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: 
     import ray
 
     from services.batcher.actor import Batcher
-    from services.indexer.actor import IndexCoordinator, worker_options
+    from services.indexer.actor import IndexCoordinator, worker_options, write_pool_size
 
     namespace = f"marge-{cfg.run.name}"  # actor names are unique per run, also on a shared cluster
     ix = cfg.indexer
     workers, coordinator, runs = [], None, {}
     if cfg.objectives.needs_index:  # BART alone, or VECO on document halves, trains without one
-        # the config's pool; `marge scale` resizes it while the run trains (the coordinator owns the change)
+        # the config's pool; `marge scale` resizes it while the run trains (the coordinator owns the change).
+        # A new driver starts from the config (a resubmission's `indexer.num_workers` is what the cluster was
+        # sized for); only a coordinator that Ray restarts within this driver keeps a scaled size.
+        write_pool_size(paths, ix.num_workers)
         workers = [worker_options(ix, i, namespace).remote(ix, paths, cfg.run.seed, i) for i in range(ix.num_workers)]
         coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(
             ix, paths, workers, floor, cfg.run.seed)
