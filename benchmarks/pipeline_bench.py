@@ -34,6 +34,7 @@ def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
     from marge.corpus import Corpus
     from marge.index_store import read_version, version_dirname
     from marge.protocol import BatchId
+    from marge.refresh import overlaps
     from services.batcher.core import DocumentStore, epoch_batches
     from services.driver.config import load_config, with_absolute_paths
     from services.driver.pipeline import make_trainer, run_pipeline, trainer_job
@@ -77,8 +78,7 @@ def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
     pipe_tps, mem_tps = records[-1]["tokens_per_s"], mem_records[-1]["tokens_per_s"]
     # steps during which no index build ran on the same CPUs: the transport's own cost
     builds = [(b["started_unix"], b["finished_unix"]) for b in summary["index_builds"]]
-    quiet = [i for i, r in enumerate(records)
-             if not any(start < r["time"] and r["time"] - r["step_seconds"] < end for start, end in builds)]
+    quiet = [i for i, r in enumerate(records) if not overlaps(r["time"] - r["step_seconds"], r["time"], builds)]
 
     def rate(recs, idx):
         return sum(recs[i]["tokens"] for i in idx) / sum(recs[i]["step_seconds"] for i in idx)
