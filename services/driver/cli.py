@@ -199,9 +199,8 @@ def generation_config(args: argparse.Namespace):
 
 
 def cmd_eval_translate(args: argparse.Namespace) -> int:
-    import sacrebleu
-
     from marge.evaluation import read_pairs
+    from marge.finetuned import generation_scores
     from marge.generate import translate
 
     refuse_classifier(args.checkpoint)
@@ -216,16 +215,13 @@ def cmd_eval_translate(args: argparse.Namespace) -> int:
     cfg = generation_config(args)
     hypotheses = [" ".join(translate(model, tok, " ".join(src.split()), args.tgt, cfg).split()) for src, _ in pairs]
     references = [" ".join(ref.split()) for _, ref in pairs]
-    # sacrebleu's own tokenizer for Chinese, characters for Japanese (mecab is not installed), 13a otherwise
-    tokenize = {"zh": "zh", "ja": "char"}.get(args.tgt, "13a")
-    bleu = sacrebleu.corpus_bleu(hypotheses, [references], tokenize=tokenize)
-    chrf = sacrebleu.corpus_chrf(hypotheses, [references])
-    result = {"src": args.src, "tgt": args.tgt, "documents": len(pairs), "bleu": bleu.score, "chrf": chrf.score,
-              "beam": cfg.beam, "no_repeat_ngram": cfg.no_repeat_ngram}
+    scores = generation_scores(hypotheses, references, args.tgt)
+    result = {"src": args.src, "tgt": args.tgt, "documents": len(pairs), "bleu": scores["bleu"],
+              "chrf": scores["chrf"], "beam": cfg.beam, "no_repeat_ngram": cfg.no_repeat_ngram}
     if args.out:
         Path(args.out).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
-    print(json.dumps(result) if args.json else f"{args.src}->{args.tgt}: BLEU {bleu.score:.2f}  chrF {chrf.score:.2f} "
-          f"({len(pairs)} documents)")
+    print(json.dumps(result) if args.json else f"{args.src}->{args.tgt}: BLEU {scores['bleu']:.2f}  "
+          f"chrF {scores['chrf']:.2f} ({len(pairs)} documents)")
     return 0
 
 

@@ -106,15 +106,15 @@ def tfidf_pawsx_reference(folder: Path) -> dict[str, Any]:
     (the retrieval baseline's features, `marge.evaluation.evaluate_tfidf`), "translation" above a threshold
     chosen on the en-de validation set."""
     import numpy as np
-    from sklearn.feature_extraction.text import TfidfVectorizer
 
-    from marge.finetuned import classification_scores
+    from marge.evaluation import char_tfidf
+    from marge.finetuned import by_group, classification_scores
 
     def rows(split: str) -> list:
         return read_task_file(folder / f"{split}.jsonl", "classification")
 
     train, valid, test = rows("train"), rows("valid"), rows("test")
-    vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 4), sublinear_tf=True)
+    vectorizer = char_tfidf((2, 4))
     vectorizer.fit([e.text for e in train] + [e.text_pair for e in train])
 
     def cosines(examples: list) -> np.ndarray:
@@ -124,12 +124,10 @@ def tfidf_pawsx_reference(folder: Path) -> dict[str, Any]:
     valid_cos, gold = cosines(valid), np.array([e.label == "translation" for e in valid])
     threshold = max(np.unique(valid_cos), key=lambda t: ((valid_cos >= t) == gold).mean())
     predicted = ["translation" if c >= threshold else "other" for c in cosines(test)]
-    result = classification_scores(predicted, [e.label for e in test], ["other", "translation"])
-    result["by_language"] = {}
-    for group in sorted({e.group for e in test}):
-        idx = [i for i, e in enumerate(test) if e.group == group]
-        result["by_language"][group] = classification_scores([predicted[i] for i in idx], [test[i].label for i in idx],
-                                                             ["other", "translation"])
+    labels, gold_test = ["other", "translation"], [e.label for e in test]
+    result = classification_scores(predicted, gold_test, labels)
+    result["by_language"] = {g: classification_scores([predicted[i] for i in idx], [gold_test[i] for i in idx], labels)
+                             for g, idx in by_group(test).items()}
     zero_shot = [result["by_language"][p]["accuracy"] for p in ZERO_SHOT_PAIRS if p in result["by_language"]]
     return {"system": "tfidf_threshold", "task": "pawsx", "threshold": float(threshold),
             "validation_accuracy": float(((valid_cos >= threshold) == gold).mean()), "test": result,

@@ -16,9 +16,11 @@ One update is the same function (`finetune_update`) in one process and on every 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,7 +39,7 @@ from marge.model import Marge
 from marge.tasks import PAIR_INPUTS, TASKS, Example, label_counts, label_set, read_task_file
 from marge.tokenizer import MargeTokenizer
 from marge.utils import atomic_directory
-from services.trainer.step import lr_factor
+from services.trainer.step import build_optimizer, lr_factor
 
 log = logging.getLogger("marge.finetune")
 
@@ -107,9 +109,8 @@ class FinetuneConfig:
         at_least(self, "freeze_decoder_layers", 0)
         at_least(self, "patience", 0)
         at_least(self, "classifier_dropout", 0)
-        for name in ("warmup_steps",):
-            if getattr(self, name) is not None:
-                at_least(self, name, 0)
+        if self.warmup_steps is not None:
+            at_least(self, "warmup_steps", 0)
         for name in ("eval_every", "valid_limit", "torch_threads"):
             if getattr(self, name) is not None:
                 positive(self, name)
@@ -165,8 +166,6 @@ def load_start_model(cfg: FinetuneConfig, labels: list[str] | None) -> tuple[Mar
 
 def previous_classifier(directory: Path) -> tuple[list[str], dict[str, torch.Tensor]] | None:
     """The labels and head weights of a fine-tuned classifier directory (None for anything else)."""
-    import json
-
     from safetensors.torch import load_file
 
     path = directory / "finetune_config.json"
@@ -199,17 +198,6 @@ def freeze(model: Marge, embeddings: bool, decoder_layers: int) -> list[str]:
             p.requires_grad_(False)
             names.append(name)
     return names
-
-
-def build_finetune_optimizer(model: nn.Module, cfg: FinetuneConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; no weight decay on biases, LayerNorms, embeddings and beta."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.ndim == 2 and "embed" not in name and "positions" not in name else no_decay).append(p)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -288,7 +276,7 @@ class Finetuning:
         self.valid_encoded = None if self.valid_examples is None else encode_for(self.view, self.valid_examples)
         self.total_steps = cfg.total_steps(len(self.train_examples))
         warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(0.06 * self.total_steps)
-        self.optimizer = build_finetune_optimizer(self.model, cfg)
+        self.optimizer = build_optimizer(self.model, cfg)  # the pre-training optimizer's groups, these settings
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, warmup, self.total_steps))
         self.order = ExampleOrder(len(self.train_encoded), cfg.batch_size, cfg.seed)
@@ -483,8 +471,6 @@ def finetune_worker(config: dict) -> None:
 
 def finetune_on_ray(cfg: FinetuneConfig) -> dict[str, Any]:
     """N DDP ranks on Ray Train (the configured cluster, or a local Ray started and stopped here)."""
-    import json
-
     from services.driver.resources import LOCAL_RAY_ENV
 
     if not cfg.ray_address:
@@ -494,6 +480,7 @@ def finetune_on_ray(cfg: FinetuneConfig) -> dict[str, Any]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    storage = Path(cfg.out).absolute().parent / f".{Path(cfg.out).name}.ray"  # Ray Train's run folder, removed after
     started = False
     if not ray.is_initialized():
         if cfg.ray_address:
@@ -503,7 +490,6 @@ def finetune_on_ray(cfg: FinetuneConfig) -> dict[str, Any]:
                      log_to_driver=True, runtime_env={"worker_process_setup_hook": "services.trainer.loopback.install"})
         started = True
     try:
-        storage = Path(cfg.out).absolute().parent / f".{Path(cfg.out).name}.ray"
         trainer = TorchTrainer(finetune_worker, train_loop_config={"cfg": cfg},
                                scaling_config=ScalingConfig(num_workers=cfg.workers, resources_per_worker={"CPU": 1}),
                                torch_config=TorchConfig(backend="gloo"),
@@ -512,9 +498,7 @@ def finetune_on_ray(cfg: FinetuneConfig) -> dict[str, Any]:
     finally:
         if started:
             ray.shutdown()
-        import shutil
-
-        shutil.rmtree(Path(cfg.out).absolute().parent / f".{Path(cfg.out).name}.ray", ignore_errors=True)
+        shutil.rmtree(storage, ignore_errors=True)
     summary = json.loads((Path(cfg.out) / "metrics.json").read_text(encoding="utf-8"))
     return {**summary, "out": cfg.out}
 

@@ -61,7 +61,8 @@ class StepRecord:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases, LayerNorms, embeddings and beta.
+    """AdamW over the trainable parameters; no weight decay on biases, LayerNorms, embeddings and beta.
+    `cfg` needs `lr`, `weight_decay`, `adam_betas` and `adam_eps` (fine-tuning passes its `FinetuneConfig`).
 
     On CUDA it is the fused kernel (one launch for every parameter instead of several per tensor); on CPU
     the default for-each implementation, whose results the fused one matches to rounding.

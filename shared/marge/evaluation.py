@@ -191,13 +191,18 @@ def evaluate_model(model: Marge | RelevanceEncoder, tokenizer, pairs: list[PairS
     return results
 
 
-def evaluate_tfidf(pairs: list[PairSet], margin: bool = False, ngram_range: tuple[int, int] = (2, 4)) -> dict[str, float]:
-    """The char n-gram TF-IDF baseline: lexical overlap alone (no learning, no model)."""
+def char_tfidf(ngram_range: tuple[int, int] = (2, 4)):
+    """The baselines' features: char n-gram TF-IDF within word boundaries, sublinear tf, rows L2-normalised."""
     from sklearn.feature_extraction.text import TfidfVectorizer
 
+    return TfidfVectorizer(analyzer="char_wb", ngram_range=ngram_range, sublinear_tf=True)
+
+
+def evaluate_tfidf(pairs: list[PairSet], margin: bool = False, ngram_range: tuple[int, int] = (2, 4)) -> dict[str, float]:
+    """The char n-gram TF-IDF baseline: lexical overlap alone (no learning, no model)."""
     results = {}
     for pair in pairs:
-        vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=ngram_range, sublinear_tf=True)
+        vectorizer = char_tfidf(ngram_range)
         vectorizer.fit(pair.sources + pair.targets)
         src = vectorizer.transform(pair.sources)
         tgt = vectorizer.transform(pair.targets)
