@@ -170,3 +170,60 @@ def test_the_schedule_is_a_function_of_the_slot_and_switches_versions_at_fixed_s
                           versions.get)
     with pytest.raises(RuntimeError, match="built from snapshot 4, not 5"):
         wrong.batch(14)
+
+
+# --- the document store: one shard at a time ------------------------------------------------------------
+
+
+def test_a_store_holding_one_shard_builds_the_batches_of_one_holding_the_corpus(small_index, small_corpus):
+    corpus = Corpus.open(small_corpus)
+    bounded, whole = DocumentStore(corpus, cache_mb=0), DocumentStore(corpus, cache_mb=1024)
+    cfg = BatcherConfig(max_tokens=400)
+    for epoch in (0, 1):
+        for a, b in zip(epoch_batches(small_index, bounded, cfg, epoch), epoch_batches(small_index, whole, cfg, epoch),
+                        strict=True):
+            assert a.batch_id == b.batch_id and a.doc_langs == b.doc_langs
+            assert np.array_equal(a.doc_ids, b.doc_ids) and np.array_equal(a.edges, b.edges)
+            assert all(np.array_equal(x, y) for x, y in zip(a.doc_tokens, b.doc_tokens, strict=True))
+            assert len(bounded._cache) == 1, "the bounded store held more than the shard in use"
+    shards_with_links = sum(1 for s in small_index.shards if s["num_edges"])
+    assert bounded.reads == 2 * shards_with_links  # every shard read again on the second pass
+    assert whole.reads == shards_with_links  # within the budget: each shard read once
+    assert whole.cached_bytes > bounded.cached_bytes
+
+
+def test_the_store_budget_counts_every_byte_a_cached_shard_holds(small_corpus):
+    import gc
+    import tracemalloc
+
+    from services.batcher.core import PER_DOCUMENT_BYTES
+
+    corpus = Corpus.open(small_corpus)
+    DocumentStore(corpus).shard(0)  # the first read imports and caches what every later read shares
+    store = DocumentStore(corpus)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for s in store.shard_numbers:
+            store.shard(s)
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    cached = list(store._cache.values())
+    documents = sum(len(t.doc_ids) for t in cached)
+    per_document = (held - sum(t.flat.nbytes + t.offsets.nbytes for t in cached)) / documents
+    assert 0 < per_document <= PER_DOCUMENT_BYTES, per_document
+    assert held <= store.cached_bytes
+
+
+def test_links_to_documents_outside_their_shard_are_refused_naming_the_index(tmp_path, small_corpus):
+    from marge.index_store import IndexVersion, write_graph
+
+    corpus = Corpus.open(small_corpus)
+    ids = corpus.read_shard(0).doc_ids
+    stranger = int(corpus.read_shard(1).doc_ids[0])
+    write_graph(tmp_path / "graph-0.parquet", np.array([ids[0]]), np.array([stranger]), np.array([0.5]), np.array([True]))
+    index = IndexVersion(4, tmp_path, {"snapshot_step": 0, "shards": [{"shard": 0, "graph_file": "graph-0.parquet"}]})
+    with pytest.raises(ValueError, match=rf"index v4 .*doc id {stranger}, which corpus shard 0 does not hold"):
+        list(epoch_batches(index, DocumentStore(corpus), BatcherConfig(max_tokens=400), 0))

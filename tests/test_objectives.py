@@ -98,7 +98,8 @@ def test_document_batches_cover_each_document_once_per_pass_under_the_budget(sma
     shape, cfg = BatchShape("documents"), BatcherConfig(max_tokens=400)
     batches = list(corpus_epoch_batches(docs, cfg, shape, epoch=0, seed=3))
     seen = [int(b.doc_ids[i]) for b in batches for i in b.targets]
-    fitting = {d for d, t in docs.tokens.items() if shape.document_cost(len(t)) <= 400}
+    fitting = {d for s in docs.shard_numbers for d, n in docs.shard(s).lengths().items()
+               if shape.document_cost(n) <= 400}
     assert sorted(seen) == sorted(fitting)
     for b in batches:
         assert sum(shape.document_cost(len(b.doc_tokens[i])) for i in b.targets) <= 400

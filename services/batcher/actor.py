@@ -50,7 +50,7 @@ class Batcher:
         self.cfg, self.paths, self.seed, self.slots, self.plan, self.shape = cfg, paths, seed, slots, plan, shape
         self.faults = faults or FaultsConfig()
         self.lookahead_steps = max(1, math.ceil(queue.max_depth / slots.per_step))
-        self.docs = DocumentStore(Corpus.open(paths.corpus))
+        self.docs = DocumentStore(Corpus.open(paths.corpus), cfg.shard_cache_mb)
         self.queue = BatchQueue.connect(redis_url, paths.name, slots)
         self._stop = threading.Event()
         self.produced = 0

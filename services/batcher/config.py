@@ -24,8 +24,14 @@ class BatcherConfig:
     """Updates after the snapshot an index version is built from at which its batches are trained (default:
     indexer.reindex_every). The indexer's head start: if the version is not built by then, the trainers wait."""
 
+    shard_cache_mb: float = 512.0
+    """Memory for corpus shards kept between their batches (links stay within a shard, so the batcher reads one
+    shard at a time; shards that fit stay cached, and a corpus within the budget is read once). 0 keeps only the
+    shard in use: the batcher's memory is then bounded by the largest shard, whatever the corpus's size."""
+
     def __post_init__(self) -> None:
         at_least(self, "max_tokens", 16)
+        at_least(self, "shard_cache_mb", 0)
         at_least(self, "crosslingual_weight", 0)
         at_least(self, "monolingual_weight", 0)
         positive(self, "seed_lookahead")

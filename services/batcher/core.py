@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
 from marge.batch import Batch
-from marge.corpus import Corpus
+from marge.corpus import Corpus, ShardDocuments
 from marge.index_store import IndexVersion
 from marge.protocol import BatchId
 from services.batcher.config import BatcherConfig, BatchShape
@@ -17,32 +19,94 @@ from services.batcher.greedy import BatchPlan, plan_document_batches, plan_shard
 log = logging.getLogger(__name__)
 
 
-class DocumentStore:
-    """Tokens and language of every document of a corpus, by doc id (what batches are made of)."""
+PER_DOCUMENT_BYTES = 200
+"""Memory of one cached document besides its tokens (doc id, offset, position entry, language string): about
+150 bytes measured with tracemalloc on the demo shards; `tests/test_batcher.py` keeps the estimate above it."""
 
-    def __init__(self, corpus: Corpus, shards: list[int] | None = None):
-        self.tokens: dict[int, np.ndarray] = {}
-        self.langs: dict[int, str] = {}
-        self.shard_docs: dict[int, np.ndarray] = {}
-        """Doc ids of each shard (what a batch without an index is drawn from)."""
-        for s in shards if shards is not None else range(corpus.num_shards):
-            docs = corpus.read_shard(s)
-            self.shard_docs[s] = docs.doc_ids
-            for doc_id, lang, tokens in zip(docs.doc_ids.tolist(), docs.langs, docs.tokens):
-                self.tokens[doc_id] = tokens
-                self.langs[doc_id] = lang
+
+@dataclass
+class ShardTokens:
+    """One corpus shard as batches need it: each document's tokens, language and length by doc id."""
+
+    shard: int
+    doc_ids: np.ndarray  # int64, corpus order
+    langs: np.ndarray  # object (str)
+    flat: np.ndarray  # int32: every document's tokens, one after the other
+    offsets: np.ndarray  # document i is flat[offsets[i]:offsets[i + 1]]
+    position: dict[int, int]
+
+    @classmethod
+    def from_documents(cls, docs: ShardDocuments) -> "ShardTokens":
+        lengths = np.array([len(t) for t in docs.tokens], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        flat = np.concatenate(docs.tokens).astype(np.int32, copy=False) if len(docs.tokens) else np.zeros(0, np.int32)
+        return cls(docs.shard, docs.doc_ids, docs.langs, flat, offsets,
+                   {d: i for i, d in enumerate(docs.doc_ids.tolist())})
+
+    def tokens(self, doc_id: int) -> np.ndarray:
+        i = self.position[doc_id]
+        return self.flat[self.offsets[i]:self.offsets[i + 1]]
+
+    def lang(self, doc_id: int) -> str:
+        return self.langs[self.position[doc_id]]
 
     def lengths(self) -> dict[int, int]:
-        return {d: len(t) for d, t in self.tokens.items()}
+        return dict(zip(self.doc_ids.tolist(), np.diff(self.offsets).tolist()))
+
+    @property
+    def nbytes(self) -> int:
+        """Estimated memory held (what the store's budget counts)."""
+        return self.flat.nbytes + self.offsets.nbytes + self.doc_ids.nbytes + PER_DOCUMENT_BYTES * len(self.doc_ids)
 
 
-def materialize(plan: BatchPlan, docs: DocumentStore, batch_id: BatchId, index_version: int, snapshot_step: int) -> Batch:
+class DocumentStore:
+    """The corpus's documents for the batcher, read one shard at a time.
+
+    The indexer links documents within their shard, so a shard's batches need only that shard: the store reads
+    a shard when its batches are built and keeps the most recently used shards while they fit in
+    `cache_mb` (the shard in use always stays). Memory is bounded by the largest shard and the budget, not by
+    the corpus; a corpus that fits the budget is read once, as if it were held whole. Each shard file's sha256
+    is checked on its first read only.
+    """
+
+    def __init__(self, corpus: Corpus, cache_mb: float = 512.0):
+        self.corpus = corpus
+        self.cache_bytes = int(cache_mb * 2**20)
+        self._cache: OrderedDict[int, ShardTokens] = OrderedDict()
+        self._checked: set[int] = set()
+        self.reads = 0
+        """Shard files read so far (a corpus that fits the budget: each once)."""
+
+    @property
+    def shard_numbers(self) -> list[int]:
+        return [info.shard for info in self.corpus.shards]
+
+    def shard(self, shard: int) -> ShardTokens:
+        cached = self._cache.get(shard)
+        if cached is not None:
+            self._cache.move_to_end(shard)
+            return cached
+        docs = self.corpus.read_shard(shard, verify_checksum=None if shard not in self._checked else False)
+        self._checked.add(shard)
+        self.reads += 1
+        tokens = ShardTokens.from_documents(docs)
+        self._cache[shard] = tokens
+        while len(self._cache) > 1 and sum(t.nbytes for t in self._cache.values()) > self.cache_bytes:
+            self._cache.popitem(last=False)
+        return tokens
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(t.nbytes for t in self._cache.values())
+
+
+def materialize(plan: BatchPlan, docs: ShardTokens, batch_id: BatchId, index_version: int, snapshot_step: int) -> Batch:
     doc_ids = list(dict.fromkeys(plan.targets + plan.evidence))  # unique, first-seen order
     pos = {d: i for i, d in enumerate(doc_ids)}
     edges = np.array([(t, e) for t, e, _ in plan.edges], dtype=np.int32).reshape(-1, 2)
     return Batch(batch_id=str(batch_id), index_version=index_version, snapshot_step=snapshot_step,
-                 doc_ids=np.array(doc_ids, dtype=np.int64), doc_langs=tuple(docs.langs[d] for d in doc_ids),
-                 doc_tokens=tuple(docs.tokens[d] for d in doc_ids),
+                 doc_ids=np.array(doc_ids, dtype=np.int64), doc_langs=tuple(docs.lang(d) for d in doc_ids),
+                 doc_tokens=tuple(docs.tokens(d) for d in doc_ids),
                  targets=np.array([pos[t] for t in plan.targets], dtype=np.int32),
                  evidence=np.array([pos[e] for e in plan.evidence], dtype=np.int32),
                  edges=edges, edge_weights=np.array([w for _, _, w in plan.edges], dtype=np.float32))
@@ -56,7 +120,6 @@ def epoch_batches(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig
     Batch ids are deterministic (`BatchId`), so the same seed, version and epoch always give the same
     batches, and the ledger can recognise a batch seen before.
     """
-    lengths = docs.lengths()
     entries = [s for s in version.shards if shards is None or s["shard"] in shards]
     order = np.random.default_rng([seed, version.version, epoch]).permutation(len(entries))
     for j in order:
@@ -65,15 +128,22 @@ def epoch_batches(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig
         if graph.num_rows == 0:
             continue
         rng = np.random.default_rng([seed, version.version, epoch, shard])
+        shard_docs = docs.shard(shard)
+        target_ids, evidence_ids = graph.column("target_id").to_numpy(), graph.column("evidence_id").to_numpy()
+        outside = ~np.isin(np.concatenate([target_ids, evidence_ids]), shard_docs.doc_ids)
+        if outside.any():
+            raise ValueError(f"index v{version.version} ({version.path}): shard {shard}'s links name doc id "
+                             f"{int(np.concatenate([target_ids, evidence_ids])[outside][0])}, which corpus shard {shard} "
+                             f"does not hold: the index was built from another corpus ({docs.corpus.root})")
         plans, counters = plan_shard_batches(
-            graph.column("target_id").to_numpy(), graph.column("evidence_id").to_numpy(),
+            target_ids, evidence_ids,
             graph.column("cross_lingual").to_numpy(zero_copy_only=False), graph.column("score").to_numpy(),
-            lengths, cfg.max_tokens, cfg.crosslingual_weight, cfg.monolingual_weight, rng, cfg.seed_lookahead,
+            shard_docs.lengths(), cfg.max_tokens, cfg.crosslingual_weight, cfg.monolingual_weight, rng, cfg.seed_lookahead,
             shape.target_cost)
         if stats is not None:
             stats["oversized_seeds"] = stats.get("oversized_seeds", 0) + counters["oversized_seeds"]
         for n, plan in enumerate(plans):
-            yield materialize(plan, docs, BatchId(version.version, epoch, shard, n), version.version,
+            yield materialize(plan, shard_docs, BatchId(version.version, epoch, shard, n), version.version,
                               version.snapshot_step)
 
 
@@ -85,13 +155,13 @@ def corpus_epoch_batches(docs: DocumentStore, cfg: BatcherConfig, shape: BatchSh
                          stats: dict | None = None) -> Iterator[Batch]:
     """One pass over the corpus without an index ('documents' batches): shards in a seeded order, each shard's
     documents packed in a seeded order under the token budget. Ids are deterministic, as `epoch_batches`'."""
-    lengths = docs.lengths()
-    shard_numbers = sorted(docs.shard_docs)
+    shard_numbers = sorted(docs.shard_numbers)
     for j in np.random.default_rng([seed, 0, epoch]).permutation(len(shard_numbers)):
         shard = shard_numbers[j]
-        plans, counters = plan_document_batches(docs.shard_docs[shard], lengths, cfg.max_tokens,
+        shard_docs = docs.shard(shard)
+        plans, counters = plan_document_batches(shard_docs.doc_ids, shard_docs.lengths(), cfg.max_tokens,
                                                 np.random.default_rng([seed, 0, epoch, shard]), shape.document_cost)
         if stats is not None:
             stats["oversized_seeds"] = stats.get("oversized_seeds", 0) + counters["oversized_seeds"]
         for n, plan in enumerate(plans):
-            yield materialize(plan, docs, BatchId(0, epoch, shard, n), NO_INDEX, NO_INDEX)
+            yield materialize(plan, shard_docs, BatchId(0, epoch, shard, n), NO_INDEX, NO_INDEX)

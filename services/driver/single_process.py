@@ -243,7 +243,7 @@ class SingleProcessRun:
             if cfg.objectives.model_family == "marge" else None
         self.probe = self.monitor.probe if self.monitor else None
         self.indexer = InProcessIndexer(cfg, self.corpus, device)
-        self.docs = DocumentStore(self.corpus)
+        self.docs = DocumentStore(self.corpus, cfg.batcher.shard_cache_mb)
         self.slots = Slots(cfg.trainer.num_workers, cfg.trainer.grad_accum)
         self.plan = cfg.version_plan()
         self.stop_waiting = threading.Event()
@@ -311,7 +311,7 @@ class SingleProcessRun:
         """Train for `minutes` (or to run.max_steps), then checkpoint: one chunk of the run."""
         cfg, device, t = self.cfg, self.device, self.cfg.trainer
         model, optimizer, scheduler, state = self.build_training_state()
-        corpus_tokens = list(self.docs.tokens.values()) if cfg.objectives.needs_corpus else None
+        corpus_tokens = self.corpus.all_tokens() if cfg.objectives.needs_corpus else None
         objectives = objectives_for(cfg.objectives, self.tokenizer, corpus_tokens)
 
         def prepare(batch: Batch, step: int, position: int) -> PreparedBatch:

@@ -133,8 +133,7 @@ class Rank:
         if self.rank == 0:
             truncate_log(job.paths.train_log, self.step)  # lines of updates the checkpoint does not hold
         self.ddp_model = ray.train.torch.prepare_model(self.model)  # DDP (gloo on CPU, NCCL on GPU)
-        corpus_tokens = [tok for s in range(corpus.num_shards) for tok in corpus.read_shard(s).tokens] \
-            if job.objectives.needs_corpus else None
+        corpus_tokens = corpus.all_tokens() if job.objectives.needs_corpus else None
         self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens)
         self.source = source_for(job, self.rank)
         self.source.progress(self.step)  # a resumed rank: the batcher may write up to `lookahead` past it

@@ -138,10 +138,13 @@ class Corpus:
             raise _fail(self.root / "tokenizer.model", "does not match the tokenizer sha256 in manifest.json")
         return tok
 
-    def read_table(self, shard: int) -> pa.Table:
+    def read_table(self, shard: int, verify_checksum: bool | None = None) -> pa.Table:
+        """Shard `shard`, validated; its sha256 checked against the manifest unless `verify_checksum` is False
+        (default: the corpus's `verify_checksums`), e.g. when a reader has checked this file before."""
         info = self.shards[shard]
         path = self.root / info.file
-        if self.verify_checksums and sha256_file(path) != info.sha256:
+        verify = self.verify_checksums if verify_checksum is None else verify_checksum
+        if verify and sha256_file(path) != info.sha256:
             raise _fail(path, "sha256 differs from manifest.json (the file is corrupt or was modified)")
         try:
             table = pq.read_table(path)
@@ -154,8 +157,8 @@ class Corpus:
             raise _fail(path, f"rows belong to shards {sorted(set(table.column('shard').to_pylist()))}, expected {info.shard}")
         return table
 
-    def read_shard(self, shard: int) -> ShardDocuments:
-        table = self.read_table(shard)
+    def read_shard(self, shard: int, verify_checksum: bool | None = None) -> ShardDocuments:
+        table = self.read_table(shard, verify_checksum)
         tokens_col = table.column("tokens").combine_chunks()
         offsets = tokens_col.offsets.to_numpy()
         flat = tokens_col.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
@@ -168,6 +171,11 @@ class Corpus:
             tokens=tokens,
             texts=table.column("text").to_pylist(),
         )
+
+    def all_tokens(self) -> list[np.ndarray]:
+        """Every document's tokens, shard after shard (the whole corpus in memory: only for what samples from all
+        of it, such as the denoising objective's extra documents)."""
+        return [tokens for s in range(self.num_shards) for tokens in self.read_shard(s).tokens]
 
 
 def validate_table(table: pa.Table, path: Path, vocab_size: int | None = None) -> None:
