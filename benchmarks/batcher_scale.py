@@ -1,4 +1,4 @@
-"""Batcher at scale: seconds and peak memory of one pass over an index graph of 1M and 10M edges.
+"""Batcher at scale: seconds and peak memory of one pass over an index graph of 1M to 10M edges.
 
 The batcher builds a shard's batches from that shard's documents alone (links stay within a shard), so it can
 read one shard at a time (`batcher.shard_cache_mb=0`) instead of holding the corpus. This benchmark writes a
@@ -9,8 +9,9 @@ pass of `epoch_batches` over them in a fresh process per measurement, two ways i
   whole corpus  a budget larger than the corpus: every shard stays once read (what the batcher did before it
                 streamed shards, when it held every document from the start)
 
-at two graph sizes with the same shard size (so 10x the edges is 10x the shards). Goals (issue 15): the time per
-edge near-linear from 1M to 10M edges, and the streamed pass's memory bounded (not growing with the corpus).
+at graph sizes of 1M, 3M and 10M edges with the same shard size (so 10x the edges is 10x the shards). Goals
+(issue 15): the time per edge near-linear from 1M to 10M edges, and the streamed pass's memory bounded (not
+growing with the corpus).
 
     python benchmarks/batcher_scale.py --out benchmarks/results/batcher-scale-cpu.json
 """
@@ -120,10 +121,30 @@ def measure_in_child(corpus: Path, version: Path, cache_mb: float, max_tokens: i
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def summarize(sizes: dict) -> dict:
+    """Ratios between graph sizes: time per edge (near-linear: about 1) and memory (bounded: the streamed pass's
+    stops growing once a second shard has been read, while the whole corpus's grows with every shard)."""
+    by_edges = [sizes[k] for k in sorted(sizes, key=int)]
+    small, large = by_edges[0], by_edges[-1]
+    variants = ("streamed", "whole_corpus")
+    summary = {
+        "time_per_edge_largest_over_smallest": {
+            v: large[v]["seconds_per_100k_edges"] / small[v]["seconds_per_100k_edges"] for v in variants},
+        "memory_largest_over_smallest": {
+            v: large[v]["rss_over_baseline_mb"] / small[v]["rss_over_baseline_mb"] for v in variants},
+        "streamed_over_whole_corpus_memory_at_largest": large["streamed"]["rss_over_baseline_mb"]
+        / large["whole_corpus"]["rss_over_baseline_mb"],
+        "streamed_over_whole_corpus_time_at_largest": large["streamed"]["seconds"] / large["whole_corpus"]["seconds"]}
+    if len(by_edges) > 2:
+        summary["memory_largest_over_second_largest"] = {
+            v: large[v]["rss_over_baseline_mb"] / by_edges[-2][v]["rss_over_baseline_mb"] for v in variants}
+    return summary
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help="write the results JSON here")
-    p.add_argument("--edges", type=int, nargs="+", default=[1_000_000, 10_000_000], help="graph sizes")
+    p.add_argument("--edges", type=int, nargs="+", default=[1_000_000, 3_000_000, 10_000_000], help="graph sizes")
     p.add_argument("--shard-edges", type=int, default=1_000_000, help="edges per shard (the same at every size)")
     p.add_argument("--links", type=int, default=8, help="evidence documents per target")
     p.add_argument("--max-tokens", type=int, default=2048, help="batcher.max_tokens")
@@ -156,15 +177,7 @@ def main() -> int:
             shutil.rmtree(work / str(edges))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    small, large = (results["sizes"][str(e)] for e in (min(args.edges), max(args.edges)))
-    results["summary"] = {
-        "time_per_edge_large_over_small": {name: large[name]["seconds_per_100k_edges"] / small[name]["seconds_per_100k_edges"]
-                                           for name in ("streamed", "whole_corpus")},
-        "memory_large_over_small": {name: large[name]["rss_over_baseline_mb"] / small[name]["rss_over_baseline_mb"]
-                                    for name in ("streamed", "whole_corpus")},
-        "streamed_over_whole_corpus_memory_at_large": large["streamed"]["rss_over_baseline_mb"]
-        / large["whole_corpus"]["rss_over_baseline_mb"],
-        "streamed_over_whole_corpus_time_at_large": large["streamed"]["seconds"] / large["whole_corpus"]["seconds"]}
+    results["summary"] = summarize(results["sizes"])
     print(json.dumps(results["summary"], indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 from marge.batch import Batch
 from marge.corpus import Corpus, ShardDocuments
@@ -90,6 +91,10 @@ class DocumentStore:
         self._checked.add(shard)
         self.reads += 1
         tokens = ShardTokens.from_documents(docs)
+        del docs
+        # the Parquet read's buffers are free now; Arrow's allocator would keep their pages for the next
+        # read, which can be a few hundred MB on a large shard: give them back so memory follows the budget
+        pa.default_memory_pool().release_unused()
         self._cache[shard] = tokens
         while len(self._cache) > 1 and sum(t.nbytes for t in self._cache.values()) > self.cache_bytes:
             self._cache.popitem(last=False)
@@ -124,27 +129,38 @@ def epoch_batches(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig
     order = np.random.default_rng([seed, version.version, epoch]).permutation(len(entries))
     for j in order:
         shard = int(entries[j]["shard"])
-        graph = version.read_graph(shard)
-        if graph.num_rows == 0:
+        planned = plan_shard(version, docs, cfg, epoch, seed, shard, shape, stats)
+        if planned is None:
             continue
-        rng = np.random.default_rng([seed, version.version, epoch, shard])
-        shard_docs = docs.shard(shard)
-        target_ids, evidence_ids = graph.column("target_id").to_numpy(), graph.column("evidence_id").to_numpy()
-        outside = ~np.isin(np.concatenate([target_ids, evidence_ids]), shard_docs.doc_ids)
-        if outside.any():
-            raise ValueError(f"index v{version.version} ({version.path}): shard {shard}'s links name doc id "
-                             f"{int(np.concatenate([target_ids, evidence_ids])[outside][0])}, which corpus shard {shard} "
-                             f"does not hold: the index was built from another corpus ({docs.corpus.root})")
-        plans, counters = plan_shard_batches(
-            target_ids, evidence_ids,
-            graph.column("cross_lingual").to_numpy(zero_copy_only=False), graph.column("score").to_numpy(),
-            shard_docs.lengths(), cfg.max_tokens, cfg.crosslingual_weight, cfg.monolingual_weight, rng, cfg.seed_lookahead,
-            shape.target_cost)
-        if stats is not None:
-            stats["oversized_seeds"] = stats.get("oversized_seeds", 0) + counters["oversized_seeds"]
+        plans, shard_docs = planned
         for n, plan in enumerate(plans):
             yield materialize(plan, shard_docs, BatchId(version.version, epoch, shard, n), version.version,
                               version.snapshot_step)
+        del planned, plans, shard_docs  # the next shard is planned without this one's plans and documents
+
+
+def plan_shard(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig, epoch: int, seed: int, shard: int,
+               shape: BatchShape, stats: dict | None) -> tuple[list[BatchPlan], ShardTokens] | None:
+    """The greedy batches of one shard's links in pass `epoch`, with the shard's documents; None without links."""
+    graph = version.read_graph(shard)
+    if graph.num_rows == 0:
+        return None
+    shard_docs = docs.shard(shard)
+    target_ids, evidence_ids = graph.column("target_id").to_numpy(), graph.column("evidence_id").to_numpy()
+    named = np.concatenate([target_ids, evidence_ids])
+    outside = ~np.isin(named, shard_docs.doc_ids)
+    if outside.any():
+        raise ValueError(f"index v{version.version} ({version.path}): shard {shard}'s links name doc id "
+                         f"{int(named[outside][0])}, which corpus shard {shard} does not hold: the index was built "
+                         f"from another corpus ({docs.corpus.root})")
+    plans, counters = plan_shard_batches(
+        target_ids, evidence_ids, graph.column("cross_lingual").to_numpy(zero_copy_only=False),
+        graph.column("score").to_numpy(), shard_docs.lengths(), cfg.max_tokens, cfg.crosslingual_weight,
+        cfg.monolingual_weight, np.random.default_rng([seed, version.version, epoch, shard]), cfg.seed_lookahead,
+        shape.target_cost)
+    if stats is not None:
+        stats["oversized_seeds"] = stats.get("oversized_seeds", 0) + counters["oversized_seeds"]
+    return plans, shard_docs
 
 
 NO_INDEX = -1
