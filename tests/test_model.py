@@ -422,3 +422,26 @@ def test_a_config_saved_before_the_embedding_layernorm_loads_as_the_model_it_was
     del saved["embedding_layernorm"]
     assert not MargeConfig.from_dict(saved).embedding_layernorm
     assert MargeConfig.from_dict(preset("tiny", vocab_size=200).to_dict()).embedding_layernorm
+
+
+def test_chunked_loss_equals_the_full_loss_and_its_gradients():
+    """model.loss_chunk_tokens changes memory, not the loss: the same per-target NLL and the same gradient of
+    every parameter (chunks of 7 rows: the last chunk is a partial one), with and without gradients."""
+    inputs = to_model_inputs(make_batch(np.random.default_rng(5), lengths=(9, 14, 6, 11), targets=(0, 1, 3)), SPECIALS)
+    n, t = inputs.decoder_in_NT.shape
+    assert (n * t) % 7
+    full, chunked = tiny().train(), tiny(loss_chunk_tokens=7).train()
+    out_full, out_chunked = full(**inputs.as_kwargs()), chunked(**inputs.as_kwargs())
+    torch.testing.assert_close(out_chunked.nll_per_target_N, out_full.nll_per_target_N, rtol=1e-6, atol=1e-6)
+    out_full.loss.backward()
+    out_chunked.loss.backward()
+    for (name, a), b in zip(full.named_parameters(), chunked.parameters(), strict=True):
+        if a.grad is None:
+            assert b.grad is None, name
+        else:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(chunked(**inputs.as_kwargs()).loss, full(**inputs.as_kwargs()).loss)
+    assert chunked(**inputs.as_kwargs(), return_logits=True).logits_NTV.shape == (n, t, 200)
+    with pytest.raises(ValueError, match="model.loss_chunk_tokens must be >= 0"):
+        preset("tiny", loss_chunk_tokens=-1)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 # ----------------------------------------------------------------------------------------------------
@@ -84,7 +85,16 @@ class MargeConfig:
     larger embedding init instead: 0.97; benchmarks/copy_race.py, README "Copy race"). False: the model
     before issue 17."""
 
+    loss_chunk_tokens: int = 0
+    """Target tokens whose output logits the training loss computes at a time (0: all at once). Each chunk's
+    logits are computed again in the backward pass instead of kept, so memory holds one chunk x vocabulary
+    of them, not every target token's: for the 250k vocabulary of `paper` the logits are the largest tensor
+    of a step. The loss and gradients are those of the unchunked loss (tests/test_model.py); the price is
+    one more output-layer forward per step. An execution setting, not architecture: it changes no weight."""
+
     def __post_init__(self) -> None:
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"model.loss_chunk_tokens must be >= 0 (0: no chunks), got {self.loss_chunk_tokens}")
         check_shared_fields(self, ("vocab_size", "d_model", "num_heads", "encoder_layers", "encoder_ffn",
                                    "decoder_local_ffn", "decoder_layers", "decoder_ffn", "max_positions",
                                    "relevance_layers"))
@@ -594,14 +604,44 @@ class Marge(nn.Module):
         else:
             relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD)
         cross = self.cross_memory(evidence, relevance_NM, allowed_NM)
-        logits_NTV = self.logits(self.decode(decoder_in_NT, evidence.memory_1LD, cross))
-        n, t, v = logits_NTV.shape  # (N*T, V) rows: no transposed copy of the logits, the largest tensor
-        nll_NT = F.cross_entropy(logits_NTV.float().reshape(n * t, v), labels_NT.reshape(n * t),
-                                 ignore_index=self.cfg.pad_id, reduction="none").view(n, t)
+        states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, cross)
+        n, t, d = states_NTD.shape  # (N*T, V) rows: no transposed copy of the logits, the largest tensor
+        chunk = self.cfg.loss_chunk_tokens
+        logits_NTV = None
+        if chunk and not return_logits:
+            nll_NT = chunked_token_nll(states_NTD.reshape(n * t, d), self.embed_tokens.weight,
+                                       labels_NT.reshape(n * t), self.cfg.pad_id, chunk).view(n, t)
+        else:
+            logits_NTV = self.logits(states_NTD)
+            nll_NT = token_nll(logits_NTV.reshape(n * t, -1), labels_NT.reshape(n * t), self.cfg.pad_id).view(n, t)
         tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
         nll_N = nll_NT.sum(1)
         loss = nll_N.sum() / tokens_N.sum().clamp(min=1)
         return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None)
+
+
+def token_nll(logits_RV: Tensor, labels_R: Tensor, pad_id: int) -> Tensor:
+    """Negative log-likelihood of each row's label (0 where the label is padding), in fp32."""
+    return F.cross_entropy(logits_RV.float(), labels_R, ignore_index=pad_id, reduction="none")
+
+
+def _projected_token_nll(states_RD: Tensor, weight_VD: Tensor, labels_R: Tensor, pad_id: int) -> Tensor:
+    return token_nll(states_RD @ weight_VD.T, labels_R, pad_id)
+
+
+def chunked_token_nll(states_RD: Tensor, weight_VD: Tensor, labels_R: Tensor, pad_id: int, chunk: int) -> Tensor:
+    """`token_nll` of the tied output projection `states @ weight.T`, `chunk` rows at a time. With gradients on,
+    each chunk is checkpointed (its logits are recomputed in the backward pass, under the same autocast), so
+    at most one chunk's logits exist at any time; the result and its gradients equal the unchunked loss's."""
+    pieces = []
+    for start in range(0, states_RD.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        if torch.is_grad_enabled():
+            pieces.append(torch.utils.checkpoint.checkpoint(_projected_token_nll, states_RD[rows], weight_VD,
+                                                            labels_R[rows], pad_id, use_reentrant=False))
+        else:
+            pieces.append(_projected_token_nll(states_RD[rows], weight_VD, labels_R[rows], pad_id))
+    return torch.cat(pieces)
 
 
 class RelevanceEncoder(nn.Module):
