@@ -28,7 +28,7 @@ def measure(tokens: int, d_model: int, vocab: int, chunk: int, device: str, bf16
     """One loss step in this process; returns seconds, peak memory (MB) and checksums of the results."""
     import torch
 
-    from marge.model import chunked_token_nll, token_nll
+    from marge.model import chunked_token_nll, projected_token_nll
 
     torch.manual_seed(0)
     dev = torch.device(device)
@@ -45,7 +45,7 @@ def measure(tokens: int, d_model: int, vocab: int, chunk: int, device: str, bf16
     t0 = time.perf_counter()
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
         nll = (chunked_token_nll(states, weight, labels, 0, chunk) if chunk
-               else token_nll(states @ weight.T, labels, 0))
+               else projected_token_nll(states, weight, labels, 0))
         loss = nll.sum() / (labels != 0).sum()
     loss.backward()
     if dev.type == "cuda":

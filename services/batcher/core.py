@@ -87,7 +87,7 @@ class DocumentStore:
         if cached is not None:
             self._cache.move_to_end(shard)
             return cached
-        docs = self.corpus.read_shard(shard, verify_checksum=None if shard not in self._checked else False)
+        docs = self.corpus.read_shard(shard, verify_checksum=False if shard in self._checked else None)
         self._checked.add(shard)
         self.reads += 1
         tokens = ShardTokens.from_documents(docs)
@@ -96,7 +96,7 @@ class DocumentStore:
         # read, which can be a few hundred MB on a large shard: give them back so memory follows the budget
         pa.default_memory_pool().release_unused()
         self._cache[shard] = tokens
-        while len(self._cache) > 1 and sum(t.nbytes for t in self._cache.values()) > self.cache_bytes:
+        while len(self._cache) > 1 and self.cached_bytes > self.cache_bytes:
             self._cache.popitem(last=False)
         return tokens
 

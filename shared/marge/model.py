@@ -605,14 +605,14 @@ class Marge(nn.Module):
             relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD)
         cross = self.cross_memory(evidence, relevance_NM, allowed_NM)
         states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, cross)
-        n, t, d = states_NTD.shape  # (N*T, V) rows: no transposed copy of the logits, the largest tensor
+        n, t, d = states_NTD.shape
         chunk = self.cfg.loss_chunk_tokens
         logits_NTV = None
         if chunk and not return_logits:
             nll_NT = chunked_token_nll(states_NTD.reshape(n * t, d), self.embed_tokens.weight,
                                        labels_NT.reshape(n * t), self.cfg.pad_id, chunk).view(n, t)
         else:
-            logits_NTV = self.logits(states_NTD)
+            logits_NTV = self.logits(states_NTD)  # scored as (N*T, V) rows: no transposed copy of the largest tensor
             nll_NT = token_nll(logits_NTV.reshape(n * t, -1), labels_NT.reshape(n * t), self.cfg.pad_id).view(n, t)
         tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
         nll_N = nll_NT.sum(1)
@@ -625,7 +625,8 @@ def token_nll(logits_RV: Tensor, labels_R: Tensor, pad_id: int) -> Tensor:
     return F.cross_entropy(logits_RV.float(), labels_R, ignore_index=pad_id, reduction="none")
 
 
-def _projected_token_nll(states_RD: Tensor, weight_VD: Tensor, labels_R: Tensor, pad_id: int) -> Tensor:
+def projected_token_nll(states_RD: Tensor, weight_VD: Tensor, labels_R: Tensor, pad_id: int) -> Tensor:
+    """`token_nll` of the tied output projection `states @ weight.T` (what `Marge.logits` computes)."""
     return token_nll(states_RD @ weight_VD.T, labels_R, pad_id)
 
 
@@ -637,10 +638,10 @@ def chunked_token_nll(states_RD: Tensor, weight_VD: Tensor, labels_R: Tensor, pa
     for start in range(0, states_RD.shape[0], chunk):
         rows = slice(start, start + chunk)
         if torch.is_grad_enabled():
-            pieces.append(torch.utils.checkpoint.checkpoint(_projected_token_nll, states_RD[rows], weight_VD,
+            pieces.append(torch.utils.checkpoint.checkpoint(projected_token_nll, states_RD[rows], weight_VD,
                                                             labels_R[rows], pad_id, use_reentrant=False))
         else:
-            pieces.append(_projected_token_nll(states_RD[rows], weight_VD, labels_R[rows], pad_id))
+            pieces.append(projected_token_nll(states_RD[rows], weight_VD, labels_R[rows], pad_id))
     return torch.cat(pieces)
 
 

@@ -65,7 +65,7 @@ def refresh_cost(builds: list[dict[str, Any]], records: list[dict[str, Any]]) ->
             first_use.setdefault(v, r["step"])
     per_version = []
     for b in builds:
-        during = sum(1 for start, end, _ in steps if b["started_unix"] < end and start < b["finished_unix"])
+        during = sum(1 for start, end, _ in steps if overlaps(start, end, [(b["started_unix"], b["finished_unix"])]))
         used = first_use.get(b["version"])
         per_version.append({"version": b["version"], "snapshot_step": b["snapshot_step"],
                             "build_seconds": b.get("seconds"), "indexer_workers": b.get("indexer_workers"),
