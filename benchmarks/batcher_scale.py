@@ -69,7 +69,8 @@ def write_synthetic(root: Path, shards: int, docs_per_shard: int, links: int, se
             pa.array(ids), keys, pa.array(np.full(docs_per_shard, s, np.int32)), keys, pa.array(langs.tolist()),
             pa.array(np.zeros(docs_per_shard, np.int32)), pa.array(np.ones(docs_per_shard, np.int32)),
             pa.array([""] * docs_per_shard), pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat)),
-            pa.array(lengths), pa.array(["synthetic"] * docs_per_shard)], schema=CORPUS_SCHEMA)
+            pa.array(lengths), pa.array(["synthetic"] * docs_per_shard),
+            pa.array([[]] * docs_per_shard, type=CORPUS_SCHEMA.field("paragraph_ids").type)], schema=CORPUS_SCHEMA)
         file = f"shards/shard-{s:05d}.parquet"
         pq.write_table(table, corpus / file)
         infos.append({"shard": s, "file": file, "rows": docs_per_shard, "tokens": int(offsets[-1]),

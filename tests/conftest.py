@@ -44,6 +44,27 @@ def small_corpus(tmp_path_factory) -> Path:
     return out
 
 @pytest.fixture(scope="session")
+def paragraph_corpus(tmp_path_factory) -> Path:
+    """The learning recipe's corpus in small: 12 pages of the demo fixture in its 5 Latin-script languages, one
+    paragraph per document (with the paragraph ids that say which documents are translations)."""
+    import gzip
+    import json
+
+    from marge.prepare import PrepareOptions, prepare
+
+    rows = [json.loads(line) for line in gzip.open(DEMO_RAW / "documents.jsonl.gz", "rt", encoding="utf-8")]
+    short = {r["group"] for r in rows if r["language"] == "en" and len(r["text"]) < 3000}  # no giant page
+    groups = sorted(short)[:12]
+    keep = [r for r in rows if r["group"] in set(groups)]
+    raw = tmp_path_factory.mktemp("raw") / "paragraphs.jsonl"
+    raw.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep), encoding="utf-8")
+    out = tmp_path_factory.mktemp("prepared") / "paragraphs"
+    prepare(PrepareOptions(inputs=[raw], out=out, vocab_size=1500, docs_per_shard=150, max_chunk_tokens=64,
+                           document_unit="paragraph", min_document_tokens=4, languages=("en", "de", "fr", "es", "it")))
+    return out
+
+
+@pytest.fixture(scope="session")
 def few_pairs(tmp_path_factory) -> Path:
     """The demo's held-out pairs cut to 6 per language pair (14 directions): evaluations stay short."""
     rows, per_pair = [], {}

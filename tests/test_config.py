@@ -92,7 +92,14 @@ def test_every_field_of_every_section_refuses_a_wrong_type_and_names_itself(key)
     ("ray.num_cpus=0", r"ray\.num_cpus must be > 0, got 0"),
     ("model.depth=3", r"unknown model field\(s\) \['depth'\]"),
     ("model.relevance_pooling=max", r"model\.relevance_pooling must be 'bos' or 'mean', got 'max'"),
-    ("indexer.reindex_every=15", r"indexer\.reindex_every must be a multiple of trainer\.snapshot_every \(100\), got 15"),
+    ("indexer.reindex_every=15", r"indexer\.reindex_every must be a multiple of trainer\.snapshot_every \(250\), got 15"),
+    ("indexer.links=bm25", r"indexer\.links must be one of \['g', 'tfidf', 'aligned'\], got 'bm25'"),
+    ("indexer.bootstrap=bm25", r"indexer\.bootstrap must be one of \['none', 'tfidf'\], got 'bm25'"),
+    ("indexer.lexical_until=0", r"indexer\.lexical_until must be > 0 when lexical_weight > 0"),
+    ("data.document_unit=sentence", r"data\.document_unit must be one of \['chunk', 'paragraph'\], got 'sentence'"),
+    ("data.languages=[en, xx]", r"data\.languages must be ISO 639-1 codes"),
+    ("health.eval_layer=h", r"health\.eval_layer must be one of \['g'\], got 'h'"),
+    ("health.aligned_probe_size=-1", r"health\.aligned_probe_size must be >= 0, got -1"),
     ("batcher.max_tokens=100", r"batcher\.max_tokens must fit one target and one evidence document .* at least 255, got 100"),
 ])
 def test_bad_values_are_errors_that_name_the_key_the_value_and_what_is_allowed(override, message):
@@ -221,7 +228,11 @@ def test_every_deviation_from_the_paper_is_off_in_the_paper_preset_and_config():
     model = cfg.model_config(vocab_size=cfg.data.vocab_size)
     assert model == paper
     assert cfg.indexer.min_score == -1.0 and cfg.indexer.link_rule == "shard"
-    assert cfg.data.max_chunk_tokens == 512
+    assert cfg.indexer.links == "g" and cfg.indexer.bootstrap == "none" and cfg.indexer.lexical_weight == 0
+    assert cfg.data.max_chunk_tokens == 512 and cfg.data.document_unit == "chunk" and cfg.data.languages is None
+    defaults = PipelineConfig()  # a config that says nothing gets the paper's choices too
+    assert (defaults.indexer.links, defaults.indexer.bootstrap, defaults.indexer.lexical_weight) == ("g", "none", 0.0)
+    assert defaults.data.document_unit == "chunk" and defaults.data.languages is None
 
 
 def test_no_loss_weight_is_architecture():

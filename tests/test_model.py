@@ -13,6 +13,8 @@ from marge.batch import Batch, SpecialTokens
 from services.trainer.inputs import to_model_inputs
 from marge.model import CrossMemory, Marge, MargeConfig, build_on_meta, count_parameters, preset
 
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
 SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 10, "de": 11, "zh": 12})
 
 
@@ -395,7 +397,7 @@ def test_untied_encoder_embeddings_feed_encoder_and_snapshot():
 def test_relevance_encoder_carries_the_embedding_layernorm():
     from marge.model import PRESETS, RelevanceEncoder, relevance_state_dict
 
-    assert PRESETS["paper"]["embedding_layernorm"]  # our choice where the paper is silent: stated, not inherited
+    assert PRESETS["paper"]["embedding_layernorm"] is False  # our choice where the paper is silent: stated, measured
     inputs = to_model_inputs(make_batch(np.random.default_rng(18)), SPECIALS)
     for embedding_layernorm in (True, False):
         model = tiny(embedding_layernorm=embedding_layernorm)
@@ -445,3 +447,26 @@ def test_chunked_loss_equals_the_full_loss_and_its_gradients():
     assert chunked(**inputs.as_kwargs(), return_logits=True).logits_NTV.shape == (n, t, 200)
     with pytest.raises(ValueError, match="model.loss_chunk_tokens must be >= 0"):
         preset("tiny", loss_chunk_tokens=-1)
+
+
+def test_the_papers_g_does_not_start_collapsed_and_our_embedding_layernorm_would_collapse_it(paragraph_corpus):
+    """The paper's g (the BOS state after 4 layers of its 1024-wide encoder) at initialisation: unrelated held-out
+    paragraphs must not all look alike. With a LayerNorm on the embeddings (our choice elsewhere, not the paper's)
+    they would (benchmarks/init_spread.py measures it on the held-out pairs)."""
+    from marge.corpus import Corpus
+    from marge.model import RelevanceEncoder, init_parameters
+    from services.trainer.health import COLLAPSED_SPREAD, relevance_spread
+
+    tok = Corpus.open(paragraph_corpus).tokenizer()
+    texts = [line.split("\t")[1] for line in (REPO / "data/demo/libreoffice-help/heldout_pairs.tsv")
+             .read_text(encoding="utf-8").splitlines()[::40]][:24]
+    spreads = {}
+    for layernorm in (False, True):
+        torch.manual_seed(0)
+        cfg = preset("paper", vocab_size=tok.vocab_size, embedding_layernorm=layernorm) if layernorm else \
+            preset("paper", vocab_size=tok.vocab_size)
+        encoder = RelevanceEncoder(cfg)
+        init_parameters(encoder, cfg.init_std, cfg.pad_id)  # as the whole model is initialised
+        with torch.no_grad():
+            spreads[layernorm] = relevance_spread(encoder.eval(), tok, texts)
+    assert spreads[False] < 0.7 < COLLAPSED_SPREAD < spreads[True]

@@ -88,6 +88,12 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
     assert Path(summary["snapshot"]).name == "step-00000024"
     text = caplog.text
     assert "[indexer] v" in text and "[batcher] produced" in text and "[trainer] step" in text
+    # the run ends with g's health: the trained g against the same model at initialisation, on held-out pairs
+    g = summary["g_health"]
+    assert g["snapshot_step"] == 24 and g["directions"] == 14 and g["verdict"] in ("learning", "below initialisation",
+                                                                                   "collapsed")
+    assert (g["warning"] is None) == (g["verdict"] == "learning") and 0 <= g["p_at_1_at_init"] <= 1
+    assert f"[g] {g['verdict']} | held-out P@1 {g['p_at_1']:.3f} vs {g['p_at_1_at_init']:.3f}" in text
 
     # the same run submitted again with a higher step budget resumes from its checkpoint
     resumed = run_pipeline(small_config(tmp_path, small_corpus, redis_server.url, "e2e", "run.max_steps=30", *args))
@@ -124,7 +130,8 @@ def test_learning_experiment_writes_a_complete_report(ray_cluster, redis_server,
     assert [r["step"] for r in report["p_at_1_over_time"]] == [6, 12]
     assert isinstance(report["evidence_gain"], float)
     assert {"evidence_gain", "relevance_gap", "g_spread", "copy_gain"} <= set(report["health"][-1])
-    assert set(report["trained_by_layer"]) == {"0", "1", "2", "3"}
+    assert set(report["trained_by_layer"]) == {"0", "1", "2", "3", "g"}
+    assert report["eval_layer"] == "g" and report["p_at_1"]["trained"] == report["trained_by_layer"]["g"]
     # the checkpoint it names is one `marge eval retrieval --checkpoint` accepts, and gives the same P@1
     assert main(["eval", "retrieval", "--pairs", str(pairs), "--checkpoint", report["checkpoint"], "--json",
                  "--layer", str(report["eval_layer"])]) == 0

@@ -23,7 +23,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     opts = PrepareOptions(
         inputs=args.inputs, out=args.out, tokenizer_dir=args.tokenizer, vocab_size=args.vocab_size,
-        max_chunk_tokens=args.max_chunk_tokens, docs_per_shard=args.docs_per_shard, num_shards=args.num_shards,
+        max_chunk_tokens=args.max_chunk_tokens, document_unit=args.document_unit,
+        min_document_tokens=args.min_document_tokens, docs_per_shard=args.docs_per_shard, num_shards=args.num_shards,
         languages=tuple(args.languages.split(",")) if args.languages else None, lid=not args.no_lid,
         lid_threshold=args.lid_threshold, max_document_chars=args.max_document_chars,
         on_bad_document="skip" if args.skip_bad_documents else "error", seed=args.seed, overwrite=args.overwrite)
@@ -151,9 +152,11 @@ def cmd_eval_retrieval(args: argparse.Namespace) -> int:
         if args.checkpoint:
             args.random_init = False
             model, tok, _ = load_eval_model(args)
+            pairs = read_pairs(Path(args.pairs), tok.languages)  # the directions the model knows
             systems["trained"] = evaluate_model(model, tok, pairs, args.layer, args.margin)
         args.random_init = True
         model, tok, _ = load_eval_model(args)
+        pairs = read_pairs(Path(args.pairs), tok.languages)
         systems["random_init"] = evaluate_model(model, tok, pairs, args.layer, args.margin)
         systems["tfidf"] = evaluate_tfidf(pairs, args.margin)
         result: dict = systems
@@ -162,7 +165,7 @@ def cmd_eval_retrieval(args: argparse.Namespace) -> int:
         systems["tfidf"] = result
     else:
         model, tok, label = load_eval_model(args)
-        result = evaluate_model(model, tok, pairs, args.layer, args.margin)
+        result = evaluate_model(model, tok, read_pairs(Path(args.pairs), tok.languages), args.layer, args.margin)
         systems[label] = result
     if args.json:
         print(json.dumps(result))
@@ -402,6 +405,19 @@ def cmd_experiment_objectives(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment_ceiling(args: argparse.Namespace) -> int:
+    from services.driver.ceiling_experiment import run_ceiling
+
+    def names(value: str | None) -> list[str] | None:
+        return [n.strip() for n in value.split(",") if n.strip()] if value else None
+
+    report = run_ceiling(args.config, args.overrides, args.minutes, args.out, names(args.arms), args.sweep_minutes,
+                         names(args.sizes), args.size, args.device)
+    print(json.dumps({"size": report["size"], "headline_ratios": report["headline_ratios"], "targets": report["targets"],
+                      "report": str(Path(args.out) / "report.json")}))
+    return 0
+
+
 def named_paths(values: list[str], flag: str) -> dict[str, Path]:
     out = {}
     for value in values:
@@ -534,6 +550,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", type=Path, default=None, help="reuse the tokenizer in this folder instead of training one")
     p.add_argument("--vocab-size", type=int, default=16000, help="tokenizer vocabulary (default 16000; the paper: 250k)")
     p.add_argument("--max-chunk-tokens", type=int, default=512, help="tokens per document chunk, specials included (paper: 512)")
+    p.add_argument("--document-unit", choices=("chunk", "paragraph"), default="chunk",
+                   help="chunk: paragraphs packed into documents of up to --max-chunk-tokens (the paper); paragraph: "
+                        "every paragraph a document, cut at --max-chunk-tokens")
+    p.add_argument("--min-document-tokens", type=int, default=1, help="drop documents with fewer text tokens")
     p.add_argument("--docs-per-shard", type=int, default=512, help="target chunks per shard (default 512)")
     p.add_argument("--num-shards", type=int, default=None, help="exact number of shards (overrides --docs-per-shard)")
     p.add_argument("--languages", default=None, help="keep only these comma-separated ISO 639-1 languages")
@@ -705,6 +725,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out pairs per direction (to/from en) translated for chrF (0: none)")
     q.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="applied to every variant")
     q.set_defaults(func=cmd_experiment_objectives)
+    q = exp_sub.add_parser("ceiling", help="the MARGE loop against its ceiling (aligned oracle), the paper's loop and a "
+                                           "frozen lexical index, equal minutes each (single-process runs)")
+    q.add_argument("--minutes", type=float, required=True, help="wall-clock training minutes of each arm (0: report only)")
+    q.add_argument("--out", type=Path, required=True, help="folder for report.json, curves.png, the sweep and one run "
+                                                           "per arm (finished arms are kept: run it again to resume)")
+    q.add_argument("--config", type=Path, default=None, help="base config (default deploy/configs/learning.yaml)")
+    q.add_argument("--arms", default=None, help="comma-separated: oracle, loop, paper, lexical_frozen, mechanism")
+    q.add_argument("--sweep-minutes", type=float, default=0.0,
+                   help="first run the oracle arm at each width for this many minutes and use the best width")
+    q.add_argument("--sizes", default=None, help="widths of the sweep (default d64,d128,d192)")
+    q.add_argument("--size", default=None, help="use this width (d64, d128, d192) instead of the sweep's choice")
+    q.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
+    q.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="applied to every arm")
+    q.set_defaults(func=cmd_experiment_ceiling)
     q = exp_sub.add_parser("finetune", help="the demo tasks fine-tuned from each checkpoint and from random init, "
                                             "one recipe and budget, scored on test")
     q.add_argument("--checkpoint", action="append", required=True, metavar="NAME=PATH",

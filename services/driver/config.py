@@ -71,13 +71,31 @@ class DataConfig:
     vocab_size: int = 8000
     max_chunk_tokens: int = 512
     """Longest document chunk in tokens, BOS and EOS included (paper: 512)."""
+    document_unit: str = "chunk"
+    """'chunk': paragraphs packed into documents of up to max_chunk_tokens (paper §3). Deviation 'paragraph':
+    every paragraph a document, cut at max_chunk_tokens; shards still hold a page in every language."""
+    min_document_tokens: int = 1
+    """Documents with fewer text tokens are dropped when the corpus is prepared."""
+    languages: list[str] | None = None
+    """Keep only these languages of `raw` (null: all of them)."""
     docs_per_shard: int = 512
     num_shards: int | None = None
     heldout_pairs: str | None = "data/demo/libreoffice-help/heldout_pairs.tsv"
 
     def __post_init__(self) -> None:
-        positive(self, "vocab_size", "docs_per_shard")
+        positive(self, "vocab_size", "docs_per_shard", "min_document_tokens")
         at_least(self, "max_chunk_tokens", 3)
+        one_of(self, "document_unit", ("chunk", "paragraph"))
+        if self.languages is not None:
+            from marge.languages import normalize_language
+
+            if not self.languages:
+                raise FieldError("languages", self.languages, "a non-empty list of ISO 639-1 codes, or null for all")
+            for lang in self.languages:
+                try:
+                    normalize_language(lang)
+                except ValueError:
+                    raise FieldError("languages", self.languages, "ISO 639-1 codes (en, de, ...)") from None
         if self.num_shards is not None:
             positive(self, "num_shards")
 
@@ -180,9 +198,25 @@ class PipelineConfig:
         indexer = self.indexer.num_workers * self.indexer.num_cpus_per_worker if self.objectives.needs_index else 0.0
         return self.trainer.num_workers * self.trainer.num_cpus_per_worker + indexer
 
-    def check_fits(self, cluster_cpus: float) -> None:
+    def gpus_needed(self) -> float:
+        """GPUs the run's actors ask Ray for: one per trainer with `trainer.use_gpu`, and the indexer workers'
+        `indexer.num_gpus_per_worker` with `indexer.use_gpu` (when there is an index)."""
+        trainer = self.trainer.num_workers if self.trainer.use_gpu else 0.0
+        indexer = (self.indexer.num_workers * self.indexer.num_gpus_per_worker
+                   if self.indexer.use_gpu and self.objectives.needs_index else 0.0)
+        return trainer + indexer
+
+    def check_fits(self, cluster_cpus: float, cluster_gpus: float | None = None) -> None:
         """Refuse up front a run the cluster cannot hold, instead of Ray Train timing out while its workers wait
-        for CPUs (WorkerGroupStartupTimeoutError)."""
+        for CPUs or GPUs (WorkerGroupStartupTimeoutError, or a silent wait). `cluster_gpus` None: not checked."""
+        gpus = self.gpus_needed()
+        if cluster_gpus is not None and cluster_gpus + 1e-9 < gpus:
+            parts = [f"trainer {self.trainer.num_workers} x 1" if self.trainer.use_gpu else "",
+                     f"indexer {self.indexer.num_workers} x {self.indexer.num_gpus_per_worker:g}"
+                     if self.indexer.use_gpu and self.objectives.needs_index and self.indexer.num_gpus_per_worker else ""]
+            raise ConfigError(f"the run needs {gpus:g} GPUs ({' + '.join(p for p in parts if p)}) but the Ray cluster "
+                              f"has {cluster_gpus:g}: start Ray on GPU nodes (`ray start --num-gpus N`), or set "
+                              "trainer.use_gpu=false and indexer.use_gpu=false to train on CPUs")
         needed = self.cpus_needed()
         if cluster_cpus + 1e-9 < needed:
             indexer = (f" + indexer {self.indexer.num_workers} x {self.indexer.num_cpus_per_worker:g}"

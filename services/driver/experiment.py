@@ -26,7 +26,7 @@ from marge.evaluation import evaluate_model, evaluate_tfidf, mean_score, read_pa
 from marge.utils import atomic_write_text
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
 from services.driver.report import ema, plot_curves, read_train_log
-from services.trainer.health import build_probe, probe_health
+from services.trainer.health import aligned_evidence_gain, build_probe, probe_health
 
 log = logging.getLogger("marge.experiment")
 
@@ -36,19 +36,22 @@ def best_per_pair(by_layer: dict[int, dict[str, float]]) -> dict[str, float]:
     return {k: max(results[k] for results in by_layer.values()) for k in keys}
 
 
-def measure_baselines(init_model, tokenizer, pairs, probe, device: str | torch.device = "cpu") -> dict:
+def measure_baselines(init_model, tokenizer, pairs, probe, device: str | torch.device = "cpu", aligned=None) -> dict:
     """What the run is compared with, measured before training: the initial (random) model's held-out P@1 at
     every encoder layer and the best of them per direction, char n-gram TF-IDF, and the initial probe health."""
     by_layer = {layer: evaluate_model(init_model, tokenizer, pairs, layer, device=str(device))
                 for layer in range(0, len(init_model.encoder_layers) + 1)}
     best = best_per_pair(by_layer)
+    by_g = evaluate_model(init_model, tokenizer, pairs, "g", device=str(device))
     tfidf = evaluate_tfidf(pairs)
     health = probe_health(init_model, probe, tokenizer.specials, device) if probe else {}
+    if aligned:
+        health.update(aligned_evidence_gain(init_model, aligned, tokenizer.specials, device))
     log.info("baselines: random init best %.3f (by layer %s), TF-IDF %.3f, initial evidence gain %.3f",
              mean_score(best), {k: round(mean_score(v), 3) for k, v in by_layer.items()}, mean_score(tfidf),
              health.get("evidence_gain", float("nan")))
-    return {"random_init_by_layer": {str(k): v for k, v in by_layer.items()}, "random_init": best, "tfidf": tfidf,
-            "initial_health": health}
+    return {"random_init_by_layer": {str(k): v for k, v in by_layer.items()}, "random_init": best,
+            "random_init_g": by_g, "tfidf": tfidf, "initial_health": health}
 
 
 def checkpoint_evaluation(model, tokenizer, pairs, eval_layer, probe, step: int,
@@ -72,7 +75,7 @@ def assemble_report(baselines: dict, over_time: list[dict], final_model, tokeniz
     # the final model at every layer too, next to random init's: which representation learned what
     trained_by_layer = {} if final_model is None else {
         str(layer): evaluate_model(final_model, tokenizer, pairs, layer, device=str(device))
-        for layer in range(0, len(final_model.encoder_layers) + 1)}
+        for layer in [*range(0, len(final_model.encoder_layers) + 1), "g"]}
     health_records = ([{"step": 0, **baselines["initial_health"]}]
                       + [{"step": r["step"], **r["health"]} for r in records if "health" in r])
     depth = len(final_model.encoder_layers) if final_model is not None else 5
@@ -114,7 +117,7 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
     corpus = ensure_corpus(cfg)
     tokenizer = corpus.tokenizer()
     ensure_initial_model(cfg.model_config(vocab_size=tokenizer.vocab_size), cfg.paths(), corpus, cfg.run.seed)
-    pairs = read_pairs(heldout_pairs_path(cfg))
+    pairs = read_pairs(heldout_pairs_path(cfg), tokenizer.languages)
     probe = build_run_probe(cfg, tokenizer)
 
     # 1. baselines, same run, same data
@@ -172,8 +175,10 @@ def plot_learning(report: dict, records: list[dict], path: Path) -> Path:
                     {"label": "spread of g", "x": hsteps, "y": [h.get("g_spread") for h in health], "style": "x--"}]},
         {"title": "beta and index link precision", "ylabel": "value",
          "series": [{"label": "beta (mean)", "x": steps, "y": [float(np.mean(r["beta"])) if r["beta"] else None for r in records]},
-                    {"label": "x-lingual links joining translations", "x": [b["snapshot_step"] for b in builds],
-                     "y": [b.get("crosslingual_link_precision") for b in builds], "style": "s-"}]},
+                    {"label": "x-lingual links within a page", "x": [b["snapshot_step"] for b in builds],
+                     "y": [b.get("crosslingual_link_precision") for b in builds], "style": "s-"},
+                    {"label": "x-lingual links to aligned translations", "x": [b["snapshot_step"] for b in builds],
+                     "y": [b.get("crosslingual_parallel_precision") for b in builds], "style": "o-"}]},
         {"title": "held-out P@1 (mean over directions)", "ylabel": "P@1",
          "series": [{"label": "trained", "x": [o["step"] for o in over], "y": [o["p_at_1_mean"] for o in over], "style": "o-"},
                     {"label": "best random init", "hline": report["p_at_1_mean"]["random_init"], "color": "C1"},

@@ -36,7 +36,7 @@ from marge.generate import GenerationConfig, generate
 from marge.tokenizer import MargeTokenizer
 from marge.utils import atomic_write_text
 from services.driver.report import read_train_log
-from services.driver.single_process import EXPERIMENT_FILE, run_single_process
+from services.driver.single_process import train_for_minutes
 
 log = logging.getLogger("marge.objectives_experiment")
 
@@ -72,15 +72,7 @@ def variant_named(name: str) -> Variant:
 def run_variant(variant: Variant, config: Path, extra_overrides: list[str], minutes: float, out: Path,
                 device: str) -> dict:
     """The variant's single-process run for `minutes` (continued where an earlier command left it)."""
-    report_path = out / "report.json"
-    meta = out / EXPERIMENT_FILE
-    if meta.exists():
-        done = sum(c["minutes"] for c in json.loads(meta.read_text(encoding="utf-8"))["chunks"])
-        if done >= minutes - 1e-6 and report_path.exists():
-            log.info("%s: already trained for %.1f min, kept", variant.name, done)
-            return json.loads(report_path.read_text(encoding="utf-8"))
-        return run_single_process(None, [], minutes - done, out, resume=True, device=device)
-    return run_single_process(config, [*variant.overrides, *extra_overrides], minutes, out, device=device)
+    return train_for_minutes(config, [*variant.overrides, *extra_overrides], minutes, out, device, label=variant.name)
 
 
 def chrf_zero_shot(model, tokenizer, pairs, per_direction: int, device: str) -> dict[str, float]:
@@ -118,10 +110,10 @@ def summarize_variant(variant: Variant, out: Path, report: dict, device: str, ch
     checkpoint = complete_checkpoints(out / "run" / "checkpoints")[-1]
     model = load_model(checkpoint)
     tokenizer = MargeTokenizer.load(checkpoint)  # a checkpoint carries its tokenizer
-    by_layer = {int(k): mean_score(v) for k, v in report["trained_by_layer"].items()}
+    by_layer = {int(k): mean_score(v) for k, v in report["trained_by_layer"].items() if k.isdigit()}
     best_layer = max(by_layer, key=by_layer.get)
     random_by_layer = {int(k): mean_score(v) for k, v in report["random_init_by_layer"].items()}
-    pairs = read_pairs(Path(report["config"]["data"]["heldout_pairs"]))
+    pairs = read_pairs(Path(report["config"]["data"]["heldout_pairs"]), tokenizer.languages)
     can_generate = hasattr(model, "decoder_layers")
     chrf = chrf_zero_shot(model, tokenizer, pairs, chrf_pairs, device) if can_generate and chrf_pairs else {}
     pipeline = report["pipeline"]

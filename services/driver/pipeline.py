@@ -41,7 +41,7 @@ from services.driver.report import read_train_log
 from services.driver.resources import RedisEndpoint, apply_local_ray_env, ray_for, redis_for
 from services.trainer.init import ensure_initial_model
 from services.trainer.job import TrainerJob
-from services.trainer.loop import train_loop_per_worker
+from services.trainer.loop import process_group_backend, train_loop_per_worker
 
 log = logging.getLogger("marge.pipeline")
 
@@ -74,8 +74,35 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 job = trainer_job(cfg, redis.url, deadline, resume_from=point.checkpoint)
                 progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batcher)
                 result = supervise(make_trainer(cfg, job), stages, queue, progress, cfg.run.progress_every_s)
-                return {**summarize(paths, queue, stages, result, started, point, redis),
-                        "objectives": list(cfg.objectives.enabled), "capacity_plan": capacity}
+                summary = {**summarize(paths, queue, stages, result, started, point, redis),
+                           "objectives": list(cfg.objectives.enabled), "capacity_plan": capacity}
+        summary["g_health"] = final_g_health(cfg, paths, corpus)
+        return summary
+
+
+def final_g_health(cfg: PipelineConfig, paths: RunPaths, corpus: Corpus) -> dict | None:
+    """g of the run's newest snapshot against its step-0 snapshot (the same model at initialisation) on the held-out
+    pairs, logged as the run's last progress line, with a warning when g has collapsed or is not above its
+    initialisation; None when the run has no held-out pairs or no trained snapshot."""
+    from marge.evaluation import read_pairs
+    from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
+    from services.trainer.health import describe_g_health, g_health
+
+    pairs_path = cfg.health.pairs or cfg.data.heldout_pairs
+    newest = latest_snapshot(paths.snapshots)
+    initial = paths.snapshots / snapshot_dirname(0)
+    if not pairs_path or not Path(pairs_path).exists() or newest is None or newest.step == 0 or not initial.exists():
+        log.info("[g] not measured: %s", "no held-out pairs (data.heldout_pairs)" if not pairs_path or
+                 not Path(pairs_path).exists() else "no snapshot after update 0")
+        return None
+    tokenizer = corpus.tokenizer()
+    health = g_health(load_relevance_encoder(newest), load_relevance_encoder(read_snapshot(initial)), tokenizer,
+                      read_pairs(Path(pairs_path), tokenizer.languages))
+    health["snapshot_step"] = newest.step
+    log.info(describe_g_health(health))
+    if health["warning"]:
+        log.warning(health["warning"])
+    return health
 
 
 @dataclass(frozen=True)
@@ -109,13 +136,26 @@ def ensure_corpus(cfg: PipelineConfig) -> Corpus:
         from marge.prepare import PrepareOptions, prepare
 
         log.info("preparing %s from %s", root, ", ".join(cfg.data.raw))
-        prepare(PrepareOptions(inputs=[Path(p) for p in cfg.data.raw], out=root, vocab_size=cfg.data.vocab_size,
-                               max_chunk_tokens=cfg.data.max_chunk_tokens, docs_per_shard=cfg.data.docs_per_shard,
-                               num_shards=cfg.data.num_shards, seed=cfg.run.seed))
+        d = cfg.data
+        prepare(PrepareOptions(inputs=[Path(p) for p in d.raw], out=root, vocab_size=d.vocab_size,
+                               max_chunk_tokens=d.max_chunk_tokens, document_unit=d.document_unit,
+                               min_document_tokens=d.min_document_tokens,
+                               languages=tuple(d.languages) if d.languages else None,
+                               docs_per_shard=d.docs_per_shard, num_shards=d.num_shards, seed=cfg.run.seed))
     corpus = Corpus.open(root)
     if corpus.manifest["max_chunk_tokens"] > cfg.data.max_chunk_tokens:
         raise ConfigError(f"{root} was prepared with max_chunk_tokens={corpus.manifest['max_chunk_tokens']} but "
                           f"data.max_chunk_tokens is {cfg.data.max_chunk_tokens}; re-prepare or change the config")
+    # data.document_unit and data.languages say how to prepare a missing corpus; an existing one is used as it is
+    unit = corpus.manifest.get("document_unit", "chunk")
+    if unit != cfg.data.document_unit:
+        log.warning("%s was prepared with document_unit=%r, not data.document_unit=%r: training on it as it is "
+                    "(point data.corpus at a new folder to prepare one with the config's settings)", root, unit,
+                    cfg.data.document_unit)
+    extra = sorted(set(corpus.languages) - set(cfg.data.languages or corpus.languages))
+    if extra:
+        log.warning("%s also holds %s, which data.languages %s leaves out: training on it as it is (point data.corpus "
+                    "at a new folder to prepare one with the config's languages)", root, extra, cfg.data.languages)
     return corpus
 
 
@@ -142,7 +182,7 @@ def make_trainer(cfg: PipelineConfig, job: TrainerJob):
     return TorchTrainer(
         train_loop_per_worker, train_loop_config={"job": job},
         scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu, resources_per_worker=resources),
-        torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
+        torch_config=TorchConfig(backend=process_group_backend(t.use_gpu)),
         run_config=RunConfig(name=cfg.run.name, storage_path=str(job.paths.ray_train),
                              checkpoint_config=CheckpointConfig(num_to_keep=t.keep_checkpoints),
                              failure_config=FailureConfig(max_failures=t.max_failures)))

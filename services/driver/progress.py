@@ -20,9 +20,13 @@ class Progress:
             out.append("[indexer] not needed by these objectives")
         elif idx["history"]:
             h = idx["history"][-1]
+            aligned = h.get("crosslingual_parallel_precision")
             out.append(f"[indexer] v{h['version']} from snapshot {h['snapshot_step']} | {h['num_documents']} docs, "
-                       f"{h['num_edges']} links, {100 * h['crosslingual_share']:.0f}% cross-lingual | "
-                       f"{h['docs_per_s']:.0f} docs/s | link cos {h['linked_cosine']:.3f} vs random {h['random_cosine']:.3f}")
+                       f"{h['num_edges']} links by {'+'.join(h.get('link_sources', ['g']))}, "
+                       f"{100 * h['crosslingual_share']:.0f}% cross-lingual"
+                       + (f", {100 * aligned:.0f}% of those to aligned translations" if aligned is not None else "")
+                       + f" | {h['docs_per_s']:.0f} docs/s | link cos {h['linked_cosine']:.3f} vs random "
+                       f"{h['random_cosine']:.3f}")
         else:
             out.append("[indexer] building the first index")
         waiting = f" | waiting for index v{bat['waiting_for_version']}" if bat["waiting_for_version"] is not None else ""

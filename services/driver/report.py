@@ -122,8 +122,8 @@ def snapshot_curve(run_dir: Path, pairs_path: Path, corpus_dir: Path, max_snapsh
     if len(snapshots) > max_snapshots:  # evenly spaced, always the first and the last
         keep = np.unique(np.linspace(0, len(snapshots) - 1, max_snapshots).round().astype(int))
         snapshots = [snapshots[i] for i in keep]
-    pairs = read_pairs(pairs_path)
     tokenizer = MargeTokenizer.load(corpus_dir)
+    pairs = read_pairs(pairs_path, tokenizer.languages)
     curve = []
     for path in snapshots:
         info = read_snapshot(path)
@@ -184,10 +184,21 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
          "series": [{"label": "snapshot g", "x": [c["step"] for c in curve], "y": [c["p_at_1_mean"] for c in curve],
                      "style": "o-"}]},
     ]
-    refresh = refresh_cost(read_builds(run_dir), log_records)
+    builds = read_builds(run_dir)
+    refresh = refresh_cost(builds, log_records)
     versions = refresh["per_version"]
+    link_precision = [{"version": b["version"], "same_page": b.get("crosslingual_link_precision"),
+                       "aligned": b.get("crosslingual_parallel_precision"), "link_sources": b.get("link_sources")}
+                      for b in builds]
     if versions:  # runs with an index: what each refresh cost the trainers
         x = [v["version"] for v in versions]
+        panels.append(
+            {"title": "cross-lingual links joining ...", "ylabel": "share of links", "xlabel": "index version",
+             "series": [{"label": "the same page", "x": [p["version"] for p in link_precision],
+                         "y": [p["same_page"] for p in link_precision], "style": "s-"},
+                        *([{"label": "aligned translations", "x": [p["version"] for p in link_precision],
+                            "y": [p["aligned"] for p in link_precision], "style": "o-"}]
+                          if any(p["aligned"] is not None for p in link_precision) else [])]})
         panels += [
             {"title": "index build seconds per version", "ylabel": "seconds", "xlabel": "index version",
              "series": [{"label": "", "x": x, "y": [v["build_seconds"] for v in versions], "style": "o-"}]},
@@ -202,6 +213,6 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
               "crosslingual_share": float(len([1 for a, b in zip(t_langs, e_langs) if a != b]) / max(1, len(t_langs))),
               "languages_without_links": [lang for lang, row in zip(langs, shares) if row.sum() == 0],
               "steps": steps[-1] if steps else 0, "loss_last": losses[-1] if losses else None,
-              "snapshot_p_at_1": curve, "refresh": refresh, "files": files}
+              "snapshot_p_at_1": curve, "link_precision": link_precision, "refresh": refresh, "files": files}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report

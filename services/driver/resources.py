@@ -89,25 +89,37 @@ def ray_for(cfg: PipelineConfig) -> Iterator[None]:
     import ray
 
     namespace = f"marge-{cfg.run.name}"
+    def check_cluster() -> None:
+        resources = ray.cluster_resources()
+        cfg.check_fits(resources.get("CPU", 0.0), resources.get("GPU", 0.0))
+
     if ray.is_initialized():  # embedded in a program (or a test) that already runs Ray
-        cfg.check_fits(ray.cluster_resources().get("CPU", 0.0))
+        check_cluster()
         yield
         return
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, namespace=namespace, log_to_driver=True)
         try:
-            cfg.check_fits(ray.cluster_resources().get("CPU", 0.0))
+            check_cluster()
         except BaseException:
             ray.shutdown()  # the connection only: a cluster we joined keeps running
             raise
         yield
         return
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(cfg.cpus_needed() + 0.999))
-    cfg.check_fits(num_cpus)  # an explicit ray.num_cpus too small for the run
+    cfg.check_fits(num_cpus, local_gpus())  # before Ray starts: an explicit ray.num_cpus too small, GPUs absent
     ray.init(address="local", namespace=namespace, num_cpus=num_cpus, include_dashboard=cfg.ray.include_dashboard,
              dashboard_host="127.0.0.1", object_store_memory=cfg.ray.object_store_memory, log_to_driver=False,
              runtime_env={"worker_process_setup_hook": "services.trainer.loopback.install"})  # DDP's store on loopback
     try:
+        check_cluster()
         yield
     finally:
         ray.shutdown()
+
+
+def local_gpus() -> int:
+    """GPUs a local Ray started here would offer (what torch sees; 0 on a CPU build)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

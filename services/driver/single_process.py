@@ -65,10 +65,10 @@ from services.batcher.core import DocumentStore
 from services.batcher.schedule import BatchSchedule, wait_for_version
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
 from services.driver.experiment import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
-from services.driver.pipeline import ensure_corpus
+from services.driver.pipeline import ensure_corpus, final_g_health
 from services.driver.report import read_train_log
-from services.indexer.core import carry_shards, index_build_record, index_shard, plan_refresh
-from services.trainer.health import HealthMonitor
+from services.indexer.core import carry_shards, describe_build, index_build_record, index_shard, plan_refresh
+from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
 from services.trainer.objectives import PreparedBatch, objectives_for
 from services.trainer.step import build_optimizer, build_scheduler, device_peak_flops, seed_key, train_step
@@ -199,7 +199,8 @@ class InProcessIndexer:
                                                  self.cfg.indexer.shards_per_refresh)
         entries = [{**index_shard(self.corpus.read_shard(s), encoder, self.corpus.tokenizer().specials, staging,
                                   self.cfg.indexer, device=str(self.device), seed=self.cfg.run.seed + s,
-                                  search="torch").as_manifest_entry(), "snapshot_step": snapshot.step}
+                                  search="torch", snapshot_step=snapshot.step).as_manifest_entry(),
+                    "snapshot_step": snapshot.step}
                    for s in shards]
         if carried:
             entries += carry_shards(previous, carried, staging)
@@ -207,9 +208,7 @@ class InProcessIndexer:
                                    extra={"search": "torch-exact"})
         record = index_build_record(committed, entries, started)
         append_build(self.run_dir, record)
-        log.info("index v%d from snapshot %d: %d docs, %d links (%.0f%% cross-lingual, %.0f%% of those join "
-                 "translations) in %.1f s", version, snapshot.step, record["num_documents"], record["num_edges"],
-                 100 * record["crosslingual_share"], 100 * record["crosslingual_link_precision"], record["seconds"])
+        log.info("index v%d from snapshot %d: %s", version, snapshot.step, describe_build(record))
         return committed
 
     def history(self) -> list[dict]:
@@ -233,10 +232,10 @@ class SingleProcessRun:
     def __init__(self, out_dir: Path, cfg: PipelineConfig, device: torch.device, resume: bool):
         self.out_dir = Path(out_dir).resolve()
         self.cfg, self.device, self.resume = cfg, device, resume
-        self.pairs = read_pairs(heldout_pairs_path(cfg))
         self.paths = cfg.paths()
         self.corpus = ensure_corpus(cfg)
         self.tokenizer = self.corpus.tokenizer()
+        self.pairs = read_pairs(heldout_pairs_path(cfg), self.tokenizer.languages)
         ensure_initial_model(cfg.model_config(vocab_size=self.tokenizer.vocab_size), self.paths, self.corpus, cfg.run.seed)
         # retrieval and evidence probes of g and the decoder: for the MARGE model (a BART run's too), not VECO's
         self.monitor = HealthMonitor(cfg.health, cfg.data.heldout_pairs, self.tokenizer, seed=cfg.run.seed) \
@@ -260,7 +259,8 @@ class SingleProcessRun:
         if path.exists():
             return json.loads(path.read_text(encoding="utf-8"))
         init_model = load_model_weights(self.paths.init_weights).to(self.device).eval()
-        baselines = measure_baselines(init_model, self.tokenizer, self.pairs, self.probe, self.device)
+        baselines = measure_baselines(init_model, self.tokenizer, self.pairs, self.probe, self.device,
+                                      aligned=self.monitor.aligned if self.monitor else None)
         atomic_write_text(path, json.dumps(baselines, indent=2) + "\n")
         return baselines
 
@@ -388,8 +388,7 @@ class SingleProcessRun:
         if self.monitor is not None:
             health = self.monitor.measure(model, self.device)
             model.train()
-            log.info("health at step %d: %s", step, {k: (round(v, 4) if isinstance(v, float) else v)
-                                                     for k, v in health.items() if k != "p_at_1"})
+            log.info("health at step %d: %s", step, loggable(health))
         if self.cfg.objectives.needs_index:
             snapshot = publish_snapshot(self.paths.snapshots, model, step, self.tokenizer.sha256)
             if step % self.plan.reindex_every == 0:
@@ -431,11 +430,12 @@ class SingleProcessRun:
                     "loss_last": records[-1]["loss"] if records else None,
                     "beta": records[-1]["beta"] if records else None,
                     "index_versions": sorted({v for r in records for v in r["index_versions"]})}
+        g = final_g_health(cfg, self.paths, self.corpus) if cfg.objectives.model_family == "marge" else None
         return assemble_report(baselines, over_time, final_model, self.tokenizer, self.pairs, cfg.health.eval_layer,
                                records, str(checkpoints[-1]) if checkpoints else None, self.indexer.history(),
                                pipeline, minutes_total, time.time() - started, cfg, self.out_dir, self.device,
                                extra={"mode": "single-process", "device": device_name(self.device),
-                                      "chunks": experiment["chunks"]})
+                                      "chunks": experiment["chunks"], "g_health": g})
 
 
 def device_name(device: torch.device) -> str:
@@ -491,3 +491,26 @@ def run_single_process(config: Path | None, overrides: list[str], minutes: float
     minutes_total = sum(c["minutes"] for c in experiment["chunks"])
     return run.report(baselines, chunk, minutes_total, started, experiment)
 
+
+
+def trained_minutes(out_dir: Path) -> float:
+    """Minutes of training the single-process run in `out_dir` has done in finished chunks (0: none)."""
+    meta = Path(out_dir) / EXPERIMENT_FILE
+    if not meta.exists():
+        return 0.0
+    return sum(c["minutes"] for c in json.loads(meta.read_text(encoding="utf-8"))["chunks"])
+
+
+def train_for_minutes(config: Path | None, overrides: list[str], minutes: float, out_dir: Path, device: str = "auto",
+                      label: str | None = None) -> dict:
+    """A single-process run in `out_dir` trained for `minutes` in all: started, continued for what is missing
+    (`--resume`), or kept when it has them (its report returned). What the multi-run experiments build on."""
+    out_dir = Path(out_dir)
+    report_path = out_dir / "report.json"
+    done = trained_minutes(out_dir)
+    if (out_dir / EXPERIMENT_FILE).exists():
+        if done >= minutes - 1e-6 and report_path.exists():
+            log.info("%s: already trained for %.1f min, kept", label or out_dir, done)
+            return json.loads(report_path.read_text(encoding="utf-8"))
+        return run_single_process(None, [], minutes - done, out_dir, resume=True, device=device)
+    return run_single_process(config, overrides, minutes, out_dir, device=device)

@@ -33,7 +33,7 @@ from marge.refresh import append_build
 from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
 from marge.utils import atomic_write_text, setup_logging
 from services.indexer.config import IndexerConfig
-from services.indexer.core import carry_shards, index_build_record, index_shard, plan_refresh
+from services.indexer.core import carry_shards, describe_build, index_build_record, index_shard, plan_refresh
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class IndexerWorker:
         entries = []
         for shard in shards:
             result = index_shard(self.corpus.read_shard(shard), encoder, self.specials, out, self.cfg,
-                                 device=self.device, seed=self.seed + shard)
+                                 device=self.device, seed=self.seed + shard, snapshot_step=snapshot_step)
             self.metrics.inc("marge_indexer_docs_embedded", result.num_documents)
             self.metrics.set("marge_indexer_docs_per_second", result.num_documents / max(result.embed_seconds, 1e-9))
             entries.append(result.as_manifest_entry())
@@ -103,6 +103,9 @@ class IndexCoordinator:
         m.gauge("marge_index_random_cosine", "Mean cosine of random in-shard pairs (spread of g)")
         m.gauge("marge_index_crosslingual_link_precision",
                 "Share of cross-lingual links that join translations of the same page")
+        m.gauge("marge_index_crosslingual_parallel_precision",
+                "Share of cross-lingual links that join aligned translations (the same paragraph of the same page)")
+        m.gauge("marge_index_lexical_weight", "lambda of cos(g) + lambda * tfidf in the newest index (0: g alone)")
         m.counter("marge_index_versions_built", "Index versions committed")
         m.histogram("marge_index_build_seconds", "Seconds to build one index version", [1, 5, 15, 60, 300, 1800])
         m.gauge("marge_index_embed_seconds", "Seconds the workers spent embedding the newest version (summed)")
@@ -203,13 +206,14 @@ class IndexCoordinator:
         m.set("marge_index_linked_cosine", record["linked_cosine"])
         m.set("marge_index_random_cosine", record["random_cosine"])
         m.set("marge_index_crosslingual_link_precision", record["crosslingual_link_precision"])
+        if record["crosslingual_parallel_precision"] is not None:
+            m.set("marge_index_crosslingual_parallel_precision", record["crosslingual_parallel_precision"])
+        m.set("marge_index_lexical_weight", record["lexical_weight"])
         m.inc("marge_index_versions_built")
         m.observe("marge_index_build_seconds", record["seconds"])
         m.set("marge_index_embed_seconds", record["embed_seconds"])
         m.set("marge_index_link_seconds", record["link_seconds"])
-        log.info("index v%d committed from snapshot step %d: %d docs, %d links (%.0f%% cross-lingual, %.0f%% of those "
-                 "join translations) in %.1fs", version, snapshot_step, record["num_documents"], record["num_edges"],
-                 100 * record["crosslingual_share"], 100 * record["crosslingual_link_precision"], record["seconds"])
+        log.info("index v%d committed from snapshot step %d: %s", version, snapshot_step, describe_build(record))
         return record
 
     def run(self, poll_s: float = 0.5) -> None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from marge.config import FieldError, at_least, non_negative_mapping, one_of, positive, within
 
 LINK_RULES = ("shard", "document")
+LINK_SOURCES = ("g", "tfidf", "aligned")
+BOOTSTRAPS = ("none", "tfidf")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +31,23 @@ class IndexerConfig:
     """'shard': the strongest pairs across the whole shard (paper §2.4); some documents get no link.
     Deviation 'document': every document keeps its own strongest links of each kind, so no language can
     be starved of links when its cosines run lower than the others'."""
+    links: str = "g"
+    """What ranks a document's candidate links. 'g': cos(g) of the version's snapshot (the paper). 'tfidf': char
+    2-4-gram TF-IDF cosine within the shard at every version, g never used (a frozen lexical retriever: the
+    control that says whether the learned g adds anything). 'aligned': diagnostic, not MARGE: each document's
+    aligned translations (the corpus's paragraph ids) plus `aligned_distractors` random documents of its
+    shard, the ceiling a retriever could give the decoder."""
+    bootstrap: str = "none"
+    """Deviation 'tfidf' (with links 'g'): version 0 is built from char 2-4-gram TF-IDF neighbours within each
+    shard (no weights, no labels) instead of the random-init g (the paper, 'none'); later versions rank by
+    cos(g) + lambda * tfidf (`lexical_weight`, `lexical_until`)."""
+    lexical_weight: float = 0.0
+    """lambda at update 0 in cos(g) + lambda * tfidf for versions after the first; 0: g alone (the paper)."""
+    lexical_until: int = 0
+    """lambda falls linearly from `lexical_weight` to 0 at this update (of the version's snapshot)."""
+    aligned_distractors: int = 2
+    """links 'aligned': random in-shard documents linked to each document besides its translations, so that
+    beta * f has something to tell apart."""
     keep_versions: int = 3
     """Committed index versions kept on disk (the newest always)."""
     use_gpu: bool = False
@@ -47,6 +66,21 @@ class IndexerConfig:
     """OS niceness of indexer workers (0-19). Where indexers share CPUs with trainers, a positive value
     lets re-indexing use the trainers' slack instead of their time (at the cost of staler indexes)."""
 
+    def lexical_lambda(self, snapshot_step: int) -> float:
+        """lambda of a version built from the snapshot of `snapshot_step` (versions after the first)."""
+        if not self.lexical_weight or snapshot_step >= self.lexical_until:
+            return 0.0
+        return self.lexical_weight * (1.0 - snapshot_step / self.lexical_until)
+
+    def link_source(self, snapshot_step: int) -> tuple[str, float]:
+        """How the version of `snapshot_step` ranks links: ('g' | 'tfidf' | 'hybrid' | 'aligned', lambda)."""
+        if self.links != "g":
+            return self.links, 0.0
+        if snapshot_step == 0 and self.bootstrap == "tfidf":
+            return "tfidf", 0.0
+        lam = self.lexical_lambda(snapshot_step)
+        return ("hybrid", lam) if lam > 0 else ("g", 0.0)
+
     def __post_init__(self) -> None:
         at_least(self, "keep_versions", 2)  # the version being trained on and the next one
         positive(self, "num_workers", "reindex_every", "batch_tokens", "candidates_per_language",
@@ -56,6 +90,18 @@ class IndexerConfig:
         at_least(self, "links_crosslingual", 0)
         within(self, "min_score", -1.0, 1.0)
         one_of(self, "link_rule", LINK_RULES)
+        one_of(self, "links", LINK_SOURCES)
+        one_of(self, "bootstrap", BOOTSTRAPS)
+        at_least(self, "lexical_weight", 0)
+        at_least(self, "lexical_until", 0)
+        at_least(self, "aligned_distractors", 0)
+        if self.bootstrap != "none" and self.links != "g":
+            raise FieldError("bootstrap", self.bootstrap, f"'none' when links is {self.links!r} (a bootstrap hands "
+                                                          "over to g; links 'g' uses one)")
+        if self.lexical_weight > 0 and self.links != "g":
+            raise FieldError("lexical_weight", self.lexical_weight, f"0 when links is {self.links!r}")
+        if self.lexical_weight > 0 and self.lexical_until == 0:
+            raise FieldError("lexical_until", 0, "> 0 when lexical_weight > 0 (the update at which lambda reaches 0)")
         at_least(self, "num_gpus_per_worker", 0)
         within(self, "nice", 0, 19)
         non_negative_mapping(self, "resources")

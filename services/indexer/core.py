@@ -6,6 +6,12 @@ neighbours within the shard in every language, and keep the strongest pairs acro
 the top `links_monolingual * n` same-language pairs and the top `links_crosslingual * n`
 cross-language pairs ("we take on average 4 monolingual and 4 crosslingual links per target", §3).
 Some documents end up with no link; they wait for the next index.
+
+What ranks the candidates is the version's link source (`IndexerConfig.link_source`): cos(g) (the paper), a
+char 2-4-gram TF-IDF cosine within the shard (the lexical bootstrap's version 0, or a frozen lexical index),
+cos(g) + lambda * tfidf (the hand-over from the bootstrap to g), or the corpus's alignment (a diagnostic
+oracle). Every version reports how many of its cross-lingual links join the same page and how many join
+aligned translations (`crosslingual_parallel_precision`), when the corpus knows its paragraphs.
 """
 
 from __future__ import annotations
@@ -89,21 +95,56 @@ def nearest_neighbours(database: np.ndarray, queries: np.ndarray, k: int, backen
     return np.concatenate(scores), np.concatenate(rows).astype(np.int64)
 
 
-def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray, cfg: IndexerConfig,
-                search: str = "faiss", device: str | torch.device = "cpu") -> dict[str, np.ndarray]:
+def lexical_vectors(texts: list[str]):
+    """Char 2-4-gram TF-IDF rows of a shard's texts (the held-out baseline's features, fitted on the shard alone:
+    no weights learned, no labels), L2-normalised: their inner products are cosines."""
+    from marge.evaluation import char_tfidf
+
+    return char_tfidf().fit_transform(texts).astype(np.float32).tocsr()
+
+
+def scored_neighbours(unit: np.ndarray | None, lexical, members: np.ndarray, k: int, lexical_weight: float | None,
+                      block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k of every document among `members` by cos(g) + lexical_weight * tfidf, or by tfidf alone when
+    `lexical_weight` is None (scores, row indices into `members`), `block` queries at a time."""
+    scores, rows = [], []
+    n = unit.shape[0] if unit is not None else lexical.shape[0]
+    for start in range(0, n, block):
+        stop = min(n, start + block)
+        sims = np.asarray((lexical[start:stop] @ lexical[members].T).todense(), dtype=np.float32)
+        if lexical_weight is not None:
+            sims = unit[start:stop] @ unit[members].T + np.float32(lexical_weight) * sims
+        top = np.argpartition(-sims, k - 1, axis=1)[:, :k] if k < sims.shape[1] else np.tile(np.arange(sims.shape[1]), (len(sims), 1))
+        top_scores = np.take_along_axis(sims, top, axis=1)
+        order = np.argsort(-top_scores, axis=1, kind="stable")
+        scores.append(np.take_along_axis(top_scores, order, axis=1))
+        rows.append(np.take_along_axis(top, order, axis=1))
+    return np.concatenate(scores), np.concatenate(rows).astype(np.int64)
+
+
+def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray | None, cfg: IndexerConfig,
+                search: str = "faiss", device: str | torch.device = "cpu", lexical=None,
+                lexical_weight: float | None = 0.0) -> dict[str, np.ndarray]:
     """The kept directed links (target -> evidence) of one shard, strongest first within each kind.
 
-    `search` picks the exact neighbour search (`nearest_neighbours`): 'faiss' (the pipeline) or 'torch'.
+    Candidates are ranked by cos(g) of the unit vectors `unit` (with `search`, the exact neighbour search of
+    `nearest_neighbours`: 'faiss', the pipeline's, or 'torch'), by cos(g) + lexical_weight * tfidf when
+    `lexical` (the shard's `lexical_vectors`) is given with a weight > 0, or by tfidf alone when `lexical_weight`
+    is None.
     """
     n = len(doc_ids)
     targets, evidence, scores = [], [], []
     all_rows = np.arange(n)
+    use_lexical = lexical is not None and (lexical_weight is None or lexical_weight > 0)
     for lang in np.unique(langs):
         members = np.nonzero(langs == lang)[0]
         k = min(len(members), cfg.candidates_per_language + 1)  # +1: a document finds itself
         if k == 0:
             continue
-        sims, rows = nearest_neighbours(unit[members], unit, k, search, cfg.use_gpu, device)
+        if use_lexical:
+            sims, rows = scored_neighbours(unit, lexical, members, k, lexical_weight)
+        else:
+            sims, rows = nearest_neighbours(unit[members], unit, k, search, cfg.use_gpu, device)
         nbrs = np.where(rows >= 0, members[np.clip(rows, 0, None)], -1)
         targets.append(np.repeat(all_rows, k))
         evidence.append(nbrs.reshape(-1))
@@ -133,6 +174,33 @@ def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray, cfg: I
             "score": s[keep_idx].astype(np.float32), "cross_lingual": cross[keep_idx]}
 
 
+def aligned_links(docs: ShardDocuments, distractors: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Diagnostic oracle links: every document to each of its aligned translations (`ShardDocuments.translations`,
+    score 1) and to `distractors` random other documents of the shard that are not its translations (score 0).
+    Uses the corpus's alignment labels: never MARGE, only the ceiling a retriever could reach."""
+    if not docs.aligned:
+        raise ValueError(f"shard {docs.shard}: indexer.links 'aligned' needs a corpus prepared from input with "
+                         "paragraph_ids (see `marge prepare`); this one has none")
+    n = len(docs)
+    by_key: dict[tuple[str, str], list[int]] = {}
+    for i in range(n):
+        for pid in docs.paragraph_ids[i]:
+            by_key.setdefault((docs.groups[i], pid), []).append(i)
+    targets, evidence, scores = [], [], []
+    for i in range(n):
+        partners = sorted({j for pid in docs.paragraph_ids[i] for j in by_key[(docs.groups[i], pid)]
+                           if docs.langs[j] != docs.langs[i]})
+        others = np.setdiff1d(np.arange(n), [i, *partners])
+        chosen = rng.choice(others, size=min(distractors, len(others)), replace=False) if len(others) else []
+        for j, score in [*((j, 1.0) for j in partners), *((int(j), 0.0) for j in chosen)]:
+            targets.append(i)
+            evidence.append(j)
+            scores.append(score)
+    t, e = np.array(targets, dtype=np.int64), np.array(evidence, dtype=np.int64)
+    return {"target_id": docs.doc_ids[t], "evidence_id": docs.doc_ids[e], "score": np.array(scores, dtype=np.float32),
+            "cross_lingual": docs.langs[t] != docs.langs[e] if len(t) else np.zeros(0, dtype=bool)}
+
+
 @dataclass
 class ShardIndexResult:
     shard: int
@@ -146,24 +214,40 @@ class ShardIndexResult:
     """The shard's FAISS index (None when the shard was indexed without FAISS: `search='torch'`)."""
     graph_file: str
     mean_positive_cosine: float
+    """Mean cos(g) of the kept links (whatever ranked them)."""
     mean_random_cosine: float
     crosslingual_same_group: float
     """Share of cross-lingual links joining documents of the same group (translations of one page)."""
     monolingual_same_group: float
+    crosslingual_parallel_precision: float | None = None
+    """Share of cross-lingual links joining aligned translations (the same paragraph of the same page), or None
+    when the corpus has no paragraph ids."""
+    link_source: str = "g"
+    """What ranked this shard's links: 'g', 'tfidf', 'hybrid' (cos(g) + lexical_weight * tfidf) or 'aligned'."""
+    lexical_weight: float = 0.0
 
     def as_manifest_entry(self) -> dict:
         return dict(self.__dict__)
 
 
 def index_shard(docs: ShardDocuments, encoder: RelevanceEncoder, specials: SpecialTokens, out_dir: Path,
-                cfg: IndexerConfig, device: str = "cpu", seed: int = 0, search: str = "faiss") -> ShardIndexResult:
+                cfg: IndexerConfig, device: str = "cpu", seed: int = 0, search: str = "faiss",
+                snapshot_step: int = 0) -> ShardIndexResult:
     """Embed, index and link one shard; writes graph-XXXXX.parquet into `out_dir`, and shard-XXXXX.faiss
-    (what the retrieval service searches) when `search` is 'faiss'."""
+    (what the retrieval service searches) when `search` is 'faiss'. `snapshot_step` (the version's) decides the
+    link source (`IndexerConfig.link_source`)."""
     t0 = time.perf_counter()
     autocast = torch.bfloat16 if cfg.bf16 and torch.device(device).type == "cuda" else None
     unit = embed_documents(encoder, docs.tokens, specials, cfg.batch_tokens, device, autocast)
     t1 = time.perf_counter()
-    links = shard_links(docs.doc_ids, docs.langs, unit, cfg, search, device)
+    source, lexical_weight = cfg.link_source(snapshot_step)
+    if source == "aligned":
+        links = aligned_links(docs, cfg.aligned_distractors, np.random.default_rng([seed, snapshot_step]))
+    elif source in ("tfidf", "hybrid"):
+        links = shard_links(docs.doc_ids, docs.langs, unit, cfg, search, device, lexical_vectors(docs.texts),
+                            None if source == "tfidf" else lexical_weight)
+    else:
+        links = shard_links(docs.doc_ids, docs.langs, unit, cfg, search, device)
     t2 = time.perf_counter()
     index_file, graph_file = None, f"graph-{docs.shard:05d}.parquet"
     if search == "faiss":
@@ -173,10 +257,14 @@ def index_shard(docs: ShardDocuments, encoder: RelevanceEncoder, specials: Speci
         faiss.write_index(flat_ip_index(unit, docs.doc_ids), str(Path(out_dir) / index_file))
     write_graph(Path(out_dir) / graph_file, links["target_id"], links["evidence_id"], links["score"],
                 links["cross_lingual"])
-    # health figures: cosine of kept links vs of random pairs (how spread out g is)
+    # health figures: cosine of kept links vs random pairs (how spread out g is), links within a page, links
+    # between aligned translations
     pos = {int(d): i for i, d in enumerate(docs.doc_ids)}
-    same = np.array([docs.groups[pos[int(t)]] == docs.groups[pos[int(e)]]
-                     for t, e in zip(links["target_id"], links["evidence_id"])], dtype=bool)
+    rows_t = np.array([pos[int(t)] for t in links["target_id"]], dtype=np.int64)
+    rows_e = np.array([pos[int(e)] for e in links["evidence_id"]], dtype=np.int64)
+    same = docs.groups[rows_t] == docs.groups[rows_e] if len(rows_t) else np.zeros(0, dtype=bool)
+    parallel = np.array([docs.translations(i, j) for i, j in zip(rows_t.tolist(), rows_e.tolist())], dtype=bool)
+    linked_cos = np.sum(unit[rows_t] * unit[rows_e], axis=1) if len(rows_t) else np.zeros(0)
     cross = links["cross_lingual"]
     rng = np.random.default_rng(seed)
     a, b = rng.integers(0, len(unit), size=(2, min(2048, len(unit) * 4)))
@@ -186,10 +274,12 @@ def index_shard(docs: ShardDocuments, encoder: RelevanceEncoder, specials: Speci
         cross_lingual_edges=int(links["cross_lingual"].sum()),
         targets_with_links=len(np.unique(links["target_id"])), embed_seconds=t1 - t0, link_seconds=t2 - t1,
         index_file=index_file, graph_file=graph_file,
-        mean_positive_cosine=float(links["score"].mean()) if len(links["score"]) else 0.0,
+        mean_positive_cosine=float(linked_cos.mean()) if len(linked_cos) else 0.0,
         mean_random_cosine=random_cos,
         crosslingual_same_group=float(same[cross].mean()) if cross.any() else 0.0,
-        monolingual_same_group=float(same[~cross].mean()) if (~cross).any() else 0.0)
+        monolingual_same_group=float(same[~cross].mean()) if (~cross).any() else 0.0,
+        crosslingual_parallel_precision=(float(parallel[cross].mean()) if cross.any() else 0.0) if docs.aligned else None,
+        link_source=source, lexical_weight=float(lexical_weight))
 
 
 def index_corpus(corpus, encoder: RelevanceEncoder, specials: SpecialTokens, root: Path, version: int,
@@ -200,7 +290,8 @@ def index_corpus(corpus, encoder: RelevanceEncoder, specials: SpecialTokens, roo
 
     staging = staging_dir(root, version)
     staging.mkdir(parents=True, exist_ok=True)
-    entries = [index_shard(corpus.read_shard(s), encoder, specials, staging, cfg, seed=seed + s, **kwargs)
+    entries = [index_shard(corpus.read_shard(s), encoder, specials, staging, cfg, seed=seed + s,
+                           snapshot_step=snapshot_step, **kwargs)
                .as_manifest_entry() for s in range(corpus.num_shards)]
     return commit_version(root, version, snapshot_step, entries, keep_versions=cfg.keep_versions, extra=extra)
 
@@ -211,9 +302,11 @@ def index_build_record(committed, entries: list[dict], started_unix: float) -> d
     seconds = time.time() - started_unix
     embedded = sum(e["num_documents"] for e in entries if "carried_from_version" not in e)  # not carried over
 
-    def mean(key: str) -> float:  # weighted by shard size
-        total = sum(e["num_documents"] for e in entries)
-        return sum(e[key] * e["num_documents"] for e in entries) / max(1, total)
+    def mean(key: str) -> float | None:  # weighted by shard size, over the shards that have the figure
+        have = [e for e in entries if e.get(key) is not None]
+        if not have:
+            return None
+        return sum(e[key] * e["num_documents"] for e in have) / max(1, sum(e["num_documents"] for e in have))
 
     return {"version": committed.version, "snapshot_step": committed.snapshot_step, "seconds": round(seconds, 2),
             "started_unix": started_unix, "finished_unix": time.time(),
@@ -224,7 +317,20 @@ def index_build_record(committed, entries: list[dict], started_unix: float) -> d
             "link_seconds": round(sum(e["link_seconds"] for e in entries), 3),
             "linked_cosine": mean("mean_positive_cosine"), "random_cosine": mean("mean_random_cosine"),
             "crosslingual_link_precision": mean("crosslingual_same_group"),
-            "monolingual_same_group": mean("monolingual_same_group")}
+            "crosslingual_parallel_precision": mean("crosslingual_parallel_precision"),
+            "monolingual_same_group": mean("monolingual_same_group"),
+            "link_sources": sorted({e.get("link_source", "g") for e in entries}),
+            "lexical_weight": max((e.get("lexical_weight", 0.0) for e in entries), default=0.0)}
+
+
+def describe_build(record: dict) -> str:
+    """One line of a committed version's figures, for the logs of either host."""
+    parallel = record.get("crosslingual_parallel_precision")
+    return (f"{record['num_documents']} docs, {record['num_edges']} links by {'+'.join(record.get('link_sources', ['g']))}"
+            + (f" (lambda {record['lexical_weight']:.2f})" if record.get("lexical_weight") else "")
+            + f" ({100 * record['crosslingual_share']:.0f}% cross-lingual; of those {100 * record['crosslingual_link_precision']:.0f}% "
+            + "join the same page" + (f", {100 * parallel:.0f}% aligned translations" if parallel is not None else "")
+            + f") in {record['seconds']:.1f} s")
 
 
 def shards_to_rebuild(version: int, num_shards: int, shards_per_refresh: int, has_previous: bool) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from marge.config import FieldError, at_least, non_negative_mapping, positive, within
+from marge.config import FieldError, at_least, non_negative_mapping, one_of, positive, within
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,18 +63,28 @@ class HealthConfig:
     documents: str | None = "data/demo/libreoffice-help/heldout_documents.jsonl.gz"
     """Held-out pages (documents JSONL with `group`) for the evidence-gain probe; null turns probes off."""
     probe_size: int = 32
+    """Held-out pages of the page probe (a page's start, with the same page's start in other languages)."""
+    aligned_probe_size: int = 0
+    """Held-out paragraphs of the aligned probe, each with its aligned translations (needs `documents` with
+    paragraph ids; 0: off). Reports evidence gain per token and per character with bootstrap intervals."""
+    aligned_min_tokens: int = 4
+    """Shortest aligned-probe target, in text tokens."""
     max_evidence: int = 3
     max_tokens: int = 128
     pairs: str | None = None
     """Held-out pairs TSV for retrieval P@1 at every snapshot (null: data.heldout_pairs)."""
     pairs_per_language: int = 200
     """Pairs per language pair used for the per-snapshot P@1 (0: skip it)."""
-    eval_layer: int | None = None
-    """Encoder layer mean-pooled for P@1 (null: the paper's 5, or the deepest the model has)."""
+    eval_layer: int | str | None = None
+    """Encoder layer mean-pooled for P@1 (null: the paper's 5, or the deepest the model has), or 'g': the relevance
+    vectors exactly as the index searches them."""
 
     def __post_init__(self) -> None:
-        positive(self, "probe_size", "max_evidence")
+        positive(self, "probe_size", "max_evidence", "aligned_min_tokens")
+        at_least(self, "aligned_probe_size", 0)
         at_least(self, "max_tokens", 3)
         at_least(self, "pairs_per_language", 0)
-        if self.eval_layer is not None:
+        if isinstance(self.eval_layer, str):
+            one_of(self, "eval_layer", ("g",))
+        elif self.eval_layer is not None:
             within(self, "eval_layer", 0, 1000)

@@ -13,6 +13,13 @@ Measured on a fixed probe set at every snapshot (and by the experiment on every 
 
 A probe item is a held-out page in one language (the target) with the same page in up to
 `max_evidence` other languages as its true evidence: never trained on, aligned by construction.
+
+The aligned probe (`health.aligned_probe_size` targets, `AlignedProbe`) asks the same of single held-out
+paragraphs, each with its aligned translations (the corpus's paragraph ids) in up to `max_evidence` other
+languages, the unit the training batches of a paragraph-level corpus are made of. It reports the evidence
+gain per target token and per target character (a vocabulary change cannot move the latter), each with a
+bootstrap 95% interval over targets, and split into target tokens that occur verbatim in the evidence (what
+copying can win) and the others (what only translating can win).
 """
 
 from __future__ import annotations
@@ -141,6 +148,242 @@ def probe_health(model: Marge, probe: list[ProbeItem], specials: SpecialTokens, 
     return out
 
 
+# ----------------------------------------------------------------------------------------------------
+# The aligned probe: held-out paragraphs with their aligned translations
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AlignedItem:
+    group: str
+    target: np.ndarray
+    target_lang: str
+    target_chars: int
+    evidence: tuple[np.ndarray, ...]
+    evidence_langs: tuple[str, ...]
+
+
+def read_aligned_paragraphs(documents_jsonl: Path, languages) -> dict[tuple[str, str], dict[str, str]]:
+    """{(group, paragraph id): {lang: paragraph text}} of a documents JSONL with `paragraph_ids`."""
+    from marge.corpus import split_paragraphs
+
+    opener = gzip.open if str(documents_jsonl).endswith(".gz") else open
+    out: dict[tuple[str, str], dict[str, str]] = {}
+    with opener(documents_jsonl, "rt", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["language"] not in languages or not row.get("paragraph_ids"):
+                continue
+            group = row.get("group", row.get("id"))
+            for pid, text in zip(row["paragraph_ids"], split_paragraphs(row["text"])):
+                out.setdefault((group, pid), {})[row["language"]] = text
+    return out
+
+
+def build_aligned_probe(documents_jsonl: Path, tokenizer, size: int = 256, max_evidence: int = 3,
+                        max_tokens: int = 128, min_tokens: int = 4, seed: int = 0) -> list[AlignedItem]:
+    """`size` held-out paragraphs (a seeded draw; a target language drawn per paragraph) with their translations.
+
+    Only paragraphs with at least `min_tokens` text tokens in the target language and a translation in another
+    language of the tokenizer qualify; texts longer than `max_tokens` positions are cut."""
+    paragraphs = read_aligned_paragraphs(documents_jsonl, set(tokenizer.languages))
+    keys = sorted(k for k, langs in paragraphs.items() if len(langs) >= 2)
+    if len(keys) < 2:
+        raise ValueError(f"{documents_jsonl}: needs held-out documents with `paragraph_ids` and translations in at "
+                         f"least 2 of the tokenizer's languages {tokenizer.languages} for the aligned probe "
+                         "(rebuild it with `scripts/build_demo_corpus.sh`, or set health.aligned_probe_size: 0)")
+    rng = np.random.default_rng(seed)
+    limit = max_text_tokens(max_tokens)
+    items: list[AlignedItem] = []
+    for i in rng.permutation(len(keys)):
+        group, _ = keys[i]
+        texts = paragraphs[keys[i]]
+        langs = sorted(texts)
+        target_lang = langs[int(rng.integers(len(langs)))]
+        target = np.asarray(tokenizer.encode(texts[target_lang])[:limit], dtype=np.int32)
+        if len(target) < min_tokens:
+            continue
+        others = [lang for lang in langs if lang != target_lang]
+        rng.shuffle(others)
+        evidence = tuple(np.asarray(tokenizer.encode(texts[x])[:limit], dtype=np.int32) for x in others[:max_evidence])
+        items.append(AlignedItem(group, target, target_lang, len(tokenizer.decode(target.tolist())), evidence,
+                                 tuple(others[:max_evidence])))
+        if len(items) == size:
+            break
+    if len(items) < 2:
+        raise ValueError(f"{documents_jsonl}: only {len(items)} aligned paragraphs of >= {min_tokens} tokens")
+    return items
+
+
+def unrelated_partner(items: list[AlignedItem]) -> list[int]:
+    """For each item, the next item (cyclically) from another page: whose evidence is its shuffled evidence."""
+    n = len(items)
+    out = []
+    for i in range(n):
+        j = next(((i + d) % n for d in range(1, n) if items[(i + d) % n].group != items[i].group), (i + 1) % n)
+        out.append(j)
+    return out
+
+
+def _aligned_batch(pairs: list[tuple[AlignedItem, tuple[np.ndarray, ...], tuple[str, ...]]]) -> Batch:
+    """One batch of targets, each linked to its own evidence documents only (read with attend_to 'linked')."""
+    tokens, langs, targets, evidence, edges = [], [], [], [], []
+    for t, (item, docs, doc_langs) in enumerate(pairs):
+        targets.append(len(tokens))
+        tokens.append(item.target)
+        langs.append(item.target_lang)
+        for doc, lang in zip(docs, doc_langs):
+            edges.append((t, len(evidence)))
+            evidence.append(len(tokens))
+            tokens.append(doc)
+            langs.append(lang)
+    return Batch(batch_id="aligned-probe", index_version=-1, snapshot_step=-1,
+                 doc_ids=np.arange(len(tokens), dtype=np.int64), doc_langs=tuple(langs), doc_tokens=tuple(tokens),
+                 targets=np.array(targets, dtype=np.int32), evidence=np.array(evidence, dtype=np.int32),
+                 edges=np.array(edges, dtype=np.int32).reshape(-1, 2), edge_weights=np.ones(len(edges), dtype=np.float32))
+
+
+@torch.no_grad()
+def token_losses(model: Marge, pairs, specials: SpecialTokens, device, batch_targets: int = 32):
+    """Per target: the NLL of each label token (text tokens, then EOS) given its evidence, and f to that evidence."""
+    import torch.nn.functional as F
+
+    nll, cos = [], []
+    for start in range(0, len(pairs), batch_targets):
+        chunk = pairs[start:start + batch_targets]
+        inputs = to_model_inputs(_aligned_batch(chunk), specials, attend_to="linked").to(device)
+        out = model(**inputs.as_kwargs(), return_logits=True)
+        labels = inputs.labels_NT
+        per_token = F.cross_entropy(out.logits_NTV.float().transpose(1, 2), labels, ignore_index=specials.pad_id,
+                                    reduction="none")
+        for i in range(len(chunk)):
+            n = int((labels[i] != specials.pad_id).sum())
+            nll.append(per_token[i, :n].double().cpu().numpy())
+        linked = inputs.linked_NM
+        cos.extend(out.relevance_NM[linked].float().cpu().tolist())
+    return nll, cos
+
+
+def ratio_ci(numerators: np.ndarray, denominators: np.ndarray, resamples: int = 1000, seed: int = 0) -> list[float]:
+    """Bootstrap 95% interval of sum(numerators) / sum(denominators), resampling items with replacement."""
+    rng = np.random.default_rng(seed)
+    n = len(numerators)
+    draws = rng.integers(0, n, size=(resamples, n))
+    ratios = numerators[draws].sum(1) / np.maximum(denominators[draws].sum(1), 1e-12)
+    return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
+
+
+def aligned_evidence_gain(model: Marge, items: list[AlignedItem], specials: SpecialTokens,
+                          device: str | torch.device = "cpu") -> dict:
+    """The aligned probe's figures (keys prefixed `aligned_`): evidence gain per token and per character with
+    bootstrap 95% intervals, split into verbatim and other target tokens, the copy gain, and f to true and to
+    unrelated evidence."""
+    was_training = model.training
+    model.eval()
+    partner = unrelated_partner(items)
+    true_pairs = [(item, item.evidence, item.evidence_langs) for item in items]
+    shuffled_pairs = [(item, items[j].evidence, items[j].evidence_langs) for item, j in zip(items, partner)]
+    rng = np.random.default_rng(0)
+    from services.trainer.objectives import noised
+
+    copy_pairs = [(item, (noised(item.target, 0.3, 1, rng),), (item.target_lang,)) for item in items]
+    nll_true, cos_true = token_losses(model, true_pairs, specials, device)
+    nll_shuffled, cos_other = token_losses(model, shuffled_pairs, specials, device)
+    nll_copy, _ = token_losses(model, copy_pairs, specials, device)
+    model.train(was_training)
+    gain = np.array([s.sum() - t.sum() for s, t in zip(nll_shuffled, nll_true)])
+    tokens = np.array([len(t) for t in nll_true], dtype=np.float64)
+    chars = np.array([item.target_chars for item in items], dtype=np.float64)
+    verbatim_gain, other_gain, verbatim_tokens = 0.0, 0.0, 0
+    for item, s, t in zip(items, nll_shuffled, nll_true):
+        seen = set(np.concatenate(item.evidence).tolist()) if item.evidence else set()
+        verbatim = np.array([tok in seen for tok in item.target.tolist()] + [False])  # the EOS label is never verbatim
+        verbatim_gain += float((s - t)[verbatim].sum())
+        other_gain += float((s - t)[~verbatim].sum())
+        verbatim_tokens += int(verbatim.sum())
+    total_tokens = float(tokens.sum())
+    other_tokens = total_tokens - verbatim_tokens
+    copy_gain = sum(s.sum() - c.sum() for s, c in zip(nll_shuffled, nll_copy)) / total_tokens
+    return {
+        "aligned_evidence_gain": float(gain.sum() / total_tokens),
+        "aligned_evidence_gain_ci95": ratio_ci(gain, tokens),
+        "aligned_evidence_gain_per_char": float(gain.sum() / chars.sum()),
+        "aligned_evidence_gain_per_char_ci95": ratio_ci(gain, chars),
+        "aligned_gain_verbatim_tokens": verbatim_gain / max(1, verbatim_tokens),
+        "aligned_gain_other_tokens": other_gain / max(1.0, other_tokens),
+        "aligned_verbatim_share": verbatim_tokens / total_tokens,
+        "aligned_copy_gain": float(copy_gain),
+        "aligned_loss_true_evidence": float(sum(t.sum() for t in nll_true) / total_tokens),
+        "aligned_loss_shuffled_evidence": float(sum(s.sum() for s in nll_shuffled) / total_tokens),
+        "aligned_relevance_cos_true": float(np.mean(cos_true)), "aligned_relevance_cos_shuffled": float(np.mean(cos_other)),
+        "aligned_targets": len(items), "aligned_target_tokens": int(total_tokens), "aligned_target_chars": int(chars.sum()),
+        "aligned_item_gains": [round(float(x), 5) for x in gain],  # per target, nats: paired comparisons of runs
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# g's health at the end of a run: trained against the same model at initialisation
+# ----------------------------------------------------------------------------------------------------
+
+COLLAPSED_SPREAD = 0.9
+"""Mean cosine of g between unrelated documents at or above which g counts as collapsed (every document alike)."""
+
+
+@torch.no_grad()
+def relevance_spread(encoder, tokenizer, texts: list[str], device: str | torch.device = "cpu") -> float:
+    """Mean cosine between g of different documents among `texts`, as the index compares them (1.0: collapsed)."""
+    from marge.evaluation import encode_texts, relevance_unit_vectors
+
+    rows = encode_texts(tokenizer, texts, encoder.cfg.max_positions)
+    g = relevance_unit_vectors(encoder, rows, tokenizer.specials, device=str(device)).astype(np.float64)
+    sims = g @ g.T
+    n = len(rows)
+    return float((sims.sum() - np.trace(sims)) / max(1, n * (n - 1)))
+
+
+def g_health(trained, initial, tokenizer, pairs, device: str | torch.device = "cpu", spread_texts: int = 256) -> dict:
+    """Held-out P@1 of g (as the index searches it) and its spread, for the trained relevance encoder and the same
+    model at initialisation, and a verdict: 'learning', 'below initialisation' or 'collapsed', with a warning that
+    says what it means when it is not learning."""
+    from marge.evaluation import evaluate_model, mean_score
+
+    trained_p = evaluate_model(trained, tokenizer, pairs, "g", device=str(device))
+    initial_p = evaluate_model(initial, tokenizer, pairs, "g", device=str(device))
+    texts = list(dict.fromkeys(text for p in pairs for text in p.sources))[:spread_texts]
+    spread, spread_init = (relevance_spread(m, tokenizer, texts, device) for m in (trained, initial))
+    p, p0 = mean_score(trained_p), mean_score(initial_p)
+    if spread >= COLLAPSED_SPREAD:
+        verdict = "collapsed"
+        warning = (f"g has collapsed: unrelated documents have a mean cosine of {spread:.3f} (at initialisation "
+                   f"{spread_init:.3f}), so the index links documents at random; held-out P@1 {p:.3f} vs {p0:.3f} at "
+                   "initialisation. This recipe does not learn to retrieve at this scale: start from "
+                   "deploy/configs/learning.yaml (README, 'Learning to retrieve').")
+    elif p <= p0:
+        verdict = "below initialisation"
+        warning = (f"g retrieves no better than at initialisation: held-out P@1 {p:.3f} vs {p0:.3f} ({len(trained_p)} "
+                   "directions); the index is not learning. Train longer, or start from deploy/configs/learning.yaml "
+                   "(README, 'Learning to retrieve').")
+    else:
+        verdict, warning = "learning", None
+    return {"verdict": verdict, "warning": warning, "spread": spread, "spread_at_init": spread_init,
+            "p_at_1": p, "p_at_1_at_init": p0,
+            "directions_above_init": sum(trained_p[k] > initial_p[k] for k in trained_p), "directions": len(trained_p),
+            "p_at_1_by_direction": trained_p, "p_at_1_at_init_by_direction": initial_p}
+
+
+def describe_g_health(health: dict) -> str:
+    """The one-line report of `g_health` for a progress log."""
+    return (f"[g] {health['verdict']} | held-out P@1 {health['p_at_1']:.3f} vs {health['p_at_1_at_init']:.3f} at "
+            f"initialisation ({health['directions_above_init']}/{health['directions']} directions above) | spread "
+            f"{health['spread']:.3f} (at initialisation {health['spread_at_init']:.3f})")
+
+
+def loggable(health: dict) -> dict:
+    """A health record's scalar figures, rounded, for a log line (no per-direction or per-item lists)."""
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in health.items()
+            if not isinstance(v, (list, dict))}
+
+
 class HealthMonitor:
     """The probe set and held-out pairs of a run's `health` settings, measured on demand (no Ray here).
 
@@ -154,15 +397,19 @@ class HealthMonitor:
         self.cfg, self.tokenizer = health_cfg, tokenizer
         h = health_cfg
         self.probe: list[ProbeItem] | None = None
+        self.aligned: list[AlignedItem] | None = None
         if h.documents and Path(h.documents).exists():
             self.probe = build_probe(Path(h.documents), tokenizer, h.probe_size, h.max_evidence, h.max_tokens, seed=seed)
+            if h.aligned_probe_size:
+                self.aligned = build_aligned_probe(Path(h.documents), tokenizer, h.aligned_probe_size, h.max_evidence,
+                                                   h.max_tokens, h.aligned_min_tokens, seed=seed)
         elif h.documents:
             log.warning("health.documents %s not found: no evidence-gain probe", h.documents)
         pairs_path = h.pairs or heldout_pairs
         self.pairs = None
         if h.pairs_per_language and pairs_path and Path(pairs_path).exists():
             n = h.pairs_per_language
-            self.pairs = [PairSet(p.src_lang, p.tgt_lang, p.sources[:n], p.targets[:n]) for p in read_pairs(Path(pairs_path))]
+            self.pairs = [PairSet(p.src_lang, p.tgt_lang, p.sources[:n], p.targets[:n]) for p in read_pairs(Path(pairs_path), tokenizer.languages)]
 
     def measure(self, model: Marge, device: str | torch.device = "cpu") -> dict:
         """Probe health (evidence gain, cosines, spread of g, beta) and held-out P@1 at `health.eval_layer`."""
@@ -171,6 +418,8 @@ class HealthMonitor:
         out: dict = {}
         if self.probe:
             out.update(probe_health(model, self.probe, self.tokenizer.specials, device))
+        if self.aligned:
+            out.update(aligned_evidence_gain(model, self.aligned, self.tokenizer.specials, device))
         if self.pairs:
             was_training = model.training
             model.eval()

@@ -36,7 +36,7 @@ from marge.metrics import StageMetrics
 from marge.protocol import Delivery, Slots
 from marge.snapshot import publish_snapshot
 from marge.utils import setup_logging
-from services.trainer.health import HealthMonitor
+from services.trainer.health import HealthMonitor, loggable
 from services.trainer.job import TrainerJob
 from services.trainer.objectives import objectives_for
 from services.trainer.source import source_for
@@ -80,6 +80,8 @@ HEALTH_GAUGES = {
     "relevance_cos_shuffled": "Mean f(target, unrelated evidence) on the probe set",
     "g_spread": "Mean cosine of g between unrelated probe documents",
     "heldout_p_at_1": "Held-out cross-lingual retrieval P@1, mean over directions",
+    "aligned_evidence_gain": "Aligned probe: held-out paragraphs' loss with unrelated minus with their translations (nats/token)",
+    "aligned_evidence_gain_per_char": "Aligned probe's evidence gain per target character (nats/char)",
 }
 
 
@@ -96,6 +98,13 @@ def trainer_metrics(run: str, rank: int, with_health: bool) -> StageMetrics:
     for name, description in HEALTH_GAUGES.items() if with_health else ():
         m.gauge(f"marge_{name}", description)
     return m
+
+
+def process_group_backend(use_gpu: bool) -> str:
+    """The DDP process group's backend per device type. On GPUs: NCCL for CUDA tensors and gloo for CPU ones (an
+    NCCL-only group refuses a CPU tensor, "No backend type associated with device type cpu", and picklable
+    objects gathered with `all_gather_object` are CPU-side); on CPUs: gloo."""
+    return "cpu:gloo,cuda:nccl" if use_gpu else "gloo"
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -178,7 +187,7 @@ class Rank:
             self.source.progress(self.step)
             self.uncommitted.extend(done.trained)
             record = step_record(self.step, deliveries, done, lr, grad_norm, self.model, self.world, t_step,
-                                 self.objectives.primary, [p.name for p in self.objectives.plugins])
+                                 self.objectives.primary, [p.name for p in self.objectives.plugins], self.device)
             speed.tokens += record["tokens"]
             speed.target_tokens += record["target_tokens"]
             self.tokens_seen += record["target_tokens"]
@@ -194,8 +203,7 @@ class Rank:
                         publish_snapshot(job.paths.snapshots, self.model, self.step, self.tokenizer.sha256)
                     if self.health is not None:
                         record["health"] = self.health.measure(self.model, self.device)
-                        log.info("health at step %d: %s", self.step,
-                                 {k: v for k, v in record["health"].items() if k != "p_at_1"})
+                        log.info("health at step %d: %s", self.step, loggable(record["health"]))
                 log_step(record, self.metrics, job, self.source)
             if self.step % t.checkpoint_every == 0 or self.step >= job.max_steps:
                 self.checkpoint(last_metrics)
@@ -211,8 +219,8 @@ class Rank:
             if delivery is None:
                 break
             deliveries.append(delivery)
-        ready = torch.tensor([1.0 if len(deliveries) == self.slots.grad_accum else 0.0])
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
+        ready = torch.tensor([1.0 if len(deliveries) == self.slots.grad_accum else 0.0], device=self.device)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN)  # on the model's device: NCCL's own on GPUs
         return deliveries if ready.item() == 1 else None  # nothing trained: the same slots are read again later
 
     def checkpoint(self, metrics: dict) -> None:
@@ -232,7 +240,8 @@ class Rank:
 
 
 def step_record(step: int, deliveries: list[Delivery], done: Backward, lr: float, grad_norm: float, model, world: int,
-                t_step: float, primary: str = "marge", objectives: list[str] | None = None) -> dict:
+                t_step: float, primary: str = "marge", objectives: list[str] | None = None,
+                device: torch.device | str = "cpu") -> dict:
     """One update's record across ranks: every rank's slots and batches, the mean loss of the primary objective
     (`loss`) and of each objective (`objectives`) over the batches trained, token counts (on every rank: the
     collectives need them all; rank 0 writes it)."""
@@ -241,8 +250,9 @@ def step_record(step: int, deliveries: list[Delivery], done: Backward, lr: float
     sums = [sum(float(p[name]) for p in done.losses if name in p) for name in names]
     counts = [float(sum(1 for p in done.losses if name in p)) for name in names]
     stats = torch.tensor([float(sum(d.batch.cost_tokens() for d in deliveries if d.slot in kept)),
-                          float(sum(int(n) for n in done.target_tokens)), *sums, *counts])
+                          float(sum(int(n) for n in done.target_tokens)), *sums, *counts], device=device)
     dist.all_reduce(stats)
+    stats = stats.cpu()
     means = {name: float(stats[2 + i]) / max(1.0, float(stats[2 + len(names) + i])) for i, name in enumerate(names)}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, [(d.slot, d.batch.batch_id if d.batch else None,

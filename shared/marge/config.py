@@ -80,8 +80,19 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             if type(None) in args:
                 return None
             raise ConfigError(f"{key} may not be null")
-        inner = next(a for a in args if a is not type(None))
-        return _coerce(key, value, inner)
+        inner = [a for a in args if a is not type(None)]
+        for typ_ in inner[:-1]:  # a union such as int | str: the first type the value is
+            try:
+                return _coerce(key, value, typ_)
+            except ConfigError:
+                pass
+        try:
+            return _coerce(key, value, inner[-1])
+        except ConfigError:
+            if len(inner) == 1:
+                raise
+            names = " or ".join(getattr(t, "__name__", str(t)) for t in inner)
+            raise ConfigError(f"{key} must be a {names}, got {value!r}") from None
     if value is None:
         raise ConfigError(f"{key} may not be null")
     if dataclasses.is_dataclass(typ):

@@ -19,6 +19,10 @@ One row per document chunk (a "document" in the paper's sense: <= max_chunk_toke
     tokens       list<int32>  tokenizer ids of `text`, without BOS/EOS
     num_tokens   int32   len(tokens)
     source       string  "<file>:<line>" or the source file path, for error messages and provenance
+    paragraph_ids list<string>  ids of the input paragraphs the document holds, shared by their translations
+                             in the group (empty when the input gave none). Measurement only (aligned link
+                             precision, the aligned oracle): training never reads them. Schema version 2;
+                             a version-1 corpus (without the column) reads with no ids.
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ from marge.utils import sha256_file
 log = logging.getLogger(__name__)
 
 CORPUS_FORMAT = "marge-corpus"
-CORPUS_SCHEMA_VERSION = 1
+CORPUS_SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
-CORPUS_SCHEMA = pa.schema([
+CORPUS_SCHEMA_V1 = pa.schema([
     pa.field("doc_id", pa.int64(), nullable=False),
     pa.field("doc_key", pa.string(), nullable=False),
     pa.field("shard", pa.int32(), nullable=False),
@@ -53,7 +58,18 @@ CORPUS_SCHEMA = pa.schema([
     pa.field("tokens", pa.list_(pa.field("item", pa.int32(), nullable=False)), nullable=False),
     pa.field("num_tokens", pa.int32(), nullable=False),
     pa.field("source", pa.string(), nullable=False),
-], metadata={b"marge.format": CORPUS_FORMAT.encode(), b"marge.schema_version": str(CORPUS_SCHEMA_VERSION).encode()})
+])
+CORPUS_SCHEMA = pa.schema(
+    [*CORPUS_SCHEMA_V1, pa.field("paragraph_ids", pa.list_(pa.field("item", pa.string(), nullable=False)), nullable=False)],
+    metadata={b"marge.format": CORPUS_FORMAT.encode(), b"marge.schema_version": str(CORPUS_SCHEMA_VERSION).encode()})
+SCHEMAS = {1: CORPUS_SCHEMA_V1, 2: CORPUS_SCHEMA}
+
+
+def split_paragraphs(text: str) -> list[str]:
+    """A raw document's paragraphs (separated by a blank line), whitespace collapsed, empty ones dropped: the
+    units `paragraph_ids` number."""
+    paras = [" ".join(p.split()) for p in text.replace("\r\n", "\n").split("\n\n")]
+    return [p for p in paras if p]
 
 
 class CorpusError(ValueError):
@@ -79,9 +95,22 @@ class ShardDocuments:
     groups: np.ndarray  # object (str)
     tokens: list[np.ndarray]  # int32 each
     texts: list[str]
+    paragraph_ids: list[tuple[str, ...]] | None = None
+    """Input paragraph ids per document (None: the corpus has none). For measurement, never for training."""
 
     def __len__(self) -> int:
         return len(self.doc_ids)
+
+    @property
+    def aligned(self) -> bool:
+        return self.paragraph_ids is not None and any(self.paragraph_ids)
+
+    def translations(self, i: int, j: int) -> bool:
+        """Whether documents i and j (positions in the shard) hold the same paragraph of one page in two
+        languages: aligned content, not merely the same page."""
+        if self.paragraph_ids is None or self.groups[i] != self.groups[j] or self.langs[i] == self.langs[j]:
+            return False
+        return not set(self.paragraph_ids[i]).isdisjoint(self.paragraph_ids[j])
 
 
 def _fail(path: Path, problem: str) -> CorpusError:
@@ -110,9 +139,9 @@ class Corpus:
             raise _fail(path, f"not valid JSON ({e})") from None
         if manifest.get("format") != CORPUS_FORMAT:
             raise _fail(path, f"format is {manifest.get('format')!r}, expected {CORPUS_FORMAT!r}")
-        if manifest.get("schema_version") != CORPUS_SCHEMA_VERSION:
+        if manifest.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
             raise _fail(path, f"schema_version {manifest.get('schema_version')!r} is not supported "
-                              f"(this marge reads version {CORPUS_SCHEMA_VERSION})")
+                              f"(this marge reads versions {list(READABLE_SCHEMA_VERSIONS)})")
         for key in ("shards", "tokenizer", "languages", "num_documents"):
             if key not in manifest:
                 raise _fail(path, f"field {key!r} is missing")
@@ -150,7 +179,8 @@ class Corpus:
             table = pq.read_table(path)
         except (pa.ArrowInvalid, OSError) as e:
             raise _fail(path, f"not a readable Parquet file ({e})") from None
-        validate_table(table, path, vocab_size=self.manifest["tokenizer"]["vocab_size"])
+        validate_table(table, path, vocab_size=self.manifest["tokenizer"]["vocab_size"],
+                       schema_version=self.manifest["schema_version"])
         if table.num_rows != info.rows:
             raise _fail(path, f"has {table.num_rows} rows, manifest.json says {info.rows}")
         if table.num_rows and set(table.column("shard").to_pylist()) != {info.shard}:
@@ -170,6 +200,8 @@ class Corpus:
             groups=np.array(table.column("group").to_pylist(), dtype=object),
             tokens=tokens,
             texts=table.column("text").to_pylist(),
+            paragraph_ids=([tuple(ids) for ids in table.column("paragraph_ids").to_pylist()]
+                           if "paragraph_ids" in table.column_names else None),
         )
 
     def all_tokens(self) -> list[np.ndarray]:
@@ -178,9 +210,11 @@ class Corpus:
         return [tokens for s in range(self.num_shards) for tokens in self.read_shard(s).tokens]
 
 
-def validate_table(table: pa.Table, path: Path, vocab_size: int | None = None) -> None:
-    """Raise CorpusError naming the file, column and row for anything that breaks the schema."""
-    expected = {f.name: f.type for f in CORPUS_SCHEMA}
+def validate_table(table: pa.Table, path: Path, vocab_size: int | None = None,
+                   schema_version: int = CORPUS_SCHEMA_VERSION) -> None:
+    """Raise CorpusError naming the file, column and row for anything that breaks the schema (of the version the
+    corpus manifest gives)."""
+    expected = {f.name: f.type for f in SCHEMAS[schema_version]}
     actual = {f.name: f.type for f in table.schema}
     missing = [name for name in expected if name not in actual]
     if missing:
@@ -189,8 +223,8 @@ def validate_table(table: pa.Table, path: Path, vocab_size: int | None = None) -
         if actual[name] != typ:
             raise _fail(path, f"column {name!r} has type {actual[name]}, expected {typ}")
     version = (table.schema.metadata or {}).get(b"marge.schema_version")
-    if version is not None and version != str(CORPUS_SCHEMA_VERSION).encode():
-        raise _fail(path, f"schema version {version.decode()} is not {CORPUS_SCHEMA_VERSION}")
+    if version is not None and version != str(schema_version).encode():
+        raise _fail(path, f"schema version {version.decode()} is not {schema_version} (what manifest.json says)")
     for name in expected:
         nulls = table.column(name).null_count
         if nulls:

@@ -6,7 +6,10 @@ Wikipedia shards: the same article in every language). A fixed set of pages, cho
 page path, is held out of training; their paragraph pairs become the retrieval test set.
 
 Outputs (in `out_dir`):
-    documents.jsonl.gz        training pages, one JSON object per (page, language): the input of `marge prepare`
+    documents.jsonl.gz        training pages, one JSON object per (page, language): the input of `marge prepare`;
+                              `paragraph_ids` lists the id of each paragraph of `text` (paragraphs are separated
+                              by blank lines), the same in every language, so translations can be found by
+                              paragraph (what the alignment measures and the aligned oracle use, never training)
     heldout_documents.jsonl.gz  held-out pages in the same format (document-level translation tests)
     heldout_pairs.tsv         src_lang<TAB>src_text<TAB>tgt_lang<TAB>tgt_text, English -> every other language
     heldout_pages.txt         the held-out page paths
@@ -146,6 +149,30 @@ def translated_paragraphs(paragraphs: dict[str, list[tuple[str, str]]], lang: st
     return [(pid, text) for pid, text in paragraphs[lang] if english.get(pid) != text]
 
 
+def occurrence_keys(ids: list[str]) -> list[str]:
+    """Paragraph ids made unique within a page: a page may use one id for several paragraphs (about 5% of
+    LibreOffice Help's), so the k-th use of an id becomes `id~k` (k >= 1), which still matches the k-th use of
+    that id in another language's version of the page."""
+    seen: Counter = Counter()
+    out = []
+    for pid in ids:
+        out.append(pid if not seen[pid] else f"{pid}~{seen[pid]}")
+        seen[pid] += 1
+    return out
+
+
+def keyed_translated_paragraphs(paragraphs: dict[str, list[tuple[str, str]]], lang: str) -> list[tuple[str, str]]:
+    """`translated_paragraphs` with `occurrence_keys` for ids (counted over all of the page's paragraphs in
+    `lang`, before untranslated ones are dropped, so the keys of one page match across languages)."""
+    if lang == "en" or "en" not in paragraphs:
+        kept = [True] * len(paragraphs[lang])
+    else:
+        english = dict(paragraphs["en"])
+        kept = [english.get(pid) != text for pid, text in paragraphs[lang]]
+    keys = occurrence_keys([pid for pid, _ in paragraphs[lang]])
+    return [(key, text) for key, (_, text), keep in zip(keys, paragraphs[lang], kept) if keep]
+
+
 def write_jsonl_gz(path: Path, rows: list[dict]) -> None:
     # mtime=0 keeps the gzip header, and so the committed fixture, byte-identical across builds
     with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
@@ -169,7 +196,7 @@ def build(opts: BuildOptions) -> dict:
         rows = []
         for path in tqdm(paths, desc="checking pages", unit="page"):
             for lang in opts.languages:
-                paras = translated_paragraphs(pages[path], lang)
+                paras = keyed_translated_paragraphs(pages[path], lang)
                 text = "\n\n".join(t for _, t in paras)
                 if len(text) < opts.min_page_chars:
                     stats[f"dropped_short_{lang}"] += 1
@@ -179,7 +206,8 @@ def build(opts: BuildOptions) -> dict:
                     stats[f"dropped_lid_{lang}"] += 1
                     continue
                 rows.append({"id": f"{lang}:{path}", "group": path, "language": lang,
-                             "title": paras[0][1] if paras else "", "text": text})
+                             "title": paras[0][1] if paras else "", "text": text,
+                             "paragraph_ids": [pid for pid, _ in paras]})
                 stats[f"documents_{lang}"] += 1
         return rows
 

@@ -38,8 +38,9 @@ class PairSet:
     targets: list[str]
 
 
-def read_pairs(path: Path) -> list[PairSet]:
-    """Read a pairs TSV; errors name the line and the field."""
+def read_pairs(path: Path, languages=None) -> list[PairSet]:
+    """Read a pairs TSV; errors name the line and the field. With `languages` (a model's tokenizer's), only the
+    pairs whose two languages it knows are kept: a model has nothing to say about a language it never saw."""
     groups: dict[tuple[str, str], PairSet] = {}
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
@@ -65,6 +66,13 @@ def read_pairs(path: Path) -> list[PairSet]:
             pair.targets.append(cells[3])
     if not groups:
         raise PairsError(f"{path}: no pairs")
+    if languages is not None:
+        known = set(languages)
+        kept = [p for key, p in groups.items() if set(key) <= known]
+        if not kept:
+            raise PairsError(f"{path}: no pairs between the model's languages {sorted(known)} (the file has "
+                             f"{sorted({lang for key in groups for lang in key})})")
+        return kept
     return list(groups.values())
 
 

@@ -2,15 +2,17 @@
 
 Steps (paper §3 "Data Pre-processing" and §2.4 "Data Sharding"):
   1. read documents: JSONL files (one object per line with "text" and "language"; optional "id",
-     "group", "title") or folders laid out as <root>/<lang>/**/*.{html,htm,txt} (the language is the
+     "group", "title", "paragraph_ids": one id per paragraph of "text", shared by a paragraph's translations
+     in the other documents of its group) or folders laid out as <root>/<lang>/**/*.{html,htm,txt} (the language is the
      first folder name; a page's path below it is its group, so the same page in every language
      lands in one shard);
   2. check each document: valid UTF-8, not empty, not oversized, an ISO 639-1 language that offline
      language identification (fastText LID-176) does not contradict;
   3. drop exact duplicates (same language, same normalised text);
   4. train the tokenizer on the corpus (or load a given one);
-  5. cut documents into chunks of at most `max_chunk_tokens` tokens along paragraph boundaries, and
-     drop duplicate chunks;
+  5. cut documents into chunks of at most `max_chunk_tokens` tokens along paragraph boundaries (or, with
+     `document_unit="paragraph"`, make every paragraph a document of its own: dropped under
+     `min_document_tokens`, cut at `max_chunk_tokens`), and drop duplicate chunks;
   6. assign groups to shards: all chunks of a group share a shard, groups are spread at random
      (seeded) over shards of about `docs_per_shard` chunks;
   7. write shards, tokenizer and manifest into a temporary folder and rename it into place.
@@ -41,7 +43,7 @@ from tqdm import tqdm
 
 from marge import __version__
 from marge.batch import max_text_tokens
-from marge.corpus import CORPUS_FORMAT, CORPUS_SCHEMA_VERSION, write_shard
+from marge.corpus import CORPUS_FORMAT, CORPUS_SCHEMA_VERSION, split_paragraphs, write_shard
 from marge.html_text import extract_text
 from marge.langid import identify
 from marge.languages import normalize_language
@@ -64,6 +66,11 @@ class RawDocument:
     group: str
     lang: str
     text: str
+    paragraph_ids: tuple[str, ...] | None = None
+    """One id per paragraph of `text` (`split_paragraphs`), shared by its translations in the group; None: unknown."""
+
+
+DOCUMENT_UNITS = ("chunk", "paragraph")
 
 
 @dataclass
@@ -73,6 +80,12 @@ class PrepareOptions:
     tokenizer_dir: Path | None = None
     vocab_size: int = 16000
     max_chunk_tokens: int = 512
+    document_unit: str = "chunk"
+    """'chunk': whole paragraphs packed into documents of up to `max_chunk_tokens` (the paper's 512-token chunks).
+    'paragraph': every paragraph is a document of its own, cut at `max_chunk_tokens` (short units whose
+    translations are single documents; a deviation for small-scale runs)."""
+    min_document_tokens: int = 1
+    """Documents (chunks or paragraphs) with fewer text tokens are dropped and counted."""
     docs_per_shard: int = 512
     num_shards: int | None = None
     languages: tuple[str, ...] | None = None
@@ -91,6 +104,10 @@ class PrepareOptions:
             raise PrepareError("no input given: pass JSONL files or language folders to `marge prepare`")
         if self.max_chunk_tokens < 3:
             raise PrepareError(f"--max-chunk-tokens must be at least 3 (BOS, a token, EOS), got {self.max_chunk_tokens}")
+        if self.document_unit not in DOCUMENT_UNITS:
+            raise PrepareError(f"--document-unit must be one of {list(DOCUMENT_UNITS)}, got {self.document_unit!r}")
+        if self.min_document_tokens < 1:
+            raise PrepareError(f"--min-document-tokens must be at least 1, got {self.min_document_tokens}")
         if self.docs_per_shard < 1:
             raise PrepareError(f"--docs-per-shard must be positive, got {self.docs_per_shard}")
         if self.num_shards is not None and self.num_shards < 1:
@@ -136,12 +153,28 @@ def read_jsonl(path: Path) -> Iterator[RawDocument]:
                     if not isinstance(obj[key], str):
                         raise PrepareError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
                 doc_id = str(obj.get("id", f"{path.name}:{line_no}"))
-                yield RawDocument(where, doc_id, str(obj.get("group", doc_id)), obj["language"], obj["text"])
+                yield RawDocument(where, doc_id, str(obj.get("group", doc_id)), obj["language"], obj["text"],
+                                  read_paragraph_ids(obj, where))
     except (OSError, EOFError, zlib.error) as e:
         if isinstance(e, FileNotFoundError):
             raise PrepareError(f"{path}: file not found") from None
         raise PrepareError(f"{path}:{line_no + 1}: cannot be read after line {line_no} ({e}); is it a complete, "
                            "uncorrupted (gzip) JSONL file? (`gzip -t` checks one)") from None
+
+
+def read_paragraph_ids(obj: dict, where: str) -> tuple[str, ...] | None:
+    """The optional `paragraph_ids` of a JSONL object: one string per paragraph of its text."""
+    ids = obj.get("paragraph_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
+        raise PrepareError(f"{where}: field 'paragraph_ids' must be a list of non-empty strings (one per paragraph "
+                           "of 'text', paragraphs separated by a blank line)")
+    paragraphs = len(split_paragraphs(obj["text"]))
+    if len(ids) != paragraphs:
+        raise PrepareError(f"{where}: field 'paragraph_ids' has {len(ids)} ids but 'text' has {paragraphs} paragraphs "
+                           "(separated by a blank line); give one id per paragraph, or leave the field out")
+    return tuple(ids)
 
 
 def read_folder(root: Path) -> Iterator[RawDocument]:
@@ -212,44 +245,69 @@ def check_document(doc: RawDocument, opts: PrepareOptions) -> RawDocument:
             raise PrepareError(f"{doc.source}: field 'language' says {lang!r} but language identification says "
                                f"{guess.lang!r} (confidence {guess.score:.2f}); fix the label, raise --lid-threshold, "
                                "or pass --no-lid to trust the labels")
-    return RawDocument(doc.source, doc.doc_id, doc.group, lang, doc.text)
+    return RawDocument(doc.source, doc.doc_id, doc.group, lang, doc.text, doc.paragraph_ids)
 
 
-def split_paragraphs(text: str) -> list[str]:
-    paras = [" ".join(p.split()) for p in text.replace("\r\n", "\n").split("\n\n")]
-    return [p for p in paras if p]
+@dataclass
+class Piece:
+    """One document made from a raw document: its tokens, text and the ids of the paragraphs it holds."""
+
+    tokens: list[int]
+    text: str
+    paragraph_ids: list[str]
 
 
 def chunk_paragraphs(paragraphs: list[str], paragraph_tokens: list[list[int]], max_chunk_tokens: int,
-                     tokenizer: MargeTokenizer) -> list[tuple[list[int], str]]:
+                     tokenizer: MargeTokenizer, paragraph_ids: tuple[str, ...] | None = None) -> list[Piece]:
     """Greedily pack whole paragraphs into chunks of <= max_chunk_tokens - 2 tokens (BOS and EOS are
-    added later); a paragraph longer than that is cut at token boundaries."""
+    added later); a paragraph longer than that is cut at token boundaries (each piece keeps its id)."""
     budget = max_text_tokens(max_chunk_tokens)
-    chunks: list[tuple[list[int], str]] = []
-    tokens: list[int] = []
+    ids = paragraph_ids or ("",) * len(paragraphs)
+    chunks: list[Piece] = []
+    current = Piece([], "", [])
     texts: list[str] = []
 
     def flush() -> None:
-        if tokens:
-            chunks.append((list(tokens), "\n\n".join(texts)))
-            tokens.clear()
+        nonlocal current
+        if current.tokens:
+            current.text = "\n\n".join(texts)
+            chunks.append(current)
+            current = Piece([], "", [])
             texts.clear()
 
-    for text, toks in zip(paragraphs, paragraph_tokens):
+    for text, toks, pid in zip(paragraphs, paragraph_tokens, ids):
         if not toks:
             continue
         if len(toks) > budget:
             flush()
             for start in range(0, len(toks), budget):
                 piece = toks[start:start + budget]
-                chunks.append((piece, tokenizer.decode(piece)))
+                chunks.append(Piece(piece, tokenizer.decode(piece), [pid] if pid else []))
             continue
-        if len(tokens) + len(toks) > budget:
+        if len(current.tokens) + len(toks) > budget:
             flush()
-        tokens.extend(toks)
+        current.tokens.extend(toks)
+        if pid:
+            current.paragraph_ids.append(pid)
         texts.append(text)
     flush()
     return chunks
+
+
+def paragraph_documents(paragraphs: list[str], paragraph_tokens: list[list[int]], max_chunk_tokens: int,
+                        tokenizer: MargeTokenizer, paragraph_ids: tuple[str, ...] | None = None) -> list[Piece]:
+    """Every paragraph a document of its own, cut to max_chunk_tokens - 2 tokens (the text follows the cut)."""
+    budget = max_text_tokens(max_chunk_tokens)
+    ids = paragraph_ids or ("",) * len(paragraphs)
+    out = []
+    for text, toks, pid in zip(paragraphs, paragraph_tokens, ids):
+        if not toks:
+            continue
+        if len(toks) > budget:
+            toks = toks[:budget]
+            text = tokenizer.decode(toks)
+        out.append(Piece(list(toks), text, [pid] if pid else []))
+    return out
 
 
 def assign_shards(group_sizes: dict[str, int], num_shards: int, seed: int) -> dict[str, int]:
@@ -276,6 +334,7 @@ class _Chunk:
     tokens: list[int]
     text: str
     source: str
+    paragraph_ids: list[str]
 
 
 @dataclass
@@ -333,16 +392,25 @@ def prepare(opts: PrepareOptions) -> dict:
 
     chunks: list[_Chunk] = []
     seen_chunks = set()
+    make_documents = paragraph_documents if opts.document_unit == "paragraph" else chunk_paragraphs
+    budget = max_text_tokens(opts.max_chunk_tokens)
     for doc in tqdm(docs, desc="chunking", unit="doc", disable=None):
         paragraphs = split_paragraphs(doc.text)
-        pieces = chunk_paragraphs(paragraphs, tokenizer.encode_batch(paragraphs), opts.max_chunk_tokens, tokenizer)
-        for i, (tokens, text) in enumerate(pieces):
-            key = (doc.lang, normalized_hash(text))
+        paragraph_tokens = tokenizer.encode_batch(paragraphs)
+        if opts.document_unit == "paragraph":
+            stats.counts["paragraphs_cut"] += sum(len(t) > budget for t in paragraph_tokens)
+        pieces = make_documents(paragraphs, paragraph_tokens, opts.max_chunk_tokens, tokenizer, doc.paragraph_ids)
+        for i, piece in enumerate(pieces):
+            if len(piece.tokens) < opts.min_document_tokens:
+                stats.counts["documents_too_short"] += 1
+                continue
+            key = (doc.lang, normalized_hash(piece.text))
             if key in seen_chunks:
                 stats.counts["chunks_duplicate"] += 1
                 continue
             seen_chunks.add(key)
-            chunks.append(_Chunk(doc.group, doc.lang, f"{doc.doc_id}#{i}", i, len(pieces), tokens, text, doc.source))
+            chunks.append(_Chunk(doc.group, doc.lang, f"{doc.doc_id}#{i}", i, len(pieces), piece.tokens, piece.text,
+                                 doc.source, piece.paragraph_ids))
     if not chunks:
         raise PrepareError("every chunk was a duplicate or empty; nothing to write")
 
@@ -368,7 +436,7 @@ def prepare(opts: PrepareOptions) -> dict:
                 "lang": [c.lang for c in rows], "chunk_index": [c.chunk_index for c in rows],
                 "num_chunks": [c.num_chunks for c in rows], "text": [c.text for c in rows],
                 "tokens": [c.tokens for c in rows], "num_tokens": [len(c.tokens) for c in rows],
-                "source": [c.source for c in rows],
+                "source": [c.source for c in rows], "paragraph_ids": [c.paragraph_ids for c in rows],
             }
             next_id += len(rows)
             lang_counts.update(c.lang for c in rows)
@@ -381,6 +449,8 @@ def prepare(opts: PrepareOptions) -> dict:
             "created_unix": int(time.time()), "num_documents": next_id, "num_shards": num_shards,
             "num_groups": len(group_sizes), "num_tokens": int(sum(len(c.tokens) for c in chunks)),
             "languages": dict(sorted(lang_counts.items())), "max_chunk_tokens": opts.max_chunk_tokens,
+            "document_unit": opts.document_unit,
+            "aligned_documents": sum(bool(c.paragraph_ids) for c in chunks),
             "tokenizer": {"files": ["tokenizer.model", "tokenizer.json"], "sha256": tokenizer.sha256,
                           "vocab_size": tokenizer.vocab_size},
             "inputs": [str(p) for p in opts.inputs],

@@ -1,0 +1,102 @@
+"""`marge experiment ceiling`: the loop against its aligned oracle, arm by arm, and the ratio between them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from services.driver.ceiling_experiment import judge_targets, paired_ratio, ratios
+
+
+def test_paired_ratio_is_the_ratio_of_sums_with_an_interval_around_it():
+    rng = np.random.default_rng(0)
+    oracle = rng.normal(1.0, 0.3, size=400)
+    loop = 0.5 * oracle + rng.normal(0.0, 0.05, size=400)
+    r = paired_ratio(loop.tolist(), oracle.tolist())
+    assert r["ratio"] == pytest.approx(loop.sum() / oracle.sum())
+    lo, hi = r["ci95"]
+    assert lo < r["ratio"] < hi and 0.45 < lo and hi < 0.55  # paired: the shared noise cancels
+    assert paired_ratio([1.0, 2.0], [0.0, 0.0])["ratio"] is None  # no oracle gain: no ratio
+
+
+def test_ratios_pair_the_updates_both_arms_measured():
+    arms = {"oracle": {"item_gains": {"0": [0.0, 0.0], "250": [1.0, 1.0], "500": [2.0, 2.0]}},
+            "loop": {"item_gains": {"0": [0.0, 0.0], "250": [0.5, 0.5], "750": [1.0, 1.0]}}}
+    assert {s: r["ratio"] for s, r in ratios(arms, "loop").items()} == {"250": 0.5}
+    assert ratios(arms, "paper") == {}
+
+
+def arm(gains: dict, precision: dict, lexical: dict, trained: dict, init: dict, beta: dict) -> dict:
+    return {"evidence_gain": gains, "parallel_link_precision": precision, "lexical_weight": lexical,
+            "p_at_1": {"trained": trained, "random_init": init}, "beta": beta}
+
+
+def test_targets_are_judged_from_the_measurements():
+    directions = ["en->de", "de->en", "en->fr", "fr->en", "en->es", "es->en", "en->it", "it->en"]
+    high, low = dict.fromkeys(directions, 0.4), dict.fromkeys(directions, 0.1)
+    arms = {
+        "oracle": arm({"0": 0.0, "3000": 0.6}, {}, {}, high, low, {"0": 1.0}),
+        "loop": arm({"0": 0.0, "3000": 0.4}, {"0": 0.5, "1": 0.45, "2": 0.5, "3": 0.55, "4": 0.6},
+                    {"0": 0.0, "1": 1.0, "2": 0.0, "3": 0.0, "4": 0.0}, high, low, {"0": 1.0}),
+        "lexical_frozen": arm({"0": 0.0, "3000": 0.3}, {"0": 0.5}, {"0": 0.0}, low, low, {"0": 1.0}),
+        "mechanism": arm({"0": 0.0}, {}, {}, {**low, "en->de": 0.2, "en->fr": 0.2, "en->es": 0.2}, low,
+                         {"0": 1.0, "500": 1.2}),
+    }
+    ratio = {"2000": {"ratio": 0.6}, "3000": {"ratio": 0.55}}
+    t = judge_targets(arms, ratio, {"2000": {"ratio": 0.2}})
+    assert t["T0_oracle_gain_at_least_0.5"] and t["T0_oracle_final_gain"] == 0.6
+    assert t["T1_loop_ratio_at_least_0.5_from_2000"] and not t["T2_paper_ratio_at_least_0.25_from_2000"]
+    # v1 (lambda 1, before the hand-over) may dip; v2-v4 (g alone) never fall below v0's TF-IDF and rise
+    assert t["T3_precision_never_below_tfidf_after_handover"] and t["T3_precision_rises_over_last_rebuilds"]
+    assert t["T3_loop_beats_lexical_frozen_at_end"]
+    assert t["T4_loop_latin_p_at_1_at_least_0.30"] and t["T4_loop_above_random_init_every_direction"]
+    assert t["T5_mechanism_directions_above_random_init"] == 3 and t["T5_mechanism_g_beats_init_on_3_of_4_with_beta_rising"]
+    arms["loop"]["parallel_link_precision"]["3"] = 0.4
+    worse = judge_targets(arms, ratio, {})
+    assert worse["T3_precision_never_below_tfidf_after_handover"] is False
+    assert worse["T3_precision_rises_over_last_rebuilds"] is False and worse["T2_paper_ratio_at_least_0.25_from_2000"] is None
+
+
+@pytest.mark.slow
+def test_the_ceiling_experiment_reports_each_arm_and_the_ratio_and_keeps_finished_arms(paragraph_corpus, few_pairs,
+                                                                                      tmp_path):
+    from services.driver.ceiling_experiment import run_ceiling
+
+    short = [f"data.corpus={paragraph_corpus}", "data.max_chunk_tokens=64", "model.max_positions=64",
+             "batcher.max_tokens=600", f"data.heldout_pairs={few_pairs}", "health.probe_size=4",
+             "health.aligned_probe_size=8", "health.pairs_per_language=4", "health.max_tokens=64",
+             "trainer.snapshot_every=2", "indexer.reindex_every=4", "indexer.lexical_until=6",
+             "trainer.checkpoint_every=3", "trainer.warmup_steps=2", "trainer.total_steps=100",
+             "objectives.self_evidence.until=4", "objectives.denoising_contrastive.extra_documents=8",
+             "run.max_steps=8"]
+    out = tmp_path / "ceiling"
+    report = run_ceiling(None, short, 1.0, out, arms=["oracle", "loop"], device="cpu")
+
+    assert set(report["arms"]) == {"oracle", "loop"}
+    for name, a in report["arms"].items():
+        assert a["updates"] == 8 and a["minutes"] == 1.0
+        assert list(a["evidence_gain"]) == ["0", "2", "4", "6", "8"] == list(a["evidence_gain_per_char"])
+        assert all(lo <= a["evidence_gain"][s] <= hi for s, (lo, hi) in a["evidence_gain_ci95"].items())
+        for kind in ("trained", "random_init", "tfidf"):
+            assert len(a["p_at_1"][kind]) == 8  # the 5 languages' directions, not the file's 14
+        assert a["beta"]["0"] == 1.0
+    oracle, loop = report["arms"]["oracle"], report["arms"]["loop"]
+    assert list(oracle["parallel_link_precision"]) == ["0"] and oracle["link_sources"]["0"] == ["aligned"]
+    # the bootstrap: TF-IDF, then cos(g) + lambda * tfidf (lambda = 1 - 4/6 at update 4), then g alone from update 6
+    assert loop["link_sources"] == {"0": ["tfidf"], "1": ["hybrid"], "2": ["g"]}
+    assert loop["lexical_weight"]["1"] == pytest.approx(1 / 3) and loop["lexical_weight"]["2"] == 0
+    assert loop["parallel_link_precision"]["0"] > 0
+    assert list(report["ratio"]) == ["2", "4", "6", "8"] == list(report["ratio_ci95"])
+    assert report["ratio"] == report["ratio_per_char"]
+    assert set(report["headline_ratios"]["loop"]) == {"8"}
+    assert (out / "curves.png").stat().st_size > 0
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["arms"]["loop"]["evidence_gain"] == loop["evidence_gain"]
+    assert str(tmp_path) not in (out / "report.json").read_text()  # paths relative to the experiment folder
+
+    log = (out / "arms" / "loop" / "run" / "train_log.jsonl").read_text()
+    again = run_ceiling(None, short, 1.0, out, arms=["loop"], device="cpu")
+    assert (out / "arms" / "loop" / "run" / "train_log.jsonl").read_text() == log  # finished: kept, not retrained
+    assert set(again["arms"]) == {"oracle", "loop"}  # arms of earlier commands on the folder count too
