@@ -10,7 +10,7 @@ pass of `epoch_batches` over them in a fresh process per measurement, two ways i
                 streamed shards, when it held every document from the start)
 
 at graph sizes of 1M, 3M and 10M edges with the same shard size (so 10x the edges is 10x the shards). Goals
-(issue 15): the time per edge near-linear from 1M to 10M edges, and the streamed pass's memory bounded (not
+: the time per edge near-linear from 1M to 10M edges, and the streamed pass's memory bounded (not
 growing with the corpus).
 
     python benchmarks/batcher_scale.py --out benchmarks/results/batcher-scale-cpu.json

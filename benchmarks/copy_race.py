@@ -1,6 +1,6 @@
 """Copy race: does our decoder learn to read its evidence as fast as Hugging Face BART at equal shape?
 
-Each target is a 48-token sequence and its only evidence document is the same sequence (issue 17). Both
+Each target is a 48-token sequence and its only evidence document is the same sequence. Both
 models train in one process on the same batches, with the same seed, optimizer and schedule; the script
 prints the training loss (nats/token) at fixed steps and the seconds each run took, and writes a JSON.
 
@@ -23,13 +23,13 @@ Tasks (`--source`, `--evidence`): random tokens (default) or 48-token windows of
 (vocabulary = its tokenizer's); the evidence is the exact copy (default), BART's text infilling of it
 (30% of the tokens masked in spans of Poisson(3) length, each span replaced by one mask token), or
 `--evidence bart`: the `bart` objective's own noise with its defaults (services.trainer.noising: text
-infilling + sentence permutation), i.e. a denoising race (issue 13). With one linked document per target the
+infilling + sentence permutation), i.e. a denoising race. With one linked document per target the
 marge objective's relevance bias is the same on all of a target's keys, so our loss is the `bart` objective's
 (tests/test_objectives.py checks the two paths agree).
 
-Variants (`--variants`) switch ONE thing of a model, for the diagnosis in the README (issue 17); they are
+Variants (`--variants`) switch ONE thing of a model, for the diagnosis in experiments/copy-race/README.md; they are
 built here, as subclasses or module swaps, and are not options of the model. `--list` prints them.
-`before` is our model as it was before issue 17 (no embedding LayerNorm); `before:*` switch one thing of it.
+`before` is our model as it was before the embedding LayerNorm; `before:*` switch one thing of it.
 
     python benchmarks/copy_race.py                     # ours, before, BART: random tokens, 3 seeds, 700 updates
     python benchmarks/copy_race.py --source text --steps 700
@@ -72,7 +72,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CORPUS = REPO / "data/prepared/demo"
 DEFAULT_OUT = REPO / "benchmarks/results/copy_race.json"
 
-# The shape of issue 17.
+# The shape of the copy race.
 D_MODEL, HEADS, LAYERS, FFN, POSITIONS = 128, 4, 2, 512, 64
 RANDOM_VOCAB = 4000
 TARGETS_PER_BATCH, TARGET_TOKENS = 16, 48
@@ -168,7 +168,7 @@ def our_config(vocab_size: int, pad_id: int, **overrides) -> MargeConfig:
 
 
 BEFORE_ISSUE_17 = {"embedding_layernorm": False}
-"""Config overrides that rebuild our model as it was before issue 17 (the diagnosis starts from it)."""
+"""Config overrides that rebuild our model as it was before the embedding LayerNorm (the diagnosis starts from it)."""
 
 
 class PostNormEncoderLayer(EncoderLayer):
@@ -249,7 +249,7 @@ def use_shared_positions(model: Marge) -> None:
 
 class ConcatenatedMemoryMarge(Marge):
     """Each target cross-attends over the batch's whole concatenated memory (M*S keys) with every other
-    document's keys masked: the model's layout before issue 10 (now each target reads only its own keys)."""
+    document's keys masked: the model's layout before the gathered keys (now each target reads only its own keys)."""
 
     def cross_memory(self, evidence: EncodedEvidence, relevance_NM: Tensor, allowed_NM: Tensor) -> CrossMemory:
         return CrossMemory(None, relevance_NM[:, evidence.key_doc_L],
@@ -319,7 +319,7 @@ def before(**config) -> dict:
 
 VARIANTS = {v.name: v for v in [
     Variant("ours", "our Marge as the library builds it now (embedding LayerNorm)", "ours"),
-    Variant("before", "our Marge before issue 17: pre-LN, no embedding LayerNorm", "ours", config=before()),
+    Variant("before", "our Marge before the embedding LayerNorm: pre-LN", "ours", config=before()),
     Variant("before:embedding_ln", "+ LayerNorm on token + position embedding (BART's layernorm_embedding): "
             "the fix, = ours", "ours", config=before(embedding_layernorm=True)),
     Variant("before:post_ln", "post-LN sublayers (BART's placement), final norms dropped", "ours", config=before(),
@@ -352,7 +352,7 @@ VARIANTS = {v.name: v for v in [
     Variant("bart", "BartForConditionalGeneration (post-LN, layernorm_embedding, tied)", "bart"),
     Variant("bart:no_embedding_ln", "BART without layernorm_embedding (toward ours)", "bart",
             modify=bart_without_embedding_norm),
-    Variant("bart:our_old_norms", "BART with our norms before issue 17: pre-LN, final LayerNorms, no "
+    Variant("bart:our_old_norms", "BART with our norms before the embedding LayerNorm: pre-LN, final LayerNorms, no "
             "layernorm_embedding", "bart", modify=lambda m: bart_pre_norm(m, embedding_norm=False)),
     Variant("bart:pre_ln", "BART with pre-LN and final LayerNorms, layernorm_embedding kept (mBART's norms, "
             "= ours now)", "bart", modify=lambda m: bart_pre_norm(m, embedding_norm=True)),

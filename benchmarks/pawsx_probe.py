@@ -8,7 +8,7 @@ accurate on the en-de validation set, then scored on test per language pair:
                    decoder reconstruct the pair, MARGE's pre-training objective
 
 If neither separates the classes, the checkpoint holds nothing a classifier could transfer to other languages
-(README "Fine-tuning"). Usage:
+(experiments/finetune/README.md). Usage:
 
     python benchmarks/pawsx_probe.py --checkpoint runs/marge600/ray_train/marge600/step-00000600 [--out FILE]
 """

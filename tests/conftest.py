@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-# Ray settings measured on this project's machines (see README "Running on a laptop"): no token auth
+# Ray settings measured on this project's machines (docs/testing.md): no token auth
 # for the local test cluster, every socket on loopback, no usage stats, fast shutdown.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -138,7 +138,7 @@ def test_a_submitted_job_trains_while_the_indexer_is_scaled_and_every_stage_repo
         f"run.max_steps={STEPS}", f"data.corpus={small_corpus}", "data.max_chunk_tokens=128",
         "model.max_positions=128", "batcher.max_tokens=400", "indexer.reindex_every=10",
         "trainer.snapshot_every=10", "trainer.checkpoint_every=30", "trainer.warmup_steps=2",
-        "run.progress_every_s=2", "health.probe_size=4"])
+        "run.progress_every_s=2", "health.probe_size=4", "health.aligned_probe_size=8"])
     client = JobSubmissionClient(cluster.dashboard)
     job = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
 

@@ -120,7 +120,7 @@ def test_marge_pretrain_refuses_a_bad_setting_within_seconds_before_ray_or_redis
 
 
 def test_a_run_the_ray_cluster_cannot_hold_is_refused_naming_what_it_needs_and_what_there_is(small_corpus, tmp_path):
-    """Issue 12: with too few logical CPUs Ray Train used to time out (WorkerGroupStartupTimeoutError)."""
+    """With too few logical CPUs Ray Train would time out (WorkerGroupStartupTimeoutError): refused up front."""
     cfg = load_config(DEPLOY / "configs" / "tiny.yaml")
     assert cfg.cpus_needed() == 3 and load_config(DEPLOY / "configs" / "tiny-bart.yaml").cpus_needed() == 2
     cfg.check_fits(3)
@@ -240,3 +240,22 @@ def test_no_loss_weight_is_architecture():
 
     names = [f.name for f in dataclasses.fields(MargeConfig)]
     assert not [n for n in names if n.endswith(("_weight", "_temperature"))]
+
+
+def test_the_config_reference_is_generated_and_documents_every_key():
+    import re
+
+    from services.driver.config_reference import reference
+
+    text = reference()
+    assert (REPO / "docs" / "configuration.md").read_text(encoding="utf-8") == text + "\n", \
+        "docs/configuration.md is stale: run `marge config reference --out docs/configuration.md`"
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) > 100
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", row.strip())[1:-1]] for row in rows]
+    assert {len(c) for c in cells} == {6}  # key, type, default, paper.yaml, learning.yaml, doc
+    undocumented = [c[0] for c in cells if not c[5]]
+    assert undocumented == [], f"config keys without a docstring under their field: {undocumented}"
+    for key in ("indexer.bootstrap", "indexer.lexical_weight", "data.document_unit", "health.aligned_probe_size",
+                "model.embedding_layernorm", "objectives.self_evidence.until"):
+        assert f"| `{key}` |" in text

@@ -37,7 +37,8 @@ def fault_config(tmp_path: Path, corpus: Path, name: str, *extra: str):
 
     return load_config(REPO / "deploy/configs/tiny.yaml", [
         f"run.name={name}", f"run.dir={tmp_path / name}", f"data.corpus={corpus}", "data.max_chunk_tokens=128",
-        "model.max_positions=128", "batcher.max_tokens=400", "run.progress_every_s=2", *SCHEDULE, *extra])
+        "model.max_positions=128", "batcher.max_tokens=400", "run.progress_every_s=2", "health.aligned_probe_size=8",
+        *SCHEDULE, *extra])
 
 
 def slot_batches(run_dir: Path) -> dict[int, str]:
@@ -278,8 +279,9 @@ def test_a_second_driver_on_a_live_run_is_refused_and_a_dead_drivers_lock_is_tak
 
 
 def test_a_bad_batch_is_left_out_of_its_update_with_a_zero_weight_stand_in(small_index, small_corpus):
-    """backward_items on [good, poison] gives half the gradient of [good] alone (each batch weighs 1/2; the poison
-    batch's stand-in weighs 0), and on [good, NaN loss] the same; both name the slot and the reason."""
+    """An update on [good, poison] applies half the gradient of [good] alone (each batch weighs 1/2; the poison
+    batch's stand-in weighs 0), and on [good, NaN loss] the same: its one read finds the loss not finite and the
+    update is computed again without that batch. Both name the slot and the reason."""
     from marge.corpus import Corpus
     from marge.model import Marge, preset
     from marge.protocol import Slots
@@ -288,7 +290,7 @@ def test_a_bad_batch_is_left_out_of_its_update_with_a_zero_weight_stand_in(small
     from services.batcher.core import DocumentStore, epoch_batches
     from services.trainer.config import TrainerConfig
     from services.trainer.objectives import Objectives, ObjectivesConfig
-    from services.trainer.step import Item, backward_items
+    from services.trainer.step import Item, run_update
 
     corpus = Corpus.open(small_corpus)
     specials = corpus.tokenizer().specials
@@ -297,11 +299,25 @@ def test_a_bad_batch_is_left_out_of_its_update_with_a_zero_weight_stand_in(small
     model = Marge(preset("tiny", vocab_size=corpus.tokenizer().vocab_size, max_positions=128, dropout=0.0))
     objectives = Objectives(ObjectivesConfig(), specials)
 
+    class Capture:  # an optimizer that keeps the gradient it is asked to apply
+        param_groups = [{"lr": 0.0}]
+        gradient = None
+
+        def step(self):
+            self.gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
+
+        def zero_grad(self, set_to_none=True):
+            model.zero_grad(set_to_none=set_to_none)
+
+    class Constant:
+        def step(self):
+            pass
+
     def gradient(items: list[Item], slots: Slots, nan_slot=None):
-        model.zero_grad(set_to_none=True)
-        done = backward_items(model, objectives, items, slots, TrainerConfig(), torch.device("cpu"), 0, model.cfg,
-                              specials, nan_slot)
-        return done, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        optimizer = Capture()
+        done, read = run_update(model, optimizer, Constant(), objectives, items, slots, TrainerConfig(clip_norm=0),
+                                torch.device("cpu"), 0, model.cfg, specials, nan_slot)
+        return done, optimizer.gradient
 
     _, alone = gradient([Item(0, good)], Slots(1, 1))
     done, with_poison = gradient([Item(0, good), Item(1, poisoned(other))], Slots(1, 2))
@@ -310,6 +326,7 @@ def test_a_bad_batch_is_left_out_of_its_update_with_a_zero_weight_stand_in(small
     # the same key seeds slot 0's preparation in both (seed, update 0, position 0): only the weight differs
     assert np.allclose(with_poison.numpy(), 0.5 * alone.numpy(), atol=1e-6)
     done, with_nan = gradient([Item(0, good), Item(1, other)], Slots(1, 2), nan_slot=1)
+    assert done.trained == [(0, good.batch_id)]
     assert done.dead_lettered == [(1, f"non-finite loss (nan) on batch {other.batch_id}")]
     assert np.allclose(with_nan.numpy(), 0.5 * alone.numpy(), atol=1e-6)
 

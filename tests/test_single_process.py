@@ -28,6 +28,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def overrides(corpus: Path, pairs: Path, *extra: str) -> list[str]:
     return [f"data.corpus={corpus}", "data.max_chunk_tokens=128", "model.max_positions=128", "batcher.max_tokens=400",
             f"data.heldout_pairs={pairs}", "health.probe_size=4", "health.pairs_per_language=4",
+            "health.aligned_probe_size=8",
             "trainer.snapshot_every=2", "indexer.reindex_every=4", "trainer.checkpoint_every=3",
             "trainer.warmup_steps=2", "trainer.total_steps=100", "objectives.self_evidence.until=6",
             "run.progress_every_s=1", *extra]
@@ -110,7 +111,8 @@ def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cl
     single = losses(tmp_path / "single")
     assert len(single) == 6 and all(len(b) == 2 for _, _, b in single)  # two batches per update: the ranks' slots
 
-    cfg = load_config(REPO / "deploy/configs/learning.yaml", [*args, "run.name=ddp", f"run.dir={tmp_path / 'ddp'}"])
+    cfg = load_config(REPO / "deploy/configs/learning.yaml", [*args, "run.name=ddp", f"run.dir={tmp_path / 'ddp'}",
+                                                              f"faults.trace_collectives={tmp_path / 'trace'}"])
     corpus = Corpus.open(small_corpus)
     ensure_initial_model(cfg.model_config(corpus.tokenizer().vocab_size), cfg.paths(), corpus, cfg.run.seed)  # seeded
     index = read_version(tmp_path / "single" / "run" / "index" / version_dirname(0))
@@ -124,6 +126,17 @@ def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cl
     assert [r["batch_ids"] for r in ddp] == [b for _, _, b in single]
     assert [r["loss"] for r in ddp] == pytest.approx([loss for _, loss, _ in single], rel=1e-4, abs=1e-5)
     assert np.isfinite([loss for _, loss, _ in single]).all()
+
+    # every collective the ranks called: each tensor on the rank's model device (on GPUs: CUDA tensors for NCCL,
+    # never a CPU tensor an NCCL-only group would refuse), objects gathered through a group with a CPU backend
+    from services.trainer.loop import process_group_backend
+
+    for rank in range(2):
+        calls = [json.loads(line) for line in (tmp_path / "trace" / f"rank-{rank}.jsonl").read_text().splitlines()]
+        assert {"all_reduce", "all_gather_object", "barrier"} <= {c["name"] for c in calls}
+        assert all(c["backend"] == process_group_backend(use_gpu=False) for c in calls)
+        assert all(set(c["tensor_devices"]) <= {c["model_device"]} for c in calls)
+        assert sum(c["name"] == "all_reduce" for c in calls) >= 6  # every update agrees readiness and statistics
 
 
 def test_torch_search_finds_the_faiss_neighbours():

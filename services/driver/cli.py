@@ -442,6 +442,17 @@ def cmd_experiment_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    from services.driver.config_reference import reference
+
+    text = reference()
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    else:
+        print(text)
+    return 0
+
+
 def cmd_scale(args: argparse.Namespace) -> int:
     """Resize a running job's indexer pool; the coordinator applies it from the next index version."""
     import os
@@ -752,6 +763,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--eval-limit", type=int, default=None, help="score only the first N test examples")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(func=cmd_experiment_finetune)
+
+    p = sub.add_parser("config", help="the configuration: `reference` prints every section and field")
+    config_sub = p.add_subparsers(dest="config_command", required=True)
+    q = config_sub.add_parser("reference", help="every config key with its type, default, the paper's value and "
+                                                "its documentation, as Markdown (docs/configuration.md)")
+    q.add_argument("--out", default=None, help="write it here instead of printing it")
+    q.set_defaults(func=cmd_config_reference)
 
     p = sub.add_parser("plan", help="capacity model: does the indexer pool keep up with the trainers?")
     p.add_argument("--config", type=Path, default=Path("deploy/configs/tiny.yaml"))

@@ -50,11 +50,14 @@ class RunConfig:
     dir: str = "runs/marge"
     """Where snapshots, indexes, checkpoints and logs go (shared storage on a multi-node cluster)."""
     seed: int = 0
+    """Seeds the initial weights, the shard order of batches, every batch's preparation and the probes: the same
+    seed, data and config give the same run."""
     max_steps: int = 100
     """Optimizer updates to train for (the paper: 1M)."""
     max_minutes: float = 0.0
     """Stop training after this many minutes (0: no limit)."""
     progress_every_s: float = 10.0
+    """Seconds between the driver's progress lines (one per stage)."""
 
     def __post_init__(self) -> None:
         positive(self, "max_steps", "progress_every_s")
@@ -68,7 +71,9 @@ class DataConfig:
     raw: list[str] = field(default_factory=lambda: ["data/demo/libreoffice-help/documents.jsonl.gz"])
     """Raw input for `marge prepare`, used when `corpus` does not exist yet."""
     corpus: str = "data/prepared/demo"
+    """The prepared corpus folder (`marge prepare`); prepared from `raw` with the settings below when missing."""
     vocab_size: int = 8000
+    """SentencePiece vocabulary of a corpus prepared here (the paper: 250k); the model's vocab_size follows it."""
     max_chunk_tokens: int = 512
     """Longest document chunk in tokens, BOS and EOS included (paper: 512)."""
     document_unit: str = "chunk"
@@ -79,8 +84,11 @@ class DataConfig:
     languages: list[str] | None = None
     """Keep only these languages of `raw` (null: all of them)."""
     docs_per_shard: int = 512
+    """Documents per shard of a corpus prepared here (whole groups: a page in every language stays in one shard)."""
     num_shards: int | None = None
+    """Exact number of shards of a corpus prepared here (null: from docs_per_shard)."""
     heldout_pairs: str | None = "data/demo/libreoffice-help/heldout_pairs.tsv"
+    """Held-out translation pairs (TSV) for retrieval P@1 in the probes, the reports and g's health at the end."""
 
     def __post_init__(self) -> None:
         positive(self, "vocab_size", "docs_per_shard", "min_document_tokens")
@@ -105,7 +113,10 @@ class RedisConfig:
     url: str | None = None
     """redis://... of an existing server; None starts a private redis-server (loopback, random password)."""
     appendfsync: str = "everysec"
+    """The private redis-server's AOF fsync policy: 'always', 'everysec' (at most a second of writes lost to a
+    machine crash; a killed server loses nothing) or 'no'."""
     maxmemory: str = "1gb"
+    """The private redis-server's memory limit (noeviction: a full queue refuses writes, it never drops batches)."""
 
     def __post_init__(self) -> None:
         one_of(self, "appendfsync", ("always", "everysec", "no"))
@@ -116,8 +127,11 @@ class RayConfig:
     address: str | None = None
     """An existing cluster ('auto', 'ray://...'); None starts a local one (or joins RAY_ADDRESS when set)."""
     num_cpus: int | None = None
+    """Logical CPUs of a local Ray (null: the machine's, at least what the run needs)."""
     include_dashboard: bool = False
+    """Start the Ray dashboard with a local Ray (on 127.0.0.1)."""
     object_store_memory: int = 256 * 1024 * 1024
+    """Bytes of a local Ray's object store (batches travel through Redis, not Ray objects: a small store is enough)."""
 
     def __post_init__(self) -> None:
         positive(self, "object_store_memory")

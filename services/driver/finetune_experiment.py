@@ -47,7 +47,7 @@ class Recipe:
     valid_limit: int | None = 64
 
 
-# Tried on the demo checkpoints (README "Fine-tuning"): translation, 250 updates at 1e-3 (the only rate tried)
+# Tried on the demo checkpoints (experiments/finetune/README.md): translation, 250 updates at 1e-3 (the only rate tried)
 # reached greedy valid chrF 7.3; pawsx stayed at chance at 3e-5, 1e-4 and 1e-3 alike from the 300-update
 # checkpoint, so it takes the middle rate, in BART's usual fine-tuning range.
 RECIPES = {

@@ -38,7 +38,7 @@ from services.driver.lock import DriverLock
 from services.driver.plan import estimated_throughput, warn_if_behind
 from services.driver.progress import Progress
 from services.driver.report import read_train_log
-from services.driver.resources import RedisEndpoint, apply_local_ray_env, ray_for, redis_for
+from services.driver.resources import RedisEndpoint, apply_local_ray_env, check_local_fit, ray_for, ray_running, redis_for
 from services.trainer.init import ensure_initial_model
 from services.trainer.job import TrainerJob
 from services.trainer.loop import process_group_backend, train_loop_per_worker
@@ -55,6 +55,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     started = time.time()
     cfg = with_absolute_paths(environment_endpoints(cfg))
     paths = cfg.paths()
+    if not cfg.ray.address and not ray_running():
+        check_local_fit(cfg)  # a run a local Ray could not hold is refused before anything starts or is written
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     with DriverLock(paths.run_dir):
         atomic_write_text(paths.run_dir / "config.yaml", yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))

@@ -15,7 +15,7 @@ from services.driver.redis_server import LocalRedis, private_conf_dir
 
 log = logging.getLogger("marge.pipeline")
 
-# Measured on 2-core machines (see README): loopback-only sockets, no token auth on a private local
+# Measured on 2-core machines (docs/testing.md): loopback-only sockets, no token auth on a private local
 # cluster, quick shutdown, and a lighter Ray Train V2 controller.
 LOCAL_RAY_ENV = {
     "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
@@ -106,8 +106,7 @@ def ray_for(cfg: PipelineConfig) -> Iterator[None]:
             raise
         yield
         return
-    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(cfg.cpus_needed() + 0.999))
-    cfg.check_fits(num_cpus, local_gpus())  # before Ray starts: an explicit ray.num_cpus too small, GPUs absent
+    num_cpus = check_local_fit(cfg)  # before Ray starts: an explicit ray.num_cpus too small, GPUs absent
     ray.init(address="local", namespace=namespace, num_cpus=num_cpus, include_dashboard=cfg.ray.include_dashboard,
              dashboard_host="127.0.0.1", object_store_memory=cfg.ray.object_store_memory, log_to_driver=False,
              runtime_env={"worker_process_setup_hook": "services.trainer.loopback.install"})  # DDP's store on loopback
@@ -116,6 +115,21 @@ def ray_for(cfg: PipelineConfig) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def check_local_fit(cfg: PipelineConfig) -> int:
+    """The logical CPUs a local Ray started for `cfg` gets, after refusing a run it could not hold (too few CPUs
+    in an explicit `ray.num_cpus`, GPUs asked for where there are none): checked before anything starts."""
+    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(cfg.cpus_needed() + 0.999))
+    cfg.check_fits(num_cpus, local_gpus())
+    return num_cpus
+
+
+def ray_running() -> bool:
+    """Whether this process is already connected to Ray (a program or a test embedding the pipeline)."""
+    import ray
+
+    return ray.is_initialized()
 
 
 def local_gpus() -> int:

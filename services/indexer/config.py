@@ -51,10 +51,13 @@ class IndexerConfig:
     keep_versions: int = 3
     """Committed index versions kept on disk (the newest always)."""
     use_gpu: bool = False
+    """Embed (and search, with faiss-gpu) on a GPU; the run is refused where the cluster has none."""
     bf16: bool = False
     """Embed under bf16 autocast (on a GPU)."""
     num_cpus_per_worker: float = 1.0
+    """Logical CPUs Ray gives each indexer worker (also its torch and FAISS threads)."""
     num_gpus_per_worker: float = 0.0
+    """GPUs (or a share of one) Ray gives each indexer worker with use_gpu."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per worker, e.g. {marge_indexer: 1} to place indexers on their own node group."""
     shards_per_refresh: int = 0

@@ -13,6 +13,7 @@ class TrainerConfig:
     num_workers: int = 2
     """DDP ranks (Ray Train workers); each takes `grad_accum` batches per update."""
     use_gpu: bool = False
+    """One GPU per DDP rank (NCCL for its tensors); the run is refused where the cluster has too few."""
     lr: float = 3e-4
     """Peak learning rate (paper: 1e-4 first, 2e-4 later; smaller at first for stability, footnote 3)."""
     warmup_steps: int = 100
@@ -20,21 +21,29 @@ class TrainerConfig:
     total_steps: int | None = None
     """The rate anneals linearly to 0 at this step (paper: linear annealing to 0; default: run.max_steps)."""
     weight_decay: float = 0.01
+    """AdamW weight decay of the weight matrices (none on biases, LayerNorms, embeddings and beta)."""
     adam_betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW's (beta1, beta2)."""
     adam_eps: float = 1e-6
+    """AdamW's epsilon."""
     clip_norm: float = 1.0
     """Gradient-norm clipping (0 turns it off)."""
     grad_accum: int = 1
+    """Batches each rank accumulates per update (DDP all-reduces once, after the last)."""
     bf16: bool = False
     """bf16 autocast with fp32 master weights."""
     snapshot_every: int = 10000
     """Rank 0 publishes g (and measures retrieval health) every this many updates."""
     checkpoint_every: int = 1000
+    """Updates between checkpoints; a batch counts as trained once the checkpoint covering it is durable."""
     keep_checkpoints: int = 2
+    """Checkpoints kept on disk (the newest always)."""
     num_cpus_per_worker: float = 1.0
+    """Logical CPUs Ray gives each DDP rank."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per worker, e.g. {marge_trainer: 1}."""
     torch_threads: int = 1
+    """torch's intra-op threads per rank (Ray actors get one unless told)."""
     max_failures: int = 3
     """Times Ray Train restarts the trainer group from its newest checkpoint after a worker dies (-1: always)."""
 
@@ -70,7 +79,9 @@ class HealthConfig:
     aligned_min_tokens: int = 4
     """Shortest aligned-probe target, in text tokens."""
     max_evidence: int = 3
+    """Translations per probe target (of a page, or of a paragraph), at most."""
     max_tokens: int = 128
+    """Probe documents are cut to this many positions."""
     pairs: str | None = None
     """Held-out pairs TSV for retrieval P@1 at every snapshot (null: data.heldout_pairs)."""
     pairs_per_language: int = 200

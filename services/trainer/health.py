@@ -357,12 +357,12 @@ def g_health(trained, initial, tokenizer, pairs, device: str | torch.device = "c
         warning = (f"g has collapsed: unrelated documents have a mean cosine of {spread:.3f} (at initialisation "
                    f"{spread_init:.3f}), so the index links documents at random; held-out P@1 {p:.3f} vs {p0:.3f} at "
                    "initialisation. This recipe does not learn to retrieve at this scale: start from "
-                   "deploy/configs/learning.yaml (README, 'Learning to retrieve').")
+                   "deploy/configs/learning.yaml (experiments/ceiling/README.md).")
     elif p <= p0:
         verdict = "below initialisation"
         warning = (f"g retrieves no better than at initialisation: held-out P@1 {p:.3f} vs {p0:.3f} ({len(trained_p)} "
                    "directions); the index is not learning. Train longer, or start from deploy/configs/learning.yaml "
-                   "(README, 'Learning to retrieve').")
+                   "(experiments/ceiling/README.md).")
     else:
         verdict, warning = "learning", None
     return {"verdict": verdict, "warning": warning, "spread": spread, "spread_at_init": spread_init,

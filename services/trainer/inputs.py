@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from marge.batch import Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels
-from marge.model import pad_rows
+from marge.model import check_inputs, pad_rows
 
 
 @dataclass
@@ -22,16 +22,20 @@ class ModelInputs:
     labels_NT: Tensor
     allowed_NM: Tensor
     linked_NM: Tensor  # the batch's retrieval links (target i -> evidence j): for objectives; the model takes none
+    width: int | None = None
+    """`marge.model.check_inputs` of these tensors, made on the host: the forward then reads nothing back from the
+    device (None: the forward checks)."""
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.evidence_MS, self.target_enc_NS, self.decoder_in_NT, self.labels_NT, self.allowed_NM,
+                self.linked_NM)
 
     def to(self, device: torch.device | str) -> "ModelInputs":
-        return ModelInputs(*(t.to(device, non_blocking=True) for t in
-                             (self.evidence_MS, self.target_enc_NS, self.decoder_in_NT, self.labels_NT, self.allowed_NM,
-                              self.linked_NM)))
+        return ModelInputs(*(t.to(device, non_blocking=True) for t in self.tensors()), width=self.width)
 
     def pin_memory(self) -> "ModelInputs":
         """Page-locked copies, so that `.to(cuda, non_blocking=True)` overlaps with the device's work."""
-        return ModelInputs(*(t.pin_memory() for t in (self.evidence_MS, self.target_enc_NS, self.decoder_in_NT,
-                                                      self.labels_NT, self.allowed_NM, self.linked_NM)))
+        return ModelInputs(*(t.pin_memory() for t in self.tensors()), width=self.width)
 
     def as_kwargs(self) -> dict[str, Tensor]:
         """The arguments of `Marge.forward`."""
@@ -61,8 +65,10 @@ def to_model_inputs(batch: Batch, specials: SpecialTokens, attend_to: str = "all
         allowed_NM = allowed_NM & linked_NM
     elif attend_to != "all":
         raise ValueError(f"attend_to must be 'all' or 'linked', got {attend_to!r}")
-    return ModelInputs(pad_rows(enc, specials.pad_id), pad_rows(target_enc, specials.pad_id),
-                       pad_rows(decoder_in, specials.pad_id), pad_rows(labels, specials.pad_id), allowed_NM, linked_NM)
+    evidence_MS = pad_rows(enc, specials.pad_id)
+    return ModelInputs(evidence_MS, pad_rows(target_enc, specials.pad_id), pad_rows(decoder_in, specials.pad_id),
+                       pad_rows(labels, specials.pad_id), allowed_NM, linked_NM,
+                       width=check_inputs(evidence_MS, allowed_NM, specials.pad_id))
 
 
 def untrainable(batch: Batch, specials: SpecialTokens, vocab_size: int, max_positions: int) -> str | None:

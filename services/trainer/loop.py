@@ -5,12 +5,15 @@ Each update s, told top to bottom in `Rank.run`:
     next batches      every rank takes its `grad_accum` slots of update s from its source (its stream in the
                       run's Redis, or memory), waiting for them; the ranks agree (one all-reduce) that all have
                       them, or all stop (stop asked, time up)
-    forward/backward  each rank runs the objectives on its batches (`backward_items`, the step the reference
-                      loop and the single process share; relevance recomputed with gradients from the batch
-                      tokens); a batch the model cannot take, or whose loss is not finite, is left out (its
-                      place taken by a zero-weight substitute, so the update goes on) and kept with the reason;
-                      DDP averages the gradients
-    step              the optimizer steps (an update whose gradient is not finite is skipped, its batches
+    forward/backward  each rank runs the objectives on its batches (`run_update`, the step the reference loop
+                      and the single process share; relevance recomputed with gradients from the batch tokens); a
+                      batch the model cannot take is left out (its place taken by a zero-weight substitute, so the
+                      update goes on) and kept with the reason; DDP averages the gradients
+    read              the update's figures (gradient norm, losses, the statistics all-reduced on the device) come
+                      back to the host in one copy: the only time an update waits for the device. When a batch's
+                      loss was not finite, every rank computes the update again without it (it is kept with the
+                      reason)
+    step              the optimizer steps (an update whose gradient is still not finite is skipped, its batches
                       dead-lettered)
     log               rank 0 writes one record for the update (every rank's slots, the mean loss)
     snapshot          every `snapshot_every` updates rank 0 publishes g and measures retrieval health
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -41,7 +45,7 @@ from services.trainer.job import TrainerJob
 from services.trainer.objectives import objectives_for
 from services.trainer.source import source_for
 from services.trainer.state import report_checkpoint, resume, truncate_log
-from services.trainer.step import Backward, Item, backward_items, build_optimizer, build_scheduler, update
+from services.trainer.step import Backward, Item, UpdateFigures, build_optimizer, build_scheduler, run_update
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +133,10 @@ class Rank:
         torch.set_num_threads(t.torch_threads)
         torch.manual_seed(job.seed + self.rank)
         self.device = ray.train.torch.get_device()
+        if job.faults.trace_collectives:  # a probe for CPU tests of the GPU path (marge.faults)
+            from services.trainer.trace import trace_collectives
+
+            trace_collectives(job.faults.trace_collectives, self.rank, self.device)
         corpus = Corpus.open(job.paths.corpus, verify_checksums=False)
         self.corpus_root, self.tokenizer = corpus.root, corpus.tokenizer()
         self.model = load_model_weights(job.paths.init_weights).to(self.device)
@@ -177,17 +185,18 @@ class Rank:
                 break
             t_step = time.perf_counter()
             items = [Item(d.slot, d.batch, d.problem) for d in deliveries]
-            done = backward_items(self.ddp_model, self.objectives, items, self.slots, t, self.device, job.seed,
-                                  self.model.cfg, self.tokenizer.specials, job.faults.nan_loss_slot)
             lr = self.optimizer.param_groups[0]["lr"]
-            grad_norm = update(self.ddp_model, self.optimizer, self.scheduler, done, t.clip_norm)
+            names = [p.name for p in self.objectives.plugins]
+            done, read = run_update(self.ddp_model, self.optimizer, self.scheduler, self.objectives, items, self.slots, t,
+                                    self.device, job.seed, self.model.cfg, self.tokenizer.specials,
+                                    job.faults.nan_loss_slot,
+                                    figures=lambda done: update_statistics(deliveries, done, names, self.device))
             by_slot = {d.slot: d for d in deliveries}
             self.uncommitted_dead.extend((by_slot[slot], f"update {self.step}: {reason}") for slot, reason in done.dead_lettered)
             self.step += 1
             self.source.progress(self.step)
             self.uncommitted.extend(done.trained)
-            record = step_record(self.step, deliveries, done, lr, grad_norm, self.model, self.world, t_step,
-                                 self.objectives.primary, [p.name for p in self.objectives.plugins], self.device)
+            record = step_record(self.step, deliveries, done, read, lr, self.world, t_step, self.objectives.primary, names)
             speed.tokens += record["tokens"]
             speed.target_tokens += record["target_tokens"]
             self.tokens_seen += record["target_tokens"]
@@ -219,8 +228,8 @@ class Rank:
             if delivery is None:
                 break
             deliveries.append(delivery)
-        ready = torch.tensor([1.0 if len(deliveries) == self.slots.grad_accum else 0.0], device=self.device)
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN)  # on the model's device: NCCL's own on GPUs
+        ready = torch.tensor([1.0 if len(deliveries) == self.slots.grad_accum else 0.0])
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN)  # a host decision on a host tensor (gloo): no device sync
         return deliveries if ready.item() == 1 else None  # nothing trained: the same slots are read again later
 
     def checkpoint(self, metrics: dict) -> None:
@@ -239,34 +248,48 @@ class Rank:
         self.committed, self.uncommitted, self.uncommitted_dead = self.uncommitted, [], []
 
 
-def step_record(step: int, deliveries: list[Delivery], done: Backward, lr: float, grad_norm: float, model, world: int,
-                t_step: float, primary: str = "marge", objectives: list[str] | None = None,
-                device: torch.device | str = "cpu") -> dict:
+def update_statistics(deliveries: list[Delivery], done: Backward, names: list[str],
+                      device: torch.device | str) -> dict[str, torch.Tensor]:
+    """This rank's part of an update's statistics, summed over the ranks on the model's device (no host read; they are
+    read back with the update's other figures): `stats` = [evidence + target tokens, target tokens, each objective's
+    loss summed over the trained batches, each objective's count of batches], and the count of batches whose
+    objective was not finite (`nonfinite_losses`, which makes every rank agree on a second pass)."""
+    kept = {slot for slot, _ in done.trained}
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    cost = torch.tensor([float(sum(d.batch.cost_tokens() for d in deliveries if d.slot in kept))], dtype=torch.float64)
+    counts = torch.tensor([float(sum(1 for p in done.losses if n in p)) for n in names], dtype=torch.float64)
+    target = sum((torch.as_tensor(n).to(device, torch.float64) for n in done.target_tokens), zero)
+    sums = [sum((p[n].to(torch.float64) for p in done.losses if n in p), zero) for n in names]
+    nonfinite = sum(((~torch.isfinite(o)).to(torch.float64) for o in done.objective), zero)
+    stats = torch.cat([cost.to(device), target.reshape(1), torch.stack(sums), counts.to(device), nonfinite.reshape(1)])
+    dist.all_reduce(stats)  # on the model's device: NCCL's own on GPUs
+    return {"stats": stats[:-1], "nonfinite_losses": stats[-1:]}
+
+
+def step_record(step: int, deliveries: list[Delivery], done: Backward, read: UpdateFigures, lr: float, world: int,
+                t_step: float, primary: str = "marge", objectives: list[str] | None = None) -> dict:
     """One update's record across ranks: every rank's slots and batches, the mean loss of the primary objective
-    (`loss`) and of each objective (`objectives`) over the batches trained, token counts (on every rank: the
-    collectives need them all; rank 0 writes it)."""
+    (`loss`) and of each objective (`objectives`) over the batches trained, token counts (from the statistics every
+    rank read back with the update's figures; rank 0 writes it)."""
     kept = {slot for slot, _ in done.trained}
     names = objectives or [primary]
-    sums = [sum(float(p[name]) for p in done.losses if name in p) for name in names]
-    counts = [float(sum(1 for p in done.losses if name in p)) for name in names]
-    stats = torch.tensor([float(sum(d.batch.cost_tokens() for d in deliveries if d.slot in kept)),
-                          float(sum(int(n) for n in done.target_tokens)), *sums, *counts], device=device)
-    dist.all_reduce(stats)
-    stats = stats.cpu()
-    means = {name: float(stats[2 + i]) / max(1.0, float(stats[2 + len(names) + i])) for i, name in enumerate(names)}
+    stats = read.extra["stats"]
+    skipped = not math.isfinite(read.grad_norm)  # every rank skipped it: no batch of it counts
+    means = {name: float("nan") if skipped else stats[2 + i] / max(1.0, stats[2 + len(names) + i])
+             for i, name in enumerate(names)}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, [(d.slot, d.batch.batch_id if d.batch else None,
                                        d.batch.index_version if d.batch else -1, d.batch.snapshot_step if d.batch else -1,
                                        d.slot in kept) for d in deliveries])
     flat = sorted(item for part in gathered for item in part)
     snapshot_steps = [s for _, _, _, s, _ in flat if s >= 0] or [step - 1]
-    beta = getattr(model, "beta", None)  # MARGE's relevance-bias weight (a VECO model has none)
-    return {"step": step, "loss": means[primary], "objectives": means, "lr": lr, "grad_norm": grad_norm,
-            "beta": [] if beta is None else beta.detach().float().cpu().tolist(), "slots": [n for n, _, _, _, _ in flat],
+    return {"step": step, "loss": means[primary], "objectives": means, "lr": lr, "grad_norm": read.grad_norm,
+            "beta": read.beta, "slots": [n for n, _, _, _, _ in flat],
             "batch_ids": [b for _, b, _, _, _ in flat], "dead_lettered": [n for n, _, _, _, ok in flat if not ok],
             "index_versions": sorted({v for _, _, v, _, _ in flat if v >= 0}),
             "snapshot_steps": sorted(set(snapshot_steps)), "staleness_max": max(step - 1 - s for s in snapshot_steps),
-            "step_seconds": time.perf_counter() - t_step, "tokens": int(stats[0]), "target_tokens": int(stats[1])}
+            "step_seconds": time.perf_counter() - t_step, "tokens": 0 if skipped else int(stats[0]),
+            "target_tokens": 0 if skipped else int(stats[1])}
 
 
 def log_step(record: dict, metrics: StageMetrics, job: TrainerJob, source) -> None:

@@ -24,7 +24,7 @@ those. What the run needs follows from them (`ObjectivesConfig.needs_index`, `.b
   language (mBART). Alone it needs no index: the batcher packs documents. With marge it denoises the targets
   of MARGE's batches (the batcher counts that work in the token budget): the mixture this project compares,
   because denoising teaches the decoder to read its encoder from the first update, which MARGE's retrieved
-  evidence does not (README, "Copy race").
+  evidence does not (experiments/copy-race/README.md).
 * **veco** (Luo et al. 2020) — cross-attention masked LM on pairs (x, y), its own model (`marge.veco`):
   `pairs: halves` splits each document at the sentence end nearest its middle (VECO's rule for monolingual
   text: adjacent segments of one document; no index); `pairs: index` pairs each target of a MARGE batch with
@@ -74,6 +74,7 @@ MAIN_OBJECTIVES = ("marge", "bart", "veco")
 @dataclass(frozen=True, kw_only=True)
 class MargeObjectiveConfig:
     weight: float = 1.0
+    """Weight of this loss in the sum the step backpropagates."""
     attend_to: str = "all"
     """'all': a target cross-attends to every evidence document of its batch (paper Eq. 2); deviation
     'linked': only to the ones it has a retrieval link to."""
@@ -88,6 +89,7 @@ class BartObjectiveConfig(BartNoise):
     """The BART objective: its weight and its noise (`BartNoise`: which noising functions, at which rates)."""
 
     weight: float = 1.0
+    """Weight of this loss in the sum the step backpropagates."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,6 +99,7 @@ class BartObjectiveConfig(BartNoise):
 @dataclass(frozen=True, kw_only=True)
 class VecoObjectiveConfig:
     weight: float = 1.0
+    """Weight of this loss in the sum the step backpropagates."""
     mask_share: float = 0.15
     """Share of each side's tokens chosen for the masked LM (80% mask, 10% random, 10% kept: BERT, VECO)."""
     pairs: str = "halves"
@@ -135,9 +138,11 @@ class SelfEvidenceConfig:
 @dataclass(frozen=True, kw_only=True)
 class DenoisingContrastiveConfig:
     weight: float
+    """Weight of this loss in the sum the step backpropagates."""
     deletion: float = 0.6
     """Share of a view's tokens deleted."""
     temperature: float = 0.05
+    """Softmax temperature of the cosines between views."""
     extra_documents: int = 32
     """Random corpus documents added to each batch's loss as negatives."""
 
@@ -152,10 +157,15 @@ class ObjectivesConfig:
     """The run's objectives; an absent (null) entry is off. Naming none of marge, bart, veco means marge."""
 
     marge: MargeObjectiveConfig | None = None
+    """MARGE's reconstruction loss (paper Eq. 2); trained when no main objective is named."""
     bart: BartObjectiveConfig | None = None
+    """BART's denoising loss on the batch's targets (alone: document batches, no index)."""
     veco: VecoObjectiveConfig | None = None
+    """VECO's cross-attention masked LM, on its own model (never with marge or bart)."""
     self_evidence: SelfEvidenceConfig | None = None
+    """Deviation: noised copies of targets as extra evidence early in training (with marge)."""
     denoising_contrastive: DenoisingContrastiveConfig | None = None
+    """Deviation: a contrastive loss that makes g a fingerprint of its document (with marge)."""
 
     def __post_init__(self) -> None:
         if all(getattr(self, name) is None for name in MAIN_OBJECTIVES):
@@ -312,7 +322,7 @@ class MargeObjective:
         return to_model_inputs(batch, self.specials, self.cfg.attend_to)
 
     def loss(self, model: torch.nn.Module, inputs: ModelInputs) -> tuple[Tensor, Tensor]:
-        out = model(**inputs.as_kwargs())
+        out = model(**inputs.as_kwargs(), width=inputs.width)  # checked on the host: no device read in the forward
         return out.loss, out.tokens_per_target_N.sum()
 
 
@@ -341,8 +351,10 @@ class BartObjective:
                        labels_NT=pad_rows(labels, sp.pad_id), allowed_NM=torch.eye(n, dtype=torch.bool))
 
     def loss(self, model: torch.nn.Module, inputs: Tensors) -> tuple[Tensor, Tensor]:
+        # each target reads its own noised copy (an identity mask), every row starts with BOS: width 1 (one document
+        # per target; for a single target that is every document, the shared layout), known without a device read
         out = model(evidence_MS=inputs["evidence_MS"], target_enc_NS=None, decoder_in_NT=inputs["decoder_in_NT"],
-                    labels_NT=inputs["labels_NT"], allowed_NM=inputs["allowed_NM"])
+                    labels_NT=inputs["labels_NT"], allowed_NM=inputs["allowed_NM"], width=1)
         return out.loss, out.tokens_per_target_N.sum()
 
 

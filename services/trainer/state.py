@@ -62,9 +62,8 @@ def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None,
             log.warning("rank %d: checkpoint %s cannot be used (%s); trying an older one", rank, path, e)
     step = int(loaded["step"]) if loaded else 0
     if dist.is_available() and dist.is_initialized():
-        bounds = torch.tensor([step, -step], device=device)  # the model's device: NCCL's own on GPUs
+        bounds = torch.tensor([step, -step])  # a host decision on a host tensor (gloo)
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-        bounds = bounds.cpu()
         if int(bounds[0]) != -int(bounds[1]):
             raise RuntimeError(f"trainer ranks resume from different updates ({-int(bounds[1])} .. {int(bounds[0])}): "
                                f"every rank must see the same checkpoint storage ({checkpoints})")

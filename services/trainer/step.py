@@ -4,7 +4,8 @@ single-process run.
 An update consumes `batches_per_step` batches (world size x gradient accumulation): each batch's objective
 is scaled by 1/batches_per_step before backward, so summed gradients equal the gradient of the average
 loss, whether the batches ran in one process or across DDP ranks (DDP averages across ranks). The
-optimizer refuses to step on a non-finite gradient.
+optimizer refuses to step on a non-finite gradient. An update reads the device back once (`run_update`): a GPU
+never waits for the host in the middle of a forward, a backward or between them.
 
 `reference_train` is the baseline the distributed trainer is checked against: the same model,
 optimizer, schedule, objectives and batches, in one process, without Ray or Redis.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -60,12 +61,13 @@ class StepRecord:
     """(slot, reason) of the batches that could not be trained."""
 
 
-def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: TrainerConfig, fused: bool | None = None) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters; no weight decay on biases, LayerNorms, embeddings and beta.
     `cfg` needs `lr`, `weight_decay`, `adam_betas` and `adam_eps` (fine-tuning passes its `FinetuneConfig`).
 
-    On CUDA it is the fused kernel (one launch for every parameter instead of several per tensor); on CPU
-    the default for-each implementation, whose results the fused one matches to rounding.
+    On CUDA it is the fused kernel (one launch for every parameter instead of several per tensor, and no read of
+    the step counters back to the host); on CPU the default for-each implementation, whose results the fused one
+    matches to rounding (`fused=True` takes the fused CPU kernel: what CPU tests of the GPU path use).
     """
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -73,8 +75,9 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.Optimiz
             continue
         (decay if p.ndim == 2 and "embed" not in name and "positions" not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    on_cuda = all(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=on_cuda or None)
+    if fused is None:
+        fused = all(p.is_cuda for p in decay + no_decay) or None
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=fused)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -115,11 +118,15 @@ class Item:
 
 @dataclass
 class Backward:
-    """What one rank's part of an update did: the losses of its trained batches, and which slots it trained."""
+    """What one rank's part of an update did: which slots it trained, and their figures as device tensors (read
+    back once per update, by `read_figures`)."""
 
     trained: list[tuple[int, str]] = field(default_factory=list)
     losses: list[dict] = field(default_factory=list)
+    """Per trained batch: each objective's loss."""
     target_tokens: list = field(default_factory=list)
+    objective: list = field(default_factory=list)
+    """Per trained batch: the weighted objective that was backpropagated (its finiteness decides a second pass)."""
     dead_lettered: list[tuple[int, str]] = field(default_factory=list)
     """(slot, reason) of the batches that could not be trained."""
 
@@ -131,35 +138,32 @@ def seed_key(seed: int, slots: Slots, slot: int) -> tuple[int, int, int]:
 
 
 def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], slots: Slots, cfg: TrainerConfig,
-                   device: torch.device, seed: int, model_cfg, specials, nan_loss_slot: int | None = None) -> Backward:
-    """Backpropagate a rank's batches of one update, each with weight 1/len(items).
+                   device: torch.device, seed: int, model_cfg, specials, nan_loss_slot: int | None = None,
+                   excluded: dict[int, str] | None = None) -> Backward:
+    """Backpropagate a rank's batches of one update, each with weight 1/len(items), reading nothing back from the
+    device.
 
-    A batch the model cannot take (undecodable, a token outside the vocabulary, ...) or whose loss is not
-    finite is not trained: its place is taken by a zero-weight substitute (a tiny stand-in batch, or, after a
-    forward whose loss is not finite, a zero-weight backward over the parameters), so that a DDP rank makes
-    the same collectives as the others, and it is returned in `dead_lettered` with the reason."""
+    A batch the model cannot take (undecodable, a token outside the vocabulary, ...; known on the host), or one in
+    `excluded` (slot -> reason: a batch whose loss was not finite in a first pass), is not trained: a zero-weight
+    stand-in batch takes its place, so that a DDP rank makes the same forwards and collectives as the others, and it
+    is returned in `dead_lettered` with the reason. A loss that is not finite is backpropagated like any other: the
+    update's gradient is then not finite, which `run_update` sees in its one read of the update's figures."""
     out = Backward()
     for i, item in enumerate(items):
         key = seed_key(seed, slots, item.slot)
-        problem = item.problem or untrainable(item.batch, specials, model_cfg.vocab_size, model_cfg.max_positions)
+        problem = (item.problem or (excluded or {}).get(item.slot)
+                   or untrainable(item.batch, specials, model_cfg.vocab_size, model_cfg.max_positions))
         with maybe_no_sync(model, i < len(items) - 1):
             if problem is None:
-                prepared = item.prepared or objectives.prepare(item.batch, key)
-                losses = objectives.losses(model, prepared, device, cfg.bf16)
+                item.prepared = item.prepared or objectives.prepare(item.batch, key)  # kept for a second pass
+                losses = objectives.losses(model, item.prepared, device, cfg.bf16)
                 if item.slot == nan_loss_slot:  # test-only fault (marge.faults)
                     losses.objective = losses.objective * float("nan")
-                if bool(torch.isfinite(losses.objective)):
-                    (losses.objective / len(items)).backward()
-                    out.trained.append((item.slot, item.batch.batch_id))
-                    out.losses.append(losses.parts)
-                    out.target_tokens.append(losses.target_tokens)
-                    continue
-                problem = f"non-finite loss ({float(losses.objective.detach())}) on batch {item.batch.batch_id}"
-                out.dead_lettered.append((item.slot, problem))
-                # the forward is done (a second one would put this rank's collectives out of step with the
-                # others': DDP syncs buffers in every forward); a zero-weight backward reaching every parameter
-                # joins the gradient all-reduce without the non-finite loss
-                (sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0).backward()
+                (losses.objective / len(items)).backward()
+                out.trained.append((item.slot, item.batch.batch_id))
+                out.losses.append(losses.parts)
+                out.target_tokens.append(losses.target_tokens)
+                out.objective.append(losses.objective.detach())
                 continue
             out.dead_lettered.append((item.slot, problem))
             substitute = objectives.prepare(substitute_batch(specials), key)
@@ -171,13 +175,18 @@ class NonFiniteGradient(RuntimeError):
     pass
 
 
-def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-                   scheduler: torch.optim.lr_scheduler.LRScheduler, clip_norm: float) -> float:
+def gradient_norm(model: nn.Module, clip_norm: float) -> torch.Tensor:
+    """The gradient's total norm as a device tensor (no host read), the gradient clipped to `clip_norm` first."""
     params = [p for p in model.parameters() if p.grad is not None]
     if clip_norm > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip_norm))
-    else:
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])))
+        return torch.nn.utils.clip_grad_norm_(params, clip_norm)
+    return torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params]))
+
+
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler, clip_norm: float) -> float:
+    """Clip, step, schedule (for loops outside the pipeline's updates: the benchmarks)."""
+    grad_norm = float(gradient_norm(model, clip_norm))
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteGradient("loss or gradient is not finite; stopping before the optimizer update "
@@ -188,18 +197,98 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return grad_norm
 
 
-def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, done: Backward, clip_norm: float) -> float:
-    """The optimizer step after `backward_items`: an update whose gradient is not finite (every DDP rank sees the
-    same) is skipped, its place in the schedule used up and its trained batches moved to `done.dead_lettered`."""
-    try:
-        return optimizer_step(model, optimizer, scheduler, clip_norm)
-    except NonFiniteGradient:
-        scheduler.step()
+def read_to_host(values: torch.Tensor) -> list[float]:
+    """The one device-to-host read of an update: every figure it needs, packed into one tensor."""
+    return values.to("cpu").tolist()
+
+
+@dataclass
+class UpdateFigures:
+    """An update's figures, read from the device in one copy."""
+
+    grad_norm: float
+    objective: list[float]
+    """Per trained batch."""
+    losses: list[dict[str, float]]
+    target_tokens: list[int]
+    beta: list[float]
+    extra: dict[str, list[float]]
+    """What the caller asked to read with them (the DDP loop: its all-reduced statistics)."""
+
+
+def read_figures(done: Backward, grad_norm: torch.Tensor, beta: torch.Tensor | None,
+                 extra: dict[str, torch.Tensor]) -> UpdateFigures:
+    """`done`'s device figures, the gradient norm, beta and `extra`, read back in one copy (`read_to_host`)."""
+    names = [sorted(parts) for parts in done.losses]
+    pieces: list[torch.Tensor] = [grad_norm.detach().reshape(1)]
+    pieces += [o.reshape(1) for o in done.objective]
+    pieces += [parts[n].detach().reshape(1) for parts, keys in zip(done.losses, names) for n in keys]
+    pieces += [torch.as_tensor(t).reshape(1) for t in done.target_tokens]
+    beta_values = beta.detach().reshape(-1) if beta is not None else None
+    if beta_values is not None:
+        pieces.append(beta_values)
+    pieces += [v.detach().reshape(-1) for v in extra.values()]
+    device = grad_norm.device
+    flat = read_to_host(torch.cat([p.to(device=device, dtype=torch.float64) for p in pieces]))
+    at = 1
+    objective = flat[at:at + len(done.objective)]
+    at += len(objective)
+    losses = []
+    for keys in names:
+        losses.append(dict(zip(keys, flat[at:at + len(keys)])))
+        at += len(keys)
+    target_tokens = [int(v) for v in flat[at:at + len(done.target_tokens)]]
+    at += len(target_tokens)
+    beta_list = []
+    if beta_values is not None:
+        beta_list = flat[at:at + beta_values.numel()]
+        at += beta_values.numel()
+    read_extra = {}
+    for name, value in extra.items():
+        read_extra[name] = flat[at:at + value.numel()]
+        at += value.numel()
+    return UpdateFigures(flat[0], objective, losses, target_tokens, beta_list, read_extra)
+
+
+def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, objectives: Objectives,
+               items: list[Item], slots: Slots, cfg: TrainerConfig, device: torch.device, seed: int, model_cfg, specials,
+               nan_loss_slot: int | None = None,
+               figures: Callable[[Backward], dict[str, torch.Tensor]] | None = None) -> tuple[Backward, UpdateFigures]:
+    """One optimizer update of a rank's `items`, with one read of the device (`read_figures`) on its way.
+
+    Forward and backward of every batch, then the update's figures (gradient norm, each batch's objective and
+    losses, target tokens, beta and what `figures(done)` adds; the DDP loop: its statistics, all-reduced) are read
+    back in one copy, and the optimizer steps when the gradient is finite. When it is not because some batch's loss
+    was not finite (`figures` may give the count over all ranks as `nonfinite_losses`, so that every DDP rank takes
+    the same path), the update is computed again without those batches (they are dead-lettered): a second read,
+    only then. A gradient still not finite skips the update: its place in the schedule is used up and its batches
+    are dead-lettered."""
+    model_core = model.module if hasattr(model, "module") else model
+
+    def backward_and_read(excluded):
+        done = backward_items(model, objectives, items, slots, cfg, device, seed, model_cfg, specials, nan_loss_slot,
+                              excluded)
+        extra = figures(done) if figures else {}
+        return done, read_figures(done, gradient_norm(model, cfg.clip_norm), getattr(model_core, "beta", None), extra)
+
+    done, read = backward_and_read(None)
+    nonfinite = read.extra.get("nonfinite_losses", [sum(not math.isfinite(o) for o in read.objective)])[0]
+    if not math.isfinite(read.grad_norm) and nonfinite > 0:
+        excluded = {slot: f"non-finite loss ({value}) on batch {batch_id}"
+                    for (slot, batch_id), value in zip(done.trained, read.objective) if not math.isfinite(value)}
+        optimizer.zero_grad(set_to_none=True)
+        done, read = backward_and_read(excluded)
+    if math.isfinite(read.grad_norm):
+        optimizer.step()
+    else:
         done.dead_lettered.extend((slot, "non-finite gradient; update skipped") for slot, _ in done.trained)
         done.trained.clear()
-        done.losses.clear()
-        done.target_tokens.clear()
-        return float("nan")
+        read.objective.clear()
+        read.losses.clear()
+        read.target_tokens.clear()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return done, read
 
 
 def train_step(model: Marge, optimizer: torch.optim.Optimizer, scheduler, objectives: Objectives,
@@ -214,18 +303,14 @@ def train_step(model: Marge, optimizer: torch.optim.Optimizer, scheduler, object
     t0 = time.perf_counter()
     slots = Slots(1, len(batches))
     items = [Item(slots.slot(step, 0, k), b, None, prepared[k] if prepared else None) for k, b in enumerate(batches)]
-    done = backward_items(model, objectives, items, slots, cfg, device, seed, model.cfg,
-                          specials or objectives.specials, nan_loss_slot)
     lr = optimizer.param_groups[0]["lr"]
-    grad_norm = update(model, optimizer, scheduler, done, cfg.clip_norm)
-    parts = {name: sum(float(p[name]) for p in done.losses) / len(done.losses) for name in done.losses[0]} \
-        if done.losses else {objectives.primary: float("nan")}
-    beta = getattr(model, "beta", None)  # MARGE's relevance-bias weight (a VECO model has none)
-    return StepRecord(step, parts[objectives.primary], int(sum(int(n) for n in done.target_tokens)),
-                      [b.batch_id for b in batches], lr, [] if beta is None else beta.detach().float().cpu().tolist(),
-                      grad_norm,
-                      time.perf_counter() - t0, [b.index_version for b in batches], [b.snapshot_step for b in batches],
-                      parts, done.dead_lettered)
+    done, read = run_update(model, optimizer, scheduler, objectives, items, slots, cfg, device, seed, model.cfg,
+                            specials or objectives.specials, nan_loss_slot)
+    parts = {name: sum(p[name] for p in read.losses) / len(read.losses) for name in read.losses[0]} \
+        if read.losses else {objectives.primary: float("nan")}
+    return StepRecord(step, parts[objectives.primary], sum(read.target_tokens), [b.batch_id for b in batches], lr,
+                      read.beta, read.grad_norm, time.perf_counter() - t0, [b.index_version for b in batches],
+                      [b.snapshot_step for b in batches], parts, done.dead_lettered)
 
 
 def reference_train(model: Marge, step_batches: Iterable[list[Batch]], objectives: Objectives, cfg: TrainerConfig,

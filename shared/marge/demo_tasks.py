@@ -316,7 +316,7 @@ def pawsx_rows(pairs: list[AlignedPair], pages: Pages, split: str, cap: int, opt
     """Balanced "translation" / "other" rows, PAWS-style: each English paragraph appears twice, once with its
     translation and once with a nearby paragraph, so the label depends on the pair and never on the text alone
     (with one row per paragraph, a model fine-tuned on 1000 rows memorised texts and stayed at chance on
-    validation: README "Fine-tuning")."""
+    validation: experiments/finetune/README.md)."""
     if not pairs:
         return []
     language = pairs[0].language

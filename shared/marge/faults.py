@@ -22,6 +22,10 @@ class FaultsConfig:
     """The trainer's loss on this slot's batch is NaN."""
     crash_in_checkpoint_step: int | None = None
     """Trainer rank 0 dies (os._exit) halfway through writing the checkpoint of this update, once."""
+    trace_collectives: str | None = None
+    """Not a fault, a probe of the same kind: every trainer rank appends each collective it calls (its name, the
+    devices of its tensors, the process group's backend and the rank's model device) to rank-<r>.jsonl in this
+    folder, so a CPU test can check what a GPU run's collectives would carry."""
 
     def __post_init__(self) -> None:
         for name in ("poison_slot", "nan_loss_slot", "crash_in_checkpoint_step"):
@@ -30,4 +34,5 @@ class FaultsConfig:
 
     @property
     def any(self) -> bool:
-        return any(v is not None for v in (self.poison_slot, self.nan_loss_slot, self.crash_in_checkpoint_step))
+        return any(v is not None for v in (self.poison_slot, self.nan_loss_slot, self.crash_in_checkpoint_step,
+                                           self.trace_collectives))

@@ -25,6 +25,7 @@ Tensor-shape legend (suffixes on variable names):
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -45,22 +46,31 @@ class MargeConfig:
     vocab_size: int
     """Rows of the (tied) token embedding. Must be >= the tokenizer's vocabulary."""
     d_model: int
+    """Width of every layer (paper: 1024)."""
     num_heads: int
+    """Attention heads of every attention layer; divides d_model."""
     encoder_layers: int
+    """Bidirectional encoder layers (paper: 12); the first `relevance_layers` of them are g."""
     encoder_ffn: int
+    """Hidden width of the encoder's feed-forward layers (paper: 4096)."""
     relevance_layers: int = 4
     """g = the BOS state after this many encoder layers (paper §2.2: 4)."""
     decoder_local_layers: int = 4
     """Self-attention + FFN layers at the decoder base, before any cross-attention (paper §3: 4)."""
     decoder_local_ffn: int
+    """Hidden width of the self-attention-only decoder layers' feed-forward layers (paper: 4096)."""
     decoder_layers: int
     """Decoder layers with cross-attention over the evidence (paper: 12)."""
     decoder_ffn: int
+    """Hidden width of the cross-attention decoder layers' feed-forward layers (paper: 16536)."""
     max_positions: int = 512
     """Longest document / target in tokens, specials included (paper: 512-token chunks)."""
     dropout: float = 0.1
+    """Dropout on embeddings, residual branches and feed-forward hidden states."""
     attention_dropout: float = 0.0
+    """Dropout on attention weights."""
     pad_id: int = 0
+    """The tokenizer's padding id: padded positions are masked everywhere and never predicted."""
     beta_init: float = 1.0
     """Initial value of the relevance-bias weight beta (the paper does not give one)."""
     relevance_centering: bool = False
@@ -76,14 +86,15 @@ class MargeConfig:
     output. Deviation False: the encoder (and so g) gets its own input embedding, which the decoder's
     language-modelling softmax does not reshape."""
     init_std: float = 0.02
+    """Standard deviation of the normal initialisation of every weight matrix and embedding."""
     embedding_layernorm: bool = True
     """A LayerNorm on token + position embedding before the first encoder and decoder layer (BART's and
     mBART's `layernorm_embedding`; the paper does not say). Chosen because it learned fastest of the fixes
     measured: embeddings are drawn at std 0.02, and without this norm the pre-LayerNorm residual stream
-    starts at that scale, which kept a 2+2-layer model on the copy task of issue 17 at 8.09 nats/token
+    starts at that scale, which kept a 2+2-layer model on a copy task at 8.09 nats/token
     after 300 updates while HF BART reached 0.85; with it, 0.66 (3 seeds; post-LN instead: 1.34, a 4.4x
-    larger embedding init instead: 0.97; benchmarks/copy_race.py, README "Copy race"). False: the model
-    before issue 17."""
+    larger embedding init instead: 0.97; benchmarks/copy_race.py, experiments/copy-race/README.md). False: the
+    model before that change (and the `paper` preset: with it the paper's BOS-pooled g starts collapsed)."""
 
     loss_chunk_tokens: int = 0
     """Target tokens whose output logits the training loss computes at a time (0: all at once). Each chunk's
@@ -269,11 +280,51 @@ class FeedForward(nn.Module):
         return self.dropout(self.fc_out(self.dropout(F.gelu(self.fc_in(x)))))
 
 
+MASKED_LOGIT = -3.0e4
+"""What a key that may not be read adds to its logits when a key bias is folded into the heads (`fold_key_bias`):
+finite, so that no row of the softmax is NaN, and far enough below any logit that its weight is exactly 0."""
+
+FOLD_WIDTH = 8
+"""Dimensions `fold_key_bias` adds to every head (one carries the bias, the rest keep the width a multiple of 8,
+which the fused attention kernels want)."""
+
+
+def is_key_bias(attn_bias: Tensor | None) -> bool:
+    """Whether `attn_bias` depends on the key alone ((rows, 1, 1, keys)): what `fold_key_bias` can fold."""
+    return attn_bias is not None and attn_bias.dim() == 4 and attn_bias.shape[1] == 1 and attn_bias.shape[2] == 1
+
+
+def fold_key_bias(q_BHQE: Tensor, k_BHKE: Tensor, v_BHKE: Tensor,
+                  bias_B11K: Tensor) -> tuple[Tensor, Tensor, Tensor, float]:
+    """q', k', v' and the softmax scale whose attention equals attending q, k, v with `bias_B11K` added to every
+    logit of key k (a boolean "may read" mask, or a float bias such as beta * f, -inf where a key may not be read).
+
+    The bias rides in an extra head dimension: q' = [q, 1, 0...], k' = [k, c * sqrt(E), 0...], v' = [v, 0...], so
+    q'.k' / sqrt(E) = q.k / sqrt(E) + c, exactly; keys that may not be read get c = MASKED_LOGIT. Attention then
+    carries no mask, so the fused (flash) kernels apply, and the bias's gradient flows back through k' (to g and
+    beta for beta * f) instead of as a dense (rows, heads, queries, keys) tensor."""
+    b, h, nq, e = q_BHQE.shape
+    nk = k_BHKE.shape[2]
+    bias_BK = bias_B11K[:, 0, 0, :]
+    if bias_BK.dtype == torch.bool:
+        c_BK = torch.zeros(bias_BK.shape, dtype=q_BHQE.dtype, device=q_BHQE.device).masked_fill(~bias_BK, MASKED_LOGIT)
+    else:
+        c_BK = torch.clamp(bias_BK.to(q_BHQE.dtype), min=MASKED_LOGIT)  # -inf (may not read) -> MASKED_LOGIT
+    c_BHK1 = (c_BK * math.sqrt(e))[:, None, :, None].expand(b, h, nk, 1)
+    q2 = torch.cat([q_BHQE, q_BHQE.new_ones(b, h, nq, 1), q_BHQE.new_zeros(b, h, nq, FOLD_WIDTH - 1)], dim=-1)
+    k2 = torch.cat([k_BHKE.expand(b, h, nk, e), c_BHK1.to(k_BHKE.dtype), k_BHKE.new_zeros(b, h, nk, FOLD_WIDTH - 1)], dim=-1)
+    v2 = torch.cat([v_BHKE.expand(b, h, nk, e), v_BHKE.new_zeros(b, h, nk, FOLD_WIDTH)], dim=-1)
+    return q2, k2, v2, 1.0 / math.sqrt(e)
+
+
 class Attention(nn.Module):
     """Multi-head attention through F.scaled_dot_product_attention (scale = 1/sqrt(head width)).
 
     `attn_bias` is added to the logits; it is either a boolean "may attend" mask or a float tensor
-    broadcastable to (batch, H, queries, keys) that may carry gradient (the beta * f path does).
+    broadcastable to (batch, H, queries, keys) that may carry gradient (the beta * f path does). A bias of the key
+    alone (the encoder's padding, the cross-attention's beta * f) is folded into the heads (`fold_key_bias`): the
+    attention itself then has no mask. Only a bias that depends on the query (the causal mask of incremental
+    decoding over a cache) is passed to SDPA as a mask.
     """
 
     def __init__(self, d_model: int, num_heads: int, dropout: float):
@@ -295,11 +346,17 @@ class Attention(nn.Module):
     def forward(self, x_BQD: Tensor, k_BHLE: Tensor, v_BHLE: Tensor, attn_bias: Tensor | None = None,
                 is_causal: bool = False) -> Tensor:
         q_BHQE = self.split_heads(self.q_proj(x_BQD))
-        if attn_bias is not None and attn_bias.dtype != torch.bool:
-            attn_bias = attn_bias.to(q_BHQE.dtype)  # SDPA wants a float mask in the query's dtype (bf16 autocast)
-        out_BHQE = F.scaled_dot_product_attention(
-            q_BHQE, k_BHLE.to(q_BHQE.dtype), v_BHLE.to(q_BHQE.dtype), attn_mask=attn_bias,
-            dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal)
+        k_BHLE, v_BHLE = k_BHLE.to(q_BHQE.dtype), v_BHLE.to(q_BHQE.dtype)
+        dropout_p = self.dropout if self.training else 0.0
+        if is_key_bias(attn_bias) and not is_causal:
+            e = q_BHQE.shape[-1]
+            q2, k2, v2, scale = fold_key_bias(q_BHQE, k_BHLE, v_BHLE, attn_bias)
+            out_BHQE = F.scaled_dot_product_attention(q2, k2, v2, dropout_p=dropout_p, scale=scale)[..., :e]
+        else:
+            if attn_bias is not None and attn_bias.dtype != torch.bool:
+                attn_bias = attn_bias.to(q_BHQE.dtype)  # SDPA wants a float mask in the query's dtype (bf16 autocast)
+            out_BHQE = F.scaled_dot_product_attention(q_BHQE, k_BHLE, v_BHLE, attn_mask=attn_bias, dropout_p=dropout_p,
+                                                      is_causal=is_causal)
         b, _, q, _ = out_BHQE.shape
         return self.out_proj(out_BHQE.transpose(1, 2).reshape(b, q, -1))
 
@@ -521,10 +578,9 @@ class Marge(nn.Module):
         return unit_relevance(targets_ND, center_D) @ unit_relevance(evidence_MD, center_D).T
 
     def encode_evidence(self, evidence_MS: Tensor) -> EncodedEvidence:
-        """Encode each evidence document separately, then concatenate (one pass gives g(z) too)."""
+        """Encode each evidence document separately, then concatenate (one pass gives g(z) too). Every row starts
+        with BOS (`as_encoder_input`; `check_inputs` checks it where inputs were not prepared on the host)."""
         key_ok_MS = evidence_MS != self.cfg.pad_id
-        if not bool(key_ok_MS[:, 0].all()):
-            raise ValueError("every evidence document needs a non-padding first (BOS) token")
         key_ok_M11S = key_ok_MS[:, None, None, :]
         x = self._embed_encoder(evidence_MS)
         relevance_MD = x[:, 0]
@@ -537,20 +593,19 @@ class Marge(nn.Module):
         key_doc_L = torch.arange(m, device=x.device).repeat_interleave(s)
         return EncodedEvidence(memory_1LD, key_ok_MS.reshape(-1), key_doc_L, relevance_MD)
 
-    def cross_memory(self, evidence: EncodedEvidence, relevance_NM: Tensor, allowed_NM: Tensor) -> CrossMemory:
-        """The keys each target reads and f on each of them (see `CrossMemory`)."""
+    def cross_memory(self, evidence: EncodedEvidence, relevance_NM: Tensor, allowed_NM: Tensor,
+                     width: int | None = None) -> CrossMemory:
+        """The keys each target reads and f on each of them (see `CrossMemory`). `width`: the most documents any
+        target may read (`layout_width`), computed here when not given (one read of a device tensor)."""
         if allowed_NM.shape != relevance_NM.shape:
             raise ValueError(f"allowed mask shape {tuple(allowed_NM.shape)} != relevance shape {tuple(relevance_NM.shape)}")
-        counts_N = allowed_NM.sum(1)
-        if not bool((counts_N > 0).all()):
-            empty = (counts_N == 0).nonzero().flatten().tolist()
-            raise ValueError(f"target(s) {empty} have no evidence document they may attend to")
+        if width is None:
+            width = layout_width(allowed_NM)
         n, m = allowed_NM.shape
-        if int(counts_N.max()) == m:  # someone reads every document: one shared memory, masked per target
+        if width == m:  # someone reads every document: one shared memory, masked per target
             return CrossMemory(None, relevance_NM[:, evidence.key_doc_L],
                                allowed_NM[:, evidence.key_doc_L] & evidence.key_ok_L[None, :])
         s = evidence.key_ok_L.shape[0] // m
-        width = int(counts_N.max())
         # each target's allowed documents first, in document order (a stable sort of the mask)
         order_NM = torch.sort(allowed_NM.to(torch.int8), dim=1, descending=True, stable=True).indices
         docs_NV = order_NM[:, :width]
@@ -587,7 +642,7 @@ class Marge(nn.Module):
     # --- the reconstruction loss ----------------------------------------------------------------
 
     def forward(self, evidence_MS: Tensor, target_enc_NS: Tensor | None, decoder_in_NT: Tensor, labels_NT: Tensor,
-                allowed_NM: Tensor, return_logits: bool = False) -> MargeOutput:
+                allowed_NM: Tensor, return_logits: bool = False, width: int | None = None) -> MargeOutput:
         """Negative log-likelihood of each target given the evidence and relevance scores (paper Eq. 2).
 
         evidence_MS    evidence documents as encoder input (BOS ... EOS, padded)
@@ -596,16 +651,20 @@ class Marge(nn.Module):
         decoder_in_NT  language token, then the target's text tokens (padded)
         labels_NT      the target's text tokens, then EOS (padded with pad_id: ignored)
         allowed_NM     True where target i may attend to evidence j (never its own document)
+        width          `check_inputs` of these inputs, done on the host when the batch was prepared; None: checked
+                       here, which reads device values back (the trainer never leaves it None)
         """
         self._check_lengths(decoder_in_NT, "target")
         if decoder_in_NT.shape != labels_NT.shape:
             raise ValueError(f"decoder input {tuple(decoder_in_NT.shape)} and labels {tuple(labels_NT.shape)} differ")
+        if width is None:
+            width = check_inputs(evidence_MS, allowed_NM, self.cfg.pad_id)
         evidence = self.encode_evidence(evidence_MS)
         if target_enc_NS is None:
             relevance_NM = torch.zeros(allowed_NM.shape, device=allowed_NM.device)
         else:
             relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD)
-        cross = self.cross_memory(evidence, relevance_NM, allowed_NM)
+        cross = self.cross_memory(evidence, relevance_NM, allowed_NM, width)
         states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, cross)
         n, t, d = states_NTD.shape
         chunk = self.cfg.loss_chunk_tokens
@@ -620,6 +679,26 @@ class Marge(nn.Module):
         nll_N = nll_NT.sum(1)
         loss = nll_N.sum() / tokens_N.sum().clamp(min=1)
         return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None)
+
+
+def layout_width(allowed_NM: Tensor) -> int:
+    """The most evidence documents any target may read: the width of each target's gathered keys (all M: one
+    shared memory). A target that may read none is an error."""
+    counts_N = allowed_NM.sum(1)
+    if not bool((counts_N > 0).all()):
+        empty = (counts_N == 0).nonzero().flatten().tolist()
+        raise ValueError(f"target(s) {empty} have no evidence document they may attend to")
+    return int(counts_N.max())
+
+
+def check_inputs(evidence_MS: Tensor, allowed_NM: Tensor, pad_id: int) -> int:
+    """What the forward needs to know about its inputs before it runs, checked: every evidence row starts with a
+    token (BOS), every target may read some evidence; returns `layout_width`. On host tensors (as the trainer
+    prepares batches) it costs no device synchronisation; given its result, the forward reads no device value
+    back."""
+    if evidence_MS.shape[0] and not bool((evidence_MS[:, 0] != pad_id).all()):
+        raise ValueError("every evidence document needs a non-padding first (BOS) token")
+    return layout_width(allowed_NM)
 
 
 def token_nll(logits_RV: Tensor, labels_R: Tensor, pad_id: int) -> Tensor:
