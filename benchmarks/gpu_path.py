@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_vs_hf_bart import BartStep, OurStep, compare, describe, shape, sync, synthetic_batch, time_steps  # noqa: E402
+from trainer_vs_hf_bart import OurStep, compare, describe, shape, sync, synthetic_batch, time_steps  # noqa: E402
 
 from marge.model import RelevanceEncoder, preset, training_flops_per_token  # noqa: E402
 from services.trainer.step import device_peak_flops as peak  # noqa: E402

@@ -1,4 +1,9 @@
-"""The training loss over a large vocabulary, whole vs in chunks (`model.loss_chunk_tokens`): peak memory and time.
+"""The training loss over a large vocabulary, whole vs in chunks: peak memory and time.
+
+Three ways in the same run: the whole loss (every target token's logits at once), checkpointed chunks (each
+chunk's logits computed again in the backward: 4 matmuls a chunk) and the fused loss the model trains with when
+`model.loss_chunk_tokens` is set (`marge.model.fused_linear_nll`: the gradients made in the forward pass, 3
+matmuls a chunk).
 
 One step of the loss's own work: the tied output projection of T target states (d wide) onto V rows, the
 fp32 cross-entropy, and its backward into the states and the embedding. Each figure is taken in a fresh
@@ -6,7 +11,8 @@ process, so that peak memory is its own: peak RSS over the process's size before
 `torch.cuda.max_memory_allocated` over the tensors allocated before it on CUDA. Unchunked and chunked
 run the same inputs in the same run, and their losses and gradients are compared.
 
-    python benchmarks/loss_chunks.py --out benchmarks/results/loss-chunks-cpu-2core.json
+    python benchmarks/loss_chunks.py --chunks 0 512 -512 --out benchmarks/results/loss-chunks-cpu-2core.json
+    (a chunk of -N: the fused loss in chunks of N)
     python benchmarks/loss_chunks.py --device cuda --bf16 --tokens 8192 --d-model 1024   # paper widths on a GPU
 """
 
@@ -28,7 +34,7 @@ def measure(tokens: int, d_model: int, vocab: int, chunk: int, device: str, bf16
     """One loss step in this process; returns seconds, peak memory (MB) and checksums of the results."""
     import torch
 
-    from marge.model import chunked_token_nll, projected_token_nll
+    from marge.model import chunked_token_nll, fused_linear_nll, projected_token_nll
 
     torch.manual_seed(0)
     dev = torch.device(device)
@@ -44,16 +50,19 @@ def measure(tokens: int, d_model: int, vocab: int, chunk: int, device: str, bf16
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-        nll = (chunked_token_nll(states, weight, labels, 0, chunk) if chunk
-               else projected_token_nll(states, weight, labels, 0))
-        loss = nll.sum() / (labels != 0).sum()
+        if chunk < 0:
+            total = fused_linear_nll(states, weight, labels, 0, -chunk)[0]
+        else:
+            total = (chunked_token_nll(states, weight, labels, 0, chunk) if chunk
+                     else projected_token_nll(states, weight, labels, 0)).sum()
+        loss = total / (labels != 0).sum()
     loss.backward()
     if dev.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    return {"chunk": chunk, "seconds": time.perf_counter() - t0, "peak_mb": peak / 2**20, "loss": loss.item(),
+    return {"chunk": chunk, "method": "fused" if chunk < 0 else "checkpointed" if chunk else "whole", "seconds": time.perf_counter() - t0, "peak_mb": peak / 2**20, "loss": loss.item(),
             "states_grad_sum": states.grad.double().abs().sum().item(),
             "weight_grad_sum": weight.grad.double().abs().sum().item()}
 
@@ -63,7 +72,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=2048, help="target tokens in the step")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--vocab", type=int, default=250_000, help="the `paper` preset's vocabulary")
-    p.add_argument("--chunks", type=int, nargs="+", default=[0, 512], help="loss_chunk_tokens values (0: unchunked)")
+    p.add_argument("--chunks", type=int, nargs="+", default=[0, 512], help="chunk sizes: 0 the whole loss, N checkpointed chunks of N, -N fused chunks of N")
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--out", type=Path, default=None)

@@ -33,6 +33,22 @@ def test_no_library_module_imports_a_stage():
     assert len(list(LIBRARY.rglob("*.py"))) > 15  # the walk saw the library
 
 
+STAGES = ("indexer", "batcher", "trainer", "retrieval")
+
+
+def test_no_stage_imports_the_driver_or_another_stage():
+    """Stages meet only through the library's contracts: none imports the driver, nor another stage (the driver,
+    which composes them, may import every stage)."""
+    offenders = set()
+    for stage in STAGES:
+        for path in (REPO / "services" / stage).rglob("*.py"):
+            for name in imported_modules(path):
+                parts = name.split(".")
+                if parts[0] == "services" and len(parts) > 1 and parts[1] != stage:
+                    offenders.add(f"{path.relative_to(REPO)} imports {name}")
+    assert not offenders, sorted(offenders)
+
+
 def test_import_paths_match_folders():
     import marge
     import services.indexer.core

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,11 +98,21 @@ def test_eval_retrieval_errors(trained, tmp_path, capsys):
     assert "not a complete MARGE checkpoint" in capsys.readouterr().err
 
 
-def test_eval_translate_and_translate(trained, capsys, monkeypatch):
+def test_eval_translate_and_translate(trained, capsys, monkeypatch, tmp_path):
+    from marge.finetuned import generation_scores
+    from services.driver.cli import read_document_pairs
+
+    hypotheses = tmp_path / "hyp.txt"
     result = run_json(["eval", "translate", "--checkpoint", str(trained["checkpoint"]), "--docs", str(trained["docs"]),
-                       "--src", "en", "--tgt", "de", "--beam", "2", "--max-len-a", "0.2", "--max-len-b", "5", "--json"],
-                      capsys)
-    assert result["documents"] == 3 and result["bleu"] >= 0 and result["chrf"] >= 0 and result["beam"] == 2
+                       "--src", "en", "--tgt", "de", "--beam", "2", "--max-len-a", "0.2", "--max-len-b", "5", "--json",
+                       "--out", str(hypotheses)], capsys)
+    assert result["documents"] == 3 and result["beam"] == 2
+    # the scores are sacrebleu's of the translations it wrote against the documents' references
+    references = [ref for _, ref in read_document_pairs(Path(trained["docs"]), "en", "de", None)][:3]
+    written = hypotheses.read_text(encoding="utf-8").splitlines()
+    assert len(written) == 3
+    expected = generation_scores(written, references, "de")
+    assert result["bleu"] == pytest.approx(expected["bleu"]) and result["chrf"] == pytest.approx(expected["chrf"])
     monkeypatch.setattr("sys.stdin", io.StringIO("Open the file.\nChoose Format - Cells.\n"))
     assert main(["translate", "--checkpoint", str(trained["checkpoint"]), "--tgt-lang", "de", "--beam", "2",
                  "--max-len-b", "4", "--max-len-a", "0"]) == 0

@@ -157,3 +157,129 @@ def test_an_update_reads_the_device_back_once_on_the_fused_adamw_path(monkeypatc
     assert np.isfinite(record.loss) and record.target_tokens > 0 and np.isfinite(record.grad_norm) and record.beta
     assert set(record.objectives) == {"marge", "denoising_contrastive"}
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the optimizer stepped
+
+
+def test_folding_a_key_bias_into_the_heads_equals_adding_it_to_the_logits():
+    """fold_key_bias (what lets attention run without a mask) against softmax(q.k / sqrt(E) + bias) v written out:
+    the same values, and the same gradients to q, k, v and the bias (beta * f: gradient to g and beta), with -inf
+    for keys a target may not read."""
+    from marge.model import fold_key_bias
+
+    torch.manual_seed(0)
+    b, h, nq, nk, e = 3, 2, 5, 7, 16
+    q, k, v = (torch.randn(b, h, n, e, dtype=torch.float64, requires_grad=True) for n in (nq, nk, nk))
+    bias = torch.randn(b, 1, 1, nk, dtype=torch.float64, requires_grad=True)
+    blocked = torch.zeros(b, 1, 1, nk, dtype=torch.bool)
+    blocked[0, 0, 0, 3:] = True
+    blocked[2, 0, 0, :2] = True
+
+    def written_out(q, k, v, bias):
+        logits = q @ k.transpose(-1, -2) / e ** 0.5 + bias.masked_fill(blocked, float("-inf"))
+        return logits.softmax(-1) @ v
+
+    def folded(q, k, v, bias):
+        q2, k2, v2, scale = fold_key_bias(q, k, v, bias.masked_fill(blocked, float("-inf")))
+        return torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, scale=scale)[..., :e]
+
+    expected, got = written_out(q, k, v, bias), folded(q, k, v, bias)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    grad = torch.randn_like(expected)
+    for a, c in zip(torch.autograd.grad(expected, (q, k, v, bias), grad), torch.autograd.grad(got, (q, k, v, bias), grad)):
+        torch.testing.assert_close(c, a, rtol=0, atol=1e-12)
+    mask = torch.ones(b, 1, 1, nk, dtype=torch.bool)  # a boolean "may read" mask folds the same way
+    mask[1, 0, 0, -2:] = False
+    q2, k2, v2, scale = fold_key_bias(q, k, v, mask)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, scale=scale)[..., :e],
+                               reference, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("attend_to", ["linked", "all"])
+def test_no_attention_call_of_a_training_forward_carries_a_mask(monkeypatch, attend_to):
+    import torch.nn.functional as F
+
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        calls.append((attn_mask is not None, q.shape[-1]))
+        return original(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = tiny_model().train()
+    inputs = to_model_inputs(linked_batch(np.random.default_rng(2)), SPECIALS, attend_to)
+    model(**inputs.as_kwargs(), width=inputs.width).loss.backward()
+    cfg = model.cfg  # the evidence encoder, g over the targets, the decoder's self- and cross-attention
+    expected = cfg.encoder_layers + cfg.relevance_layers + cfg.decoder_local_layers + 2 * cfg.decoder_layers
+    assert len(calls) == expected and not any(masked for masked, _ in calls)
+    assert all(width % 8 == 0 for _, width in calls)  # head widths the fused kernels take
+
+
+def test_varied_batches_compile_into_a_bounded_number_of_graphs():
+    """The trainer's compiled forward (`trainer.compile`: dynamic shapes) over 12 batches of different sizes, as the
+    batcher makes them: the graphs compiled stay bounded (one per key layout) instead of one per batch."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    from services.trainer.step import compiled
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = tiny_model().train()
+    forward = compiled(model, True, backend=counter)
+    rng = np.random.default_rng(9)
+    shapes = set()
+    for _ in range(12):
+        n_docs = int(rng.integers(5, 9))
+        lengths = rng.integers(3, 20, size=n_docs)
+        tokens = tuple(rng.integers(10, 60, size=int(n)).astype(np.int32) for n in lengths)
+        n_targets = int(rng.integers(1, 3))
+        edges = [[t, e] for t in range(n_targets) for e in range(n_docs - n_targets) if rng.random() < 0.6] or [[0, 0]]
+        batch = Batch("b", 0, 0, np.arange(n_docs, dtype=np.int64), ("en",) * n_docs, tokens,
+                      np.arange(n_targets, dtype=np.int32), np.arange(n_targets, n_docs, dtype=np.int32),
+                      np.array(edges, dtype=np.int32), np.ones(len(edges), dtype=np.float32))
+        inputs = to_model_inputs(batch, SPECIALS, "linked")
+        shapes.add(tuple(tuple(t.shape) for t in inputs.tensors()))
+        forward(**inputs.as_kwargs(), width=inputs.width).loss.backward()
+    assert len(shapes) >= 10 and counter.frame_count <= 3, counter.frame_count
+
+
+def test_the_chunked_loss_makes_its_gradients_with_three_matmuls_a_chunk():
+    """`model.loss_chunk_tokens` on a 250k-vocabulary-like output layer: the fused loss (`fused_linear_nll`) equals the
+    whole loss and its gradients, with 3 matrix products per chunk (logits, d states, d weight) where checkpointed
+    chunks need 4 (the logits again in the backward)."""
+    from marge.model import chunked_token_nll, fused_linear_nll, token_nll
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul"):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    rows, d, vocab, chunk = 40, 16, 300, 16  # 3 chunks, the last a partial one
+    states = torch.randn(rows, d, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(vocab, d, dtype=torch.float64) * 0.1).requires_grad_()
+    labels = torch.randint(1, vocab, (rows,))
+    labels[-5:] = 0  # padding
+
+    def grads(loss):
+        return torch.autograd.grad(loss, (states, weight))
+
+    whole = token_nll(states @ weight.T, labels, 0)
+    expected = grads(whole.sum())
+    with Matmuls() as fused_count:
+        total, per_row = fused_linear_nll(states, weight, labels, 0, chunk)
+        got = grads(total)
+    # the logits are scored in fp32 in both (as under autocast): equal to fp32 rounding
+    torch.testing.assert_close(total.double(), whole.sum().double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(per_row, whole.detach().float(), rtol=1e-6, atol=1e-6)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    with Matmuls() as checkpointed_count:
+        grads(chunked_token_nll(states, weight, labels, 0, chunk).sum())
+    assert fused_count.count == 3 * 3 and checkpointed_count.count == 4 * 3

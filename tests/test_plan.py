@@ -60,3 +60,19 @@ def test_cli_plan_needs_a_size_or_a_prepared_corpus(capsys):
                  "--documents", "5000", "--document-tokens", "270", "--languages", "8"]) == 0
     out = capsys.readouterr().out
     assert "5,000 documents" in out and "refresh interval 30 updates" in out
+
+
+def test_the_gpu_configs_give_a_gpu_sized_update_and_the_plan_says_how_to_get_one():
+    rates = Throughput(embed_flops_per_s=100e12, train_flops_per_s=100e12, source="test")
+    for name, low, high in (("learning-gpu", 16_000, 64_000), ("base", 16_000, 64_000), ("paper", 8_000, 64_000)):
+        cfg = load_config(REPO / f"deploy/configs/{name}.yaml")
+        plan = plan_capacity(cfg, cfg.model_config(vocab_size=cfg.data.vocab_size), 1_000_000, 100, 5, rates)
+        per_update = plan["target_tokens_per_update"] if name != "paper" else plan["target_tokens_per_worker_update"]
+        assert low <= per_update <= high and plan["gpu_sized"], name
+    one_k = paper("trainer.num_workers=64", "trainer.grad_accum=1")  # the paper's workers, one GPU each
+    plan = plan_capacity(one_k, one_k.model_config(), 1_000_000, 100, 5, rates)
+    assert not plan["gpu_sized"] and plan["target_tokens_per_worker_update"] < 1100
+    assert plan["grad_accum_for_gpu"] == 8 and plan["target_tokens_per_update"] == pytest.approx(64 * 1050)
+    from services.driver.plan import describe
+
+    assert any("set trainer.grad_accum=8" in line for line in describe(plan, one_k))

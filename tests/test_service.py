@@ -218,3 +218,12 @@ def test_deployable_with_ray_serve(ray_cluster, served):
         assert r.status_code == 200 and len(r.json()["results"]) == 3
     finally:
         serve.shutdown()
+
+
+def test_loopback_is_an_address_not_a_name_that_starts_with_127():
+    from marge.net import is_loopback
+
+    for host in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost"):
+        assert is_loopback(host), host
+    for host in ("127.example.com", "0.0.0.0", "10.0.0.1", "example.com", "::", "192.168.1.5"):
+        assert not is_loopback(host), host

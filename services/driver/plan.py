@@ -17,6 +17,10 @@ on: at a given device and batch shape, time scales with FLOPs):
 
 and from them
 
+    tokens per update        trainer workers x grad_accum x the batch's target tokens (a batch holds evidence
+                             and targets: batcher.max_tokens / (1 + evidence per target token)); on GPUs an
+                             update below GPU_TARGET_TOKENS_PER_WORKER target tokens per worker is launch- and
+                             optimizer-bound, and the plan says how many micro-batches to accumulate instead
     seconds per update       update FLOPs / (trainer workers x trainer FLOP/s)
     refresh interval         R x seconds per update
     build time               corpus embedding + linking FLOPs / (indexer workers x indexer FLOP/s)
@@ -43,6 +47,10 @@ from marge.model import MargeConfig, training_flops_per_token
 log = logging.getLogger("marge.plan")
 
 HEADER_BYTES_PER_DOCUMENT = 48  # doc id, language, offsets in the message header (JSON), measured on demo batches
+GPU_TARGET_TOKENS_PER_WORKER = 8192
+"""Target tokens one GPU should train per update: below it, the fixed cost of an update (the optimizer over every
+parameter, clipping, kernel launches: about 2 ms at `base` on an H100) outweighs the work (1,500 target tokens are
+about 1.7 ms of model FLOPs at 45% of an H100's bf16 peak)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,8 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
     build_s = one_worker_build_s / cfg.indexer.num_workers
     wait_s = max(0.0, build_s - head_start_s)
     queue_updates = cfg.queue.max_depth / batches_per_update
+    per_worker = t.grad_accum * target_tokens_per_batch
+    accumulate = max(t.grad_accum, math.ceil(GPU_TARGET_TOKENS_PER_WORKER / max(target_tokens_per_batch, 1)))
     message_bytes = 4 * cfg.batcher.max_tokens + HEADER_BYTES_PER_DOCUMENT * cfg.batcher.max_tokens / max(mean_document_tokens, 1)
     return {
         "documents": documents, "mean_document_tokens": round(mean_document_tokens, 1),
@@ -103,6 +113,11 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
         "share_of_corpus_refreshable": min(1.0, head_start_s / build_s) if build_s else 1.0,
         "staleness_updates": {"min": version_plan.lag, "mean": version_plan.lag + (cfg.indexer.reindex_every - 1) / 2,
                               "max": version_plan.lag + cfg.indexer.reindex_every - 1},
+        "target_tokens_per_batch": target_tokens_per_batch,
+        "target_tokens_per_worker_update": per_worker,
+        "target_tokens_per_update": t.num_workers * per_worker,
+        "gpu_sized": (per_worker >= GPU_TARGET_TOKENS_PER_WORKER) if t.use_gpu else None,
+        "grad_accum_for_gpu": accumulate,
         "queue_depth_updates": queue_updates,
         "redis_queue_bytes": cfg.queue.max_depth * message_bytes,
     }
@@ -119,6 +134,11 @@ def describe(plan: dict, cfg: PipelineConfig) -> list[str]:
         f"({'keeps up' if plan['keeps_up'] else 'does NOT keep up: the trainers wait %.3g s per refresh, %.0f%% of their time' % (plan['trainer_wait_per_refresh_s'], 100 * plan['trainer_wait_share'])}; "
         f"{plan['indexer_workers_needed']} worker(s) needed, or refresh {100 * plan['share_of_corpus_refreshable']:.0f}% "
         "of the corpus)",
+        f"an update: {plan['target_tokens_per_update']:,.0f} target tokens, {plan['target_tokens_per_worker_update']:,.0f} "
+        f"per trainer worker in {cfg.trainer.grad_accum} batch(es) of {plan['target_tokens_per_batch']:,.0f}"
+        + ("" if plan["gpu_sized"] is None else " (sized for a GPU)" if plan["gpu_sized"] else
+           f" -- too few for a GPU (at least {GPU_TARGET_TOKENS_PER_WORKER:,} a worker): set trainer.grad_accum="
+           f"{plan['grad_accum_for_gpu']}, or fewer trainer workers with more accumulation for the same update"),
         f"batch staleness: {s['min']:.0f} to {s['max']:.0f} updates (mean {s['mean']:.0f}); the queue holds "
         f"{plan['queue_depth_updates']:.1f} updates = {plan['redis_queue_bytes'] / 2**20:.1f} MiB of Redis memory",
     ]

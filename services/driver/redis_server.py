@@ -154,21 +154,25 @@ class LocalRedis:
         os.chmod(conf, 0o600)
         self.process = subprocess.Popen([find_redis_server(), str(conf)], stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, start_new_session=True)
-        atomic_write_text(self.pid_file, f"{self.process.pid}\n")
-        client = redis.Redis.from_url(self.url)
-        deadline = time.time() + timeout_s
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.BusyLoadingError:  # replaying a large AOF
-                time.sleep(0.05)
-            except redis.ConnectionError:
-                if self.process.poll() is not None or time.time() > deadline:
-                    log_tail = (self.data_dir / "redis.log").read_text()[-800:] if (self.data_dir / "redis.log").exists() else ""
-                    self.stop()
-                    raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port}: {log_tail}") from None
-                time.sleep(0.02)
+        try:  # from here on the server is ours to stop, whatever interrupts its start (a SIGTERM, Ctrl-C)
+            atomic_write_text(self.pid_file, f"{self.process.pid}\n")
+            client = redis.Redis.from_url(self.url)
+            deadline = time.time() + timeout_s
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.BusyLoadingError:  # replaying a large AOF
+                    time.sleep(0.05)
+                except redis.ConnectionError:
+                    if self.process.poll() is not None or time.time() > deadline:
+                        log_tail = ((self.data_dir / "redis.log").read_text()[-800:]
+                                    if (self.data_dir / "redis.log").exists() else "")
+                        raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port}: {log_tail}") from None
+                    time.sleep(0.02)
+        except BaseException:
+            self.stop()
+            raise
         log.info("redis-server pid %d on 127.0.0.1:%d (AOF appendfsync=%s, data in %s)",
                  self.process.pid, self.port, self.appendfsync, self.data_dir)
         return self

@@ -10,25 +10,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import marge.local_ray
 from services.driver.config import PipelineConfig
 from services.driver.redis_server import LocalRedis, private_conf_dir
 
 log = logging.getLogger("marge.pipeline")
 
-# Measured on 2-core machines (docs/testing.md): loopback-only sockets, no token auth on a private local
-# cluster, quick shutdown, and a lighter Ray Train V2 controller.
-LOCAL_RAY_ENV = {
-    "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
-    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
-}
-
-
 def apply_local_ray_env(cfg: PipelineConfig) -> None:
-    """Ray reads these when it is first imported: set them before any `import ray` for a local cluster."""
+    """Ray reads its environment when it is first imported: set it before any `import ray` for a local cluster."""
     if not cfg.ray.address:
-        for key, value in LOCAL_RAY_ENV.items():
-            os.environ.setdefault(key, value)
+        marge.local_ray.apply_local_ray_env()
 
 
 @dataclass
@@ -107,14 +98,9 @@ def ray_for(cfg: PipelineConfig) -> Iterator[None]:
         yield
         return
     num_cpus = check_local_fit(cfg)  # before Ray starts: an explicit ray.num_cpus too small, GPUs absent
-    ray.init(address="local", namespace=namespace, num_cpus=num_cpus, include_dashboard=cfg.ray.include_dashboard,
-             dashboard_host="127.0.0.1", object_store_memory=cfg.ray.object_store_memory, log_to_driver=False,
-             runtime_env={"worker_process_setup_hook": "services.trainer.loopback.install"})  # DDP's store on loopback
-    try:
-        check_cluster()
+    with marge.local_ray.local_ray(num_cpus, namespace, cfg.ray.include_dashboard, cfg.ray.object_store_memory,
+                                   check=check_cluster):
         yield
-    finally:
-        ray.shutdown()
 
 
 def check_local_fit(cfg: PipelineConfig) -> int:

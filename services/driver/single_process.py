@@ -2,7 +2,7 @@
 
 What runs is the code the Ray stages run, without the transport between them:
 
-    indexer  publish_snapshot -> load_relevance_encoder -> index_shard(search="torch") -> commit_version
+    indexer  publish_snapshot -> load_relevance_encoder -> build_version (index_shard with search="torch")
     batcher  epoch_batches over the newest committed index version (the paper's greedy subgraph search)
     trainer  train_step: `trainer.num_workers * trainer.grad_accum` batches per update, batch k in slot k (the
              slot a DDP rank gives it), so the per-step losses equal the DDP trainer's on the same batches
@@ -53,9 +53,9 @@ from marge.checkpoint import (checkpoint_order, complete_checkpoints, load_model
                               restore_training, save_checkpoint)
 from marge.corpus import Corpus
 from marge.evaluation import read_pairs
-from marge.index_store import IndexVersion, commit_version, drop_versions_after, staging_dir, version_dirname
-from marge.model import Marge, training_flops_per_token
-from marge.refresh import INDEX_BUILDS, append_build
+from marge.index_store import IndexVersion, drop_versions_after, version_dirname
+from marge.model import Marge, training_flops, training_flops_per_token
+from marge.refresh import INDEX_BUILDS
 from marge.veco import VecoConfig, veco_training_flops_per_token
 from marge.protocol import Slots
 from marge.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_encoder, publish_snapshot, read_snapshot,
@@ -67,11 +67,11 @@ from services.driver.config import PipelineConfig, load_config, with_absolute_pa
 from services.driver.experiment import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
 from services.driver.pipeline import ensure_corpus, final_g_health
 from services.driver.report import read_train_log
-from services.indexer.core import carry_shards, describe_build, index_build_record, index_shard, plan_refresh
+from services.indexer.core import build_version, describe_build, index_shard
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
 from services.trainer.objectives import PreparedBatch, objectives_for
-from services.trainer.step import build_optimizer, build_scheduler, device_peak_flops, seed_key, train_step
+from services.trainer.step import build_optimizer, build_scheduler, compiled, device_peak_flops, seed_key, train_step
 
 log = logging.getLogger("marge.single_process")
 
@@ -147,20 +147,27 @@ class Prefetcher:
 
 
 class ChunkMeter:
-    """Tokens, target tokens and model FLOPs of this chunk's updates, over its wall-clock time."""
+    """Tokens of this chunk's updates over its wall-clock time, and model FLOPs over the updates' own time.
+
+    MFU divides the FLOPs of every pass the steps made (augmented batches included: `PreparedBatch.work`) by the time
+    the steps took, not by the wall clock: the probes, snapshots, index builds and checkpoints between updates are
+    not the trainer's work."""
 
     def __init__(self, model_cfg, peak_flops: float | None):
         self.model_cfg, self.peak = model_cfg, peak_flops
         self.is_veco = isinstance(model_cfg, VecoConfig)
         self.started = time.perf_counter()
-        self.steps, self.tokens, self.target_tokens, self.flops = 0, 0, 0, 0.0
+        self.steps, self.tokens, self.target_tokens, self.flops, self.step_seconds = 0, 0, 0, 0.0, 0.0
 
-    def add(self, tokens: int, target_tokens: int) -> None:
+    def add(self, tokens: int, target_tokens: int, step_seconds: float, work: dict[str, int] | None = None) -> None:
         self.steps += 1
         self.tokens += tokens
         self.target_tokens += target_tokens
+        self.step_seconds += step_seconds
         if self.is_veco:  # target tokens = the pairs' text, each read by 4 passes (counted in the per-token FLOPs)
             self.flops += target_tokens * veco_training_flops_per_token(self.model_cfg)
+        elif work is not None:
+            self.flops += training_flops(self.model_cfg, work["target"], work["evidence"], work["relevance"])
         else:
             evidence_ratio = (tokens - target_tokens) / max(1, target_tokens)
             self.flops += target_tokens * training_flops_per_token(self.model_cfg, evidence_ratio)
@@ -171,8 +178,8 @@ class ChunkMeter:
     def rates(self) -> dict:
         elapsed = max(self.elapsed(), 1e-9)
         return {"elapsed_s": elapsed, "tokens_per_s": self.tokens / elapsed,
-                "target_tokens_per_s": self.target_tokens / elapsed,
-                "mfu": self.flops / elapsed / self.peak if self.peak else None}
+                "target_tokens_per_s": self.target_tokens / elapsed, "step_seconds": self.step_seconds,
+                "mfu": self.flops / max(self.step_seconds, 1e-9) / self.peak if self.peak else None}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -190,24 +197,17 @@ class InProcessIndexer:
         self.tokenizer_sha256 = corpus.tokenizer().sha256
         self.builds_log = self.run_dir / INDEX_BUILDS
 
-    def index_snapshot(self, snapshot: SnapshotInfo, version: int, started: float | None = None) -> IndexVersion:
-        started = started or time.time()
+    def index_snapshot(self, snapshot: SnapshotInfo, version: int) -> IndexVersion:
         encoder = load_relevance_encoder(snapshot, self.device)
-        staging = staging_dir(self.root, version)
-        staging.mkdir(parents=True, exist_ok=True)
-        previous, shards, carried = plan_refresh(self.root, version, self.corpus.num_shards,
-                                                 self.cfg.indexer.shards_per_refresh)
-        entries = [{**index_shard(self.corpus.read_shard(s), encoder, self.corpus.tokenizer().specials, staging,
-                                  self.cfg.indexer, device=str(self.device), seed=self.cfg.run.seed + s,
-                                  search="torch", snapshot_step=snapshot.step).as_manifest_entry(),
-                    "snapshot_step": snapshot.step}
-                   for s in shards]
-        if carried:
-            entries += carry_shards(previous, carried, staging)
-        committed = commit_version(self.root, version, snapshot.step, entries, keep_versions=self.cfg.indexer.keep_versions,
-                                   extra={"search": "torch-exact"})
-        record = index_build_record(committed, entries, started)
-        append_build(self.run_dir, record)
+        specials = self.corpus.tokenizer().specials
+
+        def index_shards(shards: list[int], staging: Path) -> list[dict]:
+            return [index_shard(self.corpus.read_shard(s), encoder, specials, staging, self.cfg.indexer,
+                                device=str(self.device), seed=self.cfg.run.seed + s, search="torch",
+                                snapshot_step=snapshot.step).as_manifest_entry() for s in shards]
+
+        committed, record = build_version(self.root, self.run_dir, version, snapshot.step, self.corpus.num_shards,
+                                          self.cfg.indexer, index_shards, extra={"search": "torch-exact"})
         log.info("index v%d from snapshot %d: %s", version, snapshot.step, describe_build(record))
         return committed
 
@@ -318,6 +318,7 @@ class SingleProcessRun:
             return objectives.prepare(batch, seed_key(cfg.run.seed, self.slots, self.slots.slot(step, 0, position)))
 
         step = state["step"]
+        trained = compiled(model, t.compile)  # what the updates run; probes and snapshots use the model itself
         prefetcher = Prefetcher(self.schedule, step, prepare, pin=device.type == "cuda")
         meter = ChunkMeter(model.cfg, device_peak_flops(device))
         deadline = time.perf_counter() + 60 * minutes
@@ -327,10 +328,10 @@ class SingleProcessRun:
         try:
             while step < cfg.run.max_steps and time.perf_counter() < deadline:
                 item = prefetcher.take(step)
-                record = train_step(model, optimizer, scheduler, objectives, item.batches, t, step, device, cfg.run.seed,
+                record = train_step(trained, optimizer, scheduler, objectives, item.batches, t, step, device, cfg.run.seed,
                                     item.prepared)
                 step += 1
-                line = self.step_record(step, record, item.batches, meter, state)
+                line = self.step_record(step, record, item.batches, meter, state, item.prepared)
                 if step % t.snapshot_every == 0 and (self.cfg.objectives.needs_index or self.monitor):
                     line["health"] = self.snapshot_and_reindex(model, step)
                 with open(self.train_log, "a", encoding="utf-8") as f:
@@ -358,10 +359,15 @@ class SingleProcessRun:
                 **{k: meter.rates()[k] for k in ("tokens_per_s", "target_tokens_per_s", "mfu")},
                 "train_seconds": state["train_seconds"], "model": model}
 
-    def step_record(self, step: int, record, batches: list[Batch], meter: "ChunkMeter", state: dict) -> dict:
+    def step_record(self, step: int, record, batches: list[Batch], meter: "ChunkMeter", state: dict,
+                    prepared: list[PreparedBatch] | None = None) -> dict:
         """The train_log line of one update (the pipeline trainer's fields), and the running totals."""
         tokens = sum(b.cost_tokens() for b in batches)
-        meter.add(tokens, record.target_tokens)
+        work = None
+        if prepared and not record.dead_lettered:
+            pad = self.tokenizer.specials.pad_id
+            work = {k: sum(p.work(pad)[k] for p in prepared) for k in ("target", "evidence", "relevance")}
+        meter.add(tokens, record.target_tokens, record.seconds, work)
         state["tokens_seen"] += tokens
         state["target_tokens_seen"] += record.target_tokens
         rates = meter.rates()

@@ -26,14 +26,13 @@ import time
 import ray
 
 from marge.corpus import Corpus
-from marge.index_store import commit_version, latest_version, staging_dir, version_dirname
+from marge.index_store import latest_version, staging_dir, version_dirname
 from marge.metrics import StageMetrics
 from marge.paths import RunPaths
-from marge.refresh import append_build
 from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
 from marge.utils import atomic_write_text, setup_logging
 from services.indexer.config import IndexerConfig
-from services.indexer.core import carry_shards, describe_build, index_build_record, index_shard, plan_refresh
+from services.indexer.core import build_version, describe_build, index_shard
 
 log = logging.getLogger(__name__)
 
@@ -175,30 +174,21 @@ class IndexCoordinator:
         return entries
 
     def build(self, version: int) -> dict:
-        started = time.time()
         with self._pool_lock:
             self.building = version
             self._apply_pool()
         snapshot_step = version * self.cfg.reindex_every
-        previous, shards, carried = plan_refresh(self.paths.index, version, self.num_shards, self.cfg.shards_per_refresh)
         n = len(self.workers)
-        entries = [{**e, "snapshot_step": snapshot_step}
-                   for e in self._index(version, snapshot_step, {i: shards[i::n] for i in range(n) if shards[i::n]})]
-        if carried:
-            entries += carry_shards(previous, carried, staging_dir(self.paths.index, version))
-        cost = {"indexer_workers": n, "build_seconds": round(time.time() - started, 3),
-                "embed_seconds": round(sum(e["embed_seconds"] for e in entries), 3),
-                "link_seconds": round(sum(e["link_seconds"] for e in entries), 3),
-                "shards_rebuilt": len(shards), "shards_carried": len(carried)}
-        committed = commit_version(self.paths.index, version, snapshot_step, entries, extra=cost,
-                                   keep_versions=self.cfg.keep_versions)
+
+        def index_shards(shards: list[int], staging) -> list[dict]:  # the workers write into the staging folder
+            return self._index(version, snapshot_step, {i: shards[i::n] for i in range(n) if shards[i::n]})
+
+        committed, record = build_version(self.paths.index, self.paths.run_dir, version, snapshot_step, self.num_shards,
+                                          self.cfg, index_shards, workers=n)
         with self._pool_lock:
             self.version, self.indexed_step, self.building = max(self.version, version), snapshot_step, None
         self.floor = max(self.floor, self._oldest_kept(self.version))
-        record = {**index_build_record(committed, entries, started), "indexer_workers": n,
-                  "shards_rebuilt": len(shards), "shards_carried": len(carried)}
         self.history.append(record)
-        append_build(self.paths.run_dir, record)  # for `marge report` and the driver's refresh figures
         m = self.metrics
         m.set("marge_index_version", version)
         m.set("marge_index_edges", record["num_edges"])

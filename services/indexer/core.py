@@ -323,6 +323,35 @@ def index_build_record(committed, entries: list[dict], started_unix: float) -> d
             "lexical_weight": max((e.get("lexical_weight", 0.0) for e in entries), default=0.0)}
 
 
+def build_version(root: Path, run_dir: Path, version: int, snapshot_step: int, num_shards: int, cfg: IndexerConfig,
+                  index_shards, workers: int = 1, extra: dict | None = None):
+    """Build index version `version` from the snapshot of `snapshot_step`, the one way both hosts do it: the shards
+    this refresh re-embeds (every shard, or a sampled window: `plan_refresh`) indexed by `index_shards(shards,
+    staging)` (in this process, or spread over Ray workers), the others carried over from the previous version, the
+    version committed (checksums, manifest last, LATEST moved) and its figures appended to the run's
+    index_builds.jsonl. Returns (the committed IndexVersion, its build record)."""
+    from marge.index_store import commit_version, staging_dir
+    from marge.refresh import append_build
+
+    started = time.time()
+    staging = staging_dir(root, version)
+    staging.mkdir(parents=True, exist_ok=True)
+    previous, shards, carried = plan_refresh(root, version, num_shards, cfg.shards_per_refresh)
+    entries = [{**entry, "snapshot_step": snapshot_step} for entry in index_shards(shards, staging)]
+    if carried:
+        entries += carry_shards(previous, carried, staging)
+    cost = {"indexer_workers": workers, "build_seconds": round(time.time() - started, 3),
+            "embed_seconds": round(sum(e["embed_seconds"] for e in entries), 3),
+            "link_seconds": round(sum(e["link_seconds"] for e in entries), 3),
+            "shards_rebuilt": len(shards), "shards_carried": len(carried)}
+    committed = commit_version(root, version, snapshot_step, entries, extra={**cost, **(extra or {})},
+                               keep_versions=cfg.keep_versions)
+    record = {**index_build_record(committed, entries, started), "indexer_workers": workers,
+              "shards_rebuilt": len(shards), "shards_carried": len(carried)}
+    append_build(run_dir, record)
+    return committed, record
+
+
 def describe_build(record: dict) -> str:
     """One line of a committed version's figures, for the logs of either host."""
     parallel = record.get("crosslingual_parallel_precision")

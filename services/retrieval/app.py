@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
+import marge.net
 from marge import __version__
 from services.retrieval.index import IndexHolder
 from services.retrieval.settings import ServeSettings
@@ -180,5 +181,4 @@ def create_app(settings: ServeSettings, holder: IndexHolder | None = None) -> Fa
     return app
 
 
-def is_loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+is_loopback = marge.net.is_loopback  # `marge serve` asks it whether a bind needs a token (one rule everywhere)

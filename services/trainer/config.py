@@ -32,6 +32,9 @@ class TrainerConfig:
     """Batches each rank accumulates per update (DDP all-reduces once, after the last)."""
     bf16: bool = False
     """bf16 autocast with fp32 master weights."""
+    compile: bool = False
+    """Train through `torch.compile` (dynamic shapes: a few graphs for every batch size, none broken by a device
+    read). Worth it on a GPU; on a CPU the first updates pay the compilation."""
     snapshot_every: int = 10000
     """Rank 0 publishes g (and measures retrieval health) every this many updates."""
     checkpoint_every: int = 1000

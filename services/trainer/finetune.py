@@ -16,6 +16,7 @@ One update is the same function (`finetune_update`) in one process and on every 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -469,35 +470,43 @@ def finetune_worker(config: dict) -> None:
     ray.train.report({"done": 1})
 
 
+@contextlib.contextmanager
+def joined_ray(address: str):
+    """A connection to a running cluster for the block; leaving it disconnects (the cluster keeps running)."""
+    import ray
+
+    ray.init(address=address, log_to_driver=True)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 def finetune_on_ray(cfg: FinetuneConfig) -> dict[str, Any]:
     """N DDP ranks on Ray Train (the configured cluster, or a local Ray started and stopped here)."""
-    from services.driver.resources import LOCAL_RAY_ENV
+    from marge.local_ray import apply_local_ray_env, local_ray
 
     if not cfg.ray_address:
-        for key, value in LOCAL_RAY_ENV.items():
-            os.environ.setdefault(key, value)
+        apply_local_ray_env()
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     storage = Path(cfg.out).absolute().parent / f".{Path(cfg.out).name}.ray"  # Ray Train's run folder, removed after
-    started = False
-    if not ray.is_initialized():
-        if cfg.ray_address:
-            ray.init(address=cfg.ray_address, log_to_driver=True)
-        else:
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cfg.workers), include_dashboard=False,
-                     log_to_driver=True, runtime_env={"worker_process_setup_hook": "services.trainer.loopback.install"})
-        started = True
+    if ray.is_initialized():  # embedded in a program (or a test) that runs Ray
+        cluster = contextlib.nullcontext()
+    elif cfg.ray_address:
+        cluster = joined_ray(cfg.ray_address)
+    else:
+        cluster = local_ray(max(os.cpu_count() or 1, cfg.workers), log_to_driver=True)
     try:
-        trainer = TorchTrainer(finetune_worker, train_loop_config={"cfg": cfg},
-                               scaling_config=ScalingConfig(num_workers=cfg.workers, resources_per_worker={"CPU": 1}),
-                               torch_config=TorchConfig(backend="gloo"),
-                               run_config=RunConfig(name="finetune", storage_path=str(storage)))
-        trainer.fit()
+        with cluster:
+            trainer = TorchTrainer(finetune_worker, train_loop_config={"cfg": cfg},
+                                   scaling_config=ScalingConfig(num_workers=cfg.workers, resources_per_worker={"CPU": 1}),
+                                   torch_config=TorchConfig(backend="gloo"),
+                                   run_config=RunConfig(name="finetune", storage_path=str(storage)))
+            trainer.fit()
     finally:
-        if started:
-            ray.shutdown()
         shutil.rmtree(storage, ignore_errors=True)
     summary = json.loads((Path(cfg.out) / "metrics.json").read_text(encoding="utf-8"))
     return {**summary, "out": cfg.out}

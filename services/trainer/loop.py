@@ -45,7 +45,7 @@ from services.trainer.job import TrainerJob
 from services.trainer.objectives import objectives_for
 from services.trainer.source import source_for
 from services.trainer.state import report_checkpoint, resume, truncate_log
-from services.trainer.step import Backward, Item, UpdateFigures, build_optimizer, build_scheduler, run_update
+from services.trainer.step import Backward, Item, UpdateFigures, build_optimizer, build_scheduler, compiled, run_update
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,8 @@ class Rank:
             log.info("rank %d resumed at update %d", self.rank, self.step)
         if self.rank == 0:
             truncate_log(job.paths.train_log, self.step)  # lines of updates the checkpoint does not hold
-        self.ddp_model = ray.train.torch.prepare_model(self.model)  # DDP (gloo on CPU, NCCL on GPU)
+        # DDP (gloo on CPU, NCCL on GPU), under torch.compile with trainer.compile
+        self.ddp_model = compiled(ray.train.torch.prepare_model(self.model), t.compile)
         corpus_tokens = corpus.all_tokens() if job.objectives.needs_corpus else None
         self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens)
         self.source = source_for(job, self.rank)

@@ -11,22 +11,16 @@ on a multi-node cluster MASTER_ADDR is not loopback and nothing changes.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 from datetime import timedelta
+
+from marge.net import is_loopback
 
 log = logging.getLogger(__name__)
 
 _SERVERS: list = []
 """The loopback servers started in this process (kept alive for the process group's lifetime)."""
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def start_loopback_server(host: str, port: int, world_size: int, timeout: timedelta, use_libuv: bool = True):

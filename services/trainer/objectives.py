@@ -446,6 +446,28 @@ class PreparedBatch:
     def pin_memory(self) -> "PreparedBatch":
         return PreparedBatch(self.batch_id, {k: None if v is None else v.pin_memory() for k, v in self.parts.items()})
 
+    def work(self, pad_id: int) -> dict[str, int]:
+        """Tokens each kind of pass of the step processes for this batch, augmentation included (self-evidence copies,
+        the denoising loss's views): `target` decoded, `evidence` through the whole encoder, `relevance` through g
+        alone. What MFU credits (`marge.model.training_flops`); VECO's passes are counted by its own formula."""
+        def real(t) -> int:
+            return int((t != pad_id).sum())
+
+        out = {"target": 0, "evidence": 0, "relevance": 0}
+        marge = self.parts.get("marge")
+        if marge is not None:
+            out["target"] += real(marge.labels_NT)
+            out["evidence"] += real(marge.evidence_MS)
+            out["relevance"] += real(marge.target_enc_NS)
+        bart = self.parts.get("bart")
+        if bart is not None:
+            out["target"] += real(bart["labels_NT"])
+            out["evidence"] += real(bart["evidence_MS"])
+        views = self.parts.get("denoising_contrastive")
+        if views is not None:
+            out["relevance"] += real(views["first"]) + real(views["second"])
+        return out
+
 
 @dataclass
 class Losses:

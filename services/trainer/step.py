@@ -80,6 +80,14 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig, fused: bool | None = N
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=fused)
 
 
+def compiled(model: nn.Module, enabled: bool, backend="inductor") -> nn.Module:
+    """The model (or its DDP wrapper) to train with (`trainer.compile`): under `torch.compile` with dynamic shapes,
+    so that batches of every size share a few graphs (one per key layout) instead of one each; the forward reads
+    nothing back from the device (the inputs are checked on the host), so each is one graph. Parameters, buffers
+    and attributes stay the model's own."""
+    return torch.compile(model, dynamic=True, backend=backend) if enabled else model
+
+
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     """Linear warm-up to the peak, then linear annealing to 0 at `total_steps` (paper §3)."""
     if step < warmup_steps:
@@ -263,7 +271,8 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ob
     the same path), the update is computed again without those batches (they are dead-lettered): a second read,
     only then. A gradient still not finite skips the update: its place in the schedule is used up and its batches
     are dead-lettered."""
-    model_core = model.module if hasattr(model, "module") else model
+    model_core = getattr(model, "_orig_mod", model)  # under torch.compile
+    model_core = getattr(model_core, "module", model_core)  # inside DDP
 
     def backward_and_read(excluded):
         done = backward_items(model, objectives, items, slots, cfg, device, seed, model_cfg, specials, nan_loss_slot,

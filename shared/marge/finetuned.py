@@ -127,9 +127,8 @@ class TaskTensors:
     label_ids_N: Tensor | None = None
 
     def to(self, device: torch.device | str) -> "TaskTensors":
-        move = (lambda t: None if t is None else t.to(device))
-        return TaskTensors(*(move(getattr(self, f)) for f in
-                             ("encoder_input_NS", "decoder_input_NT", "labels_NT", "last_N", "label_ids_N")))
+        fields = ("encoder_input_NS", "decoder_input_NT", "labels_NT", "last_N", "label_ids_N")
+        return TaskTensors(*(None if getattr(self, f) is None else getattr(self, f).to(device) for f in fields))
 
     @property
     def num_rows(self) -> int:

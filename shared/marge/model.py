@@ -97,11 +97,11 @@ class MargeConfig:
     model before that change (and the `paper` preset: with it the paper's BOS-pooled g starts collapsed)."""
 
     loss_chunk_tokens: int = 0
-    """Target tokens whose output logits the training loss computes at a time (0: all at once). Each chunk's
-    logits are computed again in the backward pass instead of kept, so memory holds one chunk x vocabulary
-    of them, not every target token's: for the 250k vocabulary of `paper` the logits are the largest tensor
-    of a step. The loss and gradients are those of the unchunked loss (tests/test_model.py); the price is
-    one more output-layer forward per step. An execution setting, not architecture: it changes no weight."""
+    """Target tokens whose output logits the training loss computes at a time (0: all at once). The loss and its
+    gradients are made chunk by chunk in one pass (`fused_linear_nll`: 3 matmuls a chunk, as the unchunked loss),
+    so memory holds one chunk x vocabulary of logits, not every target token's: for the 250k vocabulary of `paper`
+    the logits are the largest tensor of a step. The loss and gradients are those of the unchunked loss
+    (tests/test_model.py). An execution setting, not architecture: it changes no weight."""
 
     def __post_init__(self) -> None:
         if self.loss_chunk_tokens < 0:
@@ -669,13 +669,18 @@ class Marge(nn.Module):
         n, t, d = states_NTD.shape
         chunk = self.cfg.loss_chunk_tokens
         logits_NTV = None
+        tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
+        if chunk and not return_logits and torch.is_grad_enabled():
+            # the loss and its gradients chunk by chunk in one pass (3 matmuls a chunk, no logits kept)
+            nll_sum, nll_R = fused_linear_nll(states_NTD.reshape(n * t, d), self.embed_tokens.weight,
+                                              labels_NT.reshape(n * t), self.cfg.pad_id, chunk)
+            return MargeOutput(nll_sum / tokens_N.sum().clamp(min=1), nll_R.view(n, t).sum(1), tokens_N, relevance_NM)
         if chunk and not return_logits:
             nll_NT = chunked_token_nll(states_NTD.reshape(n * t, d), self.embed_tokens.weight,
                                        labels_NT.reshape(n * t), self.cfg.pad_id, chunk).view(n, t)
         else:
             logits_NTV = self.logits(states_NTD)  # scored as (N*T, V) rows: no transposed copy of the largest tensor
             nll_NT = token_nll(logits_NTV.reshape(n * t, -1), labels_NT.reshape(n * t), self.cfg.pad_id).view(n, t)
-        tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
         nll_N = nll_NT.sum(1)
         loss = nll_N.sum() / tokens_N.sum().clamp(min=1)
         return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None)
@@ -724,6 +729,50 @@ def chunked_token_nll(states_RD: Tensor, weight_VD: Tensor, labels_R: Tensor, pa
         else:
             pieces.append(projected_token_nll(states_RD[rows], weight_VD, labels_R[rows], pad_id))
     return torch.cat(pieces)
+
+
+class FusedLinearNLL(torch.autograd.Function):
+    """sum over rows of -log softmax(states @ weight.T)[label] (padding labels excluded), computed `chunk` rows at a
+    time with its gradients made in the same pass (a fused linear cross-entropy, the algorithm of Liger-kernel's, in
+    plain PyTorch): per chunk one matmul for the logits and two for the gradients of states and weight, and no
+    chunk's logits kept. Its output is the sum (what the training loss backpropagates, scaled by any weight) and each
+    row's NLL, which carries no gradient."""
+
+    @staticmethod
+    def forward(ctx, states_RD: Tensor, weight_VD: Tensor, labels_R: Tensor, pad_id: int, chunk: int):
+        rows_total = states_RD.shape[0]
+        grad_states_RD = torch.zeros_like(states_RD)
+        grad_weight_VD = torch.zeros(weight_VD.shape, dtype=torch.promote_types(weight_VD.dtype, torch.float32),
+                                     device=weight_VD.device)
+        nll_R = torch.zeros(rows_total, dtype=torch.float32, device=states_RD.device)
+        for start in range(0, rows_total, chunk):
+            rows = slice(start, min(rows_total, start + chunk))
+            s_CD, y_C = states_RD[rows], labels_R[rows]
+            logits_CV = (s_CD @ weight_VD.T).float()  # under the caller's autocast, as the unfused loss
+            valid_C = y_C != pad_id
+            nll_R[rows] = torch.where(valid_C, torch.logsumexp(logits_CV, -1) - logits_CV.gather(1, y_C[:, None])[:, 0],
+                                      torch.zeros((), device=logits_CV.device))
+            dlogits_CV = torch.softmax(logits_CV, -1)  # d nll / d logits = softmax - one-hot, on valid rows
+            dlogits_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0
+            dlogits_CV = (dlogits_CV * valid_C[:, None]).to(s_CD.dtype)  # autocast, where on, casts the products
+            grad_states_RD[rows] = (dlogits_CV @ weight_VD.to(s_CD.dtype)).to(grad_states_RD.dtype)
+            grad_weight_VD += (dlogits_CV.T @ s_CD).to(grad_weight_VD.dtype)
+        ctx.save_for_backward(grad_states_RD, grad_weight_VD)
+        ctx.weight_dtype = weight_VD.dtype
+        ctx.mark_non_differentiable(nll_R)
+        return nll_R.sum(), nll_R
+
+    @staticmethod
+    def backward(ctx, grad_sum: Tensor, grad_rows: Tensor):
+        grad_states_RD, grad_weight_VD = ctx.saved_tensors
+        return (grad_states_RD * grad_sum.to(grad_states_RD.dtype), (grad_weight_VD * grad_sum).to(ctx.weight_dtype),
+                None, None, None)
+
+
+def fused_linear_nll(states_RD: Tensor, weight_VD: Tensor, labels_R: Tensor, pad_id: int,
+                     chunk: int) -> tuple[Tensor, Tensor]:
+    """(summed NLL with its gradient, each row's NLL) of the tied output projection: `FusedLinearNLL`."""
+    return FusedLinearNLL.apply(states_RD, weight_VD, labels_R, pad_id, chunk)
 
 
 class RelevanceEncoder(nn.Module):
@@ -806,23 +855,27 @@ def parameter_breakdown(model: Marge) -> dict[str, int]:
     }
 
 
-def training_flops_per_token(cfg: MargeConfig, evidence_per_target_tokens: float = 1.0) -> float:
-    """Approximate training FLOPs per target token (6 x parameters touched), for MFU figures.
-
-    `evidence_per_target_tokens` is the ratio of encoded evidence tokens to target tokens in a batch.
-    """
+def training_flops(cfg: MargeConfig, target_tokens: float, evidence_tokens: float, relevance_tokens: float) -> float:
+    """Approximate training FLOPs (6 x parameters touched per token) of a step that decodes `target_tokens` (the
+    output layer included), encodes `evidence_tokens` through the whole encoder and `relevance_tokens` through g
+    alone (the targets' g, the denoising loss's views): for MFU figures that credit every pass a step makes."""
     d = cfg.d_model
     enc_layer = 4 * d * d + 2 * d * cfg.encoder_ffn
     dec_local = 4 * d * d + 2 * d * cfg.decoder_local_ffn
     dec_cross = 8 * d * d + 2 * d * cfg.decoder_ffn
     decoder = cfg.decoder_local_layers * dec_local + cfg.decoder_layers * dec_cross + d * cfg.vocab_size
-    encoder = cfg.encoder_layers * enc_layer * evidence_per_target_tokens
-    relevance = cfg.relevance_layers * enc_layer  # g(x) of the targets
-    return 6.0 * (decoder + encoder + relevance)
+    return 6.0 * (decoder * target_tokens + cfg.encoder_layers * enc_layer * evidence_tokens
+                  + cfg.relevance_layers * enc_layer * relevance_tokens)
+
+
+def training_flops_per_token(cfg: MargeConfig, evidence_per_target_tokens: float = 1.0) -> float:
+    """Approximate training FLOPs per target token (6 x parameters touched), for MFU figures: a target's decoding, its
+    g, and `evidence_per_target_tokens` encoded evidence tokens per target token."""
+    return training_flops(cfg, 1.0, evidence_per_target_tokens, 1.0)
 
 
 __all__ = [
     "PRESETS", "CrossMemory", "EncodedEvidence", "LayerCache", "Marge", "MargeConfig", "MargeOutput",
     "RelevanceEncoder", "build_on_meta", "count_parameters", "pad_rows", "parameter_breakdown", "preset",
-    "relevance_state_dict", "training_flops_per_token", "unit_relevance",
+    "relevance_state_dict", "training_flops", "training_flops_per_token", "unit_relevance",
 ]

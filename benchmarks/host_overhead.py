@@ -1,0 +1,220 @@
+"""What a GPU will feel, measured on a CPU: the trainer's update before and after it was made GPU-ready, in one run.
+
+A GPU idles whenever the host reads a value back (every kernel launched before it must finish first) and whenever
+the host is busy launching small kernels one by one. Neither needs a GPU to count. For the same batches, this
+measures, per update of `train_step` (the single process's and the reference loop's update; the DDP ranks run the
+same `run_update`):
+
+* device reads: calls that copy a tensor's value to the host (`.item()`, `bool(t)`, `float(t)`, `int(t)`,
+  `.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")`; a read of a tensor already copied to the host is not counted);
+* kernel-launching operations: aten operations that compute (views and metadata excluded);
+* graphs: frames `torch.compile` compiles over 50 batches of varied sizes (dynamic shapes), forward and loss;
+* host time per update at width 8 (`tiny`'s depth, d_model 8): compute is nothing there, host work is everything;
+  median of 30 updates after 5 of warm-up, eager and, after, under `torch.compile` (what `trainer.compile` runs).
+
+"Before" is a given commit of this repository (default: the one before the GPU path), exported with `git archive`
+and measured in a subprocess by this same file; "after" is the working tree.
+
+    python benchmarks/host_overhead.py --before c4f2f44 --out benchmarks/results/host-overhead-cpu-2core.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"}
+
+
+def measure(compile_host: bool) -> dict:
+    """Every figure for the `marge` importable here (this tree's, or the exported commit's)."""
+    import numpy as np
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from marge.batch import Batch, SpecialTokens
+    from marge.model import Marge, preset
+    from marge.protocol import Slots
+    from services.trainer.config import TrainerConfig
+    from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
+                                             ObjectivesConfig, SelfEvidenceConfig)
+    from services.trainer.step import build_optimizer, build_scheduler, seed_key, train_step
+    from services.trainer.inputs import to_model_inputs
+
+    torch.set_num_threads(1)
+    specials = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 5, "de": 6, "fr": 7})
+    langs = ("en", "de", "fr")
+
+    def batch(rng) -> Batch:
+        n_docs = int(rng.integers(6, 12))
+        tokens = tuple(rng.integers(10, 60, size=int(n)).astype(np.int32) for n in rng.integers(4, 40, size=n_docs))
+        n_targets = int(rng.integers(2, 4))
+        edges = [[t, e] for t in range(n_targets) for e in range(n_docs - n_targets) if rng.random() < 0.5]
+        edges = edges or [[0, 0]]
+        return Batch(f"b{rng.integers(1 << 30)}", 0, 0, np.arange(n_docs, dtype=np.int64),
+                     tuple(langs[i % 3] for i in range(n_docs)), tokens, np.arange(n_targets, dtype=np.int32),
+                     np.arange(n_targets, n_docs, dtype=np.int32), np.array(edges, dtype=np.int32),
+                     np.ones(len(edges), dtype=np.float32))
+
+    def model_of(d_model: int) -> Marge:
+        torch.manual_seed(0)
+        return Marge(preset("tiny", vocab_size=64, max_positions=64, d_model=d_model, num_heads=4,
+                            encoder_ffn=4 * d_model, decoder_local_ffn=4 * d_model, decoder_ffn=8 * d_model,
+                            relevance_pooling="mean", relevance_centering=True)).train()
+
+    rng = np.random.default_rng(0)
+    corpus_tokens = [rng.integers(10, 60, size=int(n)).astype(np.int32) for n in rng.integers(4, 40, size=64)]
+    objectives = Objectives(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked"),
+                                             self_evidence=SelfEvidenceConfig(prob=0.5, until=1000),
+                                             denoising_contrastive=DenoisingContrastiveConfig(weight=0.3,
+                                                                                              extra_documents=16)),
+                            specials, corpus_tokens)
+    cfg = TrainerConfig(lr=1e-3, warmup_steps=0)
+    slots = Slots(1, 2)
+
+    def update_inputs(step: int, rng) -> tuple[list, list]:
+        batches = [batch(rng) for _ in range(2)]
+        return batches, [objectives.prepare(b, seed_key(0, slots, slots.slot(step, 0, k))) for k, b in enumerate(batches)]
+
+    def optimizer_for(model):
+        try:  # the GPU path's fused AdamW where the code offers it on the CPU
+            return build_optimizer(model, cfg, fused=True)
+        except TypeError:
+            return torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+
+    class Reads(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.count, self.copies = 0, set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", "")
+            this = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            to_cpu = name == "to" and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values()))
+            out = func(*args, **kwargs)
+            if this is not None and (name in READS or to_cpu) and id(this) not in self.copies:
+                self.count += 1
+            if (name == "cpu" or to_cpu) and isinstance(out, torch.Tensor):
+                self.copies.add(id(out))
+            return out
+
+    class Launches(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            tags = getattr(func, "tags", ())
+            if torch.Tag.view_copy not in tags and not func._schema.name.startswith(("aten::view", "aten::_reshape",
+                                                                                       "aten::as_strided", "aten::t",
+                                                                                       "aten::transpose", "aten::expand",
+                                                                                       "aten::slice", "aten::select",
+                                                                                       "aten::unsqueeze", "aten::squeeze",
+                                                                                       "aten::permute", "aten::alias",
+                                                                                       "aten::detach", "aten::_unsafe_view")):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    out: dict = {}
+    model = model_of(64)
+    optimizer = optimizer_for(model)
+    scheduler = build_scheduler(optimizer, cfg, 1000)
+    reads, launches = [], []
+    for step in range(5):
+        batches, prepared = update_inputs(step, rng)
+        with Reads() as r:
+            train_step(model, optimizer, scheduler, objectives, batches, cfg, step, torch.device("cpu"), 0, prepared)
+        batches, prepared = update_inputs(step + 100, rng)
+        with Launches() as launch:
+            train_step(model, optimizer, scheduler, objectives, batches, cfg, step, torch.device("cpu"), 0, prepared)
+        reads.append(r.count)
+        launches.append(launch.count)
+    out["device_reads_per_update"] = statistics.median(reads)
+    out["kernel_launching_ops_per_update"] = statistics.median(launches)
+
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = model_of(64)
+    forward = torch.compile(model, dynamic=True, backend=counter)
+    for _ in range(50):
+        inputs = to_model_inputs(batch(rng), specials, "linked")
+        kwargs = inputs.as_kwargs()
+        if getattr(inputs, "width", None) is not None:
+            kwargs["width"] = inputs.width
+        forward(**kwargs).loss.backward()
+    out["compiled_frames_over_50_batches"] = counter.frame_count
+
+    def host_seconds(compiled_model: bool) -> float:
+        model = model_of(8)
+        optimizer = optimizer_for(model)
+        scheduler = build_scheduler(optimizer, cfg, 1000)
+        trained = torch.compile(model, dynamic=True) if compiled_model else model
+        seconds = []
+        for step in range(35):
+            batches, prepared = update_inputs(step, rng)
+            t0 = time.perf_counter()
+            train_step(trained, optimizer, scheduler, objectives, batches, cfg, step, torch.device("cpu"), 0, prepared)
+            if step >= 5:
+                seconds.append(time.perf_counter() - t0)
+        return statistics.median(seconds)
+
+    out["host_seconds_per_update_d8_eager"] = host_seconds(False)
+    if compile_host:
+        torch._dynamo.reset()
+        out["host_seconds_per_update_d8_compiled"] = host_seconds(True)
+    return out
+
+
+def exported(ref: str) -> Path:
+    """The repository at `ref`, as files (no .git)."""
+    folder = Path(tempfile.mkdtemp(prefix="marge-before-"))
+    archive = subprocess.run(["git", "archive", ref], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
+def run_in(tree: Path, compile_host: bool) -> dict:
+    code = (f"import sys, json; sys.path[:0] = [{str(tree / 'shared')!r}, {str(tree)!r}, {str(REPO / 'benchmarks')!r}]; "
+            f"import host_overhead; print(json.dumps(host_overhead.measure({compile_host})))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--before", default="c4f2f44", help="the commit to compare with (default: before the GPU path)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    before = run_in(exported(args.before), compile_host=False)
+    print(json.dumps({"before": before}), flush=True)
+    after = run_in(REPO, compile_host=True)
+    print(json.dumps({"after": after}), flush=True)
+    ratios = {"device_reads": before["device_reads_per_update"] / max(after["device_reads_per_update"], 1),
+              "kernel_launching_ops": before["kernel_launching_ops_per_update"] / after["kernel_launching_ops_per_update"],
+              "compiled_frames": before["compiled_frames_over_50_batches"] / after["compiled_frames_over_50_batches"],
+              "host_seconds_d8_eager": before["host_seconds_per_update_d8_eager"] / after["host_seconds_per_update_d8_eager"],
+              "host_seconds_d8_before_eager_vs_after_compiled":
+                  before["host_seconds_per_update_d8_eager"] / after["host_seconds_per_update_d8_compiled"]}
+    result = {"command": "python benchmarks/host_overhead.py " + " ".join(sys.argv[1:]), "before_commit": args.before,
+              "before": before, "after": after, "before_over_after": ratios}
+    print(json.dumps(ratios, indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""A SIGTERM at any point of a run's start-up (`ray job stop`, `kill`, a CI time-out) leaves no process behind: the
+driver stops the redis-server and the local Ray it started, whatever it was doing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STARTED_BY_A_RUN = ("redis-server", "gcs_server", "raylet", "ray::", "default_worker", "dashboard", "log_monitor",
+                    "runtime_env", "monitor.py")
+
+
+def ray_and_redis_processes() -> dict[int, str]:
+    out = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        line = " ".join(p.info["cmdline"] or [])
+        if any(name in line for name in STARTED_BY_A_RUN):
+            out[p.info["pid"]] = line[:160]
+    return out
+
+
+def descends_from(pid: int, ancestors: set[int]) -> bool:
+    try:
+        return any(parent.pid in ancestors for parent in psutil.Process(pid).parents())
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["importing", "redis-server pid", "[indexer]", "[trainer] step"])
+def test_a_sigterm_during_start_up_leaves_no_process_behind(small_corpus, tmp_path, when):
+    before = ray_and_redis_processes()  # the test session's own cluster keeps running: not this run's
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.driver.cli", "pretrain", "--config", str(REPO / "deploy/configs/tiny.yaml"),
+         f"run.dir={run_dir}", "run.name=sigterm", f"data.corpus={small_corpus}", "data.max_chunk_tokens=128",
+         "model.max_positions=128", "batcher.max_tokens=400", "health.aligned_probe_size=8", "run.progress_every_s=1",
+         "run.max_steps=1000"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    try:
+        if when == "importing":
+            time.sleep(1.0)
+        else:
+            deadline = time.time() + 240
+            for line in proc.stdout:
+                seen.append(line)
+                if when in line:
+                    break
+                assert time.time() < deadline and proc.poll() is None, "".join(seen[-40:])
+        ours = {pid for pid in ray_and_redis_processes() if pid not in before}
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0 or when == "importing", "".join(seen[-20:]) + rest[-3000:]
+    if when != "importing":
+        assert ours, f"nothing had started by {when!r}"
+    deadline = time.time() + 20  # processes told to stop may take a moment to exit
+    while True:
+        left = {pid: line for pid, line in ray_and_redis_processes().items()
+                if pid not in before and not descends_from(pid, set(before))}
+        if not left or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert left == {}, f"left behind after a SIGTERM at {when!r}: {left}"
+    assert not (run_dir / "redis" / "redis-server.pid").exists()
