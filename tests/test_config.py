@@ -259,3 +259,32 @@ def test_the_config_reference_is_generated_and_documents_every_key():
     for key in ("indexer.bootstrap", "indexer.lexical_weight", "data.document_unit", "health.aligned_probe_size",
                 "model.embedding_layernorm", "objectives.self_evidence.until"):
         assert f"| `{key}` |" in text
+
+
+def test_an_error_in_an_override_names_the_override_not_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"^command-line override 'indexer.link_rule=bogus': indexer\.link_rule must"):
+        load_config(DEPLOY / "configs" / "tiny.yaml", ["indexer.link_rule=bogus"])
+    with pytest.raises(ConfigError, match=r"^command-line override 'trainer=\{lr: -1\}': trainer\.lr must be > 0"):
+        load_config(DEPLOY / "configs" / "tiny.yaml", ["trainer={lr: -1}"])
+    own = tmp_path / "mine.yaml"
+    own.write_text("run:\n  max_steps: 0\n")
+    with pytest.raises(ConfigError, match=r"mine\.yaml: run\.max_steps must be > 0"):  # the file's own value
+        load_config(own, ["trainer.lr=1e-3"])
+
+
+def test_marge_cli_small_things(capsys):
+    """--version; an unknown model field in `marge info --set` is one line naming the fields; `marge info | head`
+    closing the pipe early is not an error."""
+    from services.driver.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("marge ")
+    assert main(["info", "--preset", "tiny", "--set", "bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert "--set bogus" in err and "'d_model'" in err and "Traceback" not in err
+    # the reader is gone before marge writes a line (`| true`): marge's own exit status and no traceback
+    proc = subprocess.run(["bash", "-c", f"{sys.executable} -m services.driver.cli info --preset tiny | true; "
+                                         "echo status ${PIPESTATUS[0]}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.strip() == "status 0" and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr

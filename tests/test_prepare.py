@@ -160,6 +160,27 @@ def test_skip_mode_drops_and_counts_bad_documents(tmp_path):
     assert manifest["num_documents"] == 3
 
 
+def test_skip_mode_also_drops_lines_that_are_not_documents(tmp_path):
+    """--skip-bad-documents skips what cannot be read as a document too: invalid UTF-8, a line that is not JSON,
+    a missing field (and an unreadable file of a folder input), each counted; without it each stops the run."""
+    path = write_jsonl(tmp_path / "in.jsonl", good_rows())
+    with open(path, "ab") as f:
+        f.write(b'{"language": "en", "text": "caf\xe9 latin-1"}\n')
+        f.write(b"not json at all\n")
+        f.write(b'{"language": "en"}\n')
+    with pytest.raises(PrepareError, match=r"in\.jsonl:4: invalid UTF-8"):
+        prepare(opts([path], tmp_path / "strict"))
+    manifest = prepare(opts([path], tmp_path / "out", on_bad_document="skip"))
+    assert manifest["stats"]["documents_skipped_bad"] == 3 and manifest["num_documents"] == 3
+    assert any("in.jsonl:5: not valid JSON" in e for e in manifest["skipped_examples"])
+    site = tmp_path / "site" / "en"
+    site.mkdir(parents=True)
+    (site / "good.txt").write_text(ENGLISH + " " + ENGLISH, encoding="utf-8")
+    (site / "bad.txt").write_bytes(b"caf\xe9 " * 20)
+    manifest = prepare(opts([tmp_path / "site"], tmp_path / "folder", on_bad_document="skip", lid=False))
+    assert manifest["stats"]["documents_skipped_bad"] == 1 and manifest["num_documents"] == 1
+
+
 def test_failed_overwrite_keeps_the_existing_corpus(tmp_path):
     out = tmp_path / "out"
     prepare(opts([write_jsonl(tmp_path / "good.jsonl", good_rows())], out))

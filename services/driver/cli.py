@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -39,7 +40,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     from marge.model import build_on_meta, count_parameters, parameter_breakdown, preset
 
     overrides = dict(parse_override(o) for o in args.set or [])
-    cfg = preset(args.preset, **overrides)
+    try:
+        cfg = preset(args.preset, **overrides)
+    except TypeError as e:  # an unknown field: name it with the ones there are
+        from marge.model import MargeConfig
+
+        known = sorted(f.name for f in __import__("dataclasses").fields(MargeConfig))
+        raise ValueError(f"--set {', '.join(sorted(overrides))}: {e}; the fields are {known}") from None
     model = build_on_meta(cfg)
     info = {"preset": args.preset, "num_parameters": count_parameters(model),
             "parameters_by_part": parameter_breakdown(model), "config": cfg.to_dict()}
@@ -553,6 +560,7 @@ def parse_override(text: str) -> tuple[str, object]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marge", description="MARGE pre-training pipeline")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    parser.add_argument("--version", action="version", version=f"marge {__import__('marge').__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare", help="raw documents -> sharded Parquet corpus + tokenizer")
@@ -831,12 +839,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("pretrain", "experiment", "finetune"):
         exit_cleanly_on_sigterm()
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a reader that went away is handled, not at interpreter exit
+        return code
     except (ValueError, FileNotFoundError, FileExistsError, RunLocked) as e:
         # bad input or configuration: one clear line, no traceback (set MARGE_LOG_LEVEL=DEBUG for it)
         log.debug("error details", exc_info=True)
         print(f"marge {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`marge info | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second complaint when Python flushes
+        return 0
 
 
 if __name__ == "__main__":

@@ -269,10 +269,16 @@ class PipelineConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """The run's config from `path` plus `section.key=value` overrides, checked in full. An error names where the bad
+    value came from: the override that set it, or the file."""
     try:
         return build(PipelineConfig, load_tree(path, overrides or []))
     except ConfigError as e:
-        raise ConfigError(f"{path or 'config'}: {e}") from None
+        text = str(e)
+        culprits = [o for o in overrides or [] if text.startswith(o.split("=", 1)[0].strip() + " ")
+                    or text.startswith(o.split("=", 1)[0].strip() + ".")]
+        where = f"command-line override {culprits[-1]!r}" if culprits else str(path or "config")
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def redact_url(url: str) -> str:

@@ -131,35 +131,56 @@ def _decode(raw: bytes, where: str) -> str:
                            "convert the file to UTF-8 (e.g. `iconv -f LATIN1 -t UTF-8`)") from None
 
 
-def read_jsonl(path: Path) -> Iterator[RawDocument]:
+@dataclass
+class BadLine:
+    """A line of an input file that is not a document (invalid UTF-8, not JSON, a field missing): `error` says why.
+    Yielded in the documents' place, so that `--skip-bad-documents` can drop it and go on."""
+
+    source: str
+    error: PrepareError
+
+
+def read_jsonl(path: Path) -> Iterator[RawDocument | BadLine]:
     opener = gzip.open if path.suffix == ".gz" else open
     line_no = 0
     try:
         with opener(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
                 where = f"{path}:{line_no}"
-                line = _decode(raw, where).strip()
-                if not line:
-                    continue
                 try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise PrepareError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(obj, dict):
-                    raise PrepareError(f"{where}: each line must be a JSON object with 'text' and 'language'")
-                for key in ("text", "language"):
-                    if key not in obj:
-                        raise PrepareError(f"{where}: field {key!r} is missing (each line needs 'text' and 'language')")
-                    if not isinstance(obj[key], str):
-                        raise PrepareError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
-                doc_id = str(obj.get("id", f"{path.name}:{line_no}"))
-                yield RawDocument(where, doc_id, str(obj.get("group", doc_id)), obj["language"], obj["text"],
-                                  read_paragraph_ids(obj, where))
+                    document = parse_jsonl_line(path, line_no, raw)
+                except PrepareError as e:
+                    yield BadLine(where, e)
+                    continue
+                if document is not None:
+                    yield document
     except (OSError, EOFError, zlib.error) as e:
         if isinstance(e, FileNotFoundError):
             raise PrepareError(f"{path}: file not found") from None
         raise PrepareError(f"{path}:{line_no + 1}: cannot be read after line {line_no} ({e}); is it a complete, "
                            "uncorrupted (gzip) JSONL file? (`gzip -t` checks one)") from None
+
+
+def parse_jsonl_line(path: Path, line_no: int, raw: bytes) -> RawDocument | None:
+    """One JSONL line as a document (None: a blank line), or PrepareError naming the file, line and field."""
+    where = f"{path}:{line_no}"
+    line = _decode(raw, where).strip()
+    if not line:
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise PrepareError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise PrepareError(f"{where}: each line must be a JSON object with 'text' and 'language'")
+    for key in ("text", "language"):
+        if key not in obj:
+            raise PrepareError(f"{where}: field {key!r} is missing (each line needs 'text' and 'language')")
+        if not isinstance(obj[key], str):
+            raise PrepareError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
+    doc_id = str(obj.get("id", f"{path.name}:{line_no}"))
+    return RawDocument(where, doc_id, str(obj.get("group", doc_id)), obj["language"], obj["text"],
+                       read_paragraph_ids(obj, where))
 
 
 def read_paragraph_ids(obj: dict, where: str) -> tuple[str, ...] | None:
@@ -177,7 +198,7 @@ def read_paragraph_ids(obj: dict, where: str) -> tuple[str, ...] | None:
     return tuple(ids)
 
 
-def read_folder(root: Path) -> Iterator[RawDocument]:
+def read_folder(root: Path) -> Iterator[RawDocument | BadLine]:
     lang_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not lang_dirs:
         raise PrepareError(f"{root}: no language folders; lay out HTML/text input as {root}/<lang>/...")
@@ -192,14 +213,18 @@ def read_folder(root: Path) -> Iterator[RawDocument]:
             if kind is None:
                 log.warning("skipping %s: not .html, .htm or .txt", path)
                 continue
-            text = _decode(path.read_bytes(), str(path))
+            try:
+                text = _decode(path.read_bytes(), str(path))
+            except PrepareError as e:
+                yield BadLine(str(path), e)
+                continue
             if kind == "html":
                 text = extract_text(text).text()
             rel = path.relative_to(lang_dir).with_suffix("").as_posix()
             yield RawDocument(str(path), f"{lang_dir.name}/{rel}", rel, lang_dir.name, text)
 
 
-def read_inputs(inputs: list[Path]) -> Iterator[RawDocument]:
+def read_inputs(inputs: list[Path]) -> Iterator[RawDocument | BadLine]:
     for path in inputs:
         if path.is_dir():
             yield from read_folder(path)
@@ -348,6 +373,8 @@ def _collect(opts: PrepareOptions, stats: _Stats) -> list[RawDocument]:
     for raw in tqdm(read_inputs(opts.inputs), desc="reading documents", unit="doc", disable=None):
         stats.counts["documents_read"] += 1
         try:
+            if isinstance(raw, BadLine):
+                raise raw.error
             doc = check_document(raw, opts)
         except PrepareError as e:
             if opts.on_bad_document == "error":

@@ -15,6 +15,10 @@ from pathlib import Path
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+QUIET_LIBRARIES = ("faiss", "matplotlib", "urllib3", "filelock", "httpx", "httpcore", "PIL", "numexpr", "asyncio")
+"""Libraries whose INFO lines say nothing a user of marge acts on: logged from WARNING up."""
+
+
 def setup_logging(level: str | int | None = None) -> None:
     """Log to stderr (stdout stays for machine-readable results). MARGE_LOG_LEVEL overrides the level.
 
@@ -22,6 +26,8 @@ def setup_logging(level: str | int | None = None) -> None:
     """
     level = level or os.environ.get("MARGE_LOG_LEVEL", "INFO")
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
+    for name in QUIET_LIBRARIES:  # their INFO lines look like failures (faiss's "ModuleNotFoundError" on AVX512)
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def fsync_dir(path: Path) -> None:
