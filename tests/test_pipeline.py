@@ -62,6 +62,15 @@ def test_training_through_redis_matches_the_in_process_reference(ray_cluster, re
     assert counts.get("trained_twice", 0) == 0 and len(queue.ledger_entries()) == 12
 
 
+def board_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a TensorBoard log folder, read back the way TensorBoard reads it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 @pytest.mark.slow
 def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpus, tmp_path, caplog):
     from services.driver.pipeline import run_pipeline
@@ -94,6 +103,15 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
                                                                                    "collapsed")
     assert (g["warning"] is None) == (g["verdict"] == "learning") and 0 <= g["p_at_1_at_init"] <= 1
     assert f"[g] {g['verdict']} | held-out P@1 {g['p_at_1']:.3f} vs {g['p_at_1_at_init']:.3f}" in text
+    # TensorBoard: every update from rank 0, every index version from the driver, the numbers of the logs
+    trainer = board_scalars(run_dir / "tb" / "trainer")
+    assert [s for s, _ in trainer["train/loss"]] == list(range(1, 25))
+    assert [v for _, v in trainer["train/loss"]] == pytest.approx([r["loss"] for r in records], rel=1e-6)
+    assert {"objectives/marge", "train/lr", "train/grad_norm", "train/beta", "train/wait_share"} <= set(trainer)
+    assert [s for s, _ in trainer["health/aligned_evidence_gain"]] == [6, 12, 18, 24]
+    index = board_scalars(run_dir / "tb" / "index")
+    assert {s for s, _ in index["index/crosslingual_parallel_precision"]} >= {0, 6, 12}
+    assert {"index/crosslingual_link_precision", "index/seconds", "index/crosslingual_share"} <= set(index)
 
     # the same run submitted again with a higher step budget resumes from its checkpoint
     resumed = run_pipeline(small_config(tmp_path, small_corpus, redis_server.url, "e2e", "run.max_steps=30", *args))

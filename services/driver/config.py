@@ -58,6 +58,9 @@ class RunConfig:
     """Stop training after this many minutes (0: no limit)."""
     progress_every_s: float = 10.0
     """Seconds between the driver's progress lines (one per stage)."""
+    tensorboard: bool = True
+    """TensorBoard event files under run.dir/tb (`tensorboard --logdir RUN_DIR/tb`): every update's figures by
+    trainer rank 0, every index version's by the driver."""
 
     def __post_init__(self) -> None:
         positive(self, "max_steps", "progress_every_s")

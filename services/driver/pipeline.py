@@ -31,6 +31,7 @@ from marge.index_store import drop_versions_after, latest_version
 from marge.paths import RunPaths
 from marge.protocol import BatchQueue
 from marge.refresh import refresh_cost
+from marge.tensorboard import RunBoard
 from marge.snapshot import drop_snapshots_after, latest_snapshot
 from marge.utils import atomic_write_text
 from services.driver.config import PipelineConfig, environment_endpoints, with_absolute_paths
@@ -74,8 +75,12 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             with running_stages(cfg, paths, redis.url, floor) as stages:
                 deadline = started + 60 * cfg.run.max_minutes if cfg.run.max_minutes else None
                 job = trainer_job(cfg, redis.url, deadline, resume_from=point.checkpoint)
-                progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batcher)
-                result = supervise(make_trainer(cfg, job), stages, queue, progress, cfg.run.progress_every_s)
+                progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batcher,
+                                    RunBoard(paths.run_dir, "index", cfg.run.tensorboard))
+                try:
+                    result = supervise(make_trainer(cfg, job), stages, queue, progress, cfg.run.progress_every_s)
+                finally:
+                    progress.board.close()
                 summary = {**summarize(paths, queue, stages, result, started, point, redis),
                            "objectives": list(cfg.objectives.enabled), "capacity_plan": capacity}
         summary["g_health"] = final_g_health(cfg, paths, corpus)
@@ -166,7 +171,8 @@ def trainer_job(cfg: PipelineConfig, redis_url: str | None, deadline_unix: float
     """What every trainer rank gets: its sections, the run's paths, and its batches' source."""
     return TrainerJob(cfg.trainer, cfg.objectives, cfg.health, cfg.queue, cfg.paths(), cfg.run.seed, cfg.run.max_steps,
                       heldout_pairs=cfg.data.heldout_pairs, deadline_unix=deadline_unix, redis_url=redis_url,
-                      memory_batches=memory_batches, resume_from=resume_from, faults=cfg.faults)
+                      memory_batches=memory_batches, resume_from=resume_from, faults=cfg.faults,
+                      tensorboard=cfg.run.tensorboard)
 
 
 def make_trainer(cfg: PipelineConfig, job: TrainerJob):

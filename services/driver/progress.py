@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from marge.protocol import BatchQueue
+from marge.tensorboard import RunBoard
 
 
 class Progress:
-    def __init__(self, max_steps: int, queue: BatchQueue, coordinator, batcher):
+    def __init__(self, max_steps: int, queue: BatchQueue, coordinator, batcher, board: RunBoard | None = None):
         self.max_steps, self.queue, self.coordinator, self.batcher = max_steps, queue, coordinator, batcher
+        self.board = board
+        """Where each new index version's figures go (TensorBoard), as the coordinator reports them."""
+        self.boarded: set[int] = set()
 
     def lines(self) -> list[str]:
         import ray
@@ -15,6 +19,12 @@ class Progress:
         bat = ray.get(self.batcher.stats.remote(), timeout=30)
         idx = ray.get(self.coordinator.stats.remote(), timeout=30) if self.coordinator is not None else None
         counts = self.queue.counts()
+        if idx is not None and self.board is not None:
+            for record in idx["history"]:
+                if record["version"] not in self.boarded:
+                    self.board.index_build(record)
+                    self.boarded.add(record["version"])
+            self.board.flush()
         out = []
         if idx is None:
             out.append("[indexer] not needed by these objectives")

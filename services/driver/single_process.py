@@ -56,6 +56,7 @@ from marge.evaluation import read_pairs
 from marge.index_store import IndexVersion, drop_versions_after, version_dirname
 from marge.model import Marge, training_flops, training_flops_per_token
 from marge.refresh import INDEX_BUILDS
+from marge.tensorboard import RunBoard
 from marge.veco import VecoConfig, veco_training_flops_per_token
 from marge.protocol import Slots
 from marge.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_encoder, publish_snapshot, read_snapshot,
@@ -196,6 +197,7 @@ class InProcessIndexer:
         self.root = self.run_dir / "index"
         self.tokenizer_sha256 = corpus.tokenizer().sha256
         self.builds_log = self.run_dir / INDEX_BUILDS
+        self.board = RunBoard(self.run_dir, "index", cfg.run.tensorboard)
 
     def index_snapshot(self, snapshot: SnapshotInfo, version: int) -> IndexVersion:
         encoder = load_relevance_encoder(snapshot, self.device)
@@ -209,6 +211,8 @@ class InProcessIndexer:
         committed, record = build_version(self.root, self.run_dir, version, snapshot.step, self.corpus.num_shards,
                                           self.cfg.indexer, index_shards, extra={"search": "torch-exact"})
         log.info("index v%d from snapshot %d: %s", version, snapshot.step, describe_build(record))
+        self.board.index_build(record)
+        self.board.flush()
         return committed
 
     def history(self) -> list[dict]:
@@ -319,6 +323,7 @@ class SingleProcessRun:
 
         step = state["step"]
         trained = compiled(model, t.compile)  # what the updates run; probes and snapshots use the model itself
+        board = RunBoard(cfg.run.dir, "trainer", cfg.run.tensorboard)
         prefetcher = Prefetcher(self.schedule, step, prepare, pin=device.type == "cuda")
         meter = ChunkMeter(model.cfg, device_peak_flops(device))
         deadline = time.perf_counter() + 60 * minutes
@@ -336,6 +341,7 @@ class SingleProcessRun:
                     line["health"] = self.snapshot_and_reindex(model, step)
                 with open(self.train_log, "a", encoding="utf-8") as f:
                     f.write(json.dumps(line) + "\n")
+                board.step(line)
                 if step % t.checkpoint_every == 0:
                     self.checkpoint(model, optimizer, scheduler, step, state, meter.elapsed())
                 if time.perf_counter() >= next_progress:
@@ -351,6 +357,8 @@ class SingleProcessRun:
             self.stop_waiting.set()  # a prefetch waiting for an index version this chunk will not build
             prefetcher.close()
             self.stop_waiting.clear()
+            board.close()
+            self.indexer.board.flush()
         state["train_seconds"] += meter.elapsed()
         last = complete_checkpoints(checkpoint_root(cfg))
         if not last or checkpoint_order(last[-1])[0] != step:  # the resume point of the next chunk

@@ -32,3 +32,5 @@ class TrainerJob:
     """The checkpoint the driver chose to resume from, used when Ray Train's newest one is missing or corrupt."""
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     """Test-only fault injection (marge.faults)."""
+    tensorboard: bool = False
+    """Rank 0 writes every update's figures to TensorBoard (run.dir/tb/trainer)."""

@@ -39,6 +39,7 @@ from marge.corpus import Corpus
 from marge.metrics import StageMetrics
 from marge.protocol import Delivery, Slots
 from marge.snapshot import publish_snapshot
+from marge.tensorboard import RunBoard
 from marge.utils import setup_logging
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.job import TrainerJob
@@ -166,6 +167,8 @@ class Rank:
         self.metrics = trainer_metrics(job.paths.name, self.rank, with_health=self.rank == 0)
         self.health = HealthMonitor(job.health, job.heldout_pairs, self.tokenizer, seed=job.seed) \
             if self.rank == 0 and job.objectives.model_family == "marge" else None
+        self.board = RunBoard(job.paths.run_dir, "trainer", job.tensorboard and self.rank == 0)
+        """Rank 0's TensorBoard writer (run.tensorboard): every update's record."""
         """Retrieval and evidence probes of g and the decoder: for the MARGE model (a BART run's too)."""
         self.uncommitted: list[tuple[int, str]] = []
         """(slot, batch id) this rank trained since the last durable checkpoint."""
@@ -215,11 +218,13 @@ class Rank:
                         record["health"] = self.health.measure(self.model, self.device)
                         log.info("health at step %d: %s", self.step, loggable(record["health"]))
                 log_step(record, self.metrics, job, self.source)
+                self.board.step(record)
             if self.step % t.checkpoint_every == 0 or self.step >= job.max_steps:
                 self.checkpoint(last_metrics)
                 last_checkpoint = self.step
         if self.step > last_checkpoint:  # stopped early: still checkpoint the last completed update (all ranks)
             self.checkpoint(last_metrics)
+        self.board.close()
 
     def take_deliveries(self) -> list[Delivery] | None:
         """This rank's deliveries of the current update, or None when any rank cannot get its own (all stop)."""
