@@ -174,3 +174,29 @@ def test_a_veco_checkpoint_is_evaluated_for_retrieval_and_refused_for_translatio
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello.\n"))
     assert main(["translate", "--checkpoint", str(checkpoint), "--tgt-lang", "de"]) != 0
     assert "holds a Veco model, an encoder that cannot generate" in capsys.readouterr().err
+
+
+def test_the_python_api_example_in_the_docs_runs(trained, capsys):
+    """docs/python-api.md's example, run as written on a small checkpoint (only the checkpoint path changed)."""
+    import re
+
+    from marge.evaluation import read_pairs
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "python-api.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    code = re.sub(r'checkpoint = ".*"', f"checkpoint = {str(trained['checkpoint'])!r}", code)
+    exec(compile(code, "docs/python-api.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("f = ") and -1.0 <= float(out[0][4:]) <= 1.0
+    assert out[1] == "(1, 64)" and len(out) == 3
+
+    import marge
+
+    model = marge.load(trained["checkpoint"])
+    pairs = read_pairs(trained["pairs"], model.tokenizer.languages)[0]
+    g = model.relevance(pairs.sources[:4])
+    assert g.shape == (4, model.model.cfg.d_model) and np.allclose(np.linalg.norm(g, axis=1), 1.0, atol=1e-5)
+    from marge.evaluation import encode_texts, relevance_unit_vectors
+
+    rows = encode_texts(model.tokenizer, pairs.sources[:4], model.model.cfg.max_positions)
+    assert np.allclose(g, relevance_unit_vectors(model.model, rows, model.tokenizer.specials), atol=1e-6)

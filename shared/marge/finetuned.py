@@ -244,6 +244,27 @@ class FineTunedModel:
                                      dim=-1).cpu().numpy())
         return np.concatenate(out) if out else np.zeros((0, len(self.labels)))
 
+    @torch.no_grad()
+    def relevance(self, texts: list[str] | str, batch_size: int = 64) -> np.ndarray:
+        """g of each text as the index stores it and the retrieval service searches it: unit vectors (N x d_model,
+        float32), centred as the model centres; `relevance(a) @ relevance(b).T` is f, the relevance score."""
+        from marge.evaluation import encode_texts, relevance_unit_vectors
+
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        rows = encode_texts(self.tokenizer, texts, self.model.cfg.max_positions)
+        return relevance_unit_vectors(self.model, rows, self.tokenizer.specials, batch_size, str(self.device))
+
+    @torch.no_grad()
+    def embed(self, texts: list[str] | str, layer: int | None = None, batch_size: int = 64) -> np.ndarray:
+        """The mean of encoder layer `layer`'s states over each text's tokens (N x d_model): the sentence vectors of
+        the paper's zero-shot retrieval (§4.1; default layer 5, or the deepest the model has; 0 is the embeddings)."""
+        from marge.evaluation import encode_texts, mean_layer_vectors, resolve_layer
+
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        rows = encode_texts(self.tokenizer, texts, self.model.cfg.max_positions)
+        return mean_layer_vectors(self.model, rows, self.tokenizer.specials, resolve_layer(self.model, layer), batch_size,
+                                  str(self.device))
+
     def classify(self, texts: list[str] | str, pairs: list[str] | str | None = None,
                  batch_size: int = 32) -> list[dict[str, Any]]:
         """The predicted label of each text (or text pair) and its probability, as Hugging Face's
