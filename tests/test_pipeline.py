@@ -121,6 +121,14 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
     trained = [b for r in records for b in r["batch_ids"]]
     assert len(trained) == len(set(trained)) == 60
     assert resumed["resumed_from_step"] == 24 and resumed["batches_trained"] == 60
+    assert "run.max_steps 24 -> 30 with trainer.total_steps unset: the learning rate now anneals" in caplog.text
+    # what it trains may not change on a resume: refused, naming the difference, before anything starts
+    from marge.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"with settings it was not trained with: trainer\.lr: 0\.002 -> 0\.001\. Put"):
+        run_pipeline(small_config(tmp_path, small_corpus, redis_server.url, "e2e", "run.max_steps=36", *args,
+                                  "trainer.lr=1e-3"))
+    assert [json.loads(line)["step"] for line in (run_dir / "train_log.jsonl").read_text().splitlines()][-1] == 30
 
 
 @pytest.mark.slow

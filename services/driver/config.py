@@ -271,6 +271,36 @@ class PipelineConfig:
         return out
 
 
+RESUMABLE = ("run.max_steps", "run.max_minutes", "run.progress_every_s", "run.tensorboard", "redis.", "ray.",
+             "faults.", "health.", "queue.block_ms", "data.raw", "indexer.num_workers", "indexer.nice",
+             "indexer.num_cpus_per_worker", "indexer.num_gpus_per_worker", "indexer.resources", "indexer.use_gpu",
+             "indexer.bf16", "indexer.batch_tokens", "trainer.num_cpus_per_worker", "trainer.resources",
+             "trainer.torch_threads", "trainer.max_failures", "trainer.keep_checkpoints", "trainer.compile")
+"""What a resumed run may change (keys, or sections ending in '.'): how long it runs, how it reports, where it runs
+and on what, never what it trains (the data, the model, the objectives, the schedule, the batches)."""
+
+
+def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "model":
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_drift(saved: dict, new: dict) -> list[str]:
+    """The settings a resumed run would change that `RESUMABLE` does not allow: 'key: saved -> new' lines."""
+    before, after = flat(saved), flat(new)
+    changed = []
+    for key in sorted(set(before) | set(after)):
+        if before.get(key) != after.get(key) and not any(key == r or (r.endswith(".") and key.startswith(r))
+                                                         for r in RESUMABLE):
+            changed.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
+    return changed
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
     """The run's config from `path` plus `section.key=value` overrides, checked in full. An error names where the bad
     value came from: the override that set it, or the file."""

@@ -34,7 +34,7 @@ from marge.refresh import refresh_cost
 from marge.tensorboard import RunBoard
 from marge.snapshot import drop_snapshots_after, latest_snapshot
 from marge.utils import atomic_write_text
-from services.driver.config import PipelineConfig, environment_endpoints, with_absolute_paths
+from services.driver.config import PipelineConfig, config_drift, environment_endpoints, with_absolute_paths
 from services.driver.lock import DriverLock
 from services.driver.plan import estimated_throughput, warn_if_behind
 from services.driver.progress import Progress
@@ -60,6 +60,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         check_local_fit(cfg)  # a run a local Ray could not hold is refused before anything starts or is written
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     with DriverLock(paths.run_dir):
+        check_resume(cfg, paths)
         atomic_write_text(paths.run_dir / "config.yaml", yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))
         corpus = ensure_corpus(cfg)
         model_cfg = cfg.model_config(vocab_size=corpus.tokenizer().vocab_size)
@@ -110,6 +111,26 @@ def final_g_health(cfg: PipelineConfig, paths: RunPaths, corpus: Corpus) -> dict
     if health["warning"]:
         log.warning(health["warning"])
     return health
+
+
+def check_resume(cfg: PipelineConfig, paths: RunPaths) -> None:
+    """A run resumed from a checkpoint trains on with the settings it was trained with: a config that changes
+    anything else (`config.RESUMABLE` says what may change) is refused with the differences. Extending a run past its
+    schedule says what happens to the learning rate."""
+    saved_path = paths.run_dir / "config.yaml"
+    checkpoint = newest_good_checkpoint(paths.checkpoints)
+    if not saved_path.exists() or checkpoint is None:
+        return  # a new run (or one that never reached a checkpoint: it starts over)
+    saved = yaml.safe_load(saved_path.read_text(encoding="utf-8"))
+    drift = config_drift(saved, cfg.to_saved_dict())
+    if drift:
+        raise ConfigError(f"{paths.run_dir} resumes from {checkpoint.name} with settings it was not trained with: "
+                          + "; ".join(drift) + ". Put them back, or start a new run (another run.name and run.dir)")
+    steps_before, steps = saved.get("run", {}).get("max_steps"), cfg.run.max_steps
+    if cfg.trainer.total_steps is None and steps_before is not None and steps != steps_before:
+        log.warning("run.max_steps %d -> %d with trainer.total_steps unset: the learning rate now anneals to 0 at "
+                    "update %d instead of %d, so from the resumed update on it is higher than it was (set "
+                    "trainer.total_steps to keep the schedule)", steps_before, steps, steps, steps_before)
 
 
 @dataclass(frozen=True)
