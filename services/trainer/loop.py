@@ -167,9 +167,9 @@ class Rank:
         self.metrics = trainer_metrics(job.paths.name, self.rank, with_health=self.rank == 0)
         self.health = HealthMonitor(job.health, job.heldout_pairs, self.tokenizer, seed=job.seed) \
             if self.rank == 0 and job.objectives.model_family == "marge" else None
+        """Retrieval and evidence probes of g and the decoder: for the MARGE model (a BART run's too)."""
         self.board = RunBoard(job.paths.run_dir, "trainer", job.tensorboard and self.rank == 0)
         """Rank 0's TensorBoard writer (run.tensorboard): every update's record."""
-        """Retrieval and evidence probes of g and the decoder: for the MARGE model (a BART run's too)."""
         self.uncommitted: list[tuple[int, str]] = []
         """(slot, batch id) this rank trained since the last durable checkpoint."""
         self.uncommitted_dead: list[tuple[Delivery, str]] = []
