@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from marge.batch import encoder_cost, max_text_tokens
-from marge.config import ConfigError, FieldError, at_least, build, load_tree, one_of, positive
+from marge.config import ConfigError, FieldError, at_least, build, load_tree, one_of, positive, within
 from marge.faults import FaultsConfig
 from marge.model import MargeConfig, preset
 from marge.veco import VecoConfig, veco_preset
@@ -71,8 +71,9 @@ class RunConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    raw: list[str] = field(default_factory=lambda: ["data/demo/libreoffice-help/documents.jsonl.gz"])
-    """Raw input for `marge prepare`, used when `corpus` does not exist yet."""
+    raw: list[str] = field(default_factory=list)
+    """Raw input for `marge prepare`, used when `corpus` does not exist yet (a missing corpus with no input named here
+    is an error, never the demo corpus prepared in its place)."""
     corpus: str = "data/prepared/demo"
     """The prepared corpus folder (`marge prepare`); prepared from `raw` with the settings below when missing."""
     vocab_size: int = 8000
@@ -88,13 +89,18 @@ class DataConfig:
     """Keep only these languages of `raw` (null: all of them)."""
     docs_per_shard: int = 512
     """Documents per shard of a corpus prepared here (whole groups: a page in every language stays in one shard)."""
+    heldout_permille: int = 0
+    """Groups per 1000 a corpus prepared here holds out of training for the run's probes (`marge prepare
+    --heldout-permille`); the probes then use them unless health.documents / data.heldout_pairs say otherwise."""
     num_shards: int | None = None
     """Exact number of shards of a corpus prepared here (null: from docs_per_shard)."""
-    heldout_pairs: str | None = "data/demo/libreoffice-help/heldout_pairs.tsv"
-    """Held-out translation pairs (TSV) for retrieval P@1 in the probes, the reports and g's health at the end."""
+    heldout_pairs: str | None = None
+    """Held-out translation pairs (TSV) for retrieval P@1 in the probes, the reports and g's health at the end (null:
+    the corpus's own held-out pairs when it has them, else no P@1)."""
 
     def __post_init__(self) -> None:
         positive(self, "vocab_size", "docs_per_shard", "min_document_tokens")
+        within(self, "heldout_permille", 0, 999)
         at_least(self, "max_chunk_tokens", 3)
         one_of(self, "document_unit", ("chunk", "paragraph"))
         if self.languages is not None:
@@ -272,7 +278,7 @@ class PipelineConfig:
 
 
 RESUMABLE = ("run.max_steps", "run.max_minutes", "run.progress_every_s", "run.tensorboard", "redis.", "ray.",
-             "faults.", "health.", "queue.block_ms", "data.raw", "indexer.num_workers", "indexer.nice",
+             "faults.", "health.", "queue.block_ms", "data.raw", "data.heldout_pairs", "indexer.num_workers", "indexer.nice",
              "indexer.num_cpus_per_worker", "indexer.num_gpus_per_worker", "indexer.resources", "indexer.use_gpu",
              "indexer.bf16", "indexer.batch_tokens", "trainer.num_cpus_per_worker", "trainer.resources",
              "trainer.torch_threads", "trainer.max_failures", "trainer.keep_checkpoints", "trainer.compile")

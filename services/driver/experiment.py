@@ -106,7 +106,7 @@ def assemble_report(baselines: dict, over_time: list[dict], final_model, tokeniz
 
 
 def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) -> dict:
-    from services.driver.pipeline import ensure_corpus, run_pipeline
+    from services.driver.pipeline import ensure_corpus, run_pipeline, with_probes
     from services.trainer.init import ensure_initial_model
 
     started = time.time()
@@ -115,6 +115,7 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(out_dir / "run"), max_minutes=minutes))
     cfg = with_absolute_paths(cfg)
     corpus = ensure_corpus(cfg)
+    cfg = with_probes(cfg, corpus)
     tokenizer = corpus.tokenizer()
     ensure_initial_model(cfg.model_config(vocab_size=tokenizer.vocab_size), cfg.paths(), corpus, cfg.run.seed)
     pairs = read_pairs(heldout_pairs_path(cfg), tokenizer.languages)
@@ -143,7 +144,11 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
 
 def heldout_pairs_path(cfg: PipelineConfig) -> Path:
     path = cfg.health.pairs or cfg.data.heldout_pairs
-    if not path or not Path(path).exists():
+    if not path:
+        raise FileNotFoundError("this experiment measures held-out retrieval P@1 and has no held-out pairs: set "
+                                "data.heldout_pairs (or health.pairs), or prepare the corpus with a held-out split "
+                                "(data.heldout_permille, `marge prepare --heldout-permille N`)")
+    if not Path(path).exists():
         raise FileNotFoundError(f"held-out pairs {path} not found: set data.heldout_pairs (or health.pairs)")
     return Path(path)
 

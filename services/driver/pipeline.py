@@ -14,6 +14,7 @@ last on stdout, one JSON object summarising the run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -63,6 +64,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         check_resume(cfg, paths)
         atomic_write_text(paths.run_dir / "config.yaml", yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))
         corpus = ensure_corpus(cfg)
+        cfg = with_probes(cfg, corpus)
         model_cfg = cfg.model_config(vocab_size=corpus.tokenizer().vocab_size)
         ensure_initial_model(model_cfg, paths, corpus, cfg.run.seed)
         capacity = (warn_if_behind(cfg, model_cfg, corpus, estimated_throughput(cfg)) if cfg.objectives.needs_index
@@ -163,13 +165,18 @@ def ensure_corpus(cfg: PipelineConfig) -> Corpus:
     if not (root / "manifest.json").exists():
         from marge.prepare import PrepareOptions, prepare
 
+        if not cfg.data.raw:
+            raise ConfigError(f"data.corpus {root} is not a prepared corpus ({root / 'manifest.json'} is missing) and "
+                              "data.raw names no input to prepare it from: check the path, run `marge prepare INPUT "
+                              f"--out {root}`, or set data.raw")
         log.info("preparing %s from %s", root, ", ".join(cfg.data.raw))
         d = cfg.data
         prepare(PrepareOptions(inputs=[Path(p) for p in d.raw], out=root, vocab_size=d.vocab_size,
                                max_chunk_tokens=d.max_chunk_tokens, document_unit=d.document_unit,
                                min_document_tokens=d.min_document_tokens,
                                languages=tuple(d.languages) if d.languages else None,
-                               docs_per_shard=d.docs_per_shard, num_shards=d.num_shards, seed=cfg.run.seed))
+                               docs_per_shard=d.docs_per_shard, num_shards=d.num_shards,
+                               heldout_permille=d.heldout_permille, seed=cfg.run.seed))
     corpus = Corpus.open(root)
     if corpus.manifest["max_chunk_tokens"] > cfg.data.max_chunk_tokens:
         raise ConfigError(f"{root} was prepared with max_chunk_tokens={corpus.manifest['max_chunk_tokens']} but "
@@ -184,7 +191,34 @@ def ensure_corpus(cfg: PipelineConfig) -> Corpus:
     if extra:
         log.warning("%s also holds %s, which data.languages %s leaves out: training on it as it is (point data.corpus "
                     "at a new folder to prepare one with the config's languages)", root, extra, cfg.data.languages)
+    inputs = {Path(p).name for p in corpus.manifest.get("inputs", [])}
+    if cfg.data.raw and inputs and inputs != {Path(p).name for p in cfg.data.raw} and (
+            cfg.health.documents or cfg.data.heldout_pairs):
+        log.warning("%s was prepared from %s, not from data.raw %s: the probes configured beside data.raw "
+                    "(health.documents %s, data.heldout_pairs %s) may belong to another corpus; set them for this "
+                    "one, or to null to use its own held-out split", root, sorted(inputs), cfg.data.raw,
+                    cfg.health.documents, cfg.data.heldout_pairs)
     return corpus
+
+
+def with_probes(cfg: PipelineConfig, corpus: Corpus) -> PipelineConfig:
+    """`cfg` with its probes' inputs resolved: health.documents and data.heldout_pairs as the config gives them, else
+    the corpus's own held-out split (`marge prepare --heldout-permille`); what is left unset turns that probe off, and
+    the log says which it is (never another corpus's files in their place)."""
+    documents = cfg.health.documents or (str(corpus.heldout_file("documents")) if corpus.heldout_file("documents") else None)
+    pairs = cfg.data.heldout_pairs or (str(corpus.heldout_file("pairs")) if corpus.heldout_file("pairs") else None)
+    for what, path, given, key in (("evidence-gain probes", documents, cfg.health.documents, "health.documents"),
+                                   ("held-out retrieval P@1", pairs, cfg.data.heldout_pairs or cfg.health.pairs,
+                                    "data.heldout_pairs")):
+        if cfg.health.pairs and key == "data.heldout_pairs":
+            continue
+        if path is None:
+            log.info("%s: off (%s is not set and %s has no held-out split: `marge prepare --heldout-permille N`)",
+                     what, key, corpus.root)
+        elif given is None:
+            log.info("%s: from the corpus's held-out split (%s)", what, path)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, heldout_pairs=pairs),
+                               health=dataclasses.replace(cfg.health, documents=documents))
 
 
 def trainer_job(cfg: PipelineConfig, redis_url: str | None, deadline_unix: float | None = None,

@@ -66,7 +66,7 @@ from services.batcher.core import DocumentStore
 from services.batcher.schedule import BatchSchedule, wait_for_version
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
 from services.driver.experiment import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
-from services.driver.pipeline import ensure_corpus, final_g_health
+from services.driver.pipeline import ensure_corpus, final_g_health, with_probes
 from services.driver.report import read_train_log
 from services.indexer.core import build_version, describe_build, index_shard
 from services.trainer.health import HealthMonitor, loggable
@@ -238,6 +238,7 @@ class SingleProcessRun:
         self.cfg, self.device, self.resume = cfg, device, resume
         self.paths = cfg.paths()
         self.corpus = ensure_corpus(cfg)
+        self.cfg = cfg = with_probes(cfg, self.corpus)
         self.tokenizer = self.corpus.tokenizer()
         self.pairs = read_pairs(heldout_pairs_path(cfg), self.tokenizer.languages)
         ensure_initial_model(cfg.model_config(vocab_size=self.tokenizer.vocab_size), self.paths, self.corpus, cfg.run.seed)
@@ -488,7 +489,8 @@ def run_single_process(config: Path | None, overrides: list[str], minutes: float
     if torch_device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 parts outside bf16 autocast (loss, norms)
         torch.backends.cudnn.allow_tf32 = True
-    heldout_pairs_path(cfg)  # fail before anything is written
+    if cfg.health.pairs or cfg.data.heldout_pairs:
+        heldout_pairs_path(cfg)  # a pairs file named but missing: fail before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
     if not resume:  # the config every later chunk resumes with (and `marge report` reads in run/)
         for path in (out_dir / "config.yaml", Path(cfg.run.dir) / "config.yaml"):

@@ -72,8 +72,9 @@ class TrainerConfig:
 class HealthConfig:
     """Retrieval-health probes, measured by trainer rank 0 at every snapshot (see services.trainer.health)."""
 
-    documents: str | None = "data/demo/libreoffice-help/heldout_documents.jsonl.gz"
-    """Held-out pages (documents JSONL with `group`) for the evidence-gain probe; null turns probes off."""
+    documents: str | None = None
+    """Held-out pages (documents JSONL with `group`) for the evidence-gain probes (null: the corpus's own held-out
+    split when it has one, else no probe)."""
     probe_size: int = 32
     """Held-out pages of the page probe (a page's start, with the same page's start in other languages)."""
     aligned_probe_size: int = 0

@@ -151,6 +151,13 @@ class Corpus:
                 raise _fail(root / info.file, "listed in manifest.json but missing")
         return corpus
 
+    def heldout_file(self, kind: str) -> Path | None:
+        """The corpus's held-out split (`marge prepare --heldout-permille`): its `documents` JSONL or its translation
+        `pairs` TSV, or None when it was prepared without one (or has no pairs: a single language)."""
+        heldout = self.manifest.get("heldout") or {}
+        name = heldout.get(f"{kind}_file")
+        return self.root / name if name else None
+
     @property
     def num_shards(self) -> int:
         return len(self.shards)

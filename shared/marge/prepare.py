@@ -14,7 +14,9 @@ Steps (paper §3 "Data Pre-processing" and §2.4 "Data Sharding"):
      `document_unit="paragraph"`, make every paragraph a document of its own: dropped under
      `min_document_tokens`, cut at `max_chunk_tokens`), and drop duplicate chunks;
   6. assign groups to shards: all chunks of a group share a shard, groups are spread at random
-     (seeded) over shards of about `docs_per_shard` chunks;
+     (seeded) over shards of about `docs_per_shard` chunks; with `heldout_permille`, a fixed share of the groups
+     (chosen by a hash of the group) is held out of training instead and written as the run's probes
+     (`heldout/documents.jsonl.gz` and, across languages, `heldout/pairs.tsv`);
   7. write shards, tokenizer and manifest into a temporary folder and rename it into place.
 
 A bad document stops the run with an error naming the file, line and field (or, with
@@ -86,6 +88,11 @@ class PrepareOptions:
     translations are single documents; a deviation for small-scale runs)."""
     min_document_tokens: int = 1
     """Documents (chunks or paragraphs) with fewer text tokens are dropped and counted."""
+    heldout_permille: int = 0
+    """Groups per 1000 held out of training (chosen by a hash of the group: the same in every build) and written to
+    `heldout/` for the health probes and retrieval P@1 of runs on this corpus; 0: none."""
+    max_pairs_per_direction: int = 1000
+    """Held-out translation pairs kept per language pair."""
     docs_per_shard: int = 512
     num_shards: int | None = None
     languages: tuple[str, ...] | None = None
@@ -106,6 +113,8 @@ class PrepareOptions:
             raise PrepareError(f"--max-chunk-tokens must be at least 3 (BOS, a token, EOS), got {self.max_chunk_tokens}")
         if self.document_unit not in DOCUMENT_UNITS:
             raise PrepareError(f"--document-unit must be one of {list(DOCUMENT_UNITS)}, got {self.document_unit!r}")
+        if not 0 <= self.heldout_permille < 1000:
+            raise PrepareError(f"--heldout-permille must be in [0, 1000), got {self.heldout_permille}")
         if self.min_document_tokens < 1:
             raise PrepareError(f"--min-document-tokens must be at least 1, got {self.min_document_tokens}")
         if self.docs_per_shard < 1:
@@ -398,6 +407,62 @@ def _collect(opts: PrepareOptions, stats: _Stats) -> list[RawDocument]:
     return docs
 
 
+HELDOUT_DIR = "heldout"
+
+
+def is_heldout_group(group: str, permille: int) -> bool:
+    """Whether a group is held out: a hash of its name, so the same groups in every build of the same input."""
+    return bool(permille) and int.from_bytes(hashlib.sha1(f"marge-heldout:{group}".encode()).digest()[:8], "big") % 1000 < permille
+
+
+def heldout_pairs(docs: list[RawDocument], max_per_direction: int) -> list[tuple[str, str, str, str]]:
+    """Translation pairs of the held-out groups, from the language with the most documents to each other one: aligned
+    paragraphs where the input numbers them (paragraph_ids), else the groups' whole documents (cut at 1,000 characters)."""
+    by_group: dict[str, dict[str, RawDocument]] = defaultdict(dict)
+    for d in docs:
+        by_group[d.group].setdefault(d.lang, d)
+    counts = Counter(d.lang for d in docs)
+    if len(counts) < 2:
+        return []
+    pivot = max(sorted(counts), key=counts.get)
+    pairs: dict[str, list[tuple[str, str, str, str]]] = defaultdict(list)
+    for group in sorted(by_group):
+        versions = by_group[group]
+        if pivot not in versions:
+            continue
+        source = versions[pivot]
+        for lang, target in sorted(versions.items()):
+            if lang == pivot:
+                continue
+            if source.paragraph_ids and target.paragraph_ids:
+                theirs = dict(zip(target.paragraph_ids, split_paragraphs(target.text)))
+                for pid, text in zip(source.paragraph_ids, split_paragraphs(source.text)):
+                    if pid in theirs and len(text.split()) >= 3 and text != theirs[pid]:
+                        pairs[lang].append((pivot, text, lang, theirs[pid]))
+            else:
+                pairs[lang].append((pivot, " ".join(source.text.split())[:1000], lang, " ".join(target.text.split())[:1000]))
+    return [pair for lang in sorted(pairs) for pair in pairs[lang][:max_per_direction]]
+
+
+def write_heldout(folder: Path, docs: list[RawDocument], opts: PrepareOptions) -> dict:
+    """The held-out groups as a documents JSONL (the page probe's and the aligned probe's input) and their translation
+    pairs as a pairs TSV (retrieval P@1); returns what the manifest records of them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"id": d.doc_id, "group": d.group, "language": d.lang, "text": d.text,
+             **({"paragraph_ids": list(d.paragraph_ids)} if d.paragraph_ids else {})} for d in docs]
+    with gzip.open(folder / "documents.jsonl.gz", "wt", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    pairs = heldout_pairs(docs, opts.max_pairs_per_direction)
+    if pairs:
+        with open(folder / "pairs.tsv", "w", encoding="utf-8", newline="\n") as f:
+            for pair in pairs:
+                f.write("\t".join(" ".join(cell.split()) for cell in pair) + "\n")
+    return {"groups": len({d.group for d in docs}), "documents": len(docs), "pairs": len(pairs),
+            "permille": opts.heldout_permille, "documents_file": f"{HELDOUT_DIR}/documents.jsonl.gz",
+            "pairs_file": f"{HELDOUT_DIR}/pairs.tsv" if pairs else None}
+
+
 def prepare(opts: PrepareOptions) -> dict:
     """Run the whole preparation; returns the manifest that was written."""
     started = time.time()
@@ -405,6 +470,10 @@ def prepare(opts: PrepareOptions) -> dict:
         raise PrepareError(f"{opts.out} already exists; choose another --out or pass --overwrite to replace it")
     stats = _Stats()
     docs = _collect(opts, stats)
+    heldout = [d for d in docs if is_heldout_group(d.group, opts.heldout_permille)]
+    docs = [d for d in docs if not is_heldout_group(d.group, opts.heldout_permille)]
+    if not docs:
+        raise PrepareError(f"--heldout-permille {opts.heldout_permille} held out every group: nothing left to train on")
     languages = sorted({d.lang for d in docs})
     log.info("%d documents in %d languages after checks and de-duplication", len(docs), len(languages))
 
@@ -486,6 +555,8 @@ def prepare(opts: PrepareOptions) -> dict:
             "stats": dict(sorted(stats.counts.items())), "skipped_examples": stats.skipped[:20],
             "shards": shard_infos,
         }
+        if heldout:
+            manifest["heldout"] = write_heldout(tmp / HELDOUT_DIR, heldout, opts)
         atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     log.info("wrote %d chunks in %d shards to %s in %.1f s", next_id, num_shards, opts.out, time.time() - started)
     return manifest
