@@ -8,7 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh
 if [ "${1:-}" = "--fixture" ]; then
   shift
-  exec python -m marge.demo_corpus --out data/demo/libreoffice-help --max-train-pages 480 --max-heldout-pages 80 \
+  exec python -m tools.demo_corpus --out data/demo/libreoffice-help --max-train-pages 480 --max-heldout-pages 80 \
     --max-pairs-per-language 300 "$@"
 fi
-exec python -m marge.demo_corpus --out data/build/libreoffice-help "$@"
+exec python -m tools.demo_corpus --out data/build/libreoffice-help "$@"

@@ -2,8 +2,9 @@
 """Run the `marge` command from this checkout without installing it.
 
 For a machine where nothing can be installed (a lent GPU machine with torch but no registry). Import paths
-match folders: the library `marge` is shared/marge and the stages are services/<stage> (`services.indexer`,
-...), so putting shared/ and the checkout itself on the import path is all an install would do.
+match folders: the library `marge` is shared/marge, the stages are services/<stage> (`services.indexer`,
+...), the command line services/cli and the demo-data programs tools/, so putting shared/ and the checkout itself
+on the import path is all an install would do.
 
     python3 scripts/marge_from_tree.py experiment learning --single-process ...
 
@@ -17,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "shared"), str(ROOT)]
 
-from services.driver.cli import main  # noqa: E402
+from services.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,5 +1,5 @@
-"""The boundaries the README promises: the library knows no stage, the batch contract needs no torch, and every
-consumer of g computes the same vectors."""
+"""The boundaries the README promises: the library knows no stage and no tool, no stage knows the driver, the command
+line or another stage, the batch contract needs no torch, and every consumer of g computes the same vectors."""
 
 from __future__ import annotations
 
@@ -13,39 +13,50 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "shared" / "marge"
+STAGES = ("indexer", "batcher", "trainer", "retrieval")
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every module a file imports, at any depth (function-level imports included)."""
+    """Every module a file imports, at any depth (function-level imports included); `from a import b` counts as
+    both `a` and `a.b`, so that `from services import driver` is seen as importing services.driver."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
-def test_no_library_module_imports_a_stage():
+def stage_imports() -> list[tuple[str, Path, list[str]]]:
+    """(stage, file, the dotted parts of one module it imports) for every import of every stage."""
+    stage_files = [(stage, path) for stage in STAGES for path in sorted((REPO / "services" / stage).rglob("*.py"))]
+    assert len(stage_files) > 20  # the walk saw the stages
+    return [(stage, path, name.split(".")) for stage, path in stage_files for name in sorted(imported_modules(path))]
+
+
+def test_no_library_module_imports_a_stage_or_a_tool():
+    """The library (shared/marge) imports nothing of `services` (the stages, the driver, the command line) nor of
+    `tools` (the programs that build the demo data)."""
     offenders = {f"{path.relative_to(REPO)} imports {name}" for path in LIBRARY.rglob("*.py")
-                 for name in imported_modules(path) if name == "services" or name.startswith("services.")}
+                 for name in imported_modules(path) if name.split(".")[0] in ("services", "tools")}
     assert not offenders, sorted(offenders)
     assert len(list(LIBRARY.rglob("*.py"))) > 15  # the walk saw the library
 
 
-STAGES = ("indexer", "batcher", "trainer", "retrieval")
+def test_no_stage_imports_the_driver_or_the_command_line():
+    """The driver and the command line compose the stages; a stage never reaches back into either."""
+    offenders = {f"{path.relative_to(REPO)} imports {'.'.join(parts)}" for _, path, parts in stage_imports()
+                 if parts[:2] in (["services", "driver"], ["services", "cli"])}
+    assert not offenders, sorted(offenders)
 
 
-def test_no_stage_imports_the_driver_or_another_stage():
-    """Stages meet only through the library's contracts: none imports the driver, nor another stage (the driver,
-    which composes them, may import every stage)."""
-    offenders = set()
-    for stage in STAGES:
-        for path in (REPO / "services" / stage).rglob("*.py"):
-            for name in imported_modules(path):
-                parts = name.split(".")
-                if parts[0] == "services" and len(parts) > 1 and parts[1] != stage:
-                    offenders.add(f"{path.relative_to(REPO)} imports {name}")
+def test_stages_import_each_other_only_through_the_library():
+    """Stages meet only through the library's contracts: no stage imports another stage (nor anything of
+    `services` that is not its own)."""
+    offenders = {f"{path.relative_to(REPO)} imports {'.'.join(parts)}" for stage, path, parts in stage_imports()
+                 if parts[0] == "services" and len(parts) > 1 and parts[1] != stage}
     assert not offenders, sorted(offenders)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from services.driver.cli import main
+from services.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_eval_retrieval_errors(trained, tmp_path, capsys):
 
 def test_eval_translate_and_translate(trained, capsys, monkeypatch, tmp_path):
     from marge.finetuned import generation_scores
-    from services.driver.cli import read_document_pairs
+    from marge.evaluation import read_document_pairs
 
     hypotheses = tmp_path / "hyp.txt"
     result = run_json(["eval", "translate", "--checkpoint", str(trained["checkpoint"]), "--docs", str(trained["docs"]),

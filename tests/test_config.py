@@ -109,7 +109,7 @@ def test_bad_values_are_errors_that_name_the_key_the_value_and_what_is_allowed(o
 
 def test_marge_pretrain_refuses_a_bad_setting_within_seconds_before_ray_or_redis_start(tmp_path):
     started = time.time()
-    proc = subprocess.run([sys.executable, "-m", "services.driver.cli", "pretrain", "--config",
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "pretrain", "--config",
                            str(DEPLOY / "configs" / "tiny.yaml"), "indexer.link_rule=bogus", f"run.dir={tmp_path / 'run'}"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
@@ -128,7 +128,7 @@ def test_a_run_the_ray_cluster_cannot_hold_is_refused_naming_what_it_needs_and_w
                                           r"cluster has 2: add nodes"):
         cfg.check_fits(2)
     started = time.time()
-    proc = subprocess.run([sys.executable, "-m", "services.driver.cli", "pretrain", "--config",
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "pretrain", "--config",
                            str(DEPLOY / "configs" / "tiny.yaml"), "ray.num_cpus=2", f"run.dir={tmp_path / 'run'}",
                            f"data.corpus={small_corpus}", "data.max_chunk_tokens=128", "model.max_positions=128",
                            "batcher.max_tokens=400"], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -275,7 +275,7 @@ def test_an_error_in_an_override_names_the_override_not_the_file(tmp_path):
 def test_marge_cli_small_things(capsys):
     """--version; an unknown model field in `marge info --set` is one line naming the fields; `marge info | head`
     closing the pipe early is not an error."""
-    from services.driver.cli import main
+    from services.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
@@ -284,7 +284,7 @@ def test_marge_cli_small_things(capsys):
     err = capsys.readouterr().err
     assert "--set bogus" in err and "'d_model'" in err and "Traceback" not in err
     # the reader is gone before marge writes a line (`| true`): marge's own exit status and no traceback
-    proc = subprocess.run(["bash", "-c", f"{sys.executable} -m services.driver.cli info --preset tiny | true; "
+    proc = subprocess.run(["bash", "-c", f"{sys.executable} -m services.cli info --preset tiny | true; "
                                          "echo status ${PIPESTATUS[0]}"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.stdout.strip() == "status 0" and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr

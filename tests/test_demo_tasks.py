@@ -1,4 +1,4 @@
-"""`marge.demo_tasks`: the demo fine-tuning tasks are deterministic, split by page, balanced and well formed."""
+"""`tools.demo_tasks`: the demo fine-tuning tasks are deterministic, split by page, balanced and well formed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from marge.demo_tasks import DemoTasksOptions, build_demo_tasks, main
+from tools.demo_tasks import DemoTasksOptions, build_demo_tasks, main
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "demo" / "libreoffice-help"

@@ -52,7 +52,7 @@ def slot_batches(run_dir: Path) -> dict[int, str]:
 
 def audit_of(run_dir: Path) -> tuple[int, dict]:
     """`marge audit --run DIR --json`: its exit status and its JSON line."""
-    proc = subprocess.run([sys.executable, "-m", "services.driver.cli", "audit", "--run", str(run_dir), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "audit", "--run", str(run_dir), "--json"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -208,7 +208,7 @@ def test_faults_inside_a_run_lose_nothing_and_train_nothing_twice(reference_run,
     print("FAULTS " + json.dumps({"after_each_fault": figures, "final_audit": audit}))
 
 
-DRIVER = [sys.executable, "-m", "services.driver.cli", "pretrain", "--config", str(REPO / "deploy/configs/tiny.yaml")]
+DRIVER = [sys.executable, "-m", "services.cli", "pretrain", "--config", str(REPO / "deploy/configs/tiny.yaml")]
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import torch
 from marge.finetuned import MargeForClassification, collate, load, own_input_memory, task_loss
 from marge.model import Marge, preset
 from marge.tasks import TaskDataError, encode_examples, read_task_file
-from services.driver.cli import main
+from services.cli import main
 from services.trainer.finetune import ExampleOrder, Finetuning, FinetuneConfig, freeze, run_finetune
 
 TASKS = Path(__file__).resolve().parents[1] / "data" / "demo" / "tasks"
@@ -119,7 +119,7 @@ def test_freezing_more_decoder_layers_than_the_model_has_is_an_error_naming_the_
 
 
 def test_freeze_options_parse_the_papers_zero_shot_recipe():
-    from services.driver.cli import parse_freeze
+    from services.trainer.finetune_options import parse_freeze
 
     assert parse_freeze(["zero-shot"]) == (True, 0, True)
     assert parse_freeze(["embeddings,decoder-layers=2"]) == (True, 2, False)

@@ -78,7 +78,7 @@ def test_forward_and_loss_compile_into_one_graph():
 
 
 def test_on_gpus_the_process_group_has_a_backend_for_cpu_and_cuda_tensors():
-    from services.trainer.loop import process_group_backend
+    from services.trainer.rank import process_group_backend
 
     backends = dict(item.split(":") for item in process_group_backend(use_gpu=True).split(","))
     assert backends == {"cpu": "gloo", "cuda": "nccl"}  # NCCL alone refuses CPU tensors (all_gather_object's)
@@ -115,7 +115,7 @@ def test_marge_pretrain_asking_for_gpus_on_a_machine_without_refuses_before_anyt
         pytest.skip("this machine has a GPU")
     repo = Path(__file__).resolve().parents[1]
     started = time.time()
-    proc = subprocess.run([sys.executable, "-m", "services.driver.cli", "pretrain", "--config",
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "pretrain", "--config",
                            str(repo / "deploy/configs/tiny.yaml"), "trainer.use_gpu=true", f"run.dir={tmp_path / 'run'}"],
                           cwd=repo, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from marge.batch import Batch, SpecialTokens
 from services.trainer.inputs import to_model_inputs
+from marge.config import ConfigError
 from marge.model import CrossMemory, Marge, MargeConfig, build_on_meta, count_parameters, preset
+from services.trainer.config import TrainerConfig
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -432,7 +434,8 @@ def test_chunked_loss_equals_the_full_loss_and_its_gradients():
     inputs = to_model_inputs(make_batch(np.random.default_rng(5), lengths=(9, 14, 6, 11), targets=(0, 1, 3)), SPECIALS)
     n, t = inputs.decoder_in_NT.shape
     assert (n * t) % 7
-    full, chunked = tiny().train(), tiny(loss_chunk_tokens=7).train()
+    full, chunked = tiny().train(), tiny().train()
+    chunked.loss_chunk_tokens = 7
     out_full, out_chunked = full(**inputs.as_kwargs()), chunked(**inputs.as_kwargs())
     torch.testing.assert_close(out_chunked.nll_per_target_N, out_full.nll_per_target_N, rtol=1e-6, atol=1e-6)
     out_full.loss.backward()
@@ -445,8 +448,20 @@ def test_chunked_loss_equals_the_full_loss_and_its_gradients():
     with torch.no_grad():
         torch.testing.assert_close(chunked(**inputs.as_kwargs()).loss, full(**inputs.as_kwargs()).loss)
     assert chunked(**inputs.as_kwargs(), return_logits=True).logits_NTV.shape == (n, t, 200)
-    with pytest.raises(ValueError, match="model.loss_chunk_tokens must be >= 0"):
-        preset("tiny", loss_chunk_tokens=-1)
+    with pytest.raises(ValueError, match="loss_chunk_tokens"):
+        TrainerConfig(loss_chunk_tokens=-1)
+
+
+def test_the_loss_chunking_is_a_trainer_setting_a_saved_model_config_drops():
+    from services.driver.config import load_config
+    from services.trainer.step import apply_execution_settings
+
+    saved = {**preset("tiny", vocab_size=200).to_dict(), "loss_chunk_tokens": 512}  # as older versions saved it
+    assert MargeConfig.from_dict(saved) == preset("tiny", vocab_size=200)
+    model = apply_execution_settings(tiny(), TrainerConfig(loss_chunk_tokens=64))
+    assert model.loss_chunk_tokens == 64
+    with pytest.raises(ConfigError, match="model.loss_chunk_tokens is an execution setting.*trainer.loss_chunk_tokens"):
+        load_config(REPO / "deploy/configs/tiny.yaml", ["model.loss_chunk_tokens=64"]).model_config(200)
 
 
 def test_the_papers_g_does_not_start_collapsed_and_our_embedding_layernorm_would_collapse_it(paragraph_corpus):

@@ -134,7 +134,7 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
 @pytest.mark.slow
 def test_learning_experiment_writes_a_complete_report(ray_cluster, redis_server, small_corpus, few_pairs, tmp_path,
                                                      capsys):
-    from services.driver.cli import main
+    from services.cli import main
     from services.driver.experiment import run_learning_experiment
 
     pairs = few_pairs

@@ -52,7 +52,7 @@ def test_a_pool_too_small_is_reported_with_the_workers_it_needs():
 
 
 def test_cli_plan_needs_a_size_or_a_prepared_corpus(capsys):
-    from services.driver.cli import main
+    from services.cli import main
 
     assert main(["plan", "--config", str(REPO / "deploy/configs/tiny.yaml"), "data.corpus=/nonexistent"]) == 2
     assert "give its size with --documents" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.driver.cli import main as marge_main
+from services.cli import main as marge_main
 from marge.corpus import CORPUS_SCHEMA, Corpus, CorpusError
 from marge.prepare import PrepareError, PrepareOptions, prepare
 from marge.utils import sha256_file

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from marge.refresh import append_build, read_builds, refresh_cost, union_seconds
+from marge.train_log import UpdateRecord
 
 
-def step(n: int, end: float, seconds: float, tokens: int, versions: list[int]) -> dict:
-    return {"step": n, "time": end, "step_seconds": seconds, "tokens": tokens, "index_versions": versions}
+def step(n: int, end: float, seconds: float, tokens: int, versions: list[int]) -> UpdateRecord:
+    return UpdateRecord(step=n, loss=1.0, lr=1e-4, grad_norm=1.0, batch_ids=[], time=end, step_seconds=seconds,
+                        tokens=tokens, index_versions=versions)
 
 
 def test_updates_during_a_build_staleness_at_first_use_and_throughput_with_and_without_a_build():

@@ -45,7 +45,7 @@ def served(small_corpus, tmp_path_factory):
     token_file.write_text(TOKEN)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "MARGE_API_TOKEN"}
-    proc = subprocess.Popen([sys.executable, "-m", "services.driver.cli", "serve", "--run", str(run), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--run", str(run), "--port", str(port),
                              "--token-file", str(token_file), "--max-k", "20", "--max-query-chars", "500",
                              "--max-body-bytes", "2048", "--poll-s", "0.2"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -96,6 +96,25 @@ def test_search_by_text_by_doc_id_and_by_language(served):
     r = search(served, {"doc_id": doc, "k": 3, "lang": "zh"})
     assert r.status_code == 200 and all(h["lang"] == "zh" and h["doc_id"] != doc for h in r.json()["results"])
     assert search(served, {"doc_id": 10**9, "k": 3}).status_code == 404
+
+
+def test_a_documents_own_text_finds_that_document_first(served):
+    """Self-retrieval through the whole service: a document's text, embedded by the service, finds the vector the
+    indexer stored for that document (cosine 1), ahead of every other document."""
+    from marge.corpus import Corpus
+
+    corpus = Corpus.open(served["corpus"])
+    tokenizer = corpus.tokenizer()
+    shard = corpus.read_shard(0)
+    # documents whose text the tokenizer turns back into the very tokens the corpus holds, short enough for a query
+    chosen = [i for i in range(len(shard)) if len(shard.texts[i]) <= 500
+              and tokenizer.encode(shard.texts[i]) == shard.tokens[i].tolist()][:8]
+    assert len(chosen) >= 5
+    for i in chosen:
+        r = search(served, {"query": shard.texts[i], "k": 3})
+        assert r.status_code == 200, r.text
+        top = r.json()["results"][0]
+        assert top["doc_id"] == int(shard.doc_ids[i]) and top["score"] > 0.999, (i, r.json()["results"])
 
 
 @pytest.mark.parametrize("body, status, message", [
@@ -162,7 +181,7 @@ def test_a_new_version_is_swapped_in_under_traffic_without_a_failed_request(serv
 
 
 def test_refuses_a_public_bind_without_a_token(served, capsys):
-    from services.driver.cli import main
+    from services.cli import main
 
     env_token = os.environ.pop("MARGE_API_TOKEN", None)
     try:
@@ -171,7 +190,7 @@ def test_refuses_a_public_bind_without_a_token(served, capsys):
         if env_token is not None:
             os.environ["MARGE_API_TOKEN"] = env_token
     assert "refusing to serve on 0.0.0.0 without a token" in capsys.readouterr().err
-    from services.driver.cli import build_parser
+    from services.cli import build_parser
 
     assert build_parser().parse_args(["serve", "--run", "x"]).host == "127.0.0.1"
     empty = served["run"] / "empty-token"

@@ -40,7 +40,7 @@ def test_a_sigterm_during_start_up_leaves_no_process_behind(small_corpus, tmp_pa
     before = ray_and_redis_processes()  # the test session's own cluster keeps running: not this run's
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.driver.cli", "pretrain", "--config", str(REPO / "deploy/configs/tiny.yaml"),
+        [sys.executable, "-m", "services.cli", "pretrain", "--config", str(REPO / "deploy/configs/tiny.yaml"),
          f"run.dir={run_dir}", "run.name=sigterm", f"data.corpus={small_corpus}", "data.max_chunk_tokens=128",
          "model.max_positions=128", "batcher.max_tokens=400", "health.aligned_probe_size=8", "run.progress_every_s=1",
          "run.max_steps=1000"],

@@ -129,7 +129,7 @@ def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cl
 
     # every collective the ranks called: each tensor on the rank's model device (on GPUs: CUDA tensors for NCCL,
     # never a CPU tensor an NCCL-only group would refuse), objects gathered through a group with a CPU backend
-    from services.trainer.loop import process_group_backend
+    from services.trainer.rank import process_group_backend
 
     for rank in range(2):
         calls = [json.loads(line) for line in (tmp_path / "trace" / f"rank-{rank}.jsonl").read_text().splitlines()]

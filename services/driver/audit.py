@@ -27,7 +27,7 @@ from marge.checkpoint import newest_good_checkpoint, read_manifest
 from marge.protocol import BatchQueue
 from services.driver.config import PipelineConfig, load_config
 from services.driver.redis_server import LocalRedis, private_conf_dir
-from services.driver.report import read_train_log
+from marge.train_log import read_train_log
 
 
 def run_config_of(run_dir: Path) -> PipelineConfig:
@@ -89,11 +89,9 @@ def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
     trained_slot.update(awaiting)
     lost = [n for n in range(covered) if n not in trained_slot and n not in dead_slots and n not in awaiting_dead]
 
-    records = [r for r in read_train_log(cfg.paths().run_dir) if r["step"] <= step]
-    logged = {n: b for r in records for n, b in zip(r.get("slots", []), r["batch_ids"])
-              if n not in set(r.get("dead_lettered", []))}
-    logged_twice = [b for b, k in Counter(b for r in records for n, b in zip(r.get("slots", []), r["batch_ids"])
-                                          if n not in set(r.get("dead_lettered", []))).items() if k > 1]
+    records = read_train_log(cfg.paths().run_dir, through_step=step)
+    logged = {n: b for r in records for n, b in r.trained_slots().items()}
+    logged_twice = [b for b, k in Counter(b for r in records for b in r.trained_slots().values()).items() if k > 1]
     disagree = sorted(n for n, b in logged.items() if n in trained_slot and trained_slot[n] != b)
     trained_twice = counts.get("trained_twice", 0) + len(logged_twice)
     return {

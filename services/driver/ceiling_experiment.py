@@ -41,8 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from marge.train_log import read_train_log
 from marge.utils import atomic_write_text
-from services.driver.report import read_train_log
 from services.driver.single_process import train_for_minutes, trained_minutes
 
 log = logging.getLogger("marge.ceiling")
@@ -104,8 +104,8 @@ def health_by_step(run_dir: Path) -> dict[int, dict]:
     if baselines.exists():
         out[0] = json.loads(baselines.read_text(encoding="utf-8")).get("initial_health", {})
     for record in read_train_log(run_dir):
-        if "health" in record:
-            out[record["step"]] = record["health"]
+        if record.health:
+            out[record.step] = record.health
     return out
 
 
@@ -154,7 +154,7 @@ def summarize_arm(name: str, out: Path, report: dict) -> dict:
         "link_sources": {str(b["version"]): b.get("link_sources") for b in index_builds(run_dir)},
         "lexical_weight": {str(b["version"]): b.get("lexical_weight") for b in index_builds(run_dir)},
         "beta": {str(s): h["beta"][0] for s, h in sorted(health.items()) if h.get("beta")},
-        "loss": {str(r["step"]): r["loss"] for r in records if r["step"] % 250 == 0},
+        "loss": {str(r.step): r.loss for r in records if r.step % 250 == 0},
         "item_gains": {str(s): h["aligned_item_gains"] for s, h in sorted(aligned.items()) if "aligned_item_gains" in h},
     }
 

@@ -33,7 +33,7 @@ from typing import Any
 from marge.batch import encoder_cost, max_text_tokens
 from marge.config import ConfigError, FieldError, at_least, build, load_tree, one_of, positive, within
 from marge.faults import FaultsConfig
-from marge.model import MargeConfig, preset
+from marge.model import EXECUTION_FIELDS, MargeConfig, preset
 from marge.veco import VecoConfig, veco_preset
 from marge.paths import RunPaths
 from marge.protocol import QueueConfig, Slots, VersionPlan
@@ -201,6 +201,10 @@ class PipelineConfig:
         family = self.objectives.model_family
         config_type, build_preset = (VecoConfig, veco_preset) if family == "veco" else (MargeConfig, preset)
         overrides = {k: v for k, v in self.model.items() if k != "preset"}
+        moved = sorted(set(overrides) & set(EXECUTION_FIELDS))
+        if moved:
+            raise ConfigError(f"model.{moved[0]} is an execution setting, not architecture: set "
+                              f"{EXECUTION_FIELDS[moved[0]]} instead")
         known = {f.name for f in dataclasses.fields(config_type)}
         unknown = sorted(set(overrides) - known)
         if unknown:
@@ -281,7 +285,8 @@ RESUMABLE = ("run.max_steps", "run.max_minutes", "run.progress_every_s", "run.te
              "faults.", "health.", "queue.block_ms", "data.raw", "data.heldout_pairs", "indexer.num_workers", "indexer.nice",
              "indexer.num_cpus_per_worker", "indexer.num_gpus_per_worker", "indexer.resources", "indexer.use_gpu",
              "indexer.bf16", "indexer.batch_tokens", "trainer.num_cpus_per_worker", "trainer.resources",
-             "trainer.torch_threads", "trainer.max_failures", "trainer.keep_checkpoints", "trainer.compile")
+             "trainer.torch_threads", "trainer.max_failures", "trainer.keep_checkpoints", "trainer.compile",
+             "trainer.loss_chunk_tokens")
 """What a resumed run may change (keys, or sections ending in '.'): how long it runs, how it reports, where it runs
 and on what, never what it trains (the data, the model, the objectives, the schedule, the batches)."""
 

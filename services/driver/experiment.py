@@ -23,9 +23,10 @@ import torch
 
 from marge.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
 from marge.evaluation import evaluate_model, evaluate_tfidf, mean_score, read_pairs
+from marge.train_log import UpdateRecord, read_train_log
 from marge.utils import atomic_write_text
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
-from services.driver.report import ema, plot_curves, read_train_log
+from services.driver.report import ema, plot_curves
 from services.trainer.health import aligned_evidence_gain, build_probe, probe_health
 
 log = logging.getLogger("marge.experiment")
@@ -65,7 +66,7 @@ def checkpoint_evaluation(model, tokenizer, pairs, eval_layer, probe, step: int,
 
 
 def assemble_report(baselines: dict, over_time: list[dict], final_model, tokenizer, pairs, eval_layer,
-                    records: list[dict], checkpoint: str | None, index_builds: list[dict], pipeline: dict,
+                    records: list[UpdateRecord], checkpoint: str | None, index_builds: list[dict], pipeline: dict,
                     minutes: float, elapsed_s: float, cfg: PipelineConfig, out_dir: Path,
                     device: str | torch.device = "cpu", extra: dict | None = None) -> dict:
     """report.json and curves.png of a learning experiment (either mode), from what the run measured."""
@@ -77,7 +78,7 @@ def assemble_report(baselines: dict, over_time: list[dict], final_model, tokeniz
         str(layer): evaluate_model(final_model, tokenizer, pairs, layer, device=str(device))
         for layer in [*range(0, len(final_model.encoder_layers) + 1), "g"]}
     health_records = ([{"step": 0, **baselines["initial_health"]}]
-                      + [{"step": r["step"], **r["health"]} for r in records if "health" in r])
+                      + [{"step": r.step, **r.health} for r in records if r.health])
     depth = len(final_model.encoder_layers) if final_model is not None else 5
     report = {
         "evidence_gain": final.get("evidence_gain"),
@@ -160,9 +161,9 @@ def build_run_probe(cfg: PipelineConfig, tokenizer):
                        seed=cfg.run.seed) if h.documents else None
 
 
-def plot_learning(report: dict, records: list[dict], path: Path) -> Path:
-    steps = [r["step"] for r in records]
-    losses = [r["loss"] for r in records]
+def plot_learning(report: dict, records: list[UpdateRecord], path: Path) -> Path:
+    steps = [r.step for r in records]
+    losses = [r.loss for r in records]
     health = report["health"]
     hsteps = [h["step"] for h in health]
     over = report["p_at_1_over_time"]
@@ -179,7 +180,7 @@ def plot_learning(report: dict, records: list[dict], path: Path) -> Path:
                     {"label": "f(target, other evidence)", "x": hsteps, "y": [h.get("relevance_cos_shuffled") for h in health], "style": "o-"},
                     {"label": "spread of g", "x": hsteps, "y": [h.get("g_spread") for h in health], "style": "x--"}]},
         {"title": "beta and index link precision", "ylabel": "value",
-         "series": [{"label": "beta (mean)", "x": steps, "y": [float(np.mean(r["beta"])) if r["beta"] else None for r in records]},
+         "series": [{"label": "beta (mean)", "x": steps, "y": [float(np.mean(r.beta)) if r.beta else None for r in records]},
                     {"label": "x-lingual links within a page", "x": [b["snapshot_step"] for b in builds],
                      "y": [b.get("crosslingual_link_precision") for b in builds], "style": "s-"},
                     {"label": "x-lingual links to aligned translations", "x": [b["snapshot_step"] for b in builds],

@@ -34,8 +34,8 @@ from marge.checkpoint import complete_checkpoints, load_model
 from marge.evaluation import mean_score, read_pairs
 from marge.generate import GenerationConfig, generate
 from marge.tokenizer import MargeTokenizer
+from marge.train_log import UpdateRecord, read_train_log
 from marge.utils import atomic_write_text
-from services.driver.report import read_train_log
 from services.driver.single_process import train_for_minutes
 
 log = logging.getLogger("marge.objectives_experiment")
@@ -97,11 +97,11 @@ def chrf_zero_shot(model, tokenizer, pairs, per_direction: int, device: str) -> 
     return out
 
 
-def mean_tail(records: list[dict], key: str, share: float = 0.1) -> dict[str, float]:
+def mean_tail(records: list[UpdateRecord], share: float = 0.1) -> dict[str, float]:
     """Each objective's mean loss over the last `share` of the updates (the end of the run, less noisy)."""
     tail = records[-max(1, int(len(records) * share)):]
-    names = sorted({n for r in tail for n in r.get(key, {})})
-    return {n: float(np.mean([r[key][n] for r in tail if n in r.get(key, {})])) for n in names}
+    names = sorted({n for r in tail for n in r.objectives})
+    return {n: float(np.mean([r.objectives[n] for r in tail if n in r.objectives])) for n in names}
 
 
 def summarize_variant(variant: Variant, out: Path, report: dict, device: str, chrf_pairs: int) -> dict:
@@ -122,7 +122,7 @@ def summarize_variant(variant: Variant, out: Path, report: dict, device: str, ch
         "parameters": sum(p.numel() for p in model.parameters()),
         "updates": pipeline["steps"], "train_seconds": pipeline["train_seconds"],
         "tokens_per_s": pipeline["tokens_per_s"], "target_tokens_per_s": pipeline["target_tokens_per_s"],
-        "final_losses": mean_tail(records, "objectives"),
+        "final_losses": mean_tail(records),
         "p_at_1_best_layer": {"layer": best_layer, "mean": by_layer[best_layer],
                               "by_direction": report["trained_by_layer"][str(best_layer)]},
         "p_at_1_by_layer": by_layer,

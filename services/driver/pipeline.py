@@ -33,17 +33,17 @@ from marge.paths import RunPaths
 from marge.protocol import BatchQueue
 from marge.refresh import refresh_cost
 from marge.tensorboard import RunBoard
+from marge.train_log import read_train_log
 from marge.snapshot import drop_snapshots_after, latest_snapshot
 from marge.utils import atomic_write_text
 from services.driver.config import PipelineConfig, config_drift, environment_endpoints, with_absolute_paths
 from services.driver.lock import DriverLock
 from services.driver.plan import estimated_throughput, warn_if_behind
 from services.driver.progress import Progress
-from services.driver.report import read_train_log
 from services.driver.resources import RedisEndpoint, apply_local_ray_env, check_local_fit, ray_for, ray_running, redis_for
 from services.trainer.init import ensure_initial_model
 from services.trainer.job import TrainerJob
-from services.trainer.loop import process_group_backend, train_loop_per_worker
+from services.trainer.rank import process_group_backend, train_loop_per_worker
 
 log = logging.getLogger("marge.pipeline")
 
@@ -280,7 +280,7 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: 
         write_pool_size(paths, ix.num_workers)
         workers = [worker_options(ix, i, namespace).remote(ix, paths, cfg.run.seed, i) for i in range(ix.num_workers)]
         coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(
-            ix, paths, workers, floor, cfg.run.seed)
+            ix, paths, cfg.version_plan(), workers, floor, cfg.run.seed)
         runs["indexer"] = coordinator.run.remote()
     batcher = Batcher.options(name="marge-batcher", namespace=namespace).remote(
         cfg.batcher, cfg.queue, paths, cfg.run.seed, redis_url, cfg.slots(), cfg.version_plan(), cfg.faults,
@@ -350,23 +350,24 @@ def summarize(paths: RunPaths, queue: BatchQueue, stages: Stages, result, starte
     idx = ray.get(stages.coordinator.stats.remote(), timeout=60) if stages.coordinator is not None else {"history": []}
     records = read_train_log(paths.run_dir)
     counts = queue.counts()
-    last = records[-1] if records else {}
+    last = records[-1] if records else None
     snap = latest_snapshot(paths.snapshots)
     index = latest_version(paths.index)
     checkpoint = result.checkpoint.path if result is not None and result.checkpoint is not None else None
     return {
-        "steps": last.get("step", 0), "resumed_from_step": point.step,
-        "index_versions": sorted({v for r in records for v in r["index_versions"]}),
+        "steps": last.step if last else 0, "resumed_from_step": point.step,
+        "index_versions": sorted({v for r in records for v in r.index_versions}),
         "index_versions_built": len(idx["history"]), "latest_index_version": index.version if index else None,
         "batches_produced": counts.get("produced", 0), "batches_trained": counts.get("trained", 0),
         "batches_committed_through_step": counts["committed_step"], "batches_pending": counts["pending"],
         "batches_dead_lettered": counts.get("dead_lettered", 0), "trained_twice": counts.get("trained_twice", 0),
         "redis_restarts": redis.restarts,
-        "tokens_per_s": last.get("tokens_per_s", 0.0), "target_tokens_per_s": last.get("target_tokens_per_s", 0.0),
-        "wait_share": last.get("wait_share", 0.0),
-        "loss_first": records[0]["loss"] if records else None,
-        "loss_last": last.get("loss"), "objective_losses_last": last.get("objectives", {}),
-        "beta": last.get("beta"), "staleness_max": max((r["staleness_max"] for r in records), default=0),
+        "tokens_per_s": last.tokens_per_s if last else 0.0,
+        "target_tokens_per_s": last.target_tokens_per_s if last else 0.0,
+        "wait_share": last.wait_share if last else 0.0,
+        "loss_first": records[0].loss if records else None,
+        "loss_last": last.loss if last else None, "objective_losses_last": last.objectives if last else {},
+        "beta": last.beta if last else None, "staleness_max": max((r.staleness_max for r in records), default=0),
         "batch_crosslingual_share": bat["crosslingual_share"],
         "index_builds": idx["history"],
         "refresh": refresh_cost(idx["history"], records),

@@ -277,3 +277,52 @@ def estimated_throughput(cfg: PipelineConfig) -> Throughput | None:
     embed = matmul_flops_per_s(device, int(cfg.indexer.num_cpus_per_worker))
     train = matmul_flops_per_s(device, cfg.trainer.torch_threads)
     return Throughput(embed, train, f"estimated from a {device.type} matrix product on this machine")
+
+
+# ----------------------------------------------------------------------------------------------------
+# What `marge plan` runs: the corpus's size from its manifest (or the size given), then the plan
+# ----------------------------------------------------------------------------------------------------
+
+
+def prepared_corpus(cfg: PipelineConfig):
+    """The run's corpus when it is prepared on this machine (only its manifest and tokenizer are read, so the
+    shards' checksums are not verified), else None."""
+    if not (Path(cfg.data.corpus) / "manifest.json").exists():
+        return None
+    from marge.corpus import Corpus
+
+    return Corpus.open(cfg.data.corpus, verify_checksums=False)
+
+
+def corpus_size(cfg: PipelineConfig, corpus, documents: int | None, document_tokens: float,
+                languages: int) -> tuple[int, float, int]:
+    """(documents, mean tokens per document, languages) to plan for: the size given, else the prepared corpus's."""
+    if documents:
+        return documents, document_tokens, languages
+    if corpus is not None:
+        m = corpus.manifest
+        return m["num_documents"], m["num_tokens"] / m["num_documents"], len(m["languages"])
+    raise FileNotFoundError(f"{cfg.data.corpus} is not prepared here: give its size with --documents N "
+                            "(and --document-tokens, --languages)")
+
+
+def plan_run(cfg: PipelineConfig, documents: int | None = None, document_tokens: float = 400.0, languages: int = 26,
+             measured: Path | None = None) -> dict:
+    """`plan_capacity` for `cfg` on its prepared corpus (or one of the size given), with the throughput measured
+    into `measured` by `marge plan --measure`, else estimated on this machine."""
+    corpus = prepared_corpus(cfg)
+    documents, tokens, languages = corpus_size(cfg, corpus, documents, document_tokens, languages)
+    rates = load_throughput(measured) if measured else estimated_throughput(cfg)
+    if rates is None:
+        raise ValueError("this config's workers use GPUs and this machine has none: measure on a worker "
+                         "(`marge plan --measure --device cuda --out FILE`) and pass --measured FILE")
+    vocab = corpus.tokenizer().vocab_size if corpus is not None else cfg.data.vocab_size
+    return plan_capacity(cfg, cfg.model_config(vocab_size=vocab), documents, tokens, languages, rates)
+
+
+def measure_prepared(cfg: PipelineConfig, device: str) -> dict:
+    """`measure_throughput` on the run's prepared corpus, which must be on this machine."""
+    corpus = prepared_corpus(cfg)
+    if corpus is None:
+        raise FileNotFoundError(f"--measure needs the prepared corpus {cfg.data.corpus} (run `marge prepare` first)")
+    return measure_throughput(cfg, corpus, torch.device(device))

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from marge.refresh import read_builds, refresh_cost
+from marge.train_log import read_train_log
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,6 @@ def write_link_matrix(langs: list[str], shares: np.ndarray, out_dir: Path, title
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
     return {"csv": csv_path, "png": png_path}
-
-
-def read_train_log(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "train_log.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def ema(values: list[float], alpha: float = 0.1) -> list[float]:
@@ -170,10 +164,10 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
     files = {k: str(v) for k, v in write_link_matrix(langs, shares, out_dir, f"retrieved links by language: {source}").items()}
 
     log_records = read_train_log(run_dir)
-    steps = [r["step"] for r in log_records]
-    losses = [r["loss"] for r in log_records]
-    betas = [float(np.mean(r["beta"])) if r["beta"] else None for r in log_records]  # a VECO model has no beta
-    pairs_path = pairs or cfg.data.heldout_pairs
+    steps = [r.step for r in log_records]
+    losses = [r.loss for r in log_records]
+    betas = [float(np.mean(r.beta)) if r.beta else None for r in log_records]  # a VECO model has no beta
+    pairs_path = pairs or cfg.data.heldout_pairs or corpus.heldout_file("pairs")  # the corpus's own held-out split
     curve = snapshot_curve(run_dir, Path(pairs_path), Path(cfg.data.corpus), max_snapshots) if pairs_path else []
     panels = [
         {"title": "training loss (nats/token)", "ylabel": "loss",

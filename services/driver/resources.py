@@ -1,5 +1,6 @@
 """What a run needs running besides its stages: Ray and a Redis server, each a context manager that stops
-only what it started (by handle and PID: never `ray stop`)."""
+only what it started (by handle and PID: never `ray stop`); and more or fewer indexer workers for a running run
+(`marge scale`)."""
 
 from __future__ import annotations
 
@@ -123,3 +124,30 @@ def local_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def scale_indexer_pool(run_name: str, workers: int, address: str) -> dict:
+    """Ask the indexer coordinator of the run named `run_name` on the Ray cluster at `address` for `workers`
+    workers, from its next index version; refused when the cluster lacks the logical CPUs the extra workers take.
+    Returns what the coordinator answers. Only this process's connection to the cluster is closed afterwards."""
+    import ray
+
+    namespace = f"marge-{run_name}"
+    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        try:
+            coordinator = ray.get_actor("marge-indexer-coordinator")
+        except ValueError:
+            raise ValueError(f"no indexer of a run named {run_name!r} on {address} (namespace {namespace}): is it "
+                             "training, and does it build an index (BART alone has none)? `ray list actors` shows "
+                             "the running ones") from None
+        pool = ray.get(coordinator.pool.remote())
+        extra_cpus = (workers - pool["wanted"]) * pool["cpus_per_worker"]
+        free = ray.available_resources().get("CPU", 0.0)
+        if extra_cpus > free + 1e-9:
+            raise ValueError(f"{workers} indexer workers need {extra_cpus:g} more logical CPUs "
+                             f"({pool['cpus_per_worker']:g} each) but the cluster has {free:g} free: add a node "
+                             "or ask for fewer workers")
+        return ray.get(coordinator.scale.remote(workers))
+    finally:
+        ray.shutdown()  # the connection only

@@ -4,8 +4,9 @@ What runs is the code the Ray stages run, without the transport between them:
 
     indexer  publish_snapshot -> load_relevance_encoder -> build_version (index_shard with search="torch")
     batcher  epoch_batches over the newest committed index version (the paper's greedy subgraph search)
-    trainer  train_step: `trainer.num_workers * trainer.grad_accum` batches per update, batch k in slot k (the
-             slot a DDP rank gives it), so the per-step losses equal the DDP trainer's on the same batches
+    trainer  the training loop (services.trainer.loop, the one the DDP ranks run): `trainer.num_workers *
+             trainer.grad_accum` batches per update, batch k in slot k (the slot a DDP rank gives it), so the
+             per-step losses equal the DDP trainer's on the same batches
 
 and the differences one process implies, each on purpose:
 
@@ -54,10 +55,10 @@ from marge.checkpoint import (checkpoint_order, complete_checkpoints, load_model
 from marge.corpus import Corpus
 from marge.evaluation import read_pairs
 from marge.index_store import IndexVersion, drop_versions_after, version_dirname
-from marge.model import Marge, training_flops, training_flops_per_token
+from marge.model import Marge
 from marge.refresh import INDEX_BUILDS
 from marge.tensorboard import RunBoard
-from marge.veco import VecoConfig, veco_training_flops_per_token
+from marge.train_log import TrainLog, UpdateRecord
 from marge.protocol import Slots
 from marge.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_encoder, publish_snapshot, read_snapshot,
                             snapshot_dirname)
@@ -67,12 +68,12 @@ from services.batcher.schedule import BatchSchedule, wait_for_version
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
 from services.driver.experiment import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
 from services.driver.pipeline import ensure_corpus, final_g_health, with_probes
-from services.driver.report import read_train_log
 from services.indexer.core import build_version, describe_build, index_shard
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
 from services.trainer.objectives import PreparedBatch, objectives_for
-from services.trainer.step import build_optimizer, build_scheduler, compiled, device_peak_flops, seed_key, train_step
+from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
+from services.trainer.step import Item, apply_execution_settings, build_optimizer, build_scheduler, compiled, device_peak_flops, seed_key
 
 log = logging.getLogger("marge.single_process")
 
@@ -147,42 +148,6 @@ class Prefetcher:
         self.pool.shutdown(wait=True)
 
 
-class ChunkMeter:
-    """Tokens of this chunk's updates over its wall-clock time, and model FLOPs over the updates' own time.
-
-    MFU divides the FLOPs of every pass the steps made (augmented batches included: `PreparedBatch.work`) by the time
-    the steps took, not by the wall clock: the probes, snapshots, index builds and checkpoints between updates are
-    not the trainer's work."""
-
-    def __init__(self, model_cfg, peak_flops: float | None):
-        self.model_cfg, self.peak = model_cfg, peak_flops
-        self.is_veco = isinstance(model_cfg, VecoConfig)
-        self.started = time.perf_counter()
-        self.steps, self.tokens, self.target_tokens, self.flops, self.step_seconds = 0, 0, 0, 0.0, 0.0
-
-    def add(self, tokens: int, target_tokens: int, step_seconds: float, work: dict[str, int] | None = None) -> None:
-        self.steps += 1
-        self.tokens += tokens
-        self.target_tokens += target_tokens
-        self.step_seconds += step_seconds
-        if self.is_veco:  # target tokens = the pairs' text, each read by 4 passes (counted in the per-token FLOPs)
-            self.flops += target_tokens * veco_training_flops_per_token(self.model_cfg)
-        elif work is not None:
-            self.flops += training_flops(self.model_cfg, work["target"], work["evidence"], work["relevance"])
-        else:
-            evidence_ratio = (tokens - target_tokens) / max(1, target_tokens)
-            self.flops += target_tokens * training_flops_per_token(self.model_cfg, evidence_ratio)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    def rates(self) -> dict:
-        elapsed = max(self.elapsed(), 1e-9)
-        return {"elapsed_s": elapsed, "tokens_per_s": self.tokens / elapsed,
-                "target_tokens_per_s": self.target_tokens / elapsed, "step_seconds": self.step_seconds,
-                "mfu": self.flops / max(self.step_seconds, 1e-9) / self.peak if self.peak else None}
-
-
 # ----------------------------------------------------------------------------------------------------
 # The indexer core in this process
 # ----------------------------------------------------------------------------------------------------
@@ -254,7 +219,7 @@ class SingleProcessRun:
         self.schedule = BatchSchedule(self.docs, cfg.batcher, cfg.run.seed, self.slots, self.plan,
                                       lambda v: wait_for_version(self.paths.index, v, self.stop_waiting),
                                       cfg.batch_shape())
-        self.train_log = Path(cfg.run.dir) / "train_log.jsonl"
+        self.train_log = TrainLog(self.paths.train_log)
         self.evals_log = self.out_dir / "checkpoint_evals.jsonl"
 
     # --- set-up -------------------------------------------------------------------------------------
@@ -271,7 +236,7 @@ class SingleProcessRun:
 
     def build_training_state(self):
         cfg = self.cfg
-        model = load_model_weights(self.paths.init_weights).to(self.device).train()
+        model = apply_execution_settings(load_model_weights(self.paths.init_weights).to(self.device).train(), cfg.trainer)
         optimizer = build_optimizer(model, cfg.trainer)
         scheduler = build_scheduler(optimizer, cfg.trainer, cfg.run.max_steps)
         state = {"step": 0, "tokens_seen": 0, "target_tokens_seen": 0, "train_seconds": 0.0}
@@ -295,7 +260,7 @@ class SingleProcessRun:
                 lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
                 atomic_write_text(path, "".join(line + "\n" for line in lines if keep(json.loads(line))))
 
-        keep_lines(self.train_log, lambda record: record["step"] <= step)
+        self.train_log.truncate_after(step)
         keep_lines(self.evals_log, lambda record: record["step"] <= step)
         keep_lines(self.indexer.builds_log, lambda record: record["snapshot_step"] <= step)
         drop_snapshots_after(self.paths.snapshots, max(step, 0))
@@ -304,7 +269,7 @@ class SingleProcessRun:
     def _build_missing_versions(self, step: int) -> None:
         """Index versions the next updates need that are not on disk (dropped, pruned, or never built because
         the chunk died first), built from their snapshots."""
-        needed = range(self.plan.version_for_step(step), step // self.plan.reindex_every + 1)
+        needed = range(self.plan.version_for_step(step), self.plan.newest_version_at(step) + 1)
         for version in needed:
             if not (self.paths.index / version_dirname(version) / "manifest.json").exists():
                 snapshot = read_snapshot(self.paths.snapshots / snapshot_dirname(self.plan.snapshot_step(version)))
@@ -320,80 +285,34 @@ class SingleProcessRun:
         objectives = objectives_for(cfg.objectives, self.tokenizer, corpus_tokens)
 
         def prepare(batch: Batch, step: int, position: int) -> PreparedBatch:
-            return objectives.prepare(batch, seed_key(cfg.run.seed, self.slots, self.slots.slot(step, 0, position)))
+            return objectives.prepare(batch, seed_key(cfg.run.seed, self.slots, step * self.slots.per_step + position))
 
         step = state["step"]
-        trained = compiled(model, t.compile)  # what the updates run; probes and snapshots use the model itself
         board = RunBoard(cfg.run.dir, "trainer", cfg.run.tensorboard)
         prefetcher = Prefetcher(self.schedule, step, prepare, pin=device.type == "cuda")
-        meter = ChunkMeter(model.cfg, device_peak_flops(device))
-        deadline = time.perf_counter() + 60 * minutes
-        next_progress = time.perf_counter() + cfg.run.progress_every_s
+        host = InProcessHost(self, model, optimizer, scheduler, state, prefetcher, minutes)
+        # what the updates run is the model under torch.compile (trainer.compile); probes and snapshots use the model
+        trainee = Trainee(model, compiled(model, t.compile), optimizer, scheduler, objectives, t, self.slots, device,
+                          cfg.run.seed, self.tokenizer.specials, cfg.run.max_steps)
+        meter = UpdateMeter(model.cfg, device_peak_flops(device))
         log.info("training on %s for %.1f min from step %d (%d batches per update, bf16 %s)", device, minutes, step,
                  self.slots.per_step, t.bf16)
         try:
-            while step < cfg.run.max_steps and time.perf_counter() < deadline:
-                item = prefetcher.take(step)
-                record = train_step(trained, optimizer, scheduler, objectives, item.batches, t, step, device, cfg.run.seed,
-                                    item.prepared)
-                step += 1
-                line = self.step_record(step, record, item.batches, meter, state, item.prepared)
-                if step % t.snapshot_every == 0 and (self.cfg.objectives.needs_index or self.monitor):
-                    line["health"] = self.snapshot_and_reindex(model, step)
-                with open(self.train_log, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(line) + "\n")
-                board.step(line)
-                if step % t.checkpoint_every == 0:
-                    self.checkpoint(model, optimizer, scheduler, step, state, meter.elapsed())
-                if time.perf_counter() >= next_progress:
-                    log.info("step %d | loss %.3f %s| %.0f tok/s (%.0f target)%s%s%s | %.1f/%.1f min",
-                             step, record.loss, record.objectives if len(record.objectives) > 1 else "",
-                             line["tokens_per_s"], line["target_tokens_per_s"],
-                             f" | MFU {100 * line['mfu']:.1f}%" if "mfu" in line else "",
-                             f" | beta {float(np.mean(record.beta)):.3f}" if record.beta else "",
-                             f" | index v{','.join(map(str, line['index_versions']))}" if line["index_versions"] else "",
-                             meter.elapsed() / 60, minutes)
-                    next_progress = time.perf_counter() + cfg.run.progress_every_s
+            step = TrainingLoop(trainee, host, self.train_log, board, meter).run(step)
         finally:
             self.stop_waiting.set()  # a prefetch waiting for an index version this chunk will not build
             prefetcher.close()
             self.stop_waiting.clear()
             board.close()
             self.indexer.board.flush()
-        state["train_seconds"] += meter.elapsed()
+        state["train_seconds"] += host.elapsed()
         last = complete_checkpoints(checkpoint_root(cfg))
         if not last or checkpoint_order(last[-1])[0] != step:  # the resume point of the next chunk
             self.checkpoint(model, optimizer, scheduler, step, state, 0.0)
-        return {"steps": step, "chunk_steps": meter.steps, "chunk_seconds": round(meter.elapsed(), 1),
-                **{k: meter.rates()[k] for k in ("tokens_per_s", "target_tokens_per_s", "mfu")},
-                "train_seconds": state["train_seconds"], "model": model}
-
-    def step_record(self, step: int, record, batches: list[Batch], meter: "ChunkMeter", state: dict,
-                    prepared: list[PreparedBatch] | None = None) -> dict:
-        """The train_log line of one update (the pipeline trainer's fields), and the running totals."""
-        tokens = sum(b.cost_tokens() for b in batches)
-        work = None
-        if prepared and not record.dead_lettered:
-            pad = self.tokenizer.specials.pad_id
-            work = {k: sum(p.work(pad)[k] for p in prepared) for k in ("target", "evidence", "relevance")}
-        meter.add(tokens, record.target_tokens, record.seconds, work)
-        state["tokens_seen"] += tokens
-        state["target_tokens_seen"] += record.target_tokens
         rates = meter.rates()
-        line = {"step": step, "loss": record.loss, "objectives": record.objectives, "lr": record.lr,
-                "grad_norm": record.grad_norm, "beta": record.beta,
-                "slots": [self.slots.slot(step - 1, 0, k) for k in range(len(batches))],
-                "batch_ids": record.batch_ids, "dead_lettered": [slot for slot, _ in record.dead_lettered],
-                "index_versions": sorted(v for v in set(record.index_versions) if v >= 0),
-                "snapshot_steps": sorted(s for s in set(record.snapshot_steps) if s >= 0),
-                "staleness_max": max((step - 1 - s for s in record.snapshot_steps if s >= 0), default=0),
-                "step_seconds": record.seconds,
-                "tokens": tokens, "target_tokens": record.target_tokens, "tokens_per_s": rates["tokens_per_s"],
-                "target_tokens_per_s": rates["target_tokens_per_s"], "wait_share": 0.0,
-                "elapsed_s": rates["elapsed_s"], "time": time.time()}
-        if rates["mfu"] is not None:
-            line["mfu"] = rates["mfu"]
-        return line
+        return {"steps": step, "chunk_steps": meter.updates, "chunk_seconds": round(host.elapsed(), 1),
+                "tokens_per_s": rates["tokens_per_s"], "target_tokens_per_s": rates["target_tokens_per_s"],
+                "mfu": rates.get("mfu"), "train_seconds": state["train_seconds"], "model": model}
 
     def snapshot_and_reindex(self, model: Marge, step: int) -> dict:
         """Measure retrieval health (a MARGE model); with an index, publish g and, at a multiple of
@@ -406,8 +325,8 @@ class SingleProcessRun:
             log.info("health at step %d: %s", step, loggable(health))
         if self.cfg.objectives.needs_index:
             snapshot = publish_snapshot(self.paths.snapshots, model, step, self.tokenizer.sha256)
-            if step % self.plan.reindex_every == 0:
-                self.indexer.index_snapshot(snapshot, step // self.plan.reindex_every)
+            if self.plan.builds_at(step):
+                self.indexer.index_snapshot(snapshot, self.plan.newest_version_at(step))
         return health
 
     def checkpoint(self, model: Marge, optimizer, scheduler, step: int, state: dict, chunk_seconds: float) -> Path:
@@ -434,16 +353,16 @@ class SingleProcessRun:
         cfg = self.cfg
         over_time = ([json.loads(line) for line in self.evals_log.read_text(encoding="utf-8").splitlines() if line.strip()]
                      if self.evals_log.exists() else [])
-        records = read_train_log(Path(cfg.run.dir))
+        records = self.train_log.read()
         final_model = chunk["model"].eval()
         checkpoints = complete_checkpoints(checkpoint_root(cfg))
         pipeline = {"steps": chunk["steps"], "mode": "single-process", "device": device_name(self.device),
                     "tokens_per_s": chunk["tokens_per_s"], "target_tokens_per_s": chunk["target_tokens_per_s"],
                     "mfu": chunk["mfu"], "last_chunk_steps": chunk["chunk_steps"],
                     "last_chunk_seconds": chunk["chunk_seconds"], "train_seconds": round(chunk["train_seconds"], 1),
-                    "loss_first": records[0]["loss"] if records else None,
-                    "loss_last": records[-1]["loss"] if records else None,
-                    "beta": records[-1]["beta"] if records else None,
+                    "loss_first": records[0].loss if records else None,
+                    "loss_last": records[-1].loss if records else None,
+                    "beta": records[-1].beta if records else None,
                     "index_versions": sorted({v for r in records for v in r["index_versions"]})}
         g = final_g_health(cfg, self.paths, self.corpus) if cfg.objectives.model_family == "marge" else None
         return assemble_report(baselines, over_time, final_model, self.tokenizer, self.pairs, cfg.health.eval_layer,
@@ -451,6 +370,63 @@ class SingleProcessRun:
                                pipeline, minutes_total, time.time() - started, cfg, self.out_dir, self.device,
                                extra={"mode": "single-process", "device": device_name(self.device),
                                       "chunks": experiment["chunks"], "g_health": g})
+
+
+class InProcessHost:
+    """The training loop's host in this process (services.trainer.loop): every slot of an update from the
+    prefetcher, until the chunk's minutes are up; snapshots build the index in line; checkpoints are folders in
+    the run, each evaluated on the held-out pairs."""
+
+    writes_log = True
+
+    def __init__(self, run: SingleProcessRun, model: Marge, optimizer, scheduler, state: dict, prefetcher: Prefetcher,
+                 minutes: float):
+        self.run, self.model, self.optimizer, self.scheduler = run, model, optimizer, scheduler
+        self.state, self.prefetcher, self.minutes = state, prefetcher, minutes
+        self.started = time.perf_counter()
+        self.deadline = self.started + 60 * minutes
+        self.next_progress = self.started + run.cfg.run.progress_every_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def next_update(self, step: int) -> UpdateInput | None:
+        if time.perf_counter() >= self.deadline:
+            return None
+        item = self.prefetcher.take(step)
+        base = step * self.run.slots.per_step
+        return UpdateInput([Item(base + k, batch, None, prepared)
+                            for k, (batch, prepared) in enumerate(zip(item.batches, item.prepared))])
+
+    def gather(self, part: list) -> list[list]:
+        return [part]
+
+    def reduce(self, values: torch.Tensor) -> None:
+        pass
+
+    def after_update(self, step: int, update: UpdateInput, done, record: UpdateRecord) -> None:
+        self.state["tokens_seen"] += record.tokens
+        self.state["target_tokens_seen"] += record.target_tokens
+
+    def snapshot(self, step: int) -> dict:
+        if not (self.run.cfg.objectives.needs_index or self.run.monitor):
+            return {}
+        return self.run.snapshot_and_reindex(self.model, step)
+
+    def logged(self, record: UpdateRecord) -> None:
+        if time.perf_counter() < self.next_progress:
+            return
+        log.info("step %d | loss %.3f %s| %.0f tok/s (%.0f target)%s%s%s | %.1f/%.1f min",
+                 record.step, record.loss, record.objectives if len(record.objectives) > 1 else "",
+                 record.tokens_per_s, record.target_tokens_per_s,
+                 f" | MFU {100 * record.mfu:.1f}%" if record.mfu is not None else "",
+                 f" | beta {float(np.mean(record.beta)):.3f}" if record.beta else "",
+                 f" | index v{','.join(map(str, record.index_versions))}" if record.index_versions else "",
+                 self.elapsed() / 60, self.minutes)
+        self.next_progress = time.perf_counter() + self.run.cfg.run.progress_every_s
+
+    def checkpoint(self, step: int) -> None:
+        self.run.checkpoint(self.model, self.optimizer, self.scheduler, step, self.state, self.elapsed())
 
 
 def device_name(device: torch.device) -> str:

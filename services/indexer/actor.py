@@ -29,6 +29,7 @@ from marge.corpus import Corpus
 from marge.index_store import latest_version, staging_dir, version_dirname
 from marge.metrics import StageMetrics
 from marge.paths import RunPaths
+from marge.protocol import VersionPlan
 from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
 from marge.utils import atomic_write_text, setup_logging
 from services.indexer.config import IndexerConfig
@@ -79,9 +80,10 @@ class IndexCoordinator:
     also when Ray restarts the actor with its original arguments.
     """
 
-    def __init__(self, cfg: IndexerConfig, paths: RunPaths, workers: list, floor: int = 0, seed: int = 0):
+    def __init__(self, cfg: IndexerConfig, paths: RunPaths, plan: VersionPlan, workers: list, floor: int = 0,
+                 seed: int = 0):
         setup_logging()
-        self.cfg, self.paths, self.seed = cfg, paths, seed
+        self.cfg, self.paths, self.plan, self.seed = cfg, paths, plan, seed
         self.workers = list(workers)  # the driver's first `num_workers`; `scale` adds and removes from the end
         self.wanted_workers = read_pool_size(paths) or len(self.workers)
         self.building: int | None = None  # the version being built (its pool is fixed)
@@ -120,7 +122,7 @@ class IndexCoordinator:
         for version in range(max(0, self.floor), newest + 2):
             if (self.paths.index / version_dirname(version) / "manifest.json").exists():
                 continue
-            if (self.paths.snapshots / snapshot_dirname(version * self.cfg.reindex_every) / "manifest.json").exists():
+            if (self.paths.snapshots / snapshot_dirname(self.plan.snapshot_step(version)) / "manifest.json").exists():
                 return version
         return None
 
@@ -177,7 +179,7 @@ class IndexCoordinator:
         with self._pool_lock:
             self.building = version
             self._apply_pool()
-        snapshot_step = version * self.cfg.reindex_every
+        snapshot_step = self.plan.snapshot_step(version)
         n = len(self.workers)
 
         def index_shards(shards: list[int], staging) -> list[dict]:  # the workers write into the staging folder

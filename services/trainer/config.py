@@ -32,6 +32,12 @@ class TrainerConfig:
     """Batches each rank accumulates per update (DDP all-reduces once, after the last)."""
     bf16: bool = False
     """bf16 autocast with fp32 master weights."""
+    loss_chunk_tokens: int = 0
+    """Target tokens whose output logits the training loss computes at a time (0: all at once). The loss and its
+    gradients are made chunk by chunk in one pass (`marge.model.fused_linear_nll`: 3 matmuls a chunk, as the
+    unchunked loss), so memory holds one chunk x vocabulary of logits, not every target token's: for the 250k
+    vocabulary of `paper` the logits are the largest tensor of a step. The loss and gradients are those of the
+    unchunked loss (tests/test_model.py). An execution setting: a resumed run may change it."""
     compile: bool = False
     """Train through `torch.compile` (dynamic shapes: a few graphs for every batch size, none broken by a device
     read). Worth it on a GPU; on a CPU the first updates pay the compilation."""
@@ -54,6 +60,7 @@ class TrainerConfig:
         positive(self, "num_workers", "lr", "grad_accum", "snapshot_every", "checkpoint_every", "keep_checkpoints",
                  "num_cpus_per_worker", "torch_threads", "adam_eps")
         at_least(self, "warmup_steps", 0)
+        at_least(self, "loss_chunk_tokens", 0)
         if self.total_steps is not None:
             positive(self, "total_steps")
         at_least(self, "weight_decay", 0)

@@ -179,6 +179,18 @@ def previous_classifier(directory: Path) -> tuple[list[str], dict[str, torch.Ten
     return labels_of(config), {k[len("classifier."):]: v for k, v in weights.items() if k.startswith("classifier.")}
 
 
+def refuse_classifier(checkpoint: str | None) -> None:
+    """A fine-tuned classifier's decoder was trained to feed its head, not to write text: translating with it
+    would print noise, so say which directory to use instead."""
+    config = Path(checkpoint) / "finetune_config.json" if checkpoint else None
+    if config is not None and config.is_file():
+        task = json.loads(config.read_text(encoding="utf-8")).get("task")
+        if task != "generation":
+            raise ValueError(f"{checkpoint} is a model fine-tuned for {task}, which cannot translate: use a pre-training "
+                             "checkpoint or a `marge finetune --task generation` directory (`marge eval finetuned` "
+                             "evaluates this one)")
+
+
 def freeze(model: Marge, embeddings: bool, decoder_layers: int) -> list[str]:
     """Stop gradients to the word embeddings and/or the first `decoder_layers` decoder layers (the paper's
     zero-shot transfer recipe: embeddings and 4 layers); returns the frozen parameters' names."""

@@ -35,6 +35,7 @@ import torch
 
 from marge.batch import Batch, SpecialTokens, max_text_tokens
 from marge.model import Marge
+from marge.prepare import read_documents
 from services.trainer.config import HealthConfig
 from services.trainer.inputs import to_model_inputs
 
@@ -52,13 +53,7 @@ class ProbeItem:
 def build_probe(documents_jsonl: Path, tokenizer, size: int = 32, max_evidence: int = 3, max_tokens: int = 128,
                 seed: int = 0) -> list[ProbeItem]:
     """A fixed probe set from a documents JSONL (one object per page and language, with `group`)."""
-    opener = gzip.open if str(documents_jsonl).endswith(".gz") else open
-    groups: dict[str, dict[str, str]] = {}
-    with opener(documents_jsonl, "rt", encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            if row["language"] in tokenizer.languages:
-                groups.setdefault(row.get("group", row.get("id")), {})[row["language"]] = row["text"]
+    groups = read_documents(Path(documents_jsonl), tokenizer.languages)
     rng = np.random.default_rng(seed)
     usable = sorted(g for g, langs in groups.items() if len(langs) >= 2)
     if len(usable) < 2:

@@ -1,69 +1,130 @@
-"""The trainer stage: the per-worker loop that Ray Train's TorchTrainer runs on every DDP rank.
+"""The training loop around the step, written once for both hosts: a DDP rank of the pipeline
+(`services.trainer.rank`) and the single process (`services.driver.single_process`).
 
-Each update s, told top to bottom in `Rank.run`:
+Each update s, told top to bottom in `TrainingLoop.run`:
 
-    next batches      every rank takes its `grad_accum` slots of update s from its source (its stream in the
-                      run's Redis, or memory), waiting for them; the ranks agree (one all-reduce) that all have
-                      them, or all stop (stop asked, time up)
-    forward/backward  each rank runs the objectives on its batches (`run_update`, the step the reference loop
-                      and the single process share; relevance recomputed with gradients from the batch tokens); a
-                      batch the model cannot take is left out (its place taken by a zero-weight substitute, so the
-                      update goes on) and kept with the reason; DDP averages the gradients
-    read              the update's figures (gradient norm, losses, the statistics all-reduced on the device) come
-                      back to the host in one copy: the only time an update waits for the device. When a batch's
-                      loss was not finite, every rank computes the update again without it (it is kept with the
-                      reason)
-    step              the optimizer steps (an update whose gradient is still not finite is skipped, its batches
-                      dead-lettered)
-    log               rank 0 writes one record for the update (every rank's slots, the mean loss)
-    snapshot          every `snapshot_every` updates rank 0 publishes g and measures retrieval health
-    checkpoint        every `checkpoint_every` updates all ranks report the training state (every rank's
-                      batches, the ones it left out, and RNG); once it is durable each rank dead-letters the
-                      ones it could not train and commits the rest: only then do they count (marge.protocol), so a crash anywhere
-                      loses none of them and counts none twice
+    next batches  `host.next_update(s)`: the batches of update s this process trains (a DDP rank: its slots from
+                  its source, once every rank has its own; the single process: every slot, prefetched), or None
+                  when the run must stop (stop asked, time up)
+    update        `run_update` (services.trainer.step): forward and backward of every batch, the update's figures
+                  read from the device in one copy (the statistics summed over the ranks on the device first), the
+                  optimizer step; a batch that cannot be trained is left out with the reason
+    record        the update's `UpdateRecord` (marge.train_log) over every rank (`host.gather`)
+    after         `host.after_update`: what the host keeps until the next checkpoint makes it count
+    snapshot      every `trainer.snapshot_every` updates the writer (rank 0; the single process) publishes g and
+                  measures retrieval health (`host.snapshot`)
+    log           the writer appends the record to train_log.jsonl and TensorBoard; `host.logged` (gauges, progress)
+    checkpoint    every `trainer.checkpoint_every` updates, at the last update and when the loop stops early:
+                  `host.checkpoint` (on DDP a collective: every rank takes part)
+
+What differs between the hosts is behind `LoopHost`: where batches come from, how figures cross ranks, what a
+snapshot triggers (the pipeline's indexer builds on its own; the single process builds the index in line) and
+how a checkpoint is made durable (Ray Train's report and the queue's commit; a folder in the run).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
-from marge.checkpoint import load_model_weights, rng_state, set_rng_state
-from marge.corpus import Corpus
-from marge.metrics import StageMetrics
-from marge.protocol import Delivery, Slots
-from marge.snapshot import publish_snapshot
+from marge.model import training_flops, training_flops_per_token
+from marge.protocol import Slots
 from marge.tensorboard import RunBoard
-from marge.utils import setup_logging
-from services.trainer.health import HealthMonitor, loggable
-from services.trainer.job import TrainerJob
-from services.trainer.objectives import objectives_for
-from services.trainer.source import source_for
-from services.trainer.state import report_checkpoint, resume, truncate_log
-from services.trainer.step import Backward, Item, UpdateFigures, build_optimizer, build_scheduler, compiled, run_update
+from marge.train_log import TrainLog, UpdateRecord
+from marge.veco import VecoConfig, veco_training_flops_per_token
+from services.trainer.config import TrainerConfig
+from services.trainer.objectives import Objectives
+from services.trainer.step import Backward, Item, UpdateFigures, run_update
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Throughput:
-    """Running totals for tokens/s and the share of time spent waiting for batches.
+class UpdateInput:
+    """The batches of one update this process trains, and what the host needs back about them."""
 
-    The clock starts when the first step's batches are in hand: the wait for the very first index
-    (start-up) is reported separately as `startup_wait_s`, not as steady-state waiting.
-    """
+    items: list[Item]
+    host_data: Any = None
+    """The host's own (a DDP rank: the deliveries, for commits and dead letters)."""
 
+
+class LoopHost(Protocol):
+    writes_log: bool
+    """This process writes the train log, snapshots and health (DDP rank 0; the single process)."""
+
+    def next_update(self, step: int) -> UpdateInput | None:
+        """The batches of update `step`, waiting for them; None: stop (on DDP every rank stops together)."""
+
+    def gather(self, part: list) -> list[list]:
+        """Every process's `part`, in rank order (one process: `[part]`)."""
+
+    def reduce(self, values: torch.Tensor) -> None:
+        """Sum `values` over the processes, in place, on its device (one process: nothing to do)."""
+
+    def after_update(self, step: int, update: UpdateInput, done: Backward, record: UpdateRecord) -> None:
+        """Update `step` is trained: keep what the next checkpoint makes count."""
+
+    def snapshot(self, step: int) -> dict:
+        """Writer only, every `snapshot_every` updates: publish g (with an index) and return retrieval health."""
+
+    def logged(self, record: UpdateRecord) -> None:
+        """Writer only: the record is in the train log (gauges, progress lines)."""
+
+    def checkpoint(self, step: int) -> None:
+        """Make the training state of update `step` durable."""
+
+
+@dataclass
+class Trainee:
+    """What the loop trains, and with what."""
+
+    model: nn.Module
+    """The model itself: snapshots and probes read it."""
+    trained: nn.Module
+    """What the updates run: the model, under DDP and/or torch.compile."""
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    objectives: Objectives
+    cfg: TrainerConfig
+    slots: Slots
+    device: torch.device
+    seed: int
+    specials: Any
+    max_steps: int
+    nan_loss_slot: int | None = None
+    """Test-only fault (marge.faults): this slot's loss is made NaN."""
+
+
+@dataclass
+class UpdateMeter:
+    """Tokens per second, the share of time spent waiting for batches, and model FLOPs utilisation.
+
+    The clock starts when the first update's batches are in hand: the wait for the very first index (start-up) is
+    `startup_wait_s`, not steady-state waiting. MFU divides the FLOPs of every pass this process's updates made
+    (augmented copies included: `PreparedBatch.work`) by the updates' own time, not the wall clock (probes,
+    snapshots, index builds and checkpoints between updates are not the trainer's work), and by the device's peak
+    (`peak_flops`: known GPUs only)."""
+
+    model_cfg: Any
+    peak_flops: float | None = None
     started: float | None = None
     startup_wait_s: float = 0.0
     wait_s: float = 0.0
+    updates: int = 0
     tokens: int = 0
     target_tokens: int = 0
+    step_seconds: float = 0.0
+    flops: float = 0.0
+    _is_veco: bool = field(init=False)
+
+    def __post_init__(self):
+        self._is_veco = isinstance(self.model_cfg, VecoConfig)
 
     def waited(self, seconds: float) -> None:
         if self.started is None:
@@ -72,243 +133,125 @@ class Throughput:
         else:
             self.wait_s += seconds
 
-    def snapshot(self) -> dict:
+    def add(self, record: UpdateRecord, local_target_tokens: int, work: dict[str, int] | None) -> None:
+        self.updates += 1
+        self.tokens += record.tokens
+        self.target_tokens += record.target_tokens
+        self.step_seconds += record.step_seconds
+        if self.peak_flops is None:
+            return
+        if self._is_veco:  # target tokens = the pairs' text, each read by 4 passes (counted in the per-token FLOPs)
+            self.flops += local_target_tokens * veco_training_flops_per_token(self.model_cfg)
+        elif work is not None:
+            self.flops += training_flops(self.model_cfg, work["target"], work["evidence"], work["relevance"])
+        else:
+            self.flops += local_target_tokens * training_flops_per_token(self.model_cfg)
+
+    def rates(self) -> dict:
         elapsed = max(time.perf_counter() - (self.started or time.perf_counter()), 1e-9)
-        return {"tokens_per_s": self.tokens / elapsed, "target_tokens_per_s": self.target_tokens / elapsed,
-                "wait_share": self.wait_s / elapsed, "elapsed_s": elapsed, "startup_wait_s": self.startup_wait_s}
+        out = {"tokens_per_s": self.tokens / elapsed, "target_tokens_per_s": self.target_tokens / elapsed,
+               "wait_share": self.wait_s / elapsed, "elapsed_s": elapsed, "startup_wait_s": self.startup_wait_s}
+        if self.peak_flops:
+            out["mfu"] = self.flops / max(self.step_seconds, 1e-9) / self.peak_flops
+        return out
 
 
-HEALTH_GAUGES = {
-    "evidence_gain": "Probe loss with shuffled minus with true evidence (nats/token)",
-    "copy_gain": "Probe loss with shuffled evidence minus with a noised copy of the target",
-    "relevance_cos_true": "Mean f(target, its true evidence) on the probe set",
-    "relevance_cos_shuffled": "Mean f(target, unrelated evidence) on the probe set",
-    "g_spread": "Mean cosine of g between unrelated probe documents",
-    "heldout_p_at_1": "Held-out cross-lingual retrieval P@1, mean over directions",
-    "aligned_evidence_gain": "Aligned probe: held-out paragraphs' loss with unrelated minus with their translations (nats/token)",
-    "aligned_evidence_gain_per_char": "Aligned probe's evidence gain per target character (nats/char)",
-}
+class TrainingLoop:
+    """Updates from `step` until `trainee.max_steps` or until the host says stop (see the module docstring)."""
 
+    def __init__(self, trainee: Trainee, host: LoopHost, train_log: TrainLog, board: RunBoard, meter: UpdateMeter):
+        self.t, self.host, self.train_log, self.board, self.meter = trainee, host, train_log, board, meter
+        self.names = [p.name for p in trainee.objectives.plugins]
 
-def trainer_metrics(run: str, rank: int, with_health: bool) -> StageMetrics:
-    m = StageMetrics("trainer", run, worker=str(rank), rank=str(rank))
-    m.counter("marge_batches_trained", "Batches trained (they count once the next checkpoint is durable)")
-    m.gauge("marge_trainer_tokens_per_second", "Evidence + target tokens per second")
-    m.gauge("marge_trainer_loss", "Mean target-token NLL of the last step")
-    m.gauge("marge_trainer_beta", "Relevance bias weight beta")
-    m.gauge("marge_trainer_step", "Optimizer updates done")
-    m.gauge("marge_trainer_wait_share", "Share of trainer time spent waiting for batches")
-    m.histogram("marge_batch_staleness_steps", "Trainer step minus the batch's snapshot step",
-                [1, 10, 100, 1000, 10000, 100000])
-    for name, description in HEALTH_GAUGES.items() if with_health else ():
-        m.gauge(f"marge_{name}", description)
-    return m
-
-
-def process_group_backend(use_gpu: bool) -> str:
-    """The DDP process group's backend per device type. On GPUs: NCCL for CUDA tensors and gloo for CPU ones (an
-    NCCL-only group refuses a CPU tensor, "No backend type associated with device type cpu", and picklable
-    objects gathered with `all_gather_object` are CPU-side); on CPUs: gloo."""
-    return "cpu:gloo,cuda:nccl" if use_gpu else "gloo"
-
-
-def train_loop_per_worker(config: dict) -> None:
-    """Ray Train's entry point on every rank: `config["job"]` is the `TrainerJob`."""
-    setup_logging()
-    Rank(config["job"]).run()
-
-
-class Rank:
-    """One DDP rank's part of the run: its model, optimizer, objectives and source, and the loop over updates."""
-
-    def __init__(self, job: TrainerJob):
-        import ray.train
-        import ray.train.torch
-
-        ctx = ray.train.get_context()
-        self.job, self.rank, self.world = job, ctx.get_world_rank(), ctx.get_world_size()
-        t = job.trainer
-        if self.world != t.num_workers:
-            raise RuntimeError(f"{self.world} trainer ranks, but trainer.num_workers is {t.num_workers}")
-        self.slots = Slots(t.num_workers, t.grad_accum)
-        torch.set_num_threads(t.torch_threads)
-        torch.manual_seed(job.seed + self.rank)
-        self.device = ray.train.torch.get_device()
-        if job.faults.trace_collectives:  # a probe for CPU tests of the GPU path (marge.faults)
-            from services.trainer.trace import trace_collectives
-
-            trace_collectives(job.faults.trace_collectives, self.rank, self.device)
-        corpus = Corpus.open(job.paths.corpus, verify_checksums=False)
-        self.corpus_root, self.tokenizer = corpus.root, corpus.tokenizer()
-        self.model = load_model_weights(job.paths.init_weights).to(self.device)
-        self.optimizer = build_optimizer(self.model, t)
-        self.scheduler = build_scheduler(self.optimizer, t, job.max_steps)
-        resumed = resume(self.model, self.optimizer, self.scheduler, self.device, self.rank, job.resume_from,
-                         job.paths.checkpoints)
-        self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
-        if self.step:
-            log.info("rank %d resumed at update %d", self.rank, self.step)
-        if self.rank == 0:
-            truncate_log(job.paths.train_log, self.step)  # lines of updates the checkpoint does not hold
-        # DDP (gloo on CPU, NCCL on GPU), under torch.compile with trainer.compile
-        self.ddp_model = compiled(ray.train.torch.prepare_model(self.model), t.compile)
-        corpus_tokens = corpus.all_tokens() if job.objectives.needs_corpus else None
-        self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens)
-        self.source = source_for(job, self.rank)
-        self.source.progress(self.step)  # a resumed rank: the batcher may write up to `lookahead` past it
-        self.committed = [(n, b) for n, b in resumed.trained if self.slots.rank_of(n) == self.rank]
-        """(slot, batch id) of this rank's last commit: committed again with the next one (commits are
-        idempotent), so a commit a Redis restart lost, or a crash cut off, is made good."""
-        if self.step:  # dead letters first: a commit trims the stream that holds their batches
-            for slot, fields, reason in resumed.dead:
-                if self.slots.rank_of(slot) == self.rank:
-                    self.source.dead_letter(Delivery(slot, None, fields), reason)
-            self.source.commit(self.step, self.committed)
-        self.metrics = trainer_metrics(job.paths.name, self.rank, with_health=self.rank == 0)
-        self.health = HealthMonitor(job.health, job.heldout_pairs, self.tokenizer, seed=job.seed) \
-            if self.rank == 0 and job.objectives.model_family == "marge" else None
-        """Retrieval and evidence probes of g and the decoder: for the MARGE model (a BART run's too)."""
-        self.board = RunBoard(job.paths.run_dir, "trainer", job.tensorboard and self.rank == 0)
-        """Rank 0's TensorBoard writer (run.tensorboard): every update's record."""
-        self.uncommitted: list[tuple[int, str]] = []
-        """(slot, batch id) this rank trained since the last durable checkpoint."""
-        self.uncommitted_dead: list[tuple[Delivery, str]] = []
-        """Deliveries this rank could not train since the last durable checkpoint, and why."""
-        if resumed.rng is not None:  # last: a resumed rank draws what the uninterrupted run would have drawn
-            set_rng_state(resumed.rng)
-
-    def run(self) -> None:
-        job, t = self.job, self.job.trainer
-        speed, last_metrics, last_checkpoint = Throughput(), {}, self.step
-        while self.step < job.max_steps:
+    def run(self, step: int) -> int:
+        """Train from update `step`; returns the number of updates done when it stopped."""
+        t, host = self.t, self.host
+        last_checkpoint = step
+        while step < t.max_steps:
             t_wait = time.perf_counter()
-            deliveries = self.take_deliveries()
-            speed.waited(time.perf_counter() - t_wait)
-            if deliveries is None:
-                log.info("rank %d stopping at update %d (stop requested or time up)", self.rank, self.step)
+            update = host.next_update(step)
+            self.meter.waited(time.perf_counter() - t_wait)
+            if update is None:
+                log.info("stopping at update %d (stop requested or time up)", step)
                 break
             t_step = time.perf_counter()
-            items = [Item(d.slot, d.batch, d.problem) for d in deliveries]
-            lr = self.optimizer.param_groups[0]["lr"]
-            names = [p.name for p in self.objectives.plugins]
-            done, read = run_update(self.ddp_model, self.optimizer, self.scheduler, self.objectives, items, self.slots, t,
-                                    self.device, job.seed, self.model.cfg, self.tokenizer.specials,
-                                    job.faults.nan_loss_slot,
-                                    figures=lambda done: update_statistics(deliveries, done, names, self.device))
-            by_slot = {d.slot: d for d in deliveries}
-            self.uncommitted_dead.extend((by_slot[slot], f"update {self.step}: {reason}") for slot, reason in done.dead_lettered)
-            self.step += 1
-            self.source.progress(self.step)
-            self.uncommitted.extend(done.trained)
-            record = step_record(self.step, deliveries, done, read, lr, self.world, t_step, self.objectives.primary, names)
-            speed.tokens += record["tokens"]
-            speed.target_tokens += record["target_tokens"]
-            self.tokens_seen += record["target_tokens"]
-            for d in deliveries:
-                if d.batch is not None and d.batch.snapshot_step >= 0:  # batches without an index have none
-                    self.metrics.observe("marge_batch_staleness_steps", self.step - 1 - d.batch.snapshot_step)
-            self.metrics.inc("marge_batches_trained", len(done.trained))
-            if self.rank == 0:
-                record.update(speed.snapshot(), time=time.time())
-                last_metrics = {"step": self.step, "loss": record["loss"], **speed.snapshot()}
-                if self.step % t.snapshot_every == 0:
-                    if job.objectives.needs_index:  # the indexer's input
-                        publish_snapshot(job.paths.snapshots, self.model, self.step, self.tokenizer.sha256)
-                    if self.health is not None:
-                        record["health"] = self.health.measure(self.model, self.device)
-                        log.info("health at step %d: %s", self.step, loggable(record["health"]))
-                log_step(record, self.metrics, job, self.source)
+            lr = t.optimizer.param_groups[0]["lr"]
+            done, read = run_update(
+                t.trained, t.optimizer, t.scheduler, t.objectives, update.items, t.slots, t.cfg, t.device, t.seed,
+                t.model.cfg, t.specials, t.nan_loss_slot,
+                figures=lambda done: update_statistics(update.items, done, self.names, t.device, host.reduce))
+            seconds = time.perf_counter() - t_step
+            step += 1
+            record = self.update_record(step, update, done, read, lr, seconds)
+            self.meter.add(record, sum(read.target_tokens), self.work(update, done))
+            host.after_update(step, update, done, record)
+            if host.writes_log:
+                record.time = time.time()
+                for name, value in self.meter.rates().items():
+                    setattr(record, name, value)
+                if step % t.cfg.snapshot_every == 0:
+                    record.health = host.snapshot(step) or None
+                self.train_log.append(record)
                 self.board.step(record)
-            if self.step % t.checkpoint_every == 0 or self.step >= job.max_steps:
-                self.checkpoint(last_metrics)
-                last_checkpoint = self.step
-        if self.step > last_checkpoint:  # stopped early: still checkpoint the last completed update (all ranks)
-            self.checkpoint(last_metrics)
-        self.board.close()
+                host.logged(record)
+            if step % t.cfg.checkpoint_every == 0 or step >= t.max_steps:
+                host.checkpoint(step)
+                last_checkpoint = step
+        if step > last_checkpoint:  # stopped early: still checkpoint the last completed update
+            host.checkpoint(step)
+        return step
 
-    def take_deliveries(self) -> list[Delivery] | None:
-        """This rank's deliveries of the current update, or None when any rank cannot get its own (all stop)."""
-        deliveries = []
-        for micro in range(self.slots.grad_accum):
-            delivery = self.source.get(self.slots.slot(self.step, self.rank, micro))
-            if delivery is None:
-                break
-            deliveries.append(delivery)
-        ready = torch.tensor([1.0 if len(deliveries) == self.slots.grad_accum else 0.0])
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN)  # a host decision on a host tensor (gloo): no device sync
-        return deliveries if ready.item() == 1 else None  # nothing trained: the same slots are read again later
+    def update_record(self, step: int, update: UpdateInput, done: Backward, read: UpdateFigures, lr: float,
+                      seconds: float) -> UpdateRecord:
+        """The update over every rank: every rank's slots and batches (gathered), the mean loss of the primary
+        objective and of each objective over the batches trained, and token counts (from the statistics every rank
+        read back with the update's figures)."""
+        kept = {slot for slot, _ in done.trained}
+        stats = read.extra["stats"]
+        names = self.names
+        skipped = not math.isfinite(read.grad_norm)  # every rank skipped it: no batch of it counts
+        means = {name: float("nan") if skipped else stats[2 + i] / max(1.0, stats[2 + len(names) + i])
+                 for i, name in enumerate(names)}
+        mine = [(item.slot, item.batch.batch_id if item.batch else None,
+                 item.batch.index_version if item.batch else -1, item.batch.snapshot_step if item.batch else -1,
+                 item.slot in kept) for item in update.items]
+        flat = sorted(entry for part in self.host.gather(mine) for entry in part)
+        snapshot_steps = [s for _, _, _, s, _ in flat if s >= 0]
+        return UpdateRecord(
+            step=step, loss=means[self.t.objectives.primary], objectives=means, lr=lr, grad_norm=read.grad_norm,
+            beta=read.beta, slots=[n for n, *_ in flat], batch_ids=[b for _, b, *_ in flat],
+            dead_lettered=[n for n, _, _, _, ok in flat if not ok],
+            index_versions=sorted({v for _, _, v, _, _ in flat if v >= 0}),
+            snapshot_steps=sorted(set(snapshot_steps)),
+            staleness_max=max((step - 1 - s for s in snapshot_steps), default=0), step_seconds=seconds,
+            tokens=0 if skipped else int(stats[0]), target_tokens=0 if skipped else int(stats[1]))
 
-    def checkpoint(self, metrics: dict) -> None:
-        """Report the state (every rank's uncommitted batches and RNG), then commit this rank's batches."""
-        gathered: list = [None] * self.world
-        dead = [(d.slot, d.fields, reason) for d, reason in self.uncommitted_dead]
-        dist.all_gather_object(gathered, {"trained": self.uncommitted, "dead": dead, "rng": rng_state()})
-        report_checkpoint(self.rank, self.step, self.model, self.optimizer, self.scheduler, self.corpus_root,
-                          [item for part in gathered for item in part["trained"]],
-                          [item for part in gathered for item in part["dead"]], [part["rng"] for part in gathered],
-                          self.tokens_seen, metrics, self.job)
-        dist.barrier()  # ranks other than 0 return from report before rank 0's upload is done: commit after it
-        for delivery, reason in self.uncommitted_dead:  # before the commit, which trims the stream below the update
-            self.source.dead_letter(delivery, reason)
-        self.source.commit(self.step, self.committed + self.uncommitted)
-        self.committed, self.uncommitted, self.uncommitted_dead = self.uncommitted, [], []
+    def work(self, update: UpdateInput, done: Backward) -> dict[str, int] | None:
+        """The passes this process's trained batches made (MFU's numerator), when MFU is measured."""
+        if self.meter.peak_flops is None:
+            return None
+        kept = {slot for slot, _ in done.trained}
+        prepared = [item.prepared for item in update.items if item.slot in kept and item.prepared is not None]
+        if not prepared:
+            return None
+        pad = self.t.specials.pad_id
+        works = [p.work(pad) for p in prepared]
+        return {k: sum(w[k] for w in works) for k in ("target", "evidence", "relevance")}
 
 
-def update_statistics(deliveries: list[Delivery], done: Backward, names: list[str],
-                      device: torch.device | str) -> dict[str, torch.Tensor]:
-    """This rank's part of an update's statistics, summed over the ranks on the model's device (no host read; they are
-    read back with the update's other figures): `stats` = [evidence + target tokens, target tokens, each objective's
-    loss summed over the trained batches, each objective's count of batches], and the count of batches whose
-    objective was not finite (`nonfinite_losses`, which makes every rank agree on a second pass)."""
+def update_statistics(items: list[Item], done: Backward, names: list[str], device: torch.device | str,
+                      reduce: Callable[[torch.Tensor], None]) -> dict[str, torch.Tensor]:
+    """This process's part of an update's statistics, summed over the processes on the model's device by `reduce`
+    (no host read: they come back with the update's other figures): `stats` = [evidence + target tokens, target
+    tokens, each objective's loss summed over the trained batches, each objective's count of batches], and the count
+    of batches whose objective was not finite (`nonfinite_losses`, which makes every rank agree on a second pass)."""
     kept = {slot for slot, _ in done.trained}
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    cost = torch.tensor([float(sum(d.batch.cost_tokens() for d in deliveries if d.slot in kept))], dtype=torch.float64)
+    cost = torch.tensor([float(sum(i.batch.cost_tokens() for i in items if i.slot in kept))], dtype=torch.float64)
     counts = torch.tensor([float(sum(1 for p in done.losses if n in p)) for n in names], dtype=torch.float64)
     target = sum((torch.as_tensor(n).to(device, torch.float64) for n in done.target_tokens), zero)
     sums = [sum((p[n].to(torch.float64) for p in done.losses if n in p), zero) for n in names]
     nonfinite = sum(((~torch.isfinite(o)).to(torch.float64) for o in done.objective), zero)
     stats = torch.cat([cost.to(device), target.reshape(1), torch.stack(sums), counts.to(device), nonfinite.reshape(1)])
-    dist.all_reduce(stats)  # on the model's device: NCCL's own on GPUs
+    reduce(stats)  # on the model's device: NCCL's own on GPUs
     return {"stats": stats[:-1], "nonfinite_losses": stats[-1:]}
-
-
-def step_record(step: int, deliveries: list[Delivery], done: Backward, read: UpdateFigures, lr: float, world: int,
-                t_step: float, primary: str = "marge", objectives: list[str] | None = None) -> dict:
-    """One update's record across ranks: every rank's slots and batches, the mean loss of the primary objective
-    (`loss`) and of each objective (`objectives`) over the batches trained, token counts (from the statistics every
-    rank read back with the update's figures; rank 0 writes it)."""
-    kept = {slot for slot, _ in done.trained}
-    names = objectives or [primary]
-    stats = read.extra["stats"]
-    skipped = not math.isfinite(read.grad_norm)  # every rank skipped it: no batch of it counts
-    means = {name: float("nan") if skipped else stats[2 + i] / max(1.0, stats[2 + len(names) + i])
-             for i, name in enumerate(names)}
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, [(d.slot, d.batch.batch_id if d.batch else None,
-                                       d.batch.index_version if d.batch else -1, d.batch.snapshot_step if d.batch else -1,
-                                       d.slot in kept) for d in deliveries])
-    flat = sorted(item for part in gathered for item in part)
-    snapshot_steps = [s for _, _, _, s, _ in flat if s >= 0] or [step - 1]
-    return {"step": step, "loss": means[primary], "objectives": means, "lr": lr, "grad_norm": read.grad_norm,
-            "beta": read.beta, "slots": [n for n, _, _, _, _ in flat],
-            "batch_ids": [b for _, b, _, _, _ in flat], "dead_lettered": [n for n, _, _, _, ok in flat if not ok],
-            "index_versions": sorted({v for _, _, v, _, _ in flat if v >= 0}),
-            "snapshot_steps": sorted(set(snapshot_steps)), "staleness_max": max(step - 1 - s for s in snapshot_steps),
-            "step_seconds": time.perf_counter() - t_step, "tokens": 0 if skipped else int(stats[0]),
-            "target_tokens": 0 if skipped else int(stats[1])}
-
-
-def log_step(record: dict, metrics: StageMetrics, job: TrainerJob, source) -> None:
-    """Rank 0: the update's gauges, its line in train_log.jsonl, and its record for the driver's progress."""
-    metrics.set("marge_trainer_loss", record["loss"])
-    if record["beta"]:
-        metrics.set("marge_trainer_beta", sum(record["beta"]) / len(record["beta"]))
-    metrics.set("marge_trainer_step", record["step"])
-    metrics.set("marge_trainer_tokens_per_second", record["tokens_per_s"])
-    metrics.set("marge_trainer_wait_share", record["wait_share"])
-    for name in HEALTH_GAUGES:
-        if name in record.get("health", {}):
-            metrics.set(f"marge_{name}", record["health"][name])
-    with open(job.paths.train_log, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-    source.publish(record)

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from marge.batch import Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels
+from marge.batch import ENCODER_SPECIALS, Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels
 from marge.config import ConfigError, FieldError, at_least, one_of, positive, within
 from marge.model import Marge, pad_rows
 from marge.veco import mlm_mask
@@ -406,7 +406,7 @@ class VecoObjective:
     def loss(self, model: torch.nn.Module, inputs: Tensors) -> tuple[Tensor, Tensor]:
         out = model(inputs["x_in_BS"], inputs["x_labels_BS"], inputs["y_in_BS"], inputs["y_labels_BS"])
         text_tokens = ((inputs["x_in_BS"] != self.specials.pad_id).sum() + (inputs["y_in_BS"] != self.specials.pad_id).sum()
-                       - 2 * 2 * inputs["x_in_BS"].shape[0])  # without BOS and EOS
+                       - 2 * ENCODER_SPECIALS * inputs["x_in_BS"].shape[0])  # x and y rows, without BOS and EOS
         return out.loss, text_tokens
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -11,7 +10,6 @@ from pathlib import Path
 
 from marge.checkpoint import (CheckpointError, checkpoint_dir_name, newest_good_checkpoint, read_manifest,
                               restore_training, save_checkpoint)
-from marge.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -82,22 +80,6 @@ def checkpoint_step(path) -> int:
         return int(read_manifest(Path(path), verify=False)["step"])
     except (CheckpointError, OSError, ValueError, KeyError):
         return -1
-
-
-def truncate_log(path: Path, step: int) -> None:
-    """Drop train_log.jsonl lines of updates after `step` (a crash left them; the resumed run writes them again)."""
-    if not Path(path).exists():
-        return
-    lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    kept = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (ValueError, KeyError):  # a torn last line from a crash mid-write
-            continue
-    if len(kept) != len(lines):
-        atomic_write_text(Path(path), "".join(line + "\n" for line in kept))
 
 
 def report_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenizer_dir: Path,

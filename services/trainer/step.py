@@ -80,6 +80,14 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig, fused: bool | None = N
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=fused)
 
 
+def apply_execution_settings(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
+    """The trainer's settings that change how the model computes, not what: the loss's chunking over the
+    vocabulary (`trainer.loss_chunk_tokens`; a model without a chunked loss, VECO's, ignores it)."""
+    if hasattr(model, "loss_chunk_tokens"):
+        model.loss_chunk_tokens = cfg.loss_chunk_tokens
+    return model
+
+
 def compiled(model: nn.Module, enabled: bool, backend="inductor") -> nn.Module:
     """The model (or its DDP wrapper) to train with (`trainer.compile`): under `torch.compile` with dynamic shapes,
     so that batches of every size share a few graphs (one per key layout) instead of one each; the forward reads

@@ -7,7 +7,10 @@
     tokenizer.model/.json the tokenizer the model was trained with
     manifest.json         written last: format, step, sha256 of every file
 
-`marge eval retrieval --checkpoint PATH` and friends accept such a folder.
+`marge eval retrieval --checkpoint PATH` and friends accept such a folder. Unlike the other artifacts, a
+checkpoint is written in place, into a folder its caller provides (a temporary one `atomic_directory` renames, or
+the one Ray Train uploads); the manifest, written last (marge.artifacts), is what makes it a checkpoint. This
+module keeps the schema: which files, which manifest fields.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from safetensors.torch import load_file, save_file
 
 from torch import nn
 
+from marge import artifacts
 from marge.model import Marge, MargeConfig
-from marge.utils import atomic_write_text, sha256_file
+from marge.utils import atomic_write_text
 from marge.veco import FAMILY, Veco, VecoConfig
 
 log = logging.getLogger(__name__)
@@ -38,7 +42,10 @@ CHECKPOINT_VERSION = 1
 FILES = ("model.safetensors", "model_config.json", "training_state.pt", "tokenizer.model", "tokenizer.json")
 
 
-class CheckpointError(ValueError):
+HINT = "; pass the folder `marge pretrain` printed as `checkpoint`"
+
+
+class CheckpointError(artifacts.ArtifactError):
     pass
 
 
@@ -101,33 +108,21 @@ def save_checkpoint(directory: Path, model: Marge, optimizer, scheduler, step: i
 
 def write_manifest(directory: Path, fmt: str, files: tuple[str, ...], **extra: Any) -> None:
     """The manifest that makes a folder complete, written last: its format, the sha256 of each of `files`."""
-    manifest = {"format": fmt, "version": CHECKPOINT_VERSION, **extra, "created_unix": time.time(),
-                "sha256": {name: sha256_file(Path(directory) / name) for name in files}}
-    atomic_write_text(Path(directory) / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    artifacts.write_manifest(directory, {
+        "format": fmt, "version": CHECKPOINT_VERSION, **extra, "created_unix": time.time(),
+        "sha256": artifacts.file_sha256s(directory, files, what="checkpoint", error=CheckpointError)})
 
 
 def read_manifest(directory: Path, verify: bool = True, formats: tuple[str, ...] = (CHECKPOINT_FORMAT,)) -> dict[str, Any]:
     """A folder's manifest, checked to be one of `formats` and (with `verify`) to match every file's sha256."""
     directory = Path(directory)
-    path = directory / "manifest.json"
-    if not path.exists():
-        raise CheckpointError(f"{path} is missing: {directory} is not a complete MARGE checkpoint "
-                              "(pass the folder printed as `checkpoint` by `marge pretrain`)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # torn by a crash mid-upload (storage copies files in no fixed order)
-        raise CheckpointError(f"{path} cannot be read ({e}): an incomplete checkpoint") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("sha256"), dict):
-        raise CheckpointError(f"{path}: not a {CHECKPOINT_FORMAT} manifest")
-    if manifest.get("format") not in formats or manifest.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"{path}: not a version-{CHECKPOINT_VERSION} {' or '.join(formats)} manifest "
-                              f"(it says {manifest.get('format')!r} version {manifest.get('version')!r})")
+    manifest = artifacts.read_manifest(directory, formats, (CHECKPOINT_VERSION,), fields=("sha256",),
+                                       what="MARGE checkpoint", hint=HINT, error=CheckpointError)
+    if not isinstance(manifest["sha256"], dict):
+        raise CheckpointError(f"{directory / artifacts.MANIFEST}: field 'sha256' is {manifest['sha256']!r}, expected "
+                              "a mapping of file name to sha256")
     if verify:
-        for name, digest in manifest["sha256"].items():
-            if not (directory / name).is_file():
-                raise CheckpointError(f"{directory / name} is missing (an incomplete checkpoint)")
-            if sha256_file(directory / name) != digest:
-                raise CheckpointError(f"{directory / name}: sha256 does not match the manifest (corrupt checkpoint)")
+        artifacts.verify_checksums(directory, manifest["sha256"], what="MARGE checkpoint", error=CheckpointError)
     return manifest
 
 
@@ -149,17 +144,15 @@ def checkpoint_dir_name(root: Path, step: int) -> str:
     return name if attempt == 0 else f"{name}-{attempt}"
 
 
+CHECKPOINTS = artifacts.Series("step-*", checkpoint_order, what="checkpoint", error=CheckpointError)
+"""Checkpoint folders under a run's checkpoint root: no LATEST (the newest good one is searched for), and Ray
+Train, or the single process, prunes them."""
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """The `step-*` checkpoints under `root` that have a manifest, oldest first (not verified); of two attempts at
     one update, the later one last."""
-    found = []
-    for p in Path(root).glob("step-*"):
-        try:
-            if (p / "manifest.json").exists():
-                found.append((checkpoint_order(p), p))
-        except CheckpointError:
-            continue
-    return [p for _, p in sorted(found)]
+    return CHECKPOINTS.versions(root)
 
 
 def newest_good_checkpoint(root: Path) -> Path | None:

@@ -153,12 +153,14 @@ def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
-    """'section.key=value' strings, the value parsed as YAML (numbers, booleans, lists, mappings)."""
+def parse_overrides(overrides: Iterable[str],
+                    form: str = "section.key=value (e.g. run.max_steps=200)") -> list[tuple[str, Any]]:
+    """'section.key=value' strings, the value parsed as YAML (numbers, booleans, lists, mappings); `form` is what an
+    error says an override must look like (`marge info --set` takes model fields: key=value)."""
     out = []
     for text in overrides:
         if "=" not in text:
-            raise ConfigError(f"override {text!r} must look like section.key=value (e.g. run.max_steps=200)")
+            raise ConfigError(f"override {text!r} must look like {form}")
         key, raw = text.split("=", 1)
         try:
             out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))

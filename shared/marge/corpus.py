@@ -1,6 +1,7 @@
 """The prepared corpus: versioned Parquet shards plus a manifest, and a reader that validates both.
 
-Layout of a prepared corpus folder (written by `marge prepare`, atomically, manifest last):
+Layout of a prepared corpus folder (written by `marge prepare` the way every artifact is, marge.artifacts: in a
+temporary folder renamed into place, manifest last):
 
     manifest.json               format, schema version, shards with row counts and sha256, tokenizer
     tokenizer.model / .json     the SentencePiece model the `tokens` column was made with
@@ -27,7 +28,6 @@ One row per document chunk (a "document" in the paper's sense: <= max_chunk_toke
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +37,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from marge import artifacts
 from marge.languages import ISO_639_1
 from marge.utils import sha256_file
 
@@ -63,6 +64,8 @@ CORPUS_SCHEMA = pa.schema(
     [*CORPUS_SCHEMA_V1, pa.field("paragraph_ids", pa.list_(pa.field("item", pa.string(), nullable=False)), nullable=False)],
     metadata={b"marge.format": CORPUS_FORMAT.encode(), b"marge.schema_version": str(CORPUS_SCHEMA_VERSION).encode()})
 SCHEMAS = {1: CORPUS_SCHEMA_V1, 2: CORPUS_SCHEMA}
+MANIFEST_FIELDS = ("shards", "tokenizer", "languages", "num_documents")
+REBUILD = ". Re-run `marge prepare` to rebuild the corpus."
 
 
 def split_paragraphs(text: str) -> list[str]:
@@ -72,7 +75,7 @@ def split_paragraphs(text: str) -> list[str]:
     return [p for p in paras if p]
 
 
-class CorpusError(ValueError):
+class CorpusError(artifacts.ArtifactError):
     """A corpus file is missing, corrupt or does not follow the schema. The message names the file."""
 
 
@@ -114,7 +117,7 @@ class ShardDocuments:
 
 
 def _fail(path: Path, problem: str) -> CorpusError:
-    return CorpusError(f"{path}: {problem}. Re-run `marge prepare` to rebuild the corpus.")
+    return CorpusError(f"{path}: {problem}{REBUILD}")
 
 
 class Corpus:
@@ -129,22 +132,9 @@ class Corpus:
     @classmethod
     def open(cls, root: Path | str, verify_checksums: bool = True) -> "Corpus":
         root = Path(root)
-        path = root / "manifest.json"
-        if not path.exists():
-            hint = " (a half-written corpus has no manifest)" if root.exists() else ""
-            raise CorpusError(f"{path} not found{hint}: run `marge prepare INPUT --out {root}` first")
-        try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise _fail(path, f"not valid JSON ({e})") from None
-        if manifest.get("format") != CORPUS_FORMAT:
-            raise _fail(path, f"format is {manifest.get('format')!r}, expected {CORPUS_FORMAT!r}")
-        if manifest.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
-            raise _fail(path, f"schema_version {manifest.get('schema_version')!r} is not supported "
-                              f"(this marge reads versions {list(READABLE_SCHEMA_VERSIONS)})")
-        for key in ("shards", "tokenizer", "languages", "num_documents"):
-            if key not in manifest:
-                raise _fail(path, f"field {key!r} is missing")
+        manifest = artifacts.read_manifest(
+            root, CORPUS_FORMAT, READABLE_SCHEMA_VERSIONS, version_field="schema_version", fields=MANIFEST_FIELDS,
+            what="prepared corpus", hint=f"; run `marge prepare INPUT --out {root}` to (re)build it", error=CorpusError)
         corpus = cls(root, manifest, verify_checksums)
         for info in corpus.shards:
             if not (root / info.file).exists():
@@ -180,8 +170,9 @@ class Corpus:
         info = self.shards[shard]
         path = self.root / info.file
         verify = self.verify_checksums if verify_checksum is None else verify_checksum
-        if verify and sha256_file(path) != info.sha256:
-            raise _fail(path, "sha256 differs from manifest.json (the file is corrupt or was modified)")
+        if verify:
+            artifacts.verify_checksums(self.root, {info.file: info.sha256}, what="prepared corpus", hint=REBUILD,
+                                       error=CorpusError)
         try:
             table = pq.read_table(path)
         except (pa.ArrowInvalid, OSError) as e:

@@ -76,6 +76,52 @@ def read_pairs(path: Path, languages=None) -> list[PairSet]:
     return list(groups.values())
 
 
+def read_document_pairs(path: Path, src: str, tgt: str, limit: int | None = None) -> list[tuple[str, str]]:
+    """(source text, reference text) for every group that has both languages in a documents JSONL
+    (`marge.prepare.read_documents`), in group order; the first `limit` of them."""
+    from marge.prepare import read_documents
+
+    by_group = read_documents(Path(path), {src, tgt})
+    pairs = [(langs[src], langs[tgt]) for _, langs in sorted(by_group.items()) if src in langs and tgt in langs]
+    if not pairs:
+        raise ValueError(f"{path}: no group has documents in both {src!r} and {tgt!r}")
+    return pairs[:limit] if limit else pairs
+
+
+def load_eval_model(checkpoint: str | Path | None = None, snapshot: str | Path | None = None,
+                    corpus: str | Path | None = None, random_init: bool = False, seed: int = 0, model_config=None):
+    """(model, tokenizer, label) to evaluate, from the first source given: a snapshot's relevance encoder (the
+    tokenizer from `corpus`); a checkpoint's model (its manifest checked first), or with `random_init` an untrained
+    model of the checkpoint's family and shape, with its tokenizer; an untrained model of `model_config(vocab_size=)`
+    (a run config's `model_config`) with the prepared `corpus`'s tokenizer. Untrained weights are drawn with `seed`.
+    The label says which: "snapshot step N", "trained" or "random init"."""
+    from marge.checkpoint import build_model, load_model
+    from marge.snapshot import load_relevance_encoder, read_snapshot
+    from marge.tokenizer import MargeTokenizer
+
+    if snapshot:
+        info = read_snapshot(Path(snapshot))
+        tokenizer = MargeTokenizer.load(Path(corpus)) if corpus else None
+        if tokenizer is None:
+            raise ValueError("--snapshot needs --corpus (the tokenizer lives with the corpus)")
+        return load_relevance_encoder(info), tokenizer, f"snapshot step {info.step}"
+    if checkpoint:
+        model = load_model(Path(checkpoint))  # validates the checkpoint's manifest first
+        tokenizer = MargeTokenizer.load(Path(checkpoint))
+        if random_init:
+            torch.manual_seed(seed)
+            return build_model(model.cfg).eval(), tokenizer, "random init"  # the checkpoint's family and shape
+        return model, tokenizer, "trained"
+    if model_config is not None:
+        from marge.corpus import Corpus
+
+        tokenizer = Corpus.open(corpus).tokenizer()
+        torch.manual_seed(seed)
+        return build_model(model_config(vocab_size=tokenizer.vocab_size)).eval(), tokenizer, "random init"
+    raise ValueError("give --checkpoint PATH (a folder printed as `checkpoint` by marge pretrain), "
+                     "--snapshot PATH --corpus DIR, or --config YAML --random-init")
+
+
 # --------------------------------------------------------------------------------------------------
 # Scoring
 # --------------------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def translate(model: Marge, tokenizer, text: str, tgt_lang: str, cfg: Generation
               device: str = "cpu") -> str:
     """Translate a document: cut into chunks that fit the encoder, translate each, join (paper §4.2)."""
     ids = tokenizer.encode(text)
-    chunk = model.cfg.max_positions - 2
+    chunk = max_text_tokens(model.cfg.max_positions)
     pieces = [ids[i:i + chunk] for i in range(0, len(ids), chunk)] or [[]]
     out = [tokenizer.decode(generate(model, [piece], tokenizer.lang_id(tgt_lang), tokenizer.specials, cfg, device))
            for piece in pieces]

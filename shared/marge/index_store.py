@@ -10,13 +10,14 @@
                                    (`marge experiment learning --single-process`)
         graph-00000.parquet        the shard's kept links: target_id, evidence_id, score, cross_lingual
 
-A version becomes visible by renaming its complete staging folder; LATEST moves only forward.
+A version is published the way every artifact is (marge.artifacts), except that its folder is a fixed
+staging name the indexer workers fill before the coordinator commits it: checksums into the manifest, the
+manifest last, one rename, then LATEST, which moves only forward. This module keeps the schema: which files,
+which manifest fields.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from marge.utils import atomic_write_text, fsync_dir, sha256_file
+from marge import artifacts
 
 INDEX_FORMAT = "marge-index"
 INDEX_SCHEMA_VERSION = 1
+MANIFEST_FIELDS = ("version", "snapshot_step", "shards")
+SHARD_FILES = ("graph_file", "index_file")
+"""A shard entry's files; each has its sha256 beside it as `<key>_sha256`. `index_file` is None without FAISS."""
 
 GRAPH_SCHEMA = pa.schema([
     pa.field("target_id", pa.int64(), nullable=False),
@@ -39,7 +43,7 @@ GRAPH_SCHEMA = pa.schema([
 ])
 
 
-class IndexStoreError(ValueError):
+class IndexStoreError(artifacts.ArtifactError):
     """A published index is incomplete or corrupt (the message names the file)."""
 
 
@@ -79,15 +83,13 @@ class IndexVersion:
         return faiss.read_index(str(self.path / entry["index_file"]))
 
     def verify(self) -> None:
-        for s in self.shards:
-            for key in ("graph_file", "index_file"):
-                if s.get(key) is None:
-                    continue
-                path = self.path / s[key]
-                if not path.exists():
-                    raise IndexStoreError(f"{path} is missing from index version {self.version}")
-                if sha256_file(path) != s[f"{key}_sha256"]:
-                    raise IndexStoreError(f"{path}: sha256 does not match the manifest (corrupt index file)")
+        artifacts.verify_checksums(self.path, shard_digests(self.manifest), what=f"index version {self.version}",
+                                   error=IndexStoreError)
+
+
+def shard_digests(manifest: dict[str, Any]) -> dict[str, str]:
+    """{file: sha256} of every shard file an index manifest lists."""
+    return {s[key]: s[f"{key}_sha256"] for s in manifest["shards"] for key in SHARD_FILES if s.get(key) is not None}
 
 
 def flat_ip_index(unit: np.ndarray, doc_ids: np.ndarray):
@@ -116,6 +118,14 @@ def write_graph(path: Path, target_ids: np.ndarray, evidence_ids: np.ndarray, sc
     pq.write_table(table, path)
 
 
+def _version_of(name: str) -> int:
+    return int(name[1:])
+
+
+VERSIONS = artifacts.Series("v[0-9]*", _version_of, pointer_field="version", what="index version",
+                            error=IndexStoreError)
+
+
 def commit_version(root: Path, version: int, snapshot_step: int, shard_entries: list[dict[str, Any]],
                    extra: dict[str, Any] | None = None, keep_versions: int = 3) -> IndexVersion:
     """Checksum the staged shard files, write the manifest, rename the folder into place, move LATEST.
@@ -127,72 +137,38 @@ def commit_version(root: Path, version: int, snapshot_step: int, shard_entries: 
     entries = []
     for entry in sorted(shard_entries, key=lambda e: e["shard"]):
         entry = dict(entry)
-        for key in ("graph_file", "index_file"):
-            if key == "index_file" and entry.get(key) is None:
-                continue  # built without FAISS: links only
-            path = staging / entry[key]
-            if not path.exists():
-                raise IndexStoreError(f"{path}: staged shard file is missing; cannot commit index version {version}")
-            entry[f"{key}_sha256"] = sha256_file(path)
+        # built without FAISS, a shard has links only (index_file None); a graph file it always has
+        files = [entry["graph_file"]] + ([entry["index_file"]] if entry.get("index_file") is not None else [])
+        digests = artifacts.file_sha256s(staging, files, what=f"index version {version}", error=IndexStoreError)
+        for key in SHARD_FILES:
+            if entry.get(key) is not None:
+                entry[f"{key}_sha256"] = digests[entry[key]]
         entries.append(entry)
-    manifest = {"format": INDEX_FORMAT, "schema_version": INDEX_SCHEMA_VERSION, "version": version,
-                "snapshot_step": snapshot_step, "created_unix": time.time(), "shards": entries,
-                "num_documents": int(sum(e["num_documents"] for e in entries)),
-                "num_edges": int(sum(e["num_edges"] for e in entries)),
-                "cross_lingual_edges": int(sum(e["cross_lingual_edges"] for e in entries)), **(extra or {})}
-    atomic_write_text(staging / "manifest.json", json.dumps(manifest, indent=2) + "\n")
-    final = root / version_dirname(version)
-    if final.exists():
-        shutil.rmtree(final)  # a re-run of the same version (after a crash before LATEST moved)
-    staging.rename(final)
-    fsync_dir(root)
-    current = latest_version(root)
-    if current is None or current.version < version:
-        atomic_write_text(root / "LATEST", json.dumps({"version": version, "dir": final.name}) + "\n")
-    _prune(root, keep_versions)
+    manifest = artifacts.write_manifest(staging, {
+        "format": INDEX_FORMAT, "schema_version": INDEX_SCHEMA_VERSION, "version": version,
+        "snapshot_step": snapshot_step, "created_unix": time.time(), "shards": entries,
+        "num_documents": int(sum(e["num_documents"] for e in entries)),
+        "num_edges": int(sum(e["num_edges"] for e in entries)),
+        "cross_lingual_edges": int(sum(e["cross_lingual_edges"] for e in entries)), **(extra or {})})
+    final = artifacts.commit_staged(staging, root / version_dirname(version), error=IndexStoreError)
+    VERSIONS.set_latest(root, final.name)
+    VERSIONS.prune(root, keep_versions)
     return IndexVersion(version, final, manifest)
-
-
-def _prune(root: Path, keep: int) -> None:
-    current = latest_version(root)
-    versions = sorted(p for p in root.glob("v[0-9]*") if p.is_dir())
-    for old in versions[:-keep] if keep > 0 else []:
-        if current is None or old.name != current.path.name:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def drop_versions_after(root: Path, snapshot_step: int) -> list[int]:
     """Delete the versions built from snapshots of updates after `snapshot_step` (a resumed run's discarded
     lineage) and point LATEST at the newest one left. Returns the versions deleted."""
-    root = Path(root)
-    dropped = []
-    for path in sorted(root.glob("v[0-9]*")):
-        if (path / "manifest.json").exists() and read_version(path).snapshot_step > snapshot_step:
-            shutil.rmtree(path)
-            dropped.append(int(path.name[1:]))
-    if dropped:
-        kept = sorted(p for p in root.glob("v[0-9]*") if (p / "manifest.json").exists())
-        if kept:
-            atomic_write_text(root / "LATEST", json.dumps({"version": int(kept[-1].name[1:]), "dir": kept[-1].name}) + "\n")
-        else:
-            (root / "LATEST").unlink(missing_ok=True)
-    return dropped
+    return VERSIONS.drop_after(root, snapshot_step, key=lambda path: read_version(path).snapshot_step)
 
 
 def read_version(path: Path) -> IndexVersion:
     path = Path(path)
-    manifest_path = path / "manifest.json"
-    if not manifest_path.exists():
-        raise IndexStoreError(f"{manifest_path} is missing: {path} is not a committed index version")
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    if manifest.get("format") != INDEX_FORMAT or manifest.get("schema_version") != INDEX_SCHEMA_VERSION:
-        raise IndexStoreError(f"{manifest_path}: not a schema-{INDEX_SCHEMA_VERSION} {INDEX_FORMAT} manifest")
+    manifest = artifacts.read_manifest(path, INDEX_FORMAT, (INDEX_SCHEMA_VERSION,), version_field="schema_version",
+                                       fields=MANIFEST_FIELDS, what="index version", error=IndexStoreError)
     return IndexVersion(int(manifest["version"]), path, manifest)
 
 
 def latest_version(root: Path) -> IndexVersion | None:
-    pointer = Path(root) / "LATEST"
-    if not pointer.exists():
-        return None
-    latest = json.loads(pointer.read_text(encoding="utf-8"))
-    return read_version(Path(root) / latest["dir"])
+    path = VERSIONS.latest(root)
+    return None if path is None else read_version(path)

@@ -96,16 +96,7 @@ class MargeConfig:
     larger embedding init instead: 0.97; benchmarks/copy_race.py, experiments/copy-race/README.md). False: the
     model before that change (and the `paper` preset: with it the paper's BOS-pooled g starts collapsed)."""
 
-    loss_chunk_tokens: int = 0
-    """Target tokens whose output logits the training loss computes at a time (0: all at once). The loss and its
-    gradients are made chunk by chunk in one pass (`fused_linear_nll`: 3 matmuls a chunk, as the unchunked loss),
-    so memory holds one chunk x vocabulary of logits, not every target token's: for the 250k vocabulary of `paper`
-    the logits are the largest tensor of a step. The loss and gradients are those of the unchunked loss
-    (tests/test_model.py). An execution setting, not architecture: it changes no weight."""
-
     def __post_init__(self) -> None:
-        if self.loss_chunk_tokens < 0:
-            raise ValueError(f"model.loss_chunk_tokens must be >= 0 (0: no chunks), got {self.loss_chunk_tokens}")
         check_shared_fields(self, ("vocab_size", "d_model", "num_heads", "encoder_layers", "encoder_ffn",
                                    "decoder_local_ffn", "decoder_layers", "decoder_ffn", "max_positions",
                                    "relevance_layers"))
@@ -130,6 +121,8 @@ class MargeConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "MargeConfig":
         values = dict(values)
+        for name in EXECUTION_FIELDS:  # saved by older versions in the architecture; they change no weight
+            values.pop(name, None)
         for name, neutral in RETIRED_FIELDS.items():  # options removed because they showed no measured benefit
             if name in values and values.pop(name) != neutral:
                 raise ValueError(f"this model was saved with {name}, an option that no longer exists: load it with "
@@ -185,6 +178,10 @@ RETIRED_FIELDS: dict[str, Any] = {
     "relevance_layers_from_reconstruction": True,
 }
 """Fields of older saved configs, with the value that means "off": such a config loads when they are off."""
+
+EXECUTION_FIELDS: dict[str, str] = {"loss_chunk_tokens": "trainer.loss_chunk_tokens"}
+"""Execution settings older versions kept in the model's config, and where they live now: dropped when a saved
+config loads (they change no weight), refused with their new place in a run's `model:` section."""
 
 RELEVANCE_CENTER_MOMENTUM = 0.01
 """Weight of each training batch's mean g in the running centre (`Marge.relevance_center`): ~100 batches."""
@@ -502,6 +499,9 @@ class Marge(nn.Module):
     def __init__(self, cfg: MargeConfig):
         super().__init__()
         self.cfg = cfg
+        self.loss_chunk_tokens = 0
+        """Target tokens whose output logits the training loss computes at a time (0: all at once); set by the
+        trainer from `trainer.loss_chunk_tokens`. Not architecture: it changes no weight."""
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         self.encoder_embed_tokens = (None if cfg.tie_encoder_embeddings
                                      else nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id))
@@ -667,7 +667,7 @@ class Marge(nn.Module):
         cross = self.cross_memory(evidence, relevance_NM, allowed_NM, width)
         states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, cross)
         n, t, d = states_NTD.shape
-        chunk = self.cfg.loss_chunk_tokens
+        chunk = self.loss_chunk_tokens
         logits_NTV = None
         tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
         if chunk and not return_logits and torch.is_grad_enabled():

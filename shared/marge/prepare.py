@@ -36,7 +36,7 @@ import time
 import unicodedata
 import zlib
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -150,19 +150,25 @@ class BadLine:
 
 
 def read_jsonl(path: Path) -> Iterator[RawDocument | BadLine]:
+    for line_no, raw in jsonl_lines(path):
+        try:
+            document = parse_jsonl_line(path, line_no, raw)
+        except PrepareError as e:
+            yield BadLine(f"{path}:{line_no}", e)
+            continue
+        if document is not None:
+            yield document
+
+
+def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) of a .jsonl or .jsonl.gz file; a file that is missing or cannot be read to its end
+    is a PrepareError naming it and the line."""
     opener = gzip.open if path.suffix == ".gz" else open
     line_no = 0
     try:
         with opener(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
-                where = f"{path}:{line_no}"
-                try:
-                    document = parse_jsonl_line(path, line_no, raw)
-                except PrepareError as e:
-                    yield BadLine(where, e)
-                    continue
-                if document is not None:
-                    yield document
+                yield line_no, raw
     except (OSError, EOFError, zlib.error) as e:
         if isinstance(e, FileNotFoundError):
             raise PrepareError(f"{path}: file not found") from None
@@ -172,6 +178,17 @@ def read_jsonl(path: Path) -> Iterator[RawDocument | BadLine]:
 
 def parse_jsonl_line(path: Path, line_no: int, raw: bytes) -> RawDocument | None:
     """One JSONL line as a document (None: a blank line), or PrepareError naming the file, line and field."""
+    obj = parse_jsonl_object(path, line_no, raw)
+    if obj is None:
+        return None
+    where = f"{path}:{line_no}"
+    doc_id, group = document_ids(obj, path, line_no)
+    return RawDocument(where, doc_id, group, obj["language"], obj["text"], read_paragraph_ids(obj, where))
+
+
+def parse_jsonl_object(path: Path, line_no: int, raw: bytes) -> dict | None:
+    """One JSONL line as an object with string 'text' and 'language' (None: a blank line), or PrepareError naming
+    the file, line and field."""
     where = f"{path}:{line_no}"
     line = _decode(raw, where).strip()
     if not line:
@@ -187,9 +204,37 @@ def parse_jsonl_line(path: Path, line_no: int, raw: bytes) -> RawDocument | None
             raise PrepareError(f"{where}: field {key!r} is missing (each line needs 'text' and 'language')")
         if not isinstance(obj[key], str):
             raise PrepareError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
+    return obj
+
+
+def document_ids(obj: dict, path: Path, line_no: int) -> tuple[str, str]:
+    """(id, group) of a JSONL document: its 'id' (default file name:line) and its 'group' (default its id: a group
+    of its own)."""
     doc_id = str(obj.get("id", f"{path.name}:{line_no}"))
-    return RawDocument(where, doc_id, str(obj.get("group", doc_id)), obj["language"], obj["text"],
-                       read_paragraph_ids(obj, where))
+    return doc_id, str(obj.get("group", doc_id))
+
+
+def read_documents(path: Path, languages: Collection[str] | None = None,
+                   unique: bool = False) -> dict[str, dict[str, str]]:
+    """{group: {language: text}} of a documents JSONL (.jsonl or .jsonl.gz; one object per page and language, as
+    `marge prepare` reads them and writes `heldout/documents.jsonl.gz`), groups in file order. Each line is checked
+    as `read_jsonl` checks it, apart from 'paragraph_ids' (not read here), and a bad one is a PrepareError naming
+    the file, line and field; a document without a 'group' is a group of its own. `languages`: keep only the
+    documents in these. A second document of a group in one language replaces the first, or with `unique` is an
+    error."""
+    path = Path(path)
+    groups: dict[str, dict[str, str]] = {}
+    for line_no, raw in jsonl_lines(path):
+        obj = parse_jsonl_object(path, line_no, raw)
+        if obj is None or (languages is not None and obj["language"] not in languages):
+            continue
+        _, group = document_ids(obj, path, line_no)
+        versions = groups.setdefault(group, {})
+        if unique and obj["language"] in versions:
+            raise PrepareError(f"{path}:{line_no}: a second document for group {group!r} in language "
+                               f"{obj['language']!r} (one document per group and language)")
+        versions[obj["language"]] = obj["text"]
+    return groups
 
 
 def read_paragraph_ids(obj: dict, where: str) -> tuple[str, ...] | None:

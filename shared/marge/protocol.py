@@ -123,6 +123,14 @@ class VersionPlan:
     def snapshot_step(self, version: int) -> int:
         return version * self.reindex_every
 
+    def builds_at(self, step: int) -> bool:
+        """The snapshot of update `step` builds an index version (every `reindex_every` updates)."""
+        return self.reindex_every > 0 and step % self.reindex_every == 0
+
+    def newest_version_at(self, step: int) -> int:
+        """The newest version whose snapshot exists once update `step` is trained."""
+        return step // self.reindex_every if self.reindex_every else 0
+
 
 @dataclass(frozen=True)
 class RunKeys:

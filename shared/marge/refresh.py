@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from marge.train_log import UpdateRecord
+
 INDEX_BUILDS = "index_builds.jsonl"
 
 
@@ -53,16 +55,16 @@ def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) ->
     return total
 
 
-def refresh_cost(builds: list[dict[str, Any]], records: list[dict[str, Any]]) -> dict[str, Any]:
+def refresh_cost(builds: list[dict[str, Any]], records: list[UpdateRecord]) -> dict[str, Any]:
     """Per version: `steps_during_build`, `first_use_step`, `staleness_at_first_use` (updates between the
     snapshot it was built from and its first use); over the run: `build_share` of the trainers' wall time,
     tokens/s of updates that overlapped a build and of those that did not."""
     intervals = [(b["started_unix"], b["finished_unix"]) for b in builds]
-    steps = [(r["time"] - r["step_seconds"], r["time"], r) for r in records if "time" in r and "step_seconds" in r]
+    steps = [(r.time - r.step_seconds, r.time, r) for r in records if r.time > 0]
     first_use: dict[int, int] = {}
     for r in records:
-        for v in r.get("index_versions", []):
-            first_use.setdefault(v, r["step"])
+        for v in r.index_versions:
+            first_use.setdefault(v, r.step)
     per_version = []
     for b in builds:
         during = sum(1 for start, end, _ in steps if overlaps(start, end, [(b["started_unix"], b["finished_unix"])]))
@@ -74,9 +76,9 @@ def refresh_cost(builds: list[dict[str, Any]], records: list[dict[str, Any]]) ->
     building = [r for start, end, r in steps if overlaps(start, end, intervals)]
     idle = [r for start, end, r in steps if not overlaps(start, end, intervals)]
 
-    def tokens_per_s(rs: list[dict]) -> float | None:
-        seconds = sum(r["step_seconds"] for r in rs)
-        return sum(r["tokens"] for r in rs) / seconds if rs and seconds > 0 else None
+    def tokens_per_s(rs: list[UpdateRecord]) -> float | None:
+        seconds = sum(r.step_seconds for r in rs)
+        return sum(r.tokens for r in rs) / seconds if rs and seconds > 0 else None
 
     wall = (steps[-1][1] - steps[0][0]) if steps else 0.0
     share = union_seconds(intervals, steps[0][0], steps[-1][1]) / wall if wall > 0 else None

@@ -53,10 +53,12 @@ class RunBoard:
         if self.writer is not None and value is not None:
             self.writer.add_scalar(tag, value, step)
 
-    def step(self, record: dict) -> None:
-        """One update's train_log record."""
+    def step(self, record) -> None:
+        """One update's train_log record (a `marge.train_log.UpdateRecord`, or its dict)."""
         if self.writer is None:
             return
+        if not isinstance(record, dict):
+            record = record.to_dict()
         step = int(record["step"])
         for name in STEP_FIELDS:
             self.add(f"train/{name}", record.get(name), step)

@@ -16,7 +16,7 @@ Outputs (in `out_dir`):
     build_info.json           packages, counts and the options used
     ATTRIBUTION.md            licence and source of the text
 
-Run `python -m marge.demo_corpus --help` (or `scripts/build_demo_corpus.sh`).
+Run `python -m tools.demo_corpus --help` from the checkout's root (or `scripts/build_demo_corpus.sh`).
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def build(opts: BuildOptions) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m marge.demo_corpus", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.demo_corpus", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output folder (replaced atomically)")
     p.add_argument("--languages", default=",".join(DEFAULT_LANGUAGES),
                    help=f"comma-separated ISO 639-1 codes (default {','.join(DEFAULT_LANGUAGES)})")

@@ -1,0 +1,62 @@
+"""`marge serve`: the retrieval service over a run's newest index."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from services.retrieval.settings import ServeSettings
+
+SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeSettings)}
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="the retrieval service (FastAPI on uvicorn) over a run's newest index")
+    p.add_argument("--run", required=True, type=Path, help="run directory of `marge pretrain` (its index/ is served)")
+    p.add_argument("--corpus", default=None, help="prepared corpus (default: the run's data.corpus)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--token-file", default=None, help="file with the bearer token (or set MARGE_API_TOKEN)")
+    p.add_argument("--max-k", type=int, default=SERVE_DEFAULTS["max_k"])
+    p.add_argument("--max-query-chars", type=int, default=SERVE_DEFAULTS["max_query_chars"])
+    p.add_argument("--max-body-bytes", type=int, default=SERVE_DEFAULTS["max_body_bytes"])
+    p.add_argument("--max-in-flight", type=int, default=SERVE_DEFAULTS["max_in_flight"])
+    p.add_argument("--poll-s", type=float, default=SERVE_DEFAULTS["poll_s"], help="how often to look for a newer index version")
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
+    p.set_defaults(func=cmd_serve)
+
+
+def run_config(run_dir: Path) -> dict:
+    """The resolved config a `marge pretrain` run saved in its directory."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: --run must be a directory written by `marge pretrain`")
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from services.retrieval.app import create_app, is_loopback
+
+    token = os.environ.get("MARGE_API_TOKEN")
+    if args.token_file:
+        token = Path(args.token_file).read_text(encoding="utf-8").strip()
+        if not token:
+            raise ValueError(f"--token-file {args.token_file} is empty: write the bearer token into it (e.g. "
+                             "`python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE`)")
+    if not token and not is_loopback(args.host) and not args.insecure:
+        raise ValueError(f"refusing to serve on {args.host} without a token: set MARGE_API_TOKEN or --token-file "
+                         "(or pass --insecure if the network is trusted)")
+    corpus = args.corpus or run_config(Path(args.run))["data"]["corpus"]
+    settings = ServeSettings(run_dir=Path(args.run), corpus_dir=Path(corpus), token=token or None, max_k=args.max_k,
+                             max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
+                             max_in_flight=args.max_in_flight, poll_s=args.poll_s)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info",
+                limit_concurrency=4 * args.max_in_flight)
+    return 0

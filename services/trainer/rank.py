@@ -1,0 +1,230 @@
+"""The trainer stage on Ray Train: one DDP rank, the host `TorchTrainer` runs `train_loop_per_worker` on.
+
+The loop itself (next batches → update → record → snapshot/health → log → checkpoint) is
+`services.trainer.loop.TrainingLoop`, the same the single process runs. What a rank adds around it:
+
+    next batches  every rank takes its `grad_accum` slots of update s from its source (its stream in the run's
+                  Redis, or memory), waiting for them; the ranks agree (one all-reduce on a host tensor) that all
+                  have them, or all stop (stop asked, time up)
+    figures       the update's statistics are summed over the ranks on the device (NCCL on GPUs) and every
+                  rank's slots gathered, so rank 0's record covers the whole update
+    snapshot      rank 0 publishes g for the indexer (which builds on its own) and measures retrieval health
+    log           rank 0 sets the gauges and publishes the record in Redis for the driver's progress lines
+    checkpoint    all ranks report the training state (every rank's batches, the ones it left out, and RNG); once
+                  it is durable each rank dead-letters the ones it could not train and commits the rest: only then
+                  do they count (marge.protocol), so a crash anywhere loses none of them and counts none twice
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from marge.checkpoint import load_model_weights, rng_state, set_rng_state
+from marge.corpus import Corpus
+from marge.metrics import StageMetrics
+from marge.protocol import Delivery, Slots
+from marge.snapshot import publish_snapshot
+from marge.tensorboard import RunBoard
+from marge.train_log import TrainLog, UpdateRecord
+from marge.utils import setup_logging
+from services.trainer.health import HealthMonitor, loggable
+from services.trainer.job import TrainerJob
+from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
+from services.trainer.objectives import objectives_for
+from services.trainer.source import source_for
+from services.trainer.state import report_checkpoint, resume
+from services.trainer.step import Backward, Item, apply_execution_settings, build_optimizer, build_scheduler, compiled, device_peak_flops
+
+log = logging.getLogger(__name__)
+
+HEALTH_GAUGES = {
+    "evidence_gain": "Probe loss with shuffled minus with true evidence (nats/token)",
+    "copy_gain": "Probe loss with shuffled evidence minus with a noised copy of the target",
+    "relevance_cos_true": "Mean f(target, its true evidence) on the probe set",
+    "relevance_cos_shuffled": "Mean f(target, unrelated evidence) on the probe set",
+    "g_spread": "Mean cosine of g between unrelated probe documents",
+    "heldout_p_at_1": "Held-out cross-lingual retrieval P@1, mean over directions",
+    "aligned_evidence_gain": "Aligned probe: held-out paragraphs' loss with unrelated minus with their translations (nats/token)",
+    "aligned_evidence_gain_per_char": "Aligned probe's evidence gain per target character (nats/char)",
+}
+
+
+def trainer_metrics(run: str, rank: int, with_health: bool) -> StageMetrics:
+    m = StageMetrics("trainer", run, worker=str(rank), rank=str(rank))
+    m.counter("marge_batches_trained", "Batches trained (they count once the next checkpoint is durable)")
+    m.gauge("marge_trainer_tokens_per_second", "Evidence + target tokens per second")
+    m.gauge("marge_trainer_loss", "Mean target-token NLL of the last step")
+    m.gauge("marge_trainer_beta", "Relevance bias weight beta")
+    m.gauge("marge_trainer_step", "Optimizer updates done")
+    m.gauge("marge_trainer_wait_share", "Share of trainer time spent waiting for batches")
+    m.histogram("marge_batch_staleness_steps", "Trainer step minus the batch's snapshot step",
+                [1, 10, 100, 1000, 10000, 100000])
+    for name, description in HEALTH_GAUGES.items() if with_health else ():
+        m.gauge(f"marge_{name}", description)
+    return m
+
+
+def process_group_backend(use_gpu: bool) -> str:
+    """The DDP process group's backend per device type. On GPUs: NCCL for CUDA tensors and gloo for CPU ones (an
+    NCCL-only group refuses a CPU tensor, "No backend type associated with device type cpu", and picklable
+    objects gathered with `all_gather_object` are CPU-side); on CPUs: gloo."""
+    return "cpu:gloo,cuda:nccl" if use_gpu else "gloo"
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Ray Train's entry point on every rank: `config["job"]` is the `TrainerJob`."""
+    setup_logging()
+    Rank(config["job"]).run()
+
+
+class Rank:
+    """One DDP rank's part of the run: its model, optimizer, objectives and source, hosting the training loop."""
+
+    def __init__(self, job: TrainerJob):
+        import ray.train
+        import ray.train.torch
+
+        ctx = ray.train.get_context()
+        self.job, self.rank, self.world = job, ctx.get_world_rank(), ctx.get_world_size()
+        t = job.trainer
+        if self.world != t.num_workers:
+            raise RuntimeError(f"{self.world} trainer ranks, but trainer.num_workers is {t.num_workers}")
+        self.slots = Slots(t.num_workers, t.grad_accum)
+        torch.set_num_threads(t.torch_threads)
+        torch.manual_seed(job.seed + self.rank)
+        self.device = ray.train.torch.get_device()
+        if job.faults.trace_collectives:  # a probe for CPU tests of the GPU path (marge.faults)
+            from services.trainer.trace import trace_collectives
+
+            trace_collectives(job.faults.trace_collectives, self.rank, self.device)
+        corpus = Corpus.open(job.paths.corpus, verify_checksums=False)
+        self.corpus_root, self.tokenizer = corpus.root, corpus.tokenizer()
+        self.model = apply_execution_settings(load_model_weights(job.paths.init_weights).to(self.device), t)
+        self.optimizer = build_optimizer(self.model, t)
+        self.scheduler = build_scheduler(self.optimizer, t, job.max_steps)
+        resumed = resume(self.model, self.optimizer, self.scheduler, self.device, self.rank, job.resume_from,
+                         job.paths.checkpoints)
+        self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
+        if self.step:
+            log.info("rank %d resumed at update %d", self.rank, self.step)
+        self.writes_log = self.rank == 0
+        self.train_log = TrainLog(job.paths.train_log)
+        if self.writes_log:
+            self.train_log.truncate_after(self.step)  # lines of updates the checkpoint does not hold
+        corpus_tokens = corpus.all_tokens() if job.objectives.needs_corpus else None
+        self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens)
+        self.source = source_for(job, self.rank)
+        self.source.progress(self.step)  # a resumed rank: the batcher may write up to `lookahead` past it
+        self.committed = [(n, b) for n, b in resumed.trained if self.slots.rank_of(n) == self.rank]
+        """(slot, batch id) of this rank's last commit: committed again with the next one (commits are
+        idempotent), so a commit a Redis restart lost, or a crash cut off, is made good."""
+        if self.step:  # dead letters first: a commit trims the stream that holds their batches
+            for slot, fields, reason in resumed.dead:
+                if self.slots.rank_of(slot) == self.rank:
+                    self.source.dead_letter(Delivery(slot, None, fields), reason)
+            self.source.commit(self.step, self.committed)
+        self.metrics = trainer_metrics(job.paths.name, self.rank, with_health=self.writes_log)
+        self.health = HealthMonitor(job.health, job.heldout_pairs, self.tokenizer, seed=job.seed) \
+            if self.writes_log and job.objectives.model_family == "marge" else None
+        """Retrieval and evidence probes of g and the decoder: for the MARGE model (a BART run's too)."""
+        self.board = RunBoard(job.paths.run_dir, "trainer", job.tensorboard and self.writes_log)
+        """Rank 0's TensorBoard writer (run.tensorboard): every update's record."""
+        self.uncommitted: list[tuple[int, str]] = []
+        """(slot, batch id) this rank trained since the last durable checkpoint."""
+        self.uncommitted_dead: list[tuple[Delivery, str]] = []
+        """Deliveries this rank could not train since the last durable checkpoint, and why."""
+        self.last_metrics: dict = {}
+        """What rank 0 reports to Ray Train with a checkpoint (step, loss, throughput)."""
+        trainee = Trainee(self.model, compiled(ray.train.torch.prepare_model(self.model), t.compile), self.optimizer,
+                          self.scheduler, self.objectives, t, self.slots, self.device, job.seed,
+                          self.tokenizer.specials, job.max_steps, job.faults.nan_loss_slot)
+        self.loop = TrainingLoop(trainee, self, self.train_log, self.board,
+                                 UpdateMeter(self.model.cfg, device_peak_flops(self.device)))
+        if resumed.rng is not None:  # last: a resumed rank draws what the uninterrupted run would have drawn
+            set_rng_state(resumed.rng)
+
+    def run(self) -> None:
+        try:
+            self.step = self.loop.run(self.step)
+        finally:
+            self.board.close()
+
+    # --- the loop's host -----------------------------------------------------------------------------
+
+    def next_update(self, step: int) -> UpdateInput | None:
+        """This rank's deliveries of update `step`, or None when any rank cannot get its own (all stop)."""
+        deliveries = []
+        for micro in range(self.slots.grad_accum):
+            delivery = self.source.get(self.slots.slot(step, self.rank, micro))
+            if delivery is None:
+                break
+            deliveries.append(delivery)
+        ready = torch.tensor([1.0 if len(deliveries) == self.slots.grad_accum else 0.0])
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN)  # a host decision on a host tensor (gloo): no device sync
+        if ready.item() != 1:
+            return None  # nothing trained: the same slots are read again later
+        return UpdateInput([Item(d.slot, d.batch, d.problem) for d in deliveries], deliveries)
+
+    def gather(self, part: list) -> list[list]:
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, part)
+        return gathered
+
+    def reduce(self, values: torch.Tensor) -> None:
+        dist.all_reduce(values)
+
+    def after_update(self, step: int, update: UpdateInput, done: Backward, record: UpdateRecord) -> None:
+        by_slot = {d.slot: d for d in update.host_data}
+        self.uncommitted_dead.extend((by_slot[slot], f"update {step - 1}: {reason}")
+                                     for slot, reason in done.dead_lettered)
+        self.step = step
+        self.source.progress(step)
+        self.uncommitted.extend(done.trained)
+        self.tokens_seen += record.target_tokens
+        for d in update.host_data:
+            if d.batch is not None and d.batch.snapshot_step >= 0:  # batches without an index have none
+                self.metrics.observe("marge_batch_staleness_steps", step - 1 - d.batch.snapshot_step)
+        self.metrics.inc("marge_batches_trained", len(done.trained))
+
+    def snapshot(self, step: int) -> dict:
+        if self.job.objectives.needs_index:  # the indexer's input
+            publish_snapshot(self.job.paths.snapshots, self.model, step, self.tokenizer.sha256)
+        if self.health is None:
+            return {}
+        health = self.health.measure(self.model, self.device)
+        log.info("health at step %d: %s", step, loggable(health))
+        return health
+
+    def logged(self, record: UpdateRecord) -> None:
+        """Rank 0: the update's gauges, and its record for the driver's progress."""
+        self.last_metrics = {"step": record.step, "loss": record.loss, "tokens_per_s": record.tokens_per_s,
+                             "target_tokens_per_s": record.target_tokens_per_s, "wait_share": record.wait_share,
+                             "elapsed_s": record.elapsed_s, "startup_wait_s": record.startup_wait_s}
+        m = self.metrics
+        m.set("marge_trainer_loss", record.loss)
+        if record.beta:
+            m.set("marge_trainer_beta", sum(record.beta) / len(record.beta))
+        m.set("marge_trainer_step", record.step)
+        m.set("marge_trainer_tokens_per_second", record.tokens_per_s)
+        m.set("marge_trainer_wait_share", record.wait_share)
+        for name in HEALTH_GAUGES:
+            if name in (record.health or {}):
+                m.set(f"marge_{name}", record.health[name])
+        self.source.publish(record.to_dict())
+
+    def checkpoint(self, step: int) -> None:
+        """Report the state (every rank's uncommitted batches and RNG), then commit this rank's batches."""
+        dead = [(d.slot, d.fields, reason) for d, reason in self.uncommitted_dead]
+        gathered = self.gather({"trained": self.uncommitted, "dead": dead, "rng": rng_state()})
+        report_checkpoint(self.rank, step, self.model, self.optimizer, self.scheduler, self.corpus_root,
+                          [item for part in gathered for item in part["trained"]],
+                          [item for part in gathered for item in part["dead"]], [part["rng"] for part in gathered],
+                          self.tokens_seen, self.last_metrics, self.job)
+        dist.barrier()  # ranks other than 0 return from report before rank 0's upload is done: commit after it
+        for delivery, reason in self.uncommitted_dead:  # before the commit, which trims the stream below the update
+            self.source.dead_letter(delivery, reason)
+        self.source.commit(step, self.committed + self.uncommitted)
+        self.committed, self.uncommitted, self.uncommitted_dead = self.uncommitted, [], []
