@@ -40,7 +40,7 @@ def test_no_library_module_imports_a_stage_or_a_tool():
     """The library (shared/marge) imports nothing of `services` (the stages, the driver, the command line) nor of
     `tools` (the programs that build the demo data)."""
     offenders = {f"{path.relative_to(REPO)} imports {name}" for path in LIBRARY.rglob("*.py")
-                 for name in imported_modules(path) if name.split(".")[0] in ("services", "tools")}
+                 for name in imported_modules(path) if name.split(".")[0] in ("services", "tools", "experiments")}
     assert not offenders, sorted(offenders)
     assert len(list(LIBRARY.rglob("*.py"))) > 15  # the walk saw the library
 
@@ -50,6 +50,16 @@ def test_no_stage_imports_the_driver_or_the_command_line():
     offenders = {f"{path.relative_to(REPO)} imports {'.'.join(parts)}" for _, path, parts in stage_imports()
                  if parts[:2] in (["services", "driver"], ["services", "cli"])}
     assert not offenders, sorted(offenders)
+
+
+def test_the_stages_and_the_driver_import_no_experiment_and_no_tool():
+    """Experiments (`experiments/<study>/`) and the demo-data tools sit above the product: they import it, never
+    the other way (the command line is the one place that starts them, importing them only when asked)."""
+    files = [path for part in (*STAGES, "driver") for path in sorted((REPO / "services" / part).rglob("*.py"))]
+    offenders = {f"{path.relative_to(REPO)} imports {name}" for path in files for name in imported_modules(path)
+                 if name.split(".")[0] in ("experiments", "tools")}
+    assert not offenders, sorted(offenders)
+    assert len(files) > 30
 
 
 def test_stages_import_each_other_only_through_the_library():

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from services.driver.ceiling_experiment import judge_targets, paired_ratio, ratios
+from experiments.ceiling.harness import judge_targets, paired_ratio, ratios
 
 
 def test_paired_ratio_is_the_ratio_of_sums_with_an_interval_around_it():
@@ -62,7 +62,7 @@ def test_targets_are_judged_from_the_measurements():
 @pytest.mark.slow
 def test_the_ceiling_experiment_reports_each_arm_and_the_ratio_and_keeps_finished_arms(paragraph_corpus, few_pairs,
                                                                                       tmp_path):
-    from services.driver.ceiling_experiment import run_ceiling
+    from experiments.ceiling.harness import run_ceiling
 
     short = [f"data.corpus={paragraph_corpus}", "data.max_chunk_tokens=64", "model.max_positions=64",
              "batcher.max_tokens=600", f"data.heldout_pairs={few_pairs}", "health.probe_size=4",

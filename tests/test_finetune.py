@@ -334,7 +334,7 @@ def test_the_finetune_experiment_compares_each_checkpoint_with_random_init_and_k
         assert row["command"].startswith("marge finetune --task classification") and "--freeze zero-shot" in row["command"]
     assert "--random-init" in report["rows"][1]["command"]
     # run again: both systems are kept, nothing is fine-tuned a second time
-    import services.driver.finetune_experiment as experiment
+    import experiments.finetune.harness as experiment
 
     monkeypatch.setattr(experiment, "run_finetune", lambda cfg: pytest.fail(f"{cfg.out} fine-tuned again"))
     assert main(args) == 0

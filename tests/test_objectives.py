@@ -247,7 +247,7 @@ def test_marge_objective_config_defaults_are_the_papers():
 @pytest.mark.slow
 def test_objectives_experiment_reports_the_variants_side_by_side_and_keeps_finished_ones(small_corpus, few_pairs,
                                                                                         tmp_path):
-    from services.driver.objectives_experiment import run_objectives_experiment
+    from experiments.objectives.harness import run_objectives_experiment
 
     short = [f"data.corpus={small_corpus}", "data.max_chunk_tokens=128", "model.max_positions=128",
              "batcher.max_tokens=400", f"data.heldout_pairs={few_pairs}", "health.probe_size=4",

@@ -135,7 +135,7 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
 def test_learning_experiment_writes_a_complete_report(ray_cluster, redis_server, small_corpus, few_pairs, tmp_path,
                                                      capsys):
     from services.cli import main
-    from services.driver.experiment import run_learning_experiment
+    from experiments.learning.harness import run_learning_experiment
 
     pairs = few_pairs
     cfg = small_config(tmp_path, small_corpus, redis_server.url, "learning", "run.max_steps=12",

@@ -41,7 +41,7 @@ def losses(out: Path) -> list[tuple[int, float, list[str]]]:
 
 @pytest.mark.slow
 def test_two_resumed_chunks_equal_one_run_and_need_no_ray_redis_or_faiss(small_corpus, few_pairs, tmp_path):
-    from services.driver.single_process import run_single_process
+    from experiments.learning.single_process import run_single_process
 
     args = overrides(small_corpus, few_pairs)
     chunked, whole = tmp_path / "chunked", tmp_path / "whole"
@@ -78,7 +78,7 @@ def test_two_resumed_chunks_equal_one_run_and_need_no_ray_redis_or_faiss(small_c
 
 
 def test_resume_refuses_a_changed_config_and_a_missing_run(small_corpus, few_pairs, tmp_path):
-    from services.driver.single_process import run_single_process
+    from experiments.learning.single_process import run_single_process
 
     with pytest.raises(FileNotFoundError, match="start one without --resume"):
         run_single_process(None, [], minutes=1, out_dir=tmp_path / "none", resume=True, device="cpu")
@@ -100,7 +100,7 @@ def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cl
     from services.driver.config import load_config
     from services.driver.pipeline import make_trainer, trainer_job
     from services.trainer.init import ensure_initial_model
-    from services.driver.single_process import run_single_process
+    from experiments.learning.single_process import run_single_process
     from marge.index_store import read_version, version_dirname
 
     args = overrides(small_corpus, few_pairs, "trainer.num_workers=2", "run.max_steps=6", "trainer.snapshot_every=100",

@@ -67,14 +67,14 @@ def add_experiment(sub) -> None:
 
 def cmd_experiment_learning(args: argparse.Namespace) -> int:
     if args.single_process:
-        from services.driver.single_process import run_single_process
+        from experiments.learning.single_process import run_single_process
 
         report = run_single_process(args.config, args.overrides, args.minutes, args.out, args.resume, args.device)
     else:
         if args.resume or args.device != "auto":
             raise ValueError("--resume and --device belong to --single-process runs (a pipeline run resumes from its "
                              "checkpoint when submitted again with the same run.name and run.dir)")
-        from services.driver.experiment import main_experiment
+        from experiments.learning.harness import main_experiment
 
         report = main_experiment(args.config or Path("deploy/configs/learning.yaml"), args.overrides, args.minutes,
                                  args.out)
@@ -84,7 +84,7 @@ def cmd_experiment_learning(args: argparse.Namespace) -> int:
 
 
 def cmd_experiment_objectives(args: argparse.Namespace) -> int:
-    from services.driver.objectives_experiment import run_objectives_experiment
+    from experiments.objectives.harness import run_objectives_experiment
 
     only = [name.strip() for name in args.only.split(",")] if args.only else None
     report = run_objectives_experiment(args.config, args.overrides, args.minutes, args.out, only, args.device,
@@ -102,7 +102,7 @@ def names(value: str | None) -> list[str] | None:
 
 
 def cmd_experiment_ceiling(args: argparse.Namespace) -> int:
-    from services.driver.ceiling_experiment import run_ceiling
+    from experiments.ceiling.harness import run_ceiling
 
     report = run_ceiling(args.config, args.overrides, args.minutes, args.out, names(args.arms), args.sweep_minutes,
                          names(args.sizes), args.size, args.device)
@@ -122,7 +122,7 @@ def named_paths(values: list[str], flag: str) -> dict[str, Path]:
 
 
 def cmd_experiment_finetune(args: argparse.Namespace) -> int:
-    from services.driver.finetune_experiment import run_finetune_experiment
+    from experiments.finetune.harness import run_finetune_experiment
 
     steps = {name: int(value) for name, value in (s.split("=", 1) for s in args.steps)}
     report = run_finetune_experiment(named_paths(args.checkpoint, "--checkpoint"), args.tasks, args.out, args.work,

@@ -66,7 +66,7 @@ from marge.utils import atomic_directory, atomic_write_text
 from services.batcher.core import DocumentStore
 from services.batcher.schedule import BatchSchedule, wait_for_version
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
-from services.driver.experiment import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
+from experiments.learning.harness import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
 from services.driver.pipeline import ensure_corpus, final_g_health, with_probes
 from services.indexer.core import build_version, describe_build, index_shard
 from services.trainer.health import HealthMonitor, loggable

@@ -1,6 +1,6 @@
 """`marge experiment ceiling`: how much of what perfect retrieval would give does the MARGE loop get?
 
-Every arm is a single-process run (`services.driver.single_process`) of one base config (the learning recipe,
+Every arm is a single-process run (`experiments.learning.single_process`) of one base config (the learning recipe,
 `deploy/configs/learning.yaml`), with the same model, data, probes and seed, for the same wall-clock minutes;
 only the index differs:
 
@@ -43,7 +43,7 @@ import numpy as np
 
 from marge.train_log import read_train_log
 from marge.utils import atomic_write_text
-from services.driver.single_process import train_for_minutes, trained_minutes
+from experiments.learning.single_process import train_for_minutes, trained_minutes
 
 log = logging.getLogger("marge.ceiling")
 
