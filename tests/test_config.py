@@ -4,6 +4,7 @@ the cluster."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from marge.config import ConfigError
+from marge.corpus import Corpus
 from marge.model import build_on_meta, count_parameters
 from services.driver.config import PipelineConfig, load_config
 
@@ -139,6 +141,34 @@ def test_a_run_the_ray_cluster_cannot_hold_is_refused_naming_what_it_needs_and_w
 
 def all_manifests():
     return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml", ".conf"))
+
+def test_pretrain_prints_the_resolved_config_and_dry_runs_without_starting_or_writing_anything(small_corpus, tmp_path):
+    cli = [sys.executable, "-m", "services.cli", "pretrain", "--config", str(DEPLOY / "configs" / "tiny.yaml")]
+    run_dir = tmp_path / "run"
+    printed = subprocess.run([*cli, "--print-config", "run.max_steps=7", f"run.dir={run_dir}"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    resolved = yaml.safe_load(printed.stdout)
+    assert resolved["run"]["max_steps"] == 7 and resolved["trainer"]["loss_chunk_tokens"] == 0  # defaults included
+    assert load_config(DEPLOY / "configs" / "tiny.yaml", ["run.max_steps=7", f"run.dir={run_dir}"]).to_saved_dict() == resolved
+
+    on_corpus = [f"run.dir={run_dir}", f"data.corpus={small_corpus}", "data.max_chunk_tokens=128",
+                 "model.max_positions=128", "batcher.max_tokens=400", "ray.num_cpus=3"]
+    planned = subprocess.run([*cli, "--dry-run", *on_corpus], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    plan = json.loads(planned.stdout)
+    assert plan["corpus"]["shards"] == Corpus.open(small_corpus).num_shards and plan["resumes_from_step"] == 0
+    assert plan["model"]["d_model"] == 64 and "refresh_interval_s" in plan["capacity_plan"]
+
+    unprepared = subprocess.run([*cli, "--dry-run", f"run.dir={run_dir}", f"data.corpus={tmp_path / 'absent'}"],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert unprepared.returncode == 0, unprepared.stderr[-2000:]
+    assert "to be prepared from" in json.loads(unprepared.stdout)["corpus"]
+    typo = subprocess.run([*cli, "--dry-run", f"run.dir={run_dir}", f"data.corpus={tmp_path / 'absent'}", "data.raw=[]"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert typo.returncode != 0 and "is not a prepared corpus" in typo.stderr
+    assert not run_dir.exists() and not (tmp_path / "absent").exists()  # nothing was written
+
 
 
 def test_nothing_exposes_the_dashboard_job_api_or_redis_beyond_the_cluster():

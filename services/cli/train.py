@@ -15,14 +15,30 @@ def add_pretrain(sub) -> None:
     p.add_argument("--config", type=Path, default=Path("deploy/configs/tiny.yaml"),
                    help="pipeline config (default deploy/configs/tiny.yaml)")
     p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="config overrides, e.g. run.max_steps=200")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (the file, the overrides and every default) as YAML and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check everything that can be checked without starting Ray or Redis (config, resources, "
+                        "resume, corpus, probes, model, capacity plan), print it as JSON and exit")
     p.set_defaults(func=cmd_pretrain)
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from services.driver.config import load_config
-    from services.driver.pipeline import run_pipeline
 
     cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False), end="", flush=True)
+        return 0
+    if args.dry_run:
+        from services.driver.pipeline import dry_run
+
+        print(json.dumps(dry_run(cfg), indent=2, default=str), flush=True)
+        return 0
+    from services.driver.pipeline import run_pipeline
+
     summary = run_pipeline(cfg)
     print(json.dumps(summary), flush=True)
     return 0

@@ -90,6 +90,49 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         return summary
 
 
+def dry_run(cfg: PipelineConfig) -> dict:
+    """What `marge pretrain` would do with `cfg`, checked as far as it can be without starting Ray or Redis or
+    writing anything: the config in full, that this machine's local Ray could hold the run (when it would start
+    one), that a resumed run keeps its settings, the corpus (prepared, or the inputs to prepare it from), the
+    probes' data, the model and, with an index, the capacity plan (indexer against trainers). A check that fails
+    raises the error the run would have stopped with."""
+    cfg = with_absolute_paths(environment_endpoints(cfg))
+    paths = cfg.paths()
+    if not cfg.ray.address and not ray_running():
+        check_local_fit(cfg)
+    check_resume(cfg, paths)
+    checkpoint = newest_good_checkpoint(paths.checkpoints)  # what `resume_point` would pick, nothing deleted
+    out: dict[str, Any] = {"run_dir": str(paths.run_dir), "objectives": list(cfg.objectives.enabled),
+                           "resumes_from_step": read_manifest(checkpoint, verify=False)["step"] if checkpoint else 0,
+                           "ray": cfg.ray.address or "a local Ray started for the run",
+                           "trainers": f"{cfg.trainer.num_workers} x {'GPU' if cfg.trainer.use_gpu else 'CPU'}"}
+    root = Path(cfg.data.corpus)
+    if not (root / "manifest.json").exists():
+        if not cfg.data.raw:
+            ensure_corpus(cfg)  # raises: nothing to prepare it from
+        missing = [p for p in cfg.data.raw if not Path(p).exists()]
+        if missing:
+            raise ConfigError(f"data.raw names input that does not exist: {missing}")
+        out["corpus"] = f"{root}: to be prepared from {', '.join(cfg.data.raw)}"
+        out["model"] = dataclasses.asdict(cfg.model_config(vocab_size=cfg.data.vocab_size))
+        return out
+    corpus = ensure_corpus(cfg)
+    cfg = with_probes(cfg, corpus)
+    model_cfg = cfg.model_config(vocab_size=corpus.tokenizer().vocab_size)
+    out["corpus"] = {"path": str(root), "documents": corpus.manifest["num_documents"],
+                     "languages": corpus.languages, "shards": corpus.num_shards}
+    out["probes"] = {"health.documents": cfg.health.documents, "data.heldout_pairs": cfg.data.heldout_pairs}
+    out["model"] = dataclasses.asdict(model_cfg)
+    if cfg.objectives.needs_index:
+        from services.driver.plan import plan_run
+
+        try:
+            out["capacity_plan"] = plan_run(cfg)
+        except ValueError as e:  # GPU workers planned on a machine without one: the plan needs a measurement
+            out["capacity_plan"] = str(e)
+    return out
+
+
 def final_g_health(cfg: PipelineConfig, paths: RunPaths, corpus: Corpus) -> dict | None:
     """g of the run's newest snapshot against its step-0 snapshot (the same model at initialisation) on the held-out
     pairs, logged as the run's last progress line, with a warning when g has collapsed or is not above its
