@@ -153,15 +153,14 @@ def cmd_eval_translate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_finetuned(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from marge.finetuned import evaluate, load
+    from marge.progress import Progress
     from marge.tasks import read_task_file
 
     model = load(args.model)
     task = model.task or "generation"  # a pre-training checkpoint generates zero-shot
     examples = read_task_file(args.data, task, model.tokenizer.languages, model.labels)[: args.limit or None]
-    with tqdm(total=len(examples), desc="evaluating", unit="example", disable=not sys.stderr.isatty()) as bar:
+    with Progress("evaluating", len(examples), unit="example") as bar:
         result = evaluate(model, examples, args.beam, args.no_repeat_ngram, progress=bar.update)
     hypotheses = result.pop("hypotheses", None)
     if args.out and hypotheses is not None:

@@ -79,7 +79,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 deadline = started + 60 * cfg.run.max_minutes if cfg.run.max_minutes else None
                 job = trainer_job(cfg, redis.url, deadline, resume_from=point.checkpoint)
                 progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batcher,
-                                    RunBoard(paths.run_dir, "index", cfg.run.tensorboard))
+                                    RunBoard(paths.run_dir, "index", cfg.run.tensorboard), point.step, deadline)
                 try:
                     result = supervise(make_trainer(cfg, job), stages, queue, progress, cfg.run.progress_every_s)
                 finally:

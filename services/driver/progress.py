@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import time
+
+from marge.progress import eta_seconds, format_seconds
 from marge.protocol import BatchQueue
 from marge.tensorboard import RunBoard
 
 
 class Progress:
-    def __init__(self, max_steps: int, queue: BatchQueue, coordinator, batcher, board: RunBoard | None = None):
+    def __init__(self, max_steps: int, queue: BatchQueue, coordinator, batcher, board: RunBoard | None = None,
+                 start_step: int = 0, deadline_unix: float | None = None):
         self.max_steps, self.queue, self.coordinator, self.batcher = max_steps, queue, coordinator, batcher
         self.board = board
+        self.start_step, self.deadline_unix = start_step, deadline_unix
+        """Where this driver's run started (a resumed run: its checkpoint's update), and when `run.max_minutes`
+        stops it: the ETA is the rate of this session's updates, or the time left, whichever ends first."""
         """Where each new index version's figures go (TensorBoard), as the coordinator reports them."""
         self.boarded: set[int] = set()
 
@@ -51,7 +58,16 @@ class Progress:
                      f"v{max(r['index_versions'])}") if r["index_versions"] else ""
             out.append(f"[trainer] step {r['step']}/{self.max_steps} | loss {r['loss']:.3f}"
                        f"{' (' + losses + ')' if losses else ''} | {r['tokens_per_s']:.0f} tok/s | waiting "
-                       f"{100 * r['wait_share']:.1f}%{index}")
+                       f"{100 * r['wait_share']:.1f}%{index}{self.eta(r)}")
         else:
             out.append("[trainer] starting")
         return out
+
+    def eta(self, record: dict) -> str:
+        """` | ETA 4m05s` from this session's updates per second (and `run.max_minutes`), or nothing yet."""
+        left = eta_seconds(record["step"] - self.start_step, self.max_steps - self.start_step,
+                           record.get("elapsed_s", 0.0))  # since the first batches were in hand: the steady rate
+        if self.deadline_unix is not None:
+            until_deadline = max(0.0, self.deadline_unix - time.time())
+            left = until_deadline if left is None else min(left, until_deadline)
+        return "" if left is None else f" | ETA {format_seconds(left)}"

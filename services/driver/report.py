@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from marge.refresh import read_builds, refresh_cost
+from marge.progress import track
 from marge.train_log import read_train_log
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ def snapshot_curve(run_dir: Path, pairs_path: Path, corpus_dir: Path, max_snapsh
     tokenizer = MargeTokenizer.load(corpus_dir)
     pairs = read_pairs(pairs_path, tokenizer.languages)
     curve = []
-    for path in snapshots:
+    for path in track(snapshots, "P@1 of the snapshots", unit="snapshot"):
         info = read_snapshot(path)
         results = evaluate_model(load_relevance_encoder(info), tokenizer, pairs, layer="g")
         curve.append({"step": info.step, "p_at_1_mean": mean_score(results), "p_at_1": results})

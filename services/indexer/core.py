@@ -28,6 +28,7 @@ from marge.batch import SpecialTokens, as_encoder_input, encoder_cost
 from marge.corpus import ShardDocuments
 from marge.index_store import flat_ip_index, write_graph
 from marge.model import RelevanceEncoder, pad_rows
+from marge.progress import track
 from services.indexer.config import IndexerConfig
 
 log = logging.getLogger(__name__)
@@ -292,7 +293,7 @@ def index_corpus(corpus, encoder: RelevanceEncoder, specials: SpecialTokens, roo
     staging.mkdir(parents=True, exist_ok=True)
     entries = [index_shard(corpus.read_shard(s), encoder, specials, staging, cfg, seed=seed + s,
                            snapshot_step=snapshot_step, **kwargs)
-               .as_manifest_entry() for s in range(corpus.num_shards)]
+               .as_manifest_entry() for s in track(range(corpus.num_shards), f"indexing v{version}", unit="shard")]
     return commit_version(root, version, snapshot_step, entries, keep_versions=cfg.keep_versions, extra=extra)
 
 

@@ -20,6 +20,7 @@ import torch
 from marge.batch import SpecialTokens, max_text_tokens
 from marge.languages import normalize_language
 from marge.model import Marge, RelevanceEncoder, pad_rows
+from marge.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +241,7 @@ def evaluate_model(model: Marge | RelevanceEncoder, tokenizer, pairs: list[PairS
         return mean_layer_vectors(model, rows, tokenizer.specials, layer, device=device)
 
     results = {}
-    for pair in pairs:
+    for pair in track(pairs, "retrieval P@1", unit="language pair"):
         results.update(both_directions(cosine_matrix(vectors(pair.sources), vectors(pair.targets)), pair, margin))
     return results
 

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+from marge.progress import track
 
 from marge import __version__
 from marge.batch import max_text_tokens
@@ -424,7 +424,7 @@ class _Stats:
 
 def _collect(opts: PrepareOptions, stats: _Stats) -> list[RawDocument]:
     docs, seen = [], set()
-    for raw in tqdm(read_inputs(opts.inputs), desc="reading documents", unit="doc", disable=None):
+    for raw in track(read_inputs(opts.inputs), "reading documents", unit="doc"):
         stats.counts["documents_read"] += 1
         try:
             if isinstance(raw, BadLine):
@@ -535,7 +535,7 @@ def prepare(opts: PrepareOptions) -> dict:
     seen_chunks = set()
     make_documents = paragraph_documents if opts.document_unit == "paragraph" else chunk_paragraphs
     budget = max_text_tokens(opts.max_chunk_tokens)
-    for doc in tqdm(docs, desc="chunking", unit="doc", disable=None):
+    for doc in track(docs, "chunking", unit="doc"):
         paragraphs = split_paragraphs(doc.text)
         paragraph_tokens = tokenizer.encode_batch(paragraphs)
         if opts.document_unit == "paragraph":
@@ -569,7 +569,7 @@ def prepare(opts: PrepareOptions) -> dict:
     with atomic_directory(opts.out, overwrite=opts.overwrite) as tmp:
         (tmp / "shards").mkdir()
         tokenizer.save(tmp)
-        for s in tqdm(range(num_shards), desc="writing shards", unit="shard", disable=None):
+        for s in track(range(num_shards), "writing shards", unit="shard"):
             rows = sorted(by_shard[s], key=lambda c: (c.group, c.lang, c.chunk_index))
             columns = {
                 "doc_id": list(range(next_id, next_id + len(rows))),
