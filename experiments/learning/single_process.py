@@ -159,7 +159,7 @@ class InProcessIndexer:
     def __init__(self, cfg: PipelineConfig, corpus: Corpus, device: torch.device):
         self.cfg, self.corpus, self.device = cfg, corpus, device
         self.run_dir = Path(cfg.run.dir)
-        self.root = self.run_dir / "index"
+        self.root = cfg.paths().index
         self.tokenizer_sha256 = corpus.tokenizer().sha256
         self.builds_log = self.run_dir / INDEX_BUILDS
         self.board = RunBoard(self.run_dir, "index", cfg.run.tensorboard)

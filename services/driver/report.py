@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from marge.refresh import read_builds, refresh_cost
+from marge.paths import INDEX, SNAPSHOTS
 from marge.progress import track
 from marge.train_log import read_train_log
 
@@ -113,7 +114,7 @@ def snapshot_curve(run_dir: Path, pairs_path: Path, corpus_dir: Path, max_snapsh
     from marge.snapshot import load_relevance_encoder, read_snapshot
     from marge.tokenizer import MargeTokenizer
 
-    snapshots = sorted(p for p in (Path(run_dir) / "snapshots").glob("step-*") if (p / "manifest.json").exists())
+    snapshots = sorted(p for p in (Path(run_dir) / SNAPSHOTS).glob("step-*") if (p / "manifest.json").exists())
     if len(snapshots) > max_snapshots:  # evenly spaced, always the first and the last
         keep = np.unique(np.linspace(0, len(snapshots) - 1, max_snapshots).round().astype(int))
         snapshots = [snapshots[i] for i in keep]
@@ -154,7 +155,7 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
                                  seed=cfg.run.seed)
             source = f"index of checkpoint {checkpoint}"
         else:
-            index = latest_version(run_dir / "index")
+            index = latest_version(run_dir / INDEX)
             if index is None:
                 raise FileNotFoundError(f"{run_dir / 'index'} has no committed index; pass --checkpoint to build one")
             source = f"index v{index.version} (snapshot step {index.snapshot_step})"

@@ -23,6 +23,7 @@ import torch
 from marge.batch import as_encoder_input, max_text_tokens
 from marge.corpus import Corpus
 from marge.index_store import IndexVersion, flat_ip_index, latest_version
+from marge.paths import INDEX, SNAPSHOTS
 from marge.model import pad_rows
 from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
 
@@ -61,7 +62,7 @@ class LoadedIndex:
         self.version = version.version
         self.snapshot_step = version.snapshot_step
         self.created_unix = version.manifest["created_unix"]
-        snapshot_path = str(run_dir / "snapshots" / snapshot_dirname(version.snapshot_step))  # the run's own, wherever it lives
+        snapshot_path = str(run_dir / SNAPSHOTS / snapshot_dirname(version.snapshot_step))  # the run's own, wherever it lives
         snapshot = read_snapshot(Path(snapshot_path))
         if snapshot.manifest["tokenizer_sha256"] != tokenizer.sha256:
             raise ValueError(f"snapshot {snapshot_path} was trained with another tokenizer than corpus {corpus.root}")
@@ -112,7 +113,7 @@ class IndexHolder:
 
     def __init__(self, run_dir: Path, corpus_dir: Path, poll_s: float = 2.0):
         self.run_dir = Path(run_dir)
-        self.index_root = self.run_dir / "index"
+        self.index_root = self.run_dir / INDEX
         self.corpus = Corpus.open(corpus_dir)
         self.tokenizer = self.corpus.tokenizer()
         self.docs = DocumentTable.load(self.corpus)

@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -61,9 +62,18 @@ class StepRecord:
     """(slot, reason) of the batches that could not be trained."""
 
 
-def build_optimizer(model: nn.Module, cfg: TrainerConfig, fused: bool | None = None) -> torch.optim.Optimizer:
+class OptimizerSettings(Protocol):
+    """What the optimizer is built from: pre-training's `TrainerConfig` and fine-tuning's `FinetuneConfig` both have
+    these fields (one set of names, one meaning, one builder)."""
+
+    lr: float
+    weight_decay: float
+    adam_betas: tuple[float, float]
+    adam_eps: float
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerSettings, fused: bool | None = None) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters; no weight decay on biases, LayerNorms, embeddings and beta.
-    `cfg` needs `lr`, `weight_decay`, `adam_betas` and `adam_eps` (fine-tuning passes its `FinetuneConfig`).
 
     On CUDA it is the fused kernel (one launch for every parameter instead of several per tensor, and no read of
     the step counters back to the host); on CPU the default for-each implementation, whose results the fused one

@@ -16,6 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+SNAPSHOTS = "snapshots"
+INDEX = "index"
+TRAIN_LOG = "train_log.jsonl"
+"""Folder and file names inside a run folder: the only place they are spelled (readers that have a run folder but no
+`RunPaths`, such as `marge report` and `marge serve`, join these)."""
+
+
 @dataclass(frozen=True)
 class RunPaths:
     name: str
@@ -34,15 +41,15 @@ class RunPaths:
 
     @property
     def snapshots(self) -> Path:
-        return self.run_dir / "snapshots"
+        return self.run_dir / SNAPSHOTS
 
     @property
     def index(self) -> Path:
-        return self.run_dir / "index"
+        return self.run_dir / INDEX
 
     @property
     def train_log(self) -> Path:
-        return self.run_dir / "train_log.jsonl"
+        return self.run_dir / TRAIN_LOG
 
     @property
     def ray_train(self) -> Path:

@@ -18,9 +18,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from marge.paths import TRAIN_LOG
 from marge.utils import atomic_write_text
 
-TRAIN_LOG = "train_log.jsonl"
+__all__ = ["TRAIN_LOG", "SCHEMA_VERSION", "TrainLog", "TrainLogError", "UpdateRecord", "read_train_log"]
 SCHEMA_VERSION = 1
 """The layout `UpdateRecord.to_dict` writes. A new optional field keeps the version; removing or renaming a field, or
 changing what one means, raises it (and `from_dict` keeps reading the old one)."""
