@@ -283,3 +283,38 @@ def test_the_chunked_loss_makes_its_gradients_with_three_matmuls_a_chunk():
     with Matmuls() as checkpointed_count:
         grads(chunked_token_nll(states, weight, labels, 0, chunk).sum())
     assert fused_count.count == 3 * 3 and checkpointed_count.count == 4 * 3
+
+
+def test_a_rank_reads_and_prepares_the_next_update_while_this_one_trains():
+    """`trainer.prefetch`: the DDP rank's prefetcher reads its slots of the next update from the source and prepares
+    them in a thread (as the single process does); a read that fails is raised in the loop, not lost in the thread."""
+    import threading
+
+    from marge.protocol import Slots
+    from services.trainer.rank import DeliveryPrefetcher
+    from services.trainer.source import MemorySource
+
+    slots = Slots(2, 2)  # 2 ranks x 2 micro-batches: this rank (1) holds slots 2, 3 of update 0 and 6, 7 of update 1
+    batches = [linked_batch(np.random.default_rng(k)) for k in range(4)]
+    prepared_in = []
+
+    def prepare(delivery):
+        prepared_in.append(threading.current_thread().name)
+        return ("prepared", delivery.slot)
+
+    prefetcher = DeliveryPrefetcher(MemorySource(batches, slots, rank=1), slots, 1, prepare, pin=False)
+    prefetcher.start(1)
+    taken = prefetcher.take(1)
+    assert [d.slot for d, _ in taken] == [6, 7] and [p for _, p in taken] == [("prepared", 6), ("prepared", 7)]
+    assert prepared_in == ["marge-prefetch-1"] * 2  # not the loop's thread
+    assert [d.slot for d, _ in prefetcher.take(0)] == [2, 3]  # a step not started ahead is read on demand
+    assert prefetcher.take(5) == []  # nothing there: the loop's readiness check stops every rank
+
+    class Broken(MemorySource):
+        def get(self, slot):
+            raise ConnectionError("redis went away")
+
+    broken = DeliveryPrefetcher(Broken(batches, slots, rank=1), slots, 1, prepare, pin=False)
+    broken.start(0)
+    with pytest.raises(ConnectionError, match="redis went away"):
+        broken.take(0)

@@ -32,6 +32,10 @@ class TrainerConfig:
     """Batches each rank accumulates per update (DDP all-reduces once, after the last)."""
     bf16: bool = False
     """bf16 autocast with fp32 master weights."""
+    prefetch: bool = True
+    """Each rank reads and prepares the next update's batches (augmentation, tensors; pinned on a GPU) in a thread
+    while the device trains on this one, as the single process does. Reading a slot is not consuming it (batches
+    count when a checkpoint commits them), and a stop still takes effect at the next update."""
     loss_chunk_tokens: int = 0
     """Target tokens whose output logits the training loss computes at a time (0: all at once). The loss and its
     gradients are made chunk by chunk in one pass (`marge.model.fused_linear_nll`: 3 matmuls a chunk, as the

@@ -4,8 +4,9 @@ The loop itself (next batches → update → record → snapshot/health → log 
 `services.trainer.loop.TrainingLoop`, the same the single process runs. What a rank adds around it:
 
     next batches  every rank takes its `grad_accum` slots of update s from its source (its stream in the run's
-                  Redis, or memory), waiting for them; the ranks agree (one all-reduce on a host tensor) that all
-                  have them, or all stop (stop asked, time up)
+                  Redis, or memory), read and prepared in a thread while update s-1 trained (`trainer.prefetch`);
+                  the ranks agree (one all-reduce on a host tensor) that all have them, or all stop (stop asked,
+                  time up)
     figures       the update's statistics are summed over the ranks on the device (NCCL on GPUs) and every
                   rank's slots gathered, so rank 0's record covers the whole update
     snapshot      rank 0 publishes g for the indexer (which builds on its own) and measures retrieval health
@@ -18,6 +19,7 @@ The loop itself (next batches → update → record → snapshot/health → log 
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
@@ -36,7 +38,10 @@ from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMete
 from services.trainer.objectives import objectives_for
 from services.trainer.source import source_for
 from services.trainer.state import report_checkpoint, resume
-from services.trainer.step import Backward, Item, apply_execution_settings, build_optimizer, build_scheduler, compiled, device_peak_flops
+from services.trainer.inputs import untrainable
+from services.trainer.source import BatchSource
+from services.trainer.step import (Backward, Item, apply_execution_settings, build_optimizer, build_scheduler, compiled,
+                                   device_peak_flops, seed_key)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,47 @@ def process_group_backend(use_gpu: bool) -> str:
     NCCL-only group refuses a CPU tensor, "No backend type associated with device type cpu", and picklable
     objects gathered with `all_gather_object` are CPU-side); on CPUs: gloo."""
     return "cpu:gloo,cuda:nccl" if use_gpu else "gloo"
+
+
+class DeliveryPrefetcher:
+    """Reads a rank's deliveries of the next update from its source and prepares them (`Objectives.prepare` with the
+    slot's seed key; pinned for a GPU) in a thread, while the device trains on the current update.
+
+    A daemon thread per update: a read that waits for a batch never keeps the process from exiting. Reading a slot
+    does not consume it (marge.protocol), so batches read ahead and never trained are simply read again by the
+    resumed run."""
+
+    def __init__(self, source: BatchSource, slots: Slots, rank: int, prepare, pin: bool):
+        self.source, self.slots, self.rank, self.prepare, self.pin = source, slots, rank, prepare, pin
+        self.step: int | None = None
+        self.result: list[tuple[Delivery, object]] | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self, step: int) -> None:
+        self.step, self.result, self.error = step, None, None
+        self.thread = threading.Thread(target=self._produce, args=(step,), name=f"marge-prefetch-{step}", daemon=True)
+        self.thread.start()
+
+    def _produce(self, step: int) -> None:
+        try:
+            out = []
+            for micro in range(self.slots.grad_accum):
+                delivery = self.source.get(self.slots.slot(step, self.rank, micro))
+                if delivery is None:
+                    break
+                out.append((delivery, self.prepare(delivery)))
+            self.result = out
+        except BaseException as e:  # handed to the main thread, which raises it
+            self.error = e
+
+    def take(self, step: int) -> list[tuple[Delivery, object]]:
+        if self.step != step:
+            self.start(step)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result or []
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -136,6 +182,8 @@ class Rank:
         """(slot, batch id) this rank trained since the last durable checkpoint."""
         self.uncommitted_dead: list[tuple[Delivery, str]] = []
         """Deliveries this rank could not train since the last durable checkpoint, and why."""
+        self.prefetcher = DeliveryPrefetcher(self.source, self.slots, self.rank, self.prepare,
+                                             pin=self.device.type == "cuda") if t.prefetch else None
         self.last_metrics: dict = {}
         """What rank 0 reports to Ray Train with a checkpoint (step, loss, throughput)."""
         trainee = Trainee(self.model, compiled(ray.train.torch.prepare_model(self.model), t.compile), self.optimizer,
@@ -154,19 +202,35 @@ class Rank:
 
     # --- the loop's host -----------------------------------------------------------------------------
 
+    def prepare(self, delivery: Delivery):
+        """A delivery prepared ahead (None: one the model cannot take, left to the step to dead-letter)."""
+        cfg = self.model.cfg
+        if delivery.problem is not None or delivery.batch is None or untrainable(
+                delivery.batch, self.tokenizer.specials, cfg.vocab_size, cfg.max_positions) is not None:
+            return None
+        prepared = self.objectives.prepare(delivery.batch, seed_key(self.job.seed, self.slots, delivery.slot))
+        return prepared.pin_memory() if self.device.type == "cuda" else prepared
+
     def next_update(self, step: int) -> UpdateInput | None:
         """This rank's deliveries of update `step`, or None when any rank cannot get its own (all stop)."""
-        deliveries = []
-        for micro in range(self.slots.grad_accum):
-            delivery = self.source.get(self.slots.slot(step, self.rank, micro))
-            if delivery is None:
-                break
-            deliveries.append(delivery)
-        ready = torch.tensor([1.0 if len(deliveries) == self.slots.grad_accum else 0.0])
+        if self.prefetcher is not None:
+            taken = self.prefetcher.take(step)
+        else:
+            taken = []
+            for micro in range(self.slots.grad_accum):
+                delivery = self.source.get(self.slots.slot(step, self.rank, micro))
+                if delivery is None:
+                    break
+                taken.append((delivery, None))
+        have = len(taken) == self.slots.grad_accum and not self.source.stopping()  # a stop counts at this boundary
+        ready = torch.tensor([1.0 if have else 0.0])
         dist.all_reduce(ready, op=dist.ReduceOp.MIN)  # a host decision on a host tensor (gloo): no device sync
         if ready.item() != 1:
             return None  # nothing trained: the same slots are read again later
-        return UpdateInput([Item(d.slot, d.batch, d.problem) for d in deliveries], deliveries)
+        if self.prefetcher is not None and step + 1 < self.job.max_steps:
+            self.prefetcher.start(step + 1)  # read and prepared while this update trains
+        return UpdateInput([Item(d.slot, d.batch, d.problem, prepared) for d, prepared in taken],
+                           [d for d, _ in taken])
 
     def gather(self, part: list) -> list[list]:
         gathered: list = [None] * self.world

@@ -25,6 +25,9 @@ class BatchSource(Protocol):
     def publish(self, record: dict) -> None:
         """Rank 0's record of an update, for progress lines."""
 
+    def stopping(self) -> bool:
+        """The run must stop at this step boundary (stop asked, time up), whatever batches are in hand."""
+
 
 class RedisSource:
     """The pipeline's feed: this rank's stream in the run's Redis, read slot by slot."""
@@ -34,9 +37,12 @@ class RedisSource:
         self.queue = BatchQueue.connect(job.redis_url, job.paths.name, Slots(job.trainer.num_workers,
                                                                               job.trainer.grad_accum))
 
+    def stopping(self) -> bool:
+        return self.queue.stop_requested() or (self.job.deadline_unix is not None and time.time() > self.job.deadline_unix)
+
     def get(self, slot: int) -> Delivery | None:
         while True:
-            if self.queue.stop_requested() or (self.job.deadline_unix is not None and time.time() > self.job.deadline_unix):
+            if self.stopping():
                 return None
             delivery = self.queue.get(slot, block_ms=self.job.queue.block_ms)
             if delivery is not None:
@@ -79,6 +85,9 @@ class MemorySource:
 
     def publish(self, record: dict) -> None:
         pass
+
+    def stopping(self) -> bool:
+        return False
 
 
 def source_for(job: TrainerJob, rank: int) -> BatchSource:
