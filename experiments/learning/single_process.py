@@ -363,7 +363,7 @@ class SingleProcessRun:
                     "loss_first": records[0].loss if records else None,
                     "loss_last": records[-1].loss if records else None,
                     "beta": records[-1].beta if records else None,
-                    "index_versions": sorted({v for r in records for v in r["index_versions"]})}
+                    "index_versions": sorted({v for r in records for v in r.index_versions})}
         g = final_g_health(cfg, self.paths, self.corpus) if cfg.objectives.model_family == "marge" else None
         return assemble_report(baselines, over_time, final_model, self.tokenizer, self.pairs, cfg.health.eval_layer,
                                records, str(checkpoints[-1]) if checkpoints else None, self.indexer.history(),
