@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from marge.refresh import append_build, read_builds, refresh_cost, union_seconds
@@ -23,7 +25,8 @@ def test_updates_during_a_build_staleness_at_first_use_and_throughput_with_and_w
     cost = refresh_cost(builds, records)
     v0, v1 = cost["per_version"]
     assert v0 == {"version": 0, "snapshot_step": 0, "build_seconds": 5.0, "indexer_workers": None,
-                  "steps_during_build": 0, "first_use_step": 1, "staleness_at_first_use": 1}
+                  "steps_during_build": 0, "first_use_step": 1, "staleness_at_first_use": 1,
+                  "shards_embedded": None, "shards_trained": 0}
     # updates 3 (ends 103), 4, 5 and 6 (runs 105-106) overlap [102.5, 105.5]
     assert v1["steps_during_build"] == 4 and v1["first_use_step"] == 7 and v1["staleness_at_first_use"] == 5
     assert v1["indexer_workers"] == 2
@@ -82,7 +85,7 @@ def test_a_sampled_refresh_re_embeds_its_window_and_carries_the_other_shards_wit
     shutil.copytree(small_index.path.parent, root)  # the session's index stays as it is
     corpus = Corpus.open(small_corpus)
     assert corpus.num_shards >= 2
-    previous, rebuild, carried = plan_refresh(root, 1, corpus.num_shards, 1)
+    previous, rebuild, carried = plan_refresh(root, 1, corpus.num_shards, IndexerConfig(shards_per_refresh=1))
     assert previous.version == 0 and rebuild == [1] and carried == [s for s in range(corpus.num_shards) if s != 1]
 
     torch.manual_seed(1)  # a different encoder than version 0's
@@ -104,3 +107,55 @@ def test_a_sampled_refresh_re_embeds_its_window_and_carries_the_other_shards_wit
         entry = next(e for e in v1.shards if e["shard"] == s)
         assert entry["carried_from_version"] == 0 and entry["embed_seconds"] == 0.0
     assert not v1.read_graph(1).equals(previous.read_graph(1))  # re-embedded with the new encoder
+
+
+def test_shards_trained_per_version_come_from_the_batch_ids_of_the_trained_slots():
+    builds = [{"version": 2, "snapshot_step": 20, "started_unix": 0.0, "finished_unix": 1.0, "shards_rebuilt": 3}]
+    trained = UpdateRecord(step=1, loss=1.0, lr=0.0, grad_norm=1.0, slots=[0, 1, 2, 3], dead_lettered=[3], time=5.0,
+                           batch_ids=["v2-e0-s4-0", "v2-e0-s4-1", "v2-e1-s7-0", "v2-e0-s9-0"], index_versions=[2])
+    (v2,) = refresh_cost(builds, [trained])["per_version"]
+    assert v2["shards_embedded"] == 3 and v2["shards_trained"] == 2  # shard 9's only batch was dead-lettered
+
+
+def test_the_paper_refresh_samples_shards_by_seed_and_version_alone():
+    from services.indexer.config import IndexerConfig
+    from services.indexer.core import plan_refresh, sampled_shards
+
+    samples = [sampled_shards(v, 50, 4, seed=3) for v in range(6)]
+    assert all(len(s) == 4 == len(set(s)) and s == sorted(s) and 0 <= min(s) and max(s) < 50 for s in samples)
+    assert samples == [sampled_shards(v, 50, 4, seed=3) for v in range(6)]  # a rebuild after a resume: the same
+    assert len({tuple(s) for s in samples}) == 6 and sampled_shards(0, 50, 4, seed=4) != samples[0]
+    assert sampled_shards(1, 3, 4, seed=0) == [0, 1, 2] and sampled_shards(1, 50, 0, seed=0) == list(range(50))
+    assert plan_refresh(Path("nowhere"), 2, 50, IndexerConfig(shards_per_version=4), seed=3) == (None, samples[2], [])
+    with pytest.raises(ValueError, match="shards_per_refresh"):
+        IndexerConfig(shards_per_version=4, shards_per_refresh=2)
+
+
+def test_a_sampled_version_holds_its_sample_and_its_batches_come_only_from_it(small_corpus, tmp_path):
+    import torch
+
+    from marge.corpus import Corpus
+    from marge.model import Marge, RelevanceEncoder, preset
+    from marge.protocol import BatchId
+    from services.batcher.config import BatcherConfig
+    from services.batcher.core import DocumentStore, epoch_batches
+    from services.indexer.config import IndexerConfig
+    from services.indexer.core import build_version, index_shard, sampled_shards
+
+    corpus = Corpus.open(small_corpus)
+    assert corpus.num_shards >= 4
+    torch.manual_seed(0)
+    encoder = RelevanceEncoder.from_model(Marge(preset("tiny", vocab_size=corpus.tokenizer().vocab_size,
+                                                       max_positions=128))).eval()
+    cfg = IndexerConfig(shards_per_version=2)
+
+    def index_shards(shards, staging):
+        return [index_shard(corpus.read_shard(s), encoder, corpus.tokenizer().specials, staging, cfg, seed=s,
+                            snapshot_step=0).as_manifest_entry() for s in shards]
+
+    committed, record = build_version(tmp_path / "index", tmp_path, 0, 0, corpus.num_shards, cfg, index_shards, seed=3)
+    sample = sampled_shards(0, corpus.num_shards, 2, seed=3)
+    assert sorted(e["shard"] for e in committed.shards) == sample
+    assert record["shards_rebuilt"] == 2 and record["shards_carried"] == 0
+    batches = list(epoch_batches(committed, DocumentStore(corpus), BatcherConfig(max_tokens=400), 0, seed=0))
+    assert batches and {BatchId.parse(b.batch_id).shard for b in batches} <= set(sample)

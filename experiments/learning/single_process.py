@@ -174,7 +174,8 @@ class InProcessIndexer:
                                 snapshot_step=snapshot.step).as_manifest_entry() for s in shards]
 
         committed, record = build_version(self.root, self.run_dir, version, snapshot.step, self.corpus.num_shards,
-                                          self.cfg.indexer, index_shards, extra={"search": "torch-exact"})
+                                          self.cfg.indexer, index_shards, extra={"search": "torch-exact"},
+                                          seed=self.cfg.run.seed)
         log.info("index v%d from snapshot %d: %s", version, snapshot.step, describe_build(record))
         self.board.index_build(record)
         self.board.flush()

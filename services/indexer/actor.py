@@ -186,7 +186,7 @@ class IndexCoordinator:
             return self._index(version, snapshot_step, {i: shards[i::n] for i in range(n) if shards[i::n]})
 
         committed, record = build_version(self.paths.index, self.paths.run_dir, version, snapshot_step, self.num_shards,
-                                          self.cfg, index_shards, workers=n)
+                                          self.cfg, index_shards, workers=n, seed=self.seed)
         with self._pool_lock:
             self.version, self.indexed_step, self.building = max(self.version, version), snapshot_step, None
         self.floor = max(self.floor, self._oldest_kept(self.version))

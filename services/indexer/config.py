@@ -60,11 +60,17 @@ class IndexerConfig:
     """GPUs (or a share of one) Ray gives each indexer worker with use_gpu."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per worker, e.g. {marge_indexer: 1} to place indexers on their own node group."""
+    shards_per_version: int = 0
+    """The paper's refresh (§2.4: "every 10k model updates, we sample a set of shards of documents"): version v
+    embeds and links a sample of this many shards, drawn from the run's seed and v, and holds only those, so the
+    batcher trains v's updates on them alone and every link a batch uses comes from the snapshot v was built from.
+    A refresh then costs k shards whatever the corpus size. 0: every shard, every version. `marge serve` answers
+    from the newest version, that is from its k shards: serve a full index (`marge report --checkpoint`) instead."""
     shards_per_refresh: int = 0
-    """Sampled refresh: each new version re-embeds this many shards, rotating (version v rebuilds shards
-    v*k .. v*k+k-1 modulo the shard count), and carries the others over from the previous version with
-    the older snapshot step they were built from (per shard in the manifest). 0: every shard, every
-    version (the paper's full refresh). Trades index freshness for refresh cost on a large corpus."""
+    """Rotating refresh (not the paper's): each new version re-embeds this many shards, rotating (version v
+    rebuilds shards v*k .. v*k+k-1 modulo the shard count), and carries the others over from the previous
+    version with the older snapshot step they were built from (per shard in the manifest), so batches mostly
+    come from stale shards. 0: off. Exclusive with `shards_per_version`."""
     nice: int = 0
     """OS niceness of indexer workers (0-19). Where indexers share CPUs with trainers, a positive value
     lets re-indexing use the trainers' slack instead of their time (at the cost of staler indexes)."""
@@ -89,6 +95,10 @@ class IndexerConfig:
         positive(self, "num_workers", "reindex_every", "batch_tokens", "candidates_per_language",
                  "num_cpus_per_worker")
         at_least(self, "shards_per_refresh", 0)
+        at_least(self, "shards_per_version", 0)
+        if self.shards_per_refresh and self.shards_per_version:
+            raise FieldError("shards_per_refresh", self.shards_per_refresh,
+                             "0 when indexer.shards_per_version samples the shards (choose one way to refresh)")
         at_least(self, "links_monolingual", 0)
         at_least(self, "links_crosslingual", 0)
         within(self, "min_score", -1.0, 1.0)

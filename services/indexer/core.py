@@ -325,9 +325,10 @@ def index_build_record(committed, entries: list[dict], started_unix: float) -> d
 
 
 def build_version(root: Path, run_dir: Path, version: int, snapshot_step: int, num_shards: int, cfg: IndexerConfig,
-                  index_shards, workers: int = 1, extra: dict | None = None):
+                  index_shards, workers: int = 1, extra: dict | None = None, seed: int = 0):
     """Build index version `version` from the snapshot of `snapshot_step`, the one way both hosts do it: the shards
-    this refresh re-embeds (every shard, or a sampled window: `plan_refresh`) indexed by `index_shards(shards,
+    this refresh embeds (every shard, the version's sample, or a rotating window: `plan_refresh`) indexed by
+    `index_shards(shards,
     staging)` (in this process, or spread over Ray workers), the others carried over from the previous version, the
     version committed (checksums, manifest last, LATEST moved) and its figures appended to the run's
     index_builds.jsonl. Returns (the committed IndexVersion, its build record)."""
@@ -337,7 +338,7 @@ def build_version(root: Path, run_dir: Path, version: int, snapshot_step: int, n
     started = time.time()
     staging = staging_dir(root, version)
     staging.mkdir(parents=True, exist_ok=True)
-    previous, shards, carried = plan_refresh(root, version, num_shards, cfg.shards_per_refresh)
+    previous, shards, carried = plan_refresh(root, version, num_shards, cfg, seed)
     entries = [{**entry, "snapshot_step": snapshot_step} for entry in index_shards(shards, staging)]
     if carried:
         entries += carry_shards(previous, carried, staging)
@@ -363,6 +364,19 @@ def describe_build(record: dict) -> str:
             + f") in {record['seconds']:.1f} s")
 
 
+SHARD_SAMPLE_STREAM = 7
+"""Keeps a version's shard sample independent of every other seeded draw of the run."""
+
+
+def sampled_shards(version: int, num_shards: int, shards_per_version: int, seed: int) -> list[int]:
+    """The shards version `version` holds under `indexer.shards_per_version`: a sample drawn from the run's seed and
+    the version alone, so a version rebuilt after a resume, or by the other host, holds the same shards."""
+    if not shards_per_version or shards_per_version >= num_shards:
+        return list(range(num_shards))
+    rng = np.random.default_rng([seed, version, SHARD_SAMPLE_STREAM])
+    return sorted(int(s) for s in rng.choice(num_shards, size=shards_per_version, replace=False))
+
+
 def shards_to_rebuild(version: int, num_shards: int, shards_per_refresh: int, has_previous: bool) -> list[int]:
     """The shards version `version` re-embeds: all of them for a full refresh (or when there is no previous
     version to carry from), else a rotating window of `shards_per_refresh` that depends on the version alone,
@@ -372,10 +386,14 @@ def shards_to_rebuild(version: int, num_shards: int, shards_per_refresh: int, ha
     return sorted({(version * shards_per_refresh + j) % num_shards for j in range(shards_per_refresh)})
 
 
-def plan_refresh(root: Path, version: int, num_shards: int, shards_per_refresh: int):
-    """(previous committed version or None, shards to re-embed, shards to carry over) for building `version`."""
+def plan_refresh(root: Path, version: int, num_shards: int, cfg: IndexerConfig, seed: int = 0):
+    """(previous committed version or None, shards to embed, shards to carry over) for building `version`: a
+    sampled version (`shards_per_version`) embeds its sample and carries nothing."""
     from marge.index_store import latest_version
 
+    if cfg.shards_per_version:
+        return None, sampled_shards(version, num_shards, cfg.shards_per_version, seed), []
+    shards_per_refresh = cfg.shards_per_refresh
     previous = latest_version(root)
     previous = previous if previous is not None and previous.version < version else None
     rebuild = shards_to_rebuild(version, num_shards, shards_per_refresh, previous is not None)

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from marge.protocol import BatchId
 from marge.train_log import UpdateRecord
 
 INDEX_BUILDS = "index_builds.jsonl"
@@ -62,9 +63,14 @@ def refresh_cost(builds: list[dict[str, Any]], records: list[UpdateRecord]) -> d
     intervals = [(b["started_unix"], b["finished_unix"]) for b in builds]
     steps = [(r.time - r.step_seconds, r.time, r) for r in records if r.time > 0]
     first_use: dict[int, int] = {}
+    trained_shards: dict[int, set[int]] = {}
     for r in records:
         for v in r.index_versions:
             first_use.setdefault(v, r.step)
+        for batch_id in r.trained_slots().values():
+            parsed = BatchId.parse(batch_id) if batch_id else None
+            if parsed is not None:
+                trained_shards.setdefault(parsed.version, set()).add(parsed.shard)
     per_version = []
     for b in builds:
         during = sum(1 for start, end, _ in steps if overlaps(start, end, [(b["started_unix"], b["finished_unix"])]))
@@ -72,6 +78,8 @@ def refresh_cost(builds: list[dict[str, Any]], records: list[UpdateRecord]) -> d
         per_version.append({"version": b["version"], "snapshot_step": b["snapshot_step"],
                             "build_seconds": b.get("seconds"), "indexer_workers": b.get("indexer_workers"),
                             "steps_during_build": during, "first_use_step": used,
+                            "shards_embedded": b.get("shards_rebuilt"),
+                            "shards_trained": len(trained_shards.get(b["version"], ())),
                             "staleness_at_first_use": None if used is None else used - b["snapshot_step"]})
     building = [r for start, end, r in steps if overlaps(start, end, intervals)]
     idle = [r for start, end, r in steps if not overlaps(start, end, intervals)]
