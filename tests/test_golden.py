@@ -32,7 +32,8 @@ def first_losses(corpus_dir: Path, index_root: Path) -> dict:
     from services.trainer.step import reference_train
 
     cfg = load_config(REPO / "deploy/configs/tiny.yaml", [f"data.corpus={corpus_dir}", "data.max_chunk_tokens=64",
-                                                          "model.max_positions=64", "batcher.max_tokens=512"])
+                                                          "model.max_positions=64", "batcher.max_tokens=512",
+                                                          "trainer.warmup_steps=5"])  # past warm-up within 20
     corpus = Corpus.open(corpus_dir)
     tokenizer = corpus.tokenizer()
     torch.manual_seed(cfg.run.seed)
