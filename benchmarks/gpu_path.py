@@ -68,7 +68,7 @@ def step_variants(device: torch.device, steps: int, targets: int) -> list[dict]:
 
 
 def corpus_documents(limit: int) -> tuple[list[np.ndarray], str]:
-    for name in ("libreoffice-help-128", "demo-128", "demo"):
+    for name in ("libreoffice-help-128", "demo-paragraphs", "demo-128", "demo"):
         root = REPO / "data" / "prepared" / name
         if (root / "manifest.json").exists():
             from marge.corpus import Corpus

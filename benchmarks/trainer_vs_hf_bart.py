@@ -42,7 +42,7 @@ from marge.batch import Batch, SpecialTokens  # noqa: E402
 from marge.model import Marge, MargeConfig, preset  # noqa: E402
 from services.trainer.config import TrainerConfig  # noqa: E402
 from services.trainer.objectives import MargeObjectiveConfig, Objectives, ObjectivesConfig  # noqa: E402
-from services.trainer.step import build_optimizer, build_scheduler, forward_backward, optimizer_step  # noqa: E402
+from services.trainer.step import build_optimizer, build_scheduler, compiled, forward_backward, optimizer_step  # noqa: E402
 
 SPECIALS = SpecialTokens(pad_id=0, bos_id=1, eos_id=2, lang_ids={"en": 3})
 OPTIM = TrainerConfig(lr=1e-4, warmup_steps=0, weight_decay=0.01, clip_norm=1.0)
@@ -69,7 +69,7 @@ def shape(name: str) -> Shape:
         return Shape(name, cfg, 32, 127, 126)
     if name == "paper":
         cfg = preset("paper", max_positions=512, dropout=0.0)
-        return Shape(name, cfg, 4, 511, 510)
+        return Shape(name, cfg, 4, 510, 510)
     raise ValueError(f"unknown shape {name!r}: reference, base or paper")
 
 
@@ -98,7 +98,7 @@ class OurStep:
         self.model = Marge(s.model).to(device).train()
         self.optimizer = build_optimizer(self.model, OPTIM)
         self.scheduler = build_scheduler(self.optimizer, OPTIM, TOTAL_STEPS)
-        self.step_model = torch.compile(self.model) if compile_model else self.model
+        self.step_model = compiled(self.model, compile_model)  # what `trainer.compile: true` trains through
         self.objectives = Objectives(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked")), SPECIALS)
         self.device, self.bf16 = device, bf16
         self.parameters = sum(p.numel() for p in self.model.parameters())
