@@ -41,12 +41,12 @@ def mfu(s, target_tokens_per_s: float, device: torch.device) -> float | None:
     return flops * target_tokens_per_s / p if p else None
 
 
-def step_variants(device: torch.device, steps: int, targets: int) -> list[dict]:
+def step_variants(device: torch.device, steps: int, targets: int, out: list[dict], save) -> None:
+    """Appends each variant's figures to `out` and saves them as it goes (a time limit keeps the finished ones)."""
     s = shape("base")
     s = type(s)(s.name, s.model, targets, s.target_tokens, s.evidence_tokens)
     rng = np.random.default_rng(0)
     batches = [synthetic_batch(s, rng, f"b{i}") for i in range(steps)]
-    out = []
     for name, bf16, compiled in (("fp32", False, False), ("bf16", True, False), ("bf16+compile", True, True)):
         try:
             runner = OurStep(s, device, bf16, compile_model=compiled)
@@ -57,6 +57,7 @@ def step_variants(device: torch.device, steps: int, targets: int) -> list[dict]:
                         "mfu": mfu(s, rate, device), "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30
                         if device.type == "cuda" else None})
             print(json.dumps(out[-1]), flush=True)
+            save()
             del runner
         except Exception as e:  # noqa: BLE001 - a failed variant is a result, the others still run
             out.append({"variant": name, "error": f"{type(e).__name__}: {e}"})
@@ -64,7 +65,6 @@ def step_variants(device: torch.device, steps: int, targets: int) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-    return out
 
 
 def corpus_documents(limit: int) -> tuple[list[np.ndarray], str]:
@@ -144,8 +144,9 @@ def main() -> None:
         args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
 
     if "variants" not in args.skip:
-        results["base_step"] = [v for t in args.targets for v in step_variants(device, args.steps, t)]
-        save()
+        results["base_step"] = []
+        for t in args.targets:
+            step_variants(device, args.steps, t, results["base_step"], save)
     if "bart" not in args.skip:
         try:
             results["vs_hf_bart_base_bf16"] = compare(shape("base"), device, True, rounds=3, steps=args.steps, warmup=3)

@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from services.cli import main
+from marge.train_log import TRAIN_LOG, TrainLog, UpdateRecord
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +47,11 @@ def trained(small_corpus, tmp_path_factory, demo_raw):
     records = [train_step(model, optimizer, scheduler, objectives, batches[i:i + 2], cfg, i // 2, torch.device("cpu"))
                for i in range(0, 16, 2)]
     publish_snapshot(run / "snapshots", model, 8, tok.sha256)
-    with open(run / "train_log.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps({"step": r.step + 1, "loss": r.loss, "beta": r.beta}) + "\n")
+    log = TrainLog(run / TRAIN_LOG)
+    for r in records:
+        log.append(UpdateRecord(step=r.step + 1, loss=r.loss, lr=r.lr, grad_norm=r.grad_norm, batch_ids=r.batch_ids,
+                                beta=r.beta, index_versions=r.index_versions, snapshot_steps=r.snapshot_steps,
+                                objectives=r.objectives, target_tokens=r.target_tokens, step_seconds=r.seconds))
     pairs = root / "pairs.tsv"
     lines = (demo_raw / "heldout_pairs.tsv").read_text(encoding="utf-8").splitlines()
     by_lang: dict[str, list[str]] = {}

@@ -23,6 +23,7 @@ import torch
 
 from marge.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
 from marge.evaluation import evaluate_model, evaluate_tfidf, mean_score, read_pairs
+from marge.model import Marge
 from marge.train_log import UpdateRecord, read_train_log
 from marge.utils import atomic_write_text
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
@@ -43,7 +44,8 @@ def measure_baselines(init_model, tokenizer, pairs, probe, device: str | torch.d
     by_layer = {layer: evaluate_model(init_model, tokenizer, pairs, layer, device=str(device))
                 for layer in range(0, len(init_model.encoder_layers) + 1)}
     best = best_per_pair(by_layer)
-    by_g = evaluate_model(init_model, tokenizer, pairs, "g", device=str(device))
+    has_g = isinstance(init_model, Marge)  # VECO has no relevance encoder: its retrieval is read from a layer only
+    by_g = evaluate_model(init_model, tokenizer, pairs, "g", device=str(device)) if has_g else {}
     tfidf = evaluate_tfidf(pairs)
     health = probe_health(init_model, probe, tokenizer.specials, device) if probe else {}
     if aligned:

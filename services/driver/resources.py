@@ -90,7 +90,8 @@ def ray_for(cfg: PipelineConfig) -> Iterator[None]:
         yield
         return
     if cfg.ray.address:
-        ray.init(address=cfg.ray.address, namespace=namespace, log_to_driver=True)
+        with marge.local_ray.keeping_sigterm_handler():
+            ray.init(address=cfg.ray.address, namespace=namespace, log_to_driver=True)
         try:
             check_cluster()
         except BaseException:

@@ -487,7 +487,10 @@ def joined_ray(address: str):
     """A connection to a running cluster for the block; leaving it disconnects (the cluster keeps running)."""
     import ray
 
-    ray.init(address=address, log_to_driver=True)
+    from marge.local_ray import keeping_sigterm_handler
+
+    with keeping_sigterm_handler():
+        ray.init(address=address, log_to_driver=True)
     try:
         yield
     finally:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
 
 LOCAL_RAY_ENV = {
@@ -21,6 +23,20 @@ LOCAL_RAY_ENV = {
 
 SETUP_HOOK = "services.trainer.loopback.install"
 """Run in every worker process: the DDP ranks' rendezvous store binds to loopback too."""
+
+
+@contextlib.contextmanager
+def keeping_sigterm_handler() -> Iterator[None]:
+    """Keep this program's SIGTERM handler across `ray.init`: Ray's core worker installs a C++ failure handler
+    for SIGTERM that aborts the process (exit -6) without running Python's `finally` blocks, which would leave a
+    private redis-server and Ray's agents behind (measured: tests/test_shutdown.py). The Python handler the program
+    set (`marge` exits through its normal path) is put back as soon as Ray is up."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
 
 
 def apply_local_ray_env() -> None:
@@ -39,9 +55,10 @@ def local_ray(num_cpus: int, namespace: str | None = None, include_dashboard: bo
     import ray
 
     try:
-        ray.init(address="local", namespace=namespace, num_cpus=num_cpus, include_dashboard=include_dashboard,
-                 dashboard_host="127.0.0.1", object_store_memory=object_store_memory, log_to_driver=log_to_driver,
-                 runtime_env={"worker_process_setup_hook": SETUP_HOOK})
+        with keeping_sigterm_handler():
+            ray.init(address="local", namespace=namespace, num_cpus=num_cpus, include_dashboard=include_dashboard,
+                     dashboard_host="127.0.0.1", object_store_memory=object_store_memory, log_to_driver=log_to_driver,
+                     runtime_env={"worker_process_setup_hook": SETUP_HOOK})
         if check is not None:
             check()
         yield
