@@ -84,9 +84,9 @@ def test_the_ceiling_experiment_reports_each_arm_and_the_ratio_and_keeps_finishe
         assert a["beta"]["0"] == 1.0
     oracle, loop = report["arms"]["oracle"], report["arms"]["loop"]
     assert list(oracle["parallel_link_precision"]) == ["0"] and oracle["link_sources"]["0"] == ["aligned"]
-    # the bootstrap: TF-IDF, then cos(g) + lambda * tfidf (lambda = 1 - 4/6 at update 4), then g alone from update 6
+    # the bootstrap: TF-IDF, then cos(g) + lambda * tfidf (lambda = 4 x (1 - 4/6) at update 4), then g alone from update 6
     assert loop["link_sources"] == {"0": ["tfidf"], "1": ["hybrid"], "2": ["g"]}
-    assert loop["lexical_weight"]["1"] == pytest.approx(1 / 3) and loop["lexical_weight"]["2"] == 0
+    assert loop["lexical_weight"]["1"] == pytest.approx(4 / 3) and loop["lexical_weight"]["2"] == 0
     assert loop["parallel_link_precision"]["0"] > 0
     assert list(report["ratio"]) == ["2", "4", "6", "8"] == list(report["ratio_ci95"])
     assert report["ratio"] == report["ratio_per_char"]

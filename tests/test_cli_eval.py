@@ -150,9 +150,11 @@ def test_report_shows_what_each_index_refresh_cost(trained, tmp_path, capsys):
     append_build(run, {"version": 0, "snapshot_step": 0, "started_unix": 0.0, "finished_unix": 1.0, "seconds": 1.0,
                        "indexer_workers": 1})
     report = run_json(["report", "--run", str(run), "--out", str(tmp_path / "r"), "--max-snapshots", "1"], capsys)
+    # the fixture's updates trained on version 0 from update 1; no shard list recorded, none trained by a sampled build
     assert report["refresh"]["per_version"] == [{"version": 0, "snapshot_step": 0, "build_seconds": 1.0,
-                                                 "indexer_workers": 1, "steps_during_build": 0, "first_use_step": None,
-                                                 "staleness_at_first_use": None}]
+                                                 "indexer_workers": 1, "steps_during_build": 0, "first_use_step": 1,
+                                                 "shards_embedded": None, "shards_trained": 0,
+                                                 "staleness_at_first_use": 1}]
     assert (tmp_path / "r" / "curves.png").stat().st_size > 0
 
 

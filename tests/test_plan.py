@@ -59,7 +59,7 @@ def test_cli_plan_needs_a_size_or_a_prepared_corpus(capsys):
     assert main(["plan", "--config", str(REPO / "deploy/configs/tiny.yaml"), "data.corpus=/nonexistent",
                  "--documents", "5000", "--document-tokens", "270", "--languages", "8"]) == 0
     out = capsys.readouterr().out
-    assert "5,000 documents" in out and "refresh interval 30 updates" in out
+    assert "5,000 documents" in out and "refresh interval 100 updates" in out
 
 
 def test_the_gpu_configs_give_a_gpu_sized_update_and_the_plan_says_how_to_get_one():

@@ -78,7 +78,7 @@ def assemble_report(baselines: dict, over_time: list[dict], final_model, tokeniz
     # the final model at every layer too, next to random init's: which representation learned what
     trained_by_layer = {} if final_model is None else {
         str(layer): evaluate_model(final_model, tokenizer, pairs, layer, device=str(device))
-        for layer in [*range(0, len(final_model.encoder_layers) + 1), "g"]}
+        for layer in [*range(0, len(final_model.encoder_layers) + 1), *(["g"] if isinstance(final_model, Marge) else [])]}
     health_records = ([{"step": 0, **baselines["initial_health"]}]
                       + [{"step": r.step, **r.health} for r in records if r.health])
     depth = len(final_model.encoder_layers) if final_model is not None else 5

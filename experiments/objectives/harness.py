@@ -62,6 +62,11 @@ VARIANTS = (
 )
 
 
+SAME_PROBE = ("health.eval_layer=0",)
+"""Every variant's held-out P@1 read at the same place, the mean of the encoder's input embeddings (layer 0): VECO
+has no relevance encoder g, so g's P@1 (the recipe's `eval_layer: g`) cannot be compared across variants."""
+
+
 def variant_named(name: str) -> Variant:
     for v in VARIANTS:
         if v.name == name:
@@ -72,7 +77,8 @@ def variant_named(name: str) -> Variant:
 def run_variant(variant: Variant, config: Path, extra_overrides: list[str], minutes: float, out: Path,
                 device: str) -> dict:
     """The variant's single-process run for `minutes` (continued where an earlier command left it)."""
-    return train_for_minutes(config, [*variant.overrides, *extra_overrides], minutes, out, device, label=variant.name)
+    return train_for_minutes(config, [*SAME_PROBE, *variant.overrides, *extra_overrides], minutes, out, device,
+                             label=variant.name)
 
 
 def chrf_zero_shot(model, tokenizer, pairs, per_direction: int, device: str) -> dict[str, float]:
