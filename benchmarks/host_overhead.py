@@ -5,8 +5,9 @@ the host is busy launching small kernels one by one. Neither needs a GPU to coun
 measures, per update of `train_step` (the single process's and the reference loop's update; the DDP ranks run the
 same `run_update`):
 
-* device reads: calls that copy a tensor's value to the host (`.item()`, `bool(t)`, `float(t)`, `int(t)`,
-  `.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")`; a read of a tensor already copied to the host is not counted);
+* device reads: operations that make the host wait for the device (a scalar read: `.item()`, `bool(t)`,
+  `float(t)`, `int(t)`; a value-dependent size: `nonzero`, `masked_select`, `unique`), plus the update's one batched
+  copy of its figures where the code has it (`read_to_host`);
 * kernel-launching operations: aten operations that compute (views and metadata excluded);
 * graphs: frames `torch.compile` compiles over 50 batches of varied sizes (dynamic shapes), forward and loss;
 * host time per update at width 8 (`tiny`'s depth, d_model 8): compute is nothing there, host work is everything;
@@ -30,14 +31,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"}
+SYNCHRONISING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_consecutive",
+                 "aten::_unique2"}
 
 
 def measure(compile_host: bool) -> dict:
     """Every figure for the `marge` importable here (this tree's, or the exported commit's)."""
     import numpy as np
     import torch
-    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from marge.batch import Batch, SpecialTokens
@@ -58,7 +59,7 @@ def measure(compile_host: bool) -> dict:
         tokens = tuple(rng.integers(10, 60, size=int(n)).astype(np.int32) for n in rng.integers(4, 40, size=n_docs))
         n_targets = int(rng.integers(2, 4))
         edges = [[t, e] for t in range(n_targets) for e in range(n_docs - n_targets) if rng.random() < 0.5]
-        edges = edges or [[0, 0]]
+        edges += [[t, 0] for t in range(n_targets) if not any(e[0] == t for e in edges)]  # every target reads some
         return Batch(f"b{rng.integers(1 << 30)}", 0, 0, np.arange(n_docs, dtype=np.int64),
                      tuple(langs[i % 3] for i in range(n_docs)), tokens, np.arange(n_targets, dtype=np.int32),
                      np.arange(n_targets, n_docs, dtype=np.int32), np.array(edges, dtype=np.int32),
@@ -90,22 +91,20 @@ def measure(compile_host: bool) -> dict:
         except TypeError:
             return torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
 
-    class Reads(TorchFunctionMode):
+    class Reads(TorchDispatchMode):
+        """Operations that make the host wait for the device: a scalar read (`.item()`, `bool(t)`, `float(t)`,
+        `int(t)` all dispatch `aten::_local_scalar_dense`) or an operation whose output size depends on values
+        (`nonzero`, `masked_select`, `unique`). Host-side input tensors are never read through these (they are
+        numpy until they are moved), so on a CPU this counts what a GPU would wait on."""
+
         def __init__(self):
             super().__init__()
-            self.count, self.copies = 0, set()
+            self.count = 0
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            name = getattr(func, "__name__", "")
-            this = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            to_cpu = name == "to" and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values()))
-            out = func(*args, **kwargs)
-            if this is not None and (name in READS or to_cpu) and id(this) not in self.copies:
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in SYNCHRONISING:
                 self.count += 1
-            if (name == "cpu" or to_cpu) and isinstance(out, torch.Tensor):
-                self.copies.add(id(out))
-            return out
+            return func(*args, **(kwargs or {}))
 
     class Launches(TorchDispatchMode):
         def __init__(self):
@@ -128,11 +127,23 @@ def measure(compile_host: bool) -> dict:
     model = model_of(64)
     optimizer = optimizer_for(model)
     scheduler = build_scheduler(optimizer, cfg, 1000)
-    reads, launches = [], []
+    reads, launches, batched = [], [], []
+    from services.trainer import step as step_module
+
+    if hasattr(step_module, "read_to_host"):  # the update's figures in one copy: a read on a GPU, a no-op on a CPU
+        original = step_module.read_to_host
+
+        def counted(values):
+            batched.append(1)
+            return original(values)
+
+        step_module.read_to_host = counted
     for step in range(5):
         batches, prepared = update_inputs(step, rng)
+        batched.clear()
         with Reads() as r:
             train_step(model, optimizer, scheduler, objectives, batches, cfg, step, torch.device("cpu"), 0, prepared)
+        r.count += len(batched)
         batches, prepared = update_inputs(step + 100, rng)
         with Launches() as launch:
             train_step(model, optimizer, scheduler, objectives, batches, cfg, step, torch.device("cpu"), 0, prepared)
@@ -188,7 +199,9 @@ def exported(ref: str) -> Path:
 def run_in(tree: Path, compile_host: bool) -> dict:
     code = (f"import sys, json; sys.path[:0] = [{str(tree / 'shared')!r}, {str(tree)!r}, {str(REPO / 'benchmarks')!r}]; "
             f"import host_overhead; print(json.dumps(host_overhead.measure({compile_host})))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"measuring {tree} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
