@@ -323,7 +323,7 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: 
         write_pool_size(paths, ix.num_workers)
         workers = [worker_options(ix, i, namespace).remote(ix, paths, cfg.run.seed, i) for i in range(ix.num_workers)]
         coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(
-            ix, paths, cfg.version_plan(), workers, floor, cfg.run.seed)
+            ix, paths, cfg.version_plan(), len(workers), floor, cfg.run.seed)
         runs["indexer"] = coordinator.run.remote()
     batcher = Batcher.options(name="marge-batcher", namespace=namespace).remote(
         cfg.batcher, cfg.queue, paths, cfg.run.seed, redis_url, cfg.slots(), cfg.version_plan(), cfg.faults,

@@ -80,11 +80,13 @@ class IndexCoordinator:
     also when Ray restarts the actor with its original arguments.
     """
 
-    def __init__(self, cfg: IndexerConfig, paths: RunPaths, plan: VersionPlan, workers: list, floor: int = 0,
+    def __init__(self, cfg: IndexerConfig, paths: RunPaths, plan: VersionPlan, workers: int, floor: int = 0,
                  seed: int = 0):
         setup_logging()
         self.cfg, self.paths, self.plan, self.seed = cfg, paths, plan, seed
-        self.workers = list(workers)  # the driver's first `num_workers`; `scale` adds and removes from the end
+        # the driver's first `workers`, found by name: actor handles as constructor arguments would be references
+        # Ray cannot restore if it restarts this actor (ray-project/ray#53727); `scale` adds and removes from the end
+        self.workers = [self._worker(i) for i in range(workers)]
         self.wanted_workers = read_pool_size(paths) or len(self.workers)
         self.building: int | None = None  # the version being built (its pool is fixed)
         self._pool_lock = threading.Lock()  # `scale` (another thread of this actor) vs a build taking its pool
@@ -145,13 +147,20 @@ class IndexCoordinator:
         return {"workers": len(self.workers), "wanted": self.wanted_workers, "version": self.version,
                 "cpus_per_worker": self.cfg.num_cpus_per_worker}
 
+    def _worker(self, i: int):
+        """Worker `marge-indexer-<i>` of this run: the running one (after a restart of this coordinator, or one a
+        scale-up started before it), else a new one."""
+        namespace = ray.get_runtime_context().namespace
+        try:
+            return ray.get_actor(f"marge-indexer-{i}", namespace=namespace)
+        except ValueError:
+            return worker_options(self.cfg, i, namespace).remote(self.cfg, self.paths, self.seed, i)
+
     def _apply_pool(self) -> None:
         """Grow or shrink the pool to the wanted size; only called between versions."""
-        namespace = ray.get_runtime_context().namespace
         while len(self.workers) < self.wanted_workers:
-            i = len(self.workers)
-            self.workers.append(worker_options(self.cfg, i, namespace).remote(self.cfg, self.paths, self.seed, i))
-            log.info("indexer pool: started marge-indexer-%d", i)
+            self.workers.append(self._worker(len(self.workers)))
+            log.info("indexer pool: started marge-indexer-%d", len(self.workers) - 1)
         while len(self.workers) > self.wanted_workers:
             ray.kill(self.workers.pop(), no_restart=True)
             log.info("indexer pool: stopped marge-indexer-%d", len(self.workers))
