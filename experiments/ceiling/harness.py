@@ -389,14 +389,16 @@ def plot_ceiling(report: dict, path: Path) -> Path:
     ax.legend(fontsize=8)
 
     ax = axes[0, 1]
+    top = 1.5  # R can exceed 1 (an arm that learns faster than the oracle): the axis grows to show it
     for key, name in (("ratio", "loop"), ("ratio_paper", "paper"), ("ratio_lexical_frozen", "lexical_frozen")):
         x, y = xy(report[key])
         if x:
             ci = report[f"{key}_ci95"]
+            top = max(top, *(ci[str(s)][1] + 0.1 for s in x if ci[str(s)][1] is not None))
             ax.plot(x, y, "o-", color=colors[name], label=f"{name} / oracle", markersize=3)
             ax.fill_between(x, [ci[str(s)][0] for s in x], [ci[str(s)][1] for s in x], color=colors[name], alpha=0.15)
     ax.axhline(0.5, color="k", linestyle=":", linewidth=1)
-    ax.set_ylim(-0.5, 1.5)
+    ax.set_ylim(-0.5, top)
     ax.set_title("R(t): share of the oracle's gain kept (paired 95% CI)")
     ax.set_xlabel("update")
     ax.legend(fontsize=8)
