@@ -130,25 +130,27 @@ def measure(compile_host: bool) -> dict:
     reads, launches, batched = [], [], []
     from services.trainer import step as step_module
 
-    if hasattr(step_module, "read_to_host"):  # the update's figures in one copy: a read on a GPU, a no-op on a CPU
-        original = step_module.read_to_host
-
+    original = getattr(step_module, "read_to_host", None)  # the update's figures in one copy (a no-op on a CPU)
+    if original is not None:
         def counted(values):
             batched.append(1)
             return original(values)
 
         step_module.read_to_host = counted
-    for step in range(5):
-        batches, prepared = update_inputs(step, rng)
-        batched.clear()
-        with Reads() as r:
-            train_step(model, optimizer, scheduler, objectives, batches, cfg, step, torch.device("cpu"), 0, prepared)
-        r.count += len(batched)
-        batches, prepared = update_inputs(step + 100, rng)
-        with Launches() as launch:
-            train_step(model, optimizer, scheduler, objectives, batches, cfg, step, torch.device("cpu"), 0, prepared)
-        reads.append(r.count)
-        launches.append(launch.count)
+    try:
+        for step in range(5):
+            batches, prepared = update_inputs(step, rng)
+            batched.clear()
+            with Reads() as r:
+                train_step(model, optimizer, scheduler, objectives, batches, cfg, step, torch.device("cpu"), 0, prepared)
+            reads.append(r.count + len(batched))
+            batches, prepared = update_inputs(step + 100, rng)
+            with Launches() as launch:
+                train_step(model, optimizer, scheduler, objectives, batches, cfg, step, torch.device("cpu"), 0, prepared)
+            launches.append(launch.count)
+    finally:
+        if original is not None:
+            step_module.read_to_host = original
     out["device_reads_per_update"] = statistics.median(reads)
     out["kernel_launching_ops_per_update"] = statistics.median(launches)
 

@@ -319,3 +319,15 @@ def test_encoder_states_sweep_the_plugged_out_layers_as_retrieval_evaluation_exp
     assert torch.allclose(model.encoder_states(tokens), model.encode(tokens))
     assert not torch.allclose(model.encoder_states(tokens, 6), model.encode(tokens))  # no final norm, as Marge
     assert model.encoder_states(tokens, 0).shape == (2, 5, model.cfg.d_model)
+
+
+def test_asking_a_veco_model_for_g_names_what_to_read_instead():
+    """VECO has no relevance encoder: retrieval by g is refused with the layers it can be read from, not an
+    AttributeError from deep inside the model."""
+    from marge.batch import SpecialTokens
+    from marge.evaluation import has_relevance_encoder, relevance_unit_vectors
+
+    model = small()
+    assert not has_relevance_encoder(model)
+    with pytest.raises(ValueError, match=r"Veco model has no relevance encoder g: .*health\.eval_layer: 0\.\.3"):
+        relevance_unit_vectors(model, [[2, 11, 12, 3]], SpecialTokens(pad_id=PAD, bos_id=2, eos_id=3, lang_ids={}))

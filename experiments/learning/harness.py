@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 from marge.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
-from marge.evaluation import evaluate_model, evaluate_tfidf, mean_score, read_pairs
-from marge.model import Marge
+from marge.evaluation import evaluate_model, evaluate_tfidf, has_relevance_encoder, mean_score, read_pairs
 from marge.train_log import UpdateRecord, read_train_log
 from marge.utils import atomic_write_text
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
@@ -44,8 +43,7 @@ def measure_baselines(init_model, tokenizer, pairs, probe, device: str | torch.d
     by_layer = {layer: evaluate_model(init_model, tokenizer, pairs, layer, device=str(device))
                 for layer in range(0, len(init_model.encoder_layers) + 1)}
     best = best_per_pair(by_layer)
-    has_g = isinstance(init_model, Marge)  # VECO has no relevance encoder: its retrieval is read from a layer only
-    by_g = evaluate_model(init_model, tokenizer, pairs, "g", device=str(device)) if has_g else {}
+    by_g = evaluate_model(init_model, tokenizer, pairs, "g", device=str(device)) if has_relevance_encoder(init_model) else {}
     tfidf = evaluate_tfidf(pairs)
     health = probe_health(init_model, probe, tokenizer.specials, device) if probe else {}
     if aligned:
@@ -78,7 +76,7 @@ def assemble_report(baselines: dict, over_time: list[dict], final_model, tokeniz
     # the final model at every layer too, next to random init's: which representation learned what
     trained_by_layer = {} if final_model is None else {
         str(layer): evaluate_model(final_model, tokenizer, pairs, layer, device=str(device))
-        for layer in [*range(0, len(final_model.encoder_layers) + 1), *(["g"] if isinstance(final_model, Marge) else [])]}
+        for layer in [*range(0, len(final_model.encoder_layers) + 1), *(["g"] if has_relevance_encoder(final_model) else [])]}
     health_records = ([{"step": 0, **baselines["initial_health"]}]
                       + [{"step": r.step, **r.health} for r in records if r.health])
     depth = len(final_model.encoder_layers) if final_model is not None else 5

@@ -194,10 +194,18 @@ def encoder_layer_states(model: Marge | RelevanceEncoder, tokens_RS: torch.Tenso
     return model.encoder_states(tokens_RS, layer)
 
 
+def has_relevance_encoder(model) -> bool:
+    """Whether the model has MARGE's g (VECO does not: its retrieval can only be read from an encoder layer)."""
+    return isinstance(model, (Marge, RelevanceEncoder))
+
+
 @torch.no_grad()
 def relevance_unit_vectors(model: Marge | RelevanceEncoder, rows: list[list[int]], specials: SpecialTokens,
                            batch_size: int = 64, device: str = "cpu") -> np.ndarray:
     """g of each row as the index stores it (`unit_relevance`): retrieval exactly as the pipeline searches."""
+    if not has_relevance_encoder(model):
+        raise ValueError(f"a {type(model).__name__} model has no relevance encoder g: read its retrieval from an "
+                         f"encoder layer instead (health.eval_layer: 0..{available_layers(model)})")
     g = model.unit_relevance_vectors if isinstance(model, Marge) else model.unit_vectors
     order = np.argsort([len(r) for r in rows], kind="stable")
     vectors = np.zeros((len(rows), model.cfg.d_model), dtype=np.float32)
