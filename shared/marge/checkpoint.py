@@ -167,15 +167,17 @@ def newest_good_checkpoint(root: Path) -> Path | None:
     return None
 
 
-def load_training_state(directory: Path) -> dict[str, Any]:
-    read_manifest(directory)
+def load_training_state(directory: Path, verify: bool = True) -> dict[str, Any]:
+    read_manifest(directory, verify=verify)
     return torch.load(Path(directory) / "training_state.pt", map_location="cpu", weights_only=True)
 
 
-def restore_training(directory: Path, model: Marge, optimizer, scheduler, device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Put a checkpoint's weights, optimizer, schedule and RNG back (verified against the manifest); returns the
-    rest of its training state (step, consumed batches, and whatever the trainer saved)."""
-    state = load_training_state(directory)
+def restore_training(directory: Path, model: Marge, optimizer, scheduler, device: str | torch.device = "cpu",
+                     verify: bool = True) -> dict[str, Any]:
+    """Put a checkpoint's weights, optimizer, schedule and RNG back (verified against the manifest unless `verify`
+    is False: a DDP rank whose rank 0 verified it); returns the rest of its training state (step, consumed batches,
+    and whatever the trainer saved)."""
+    state = load_training_state(directory, verify)
     model.load_state_dict(load_file(str(Path(directory) / "model.safetensors"), device=str(device)))
     optimizer.load_state_dict(state.pop("optimizer"))
     scheduler.load_state_dict(state.pop("scheduler"))
