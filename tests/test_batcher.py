@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -190,6 +193,31 @@ def test_a_store_holding_one_shard_builds_the_batches_of_one_holding_the_corpus(
     assert bounded.reads == 2 * shards_with_links  # every shard read again on the second pass
     assert whole.reads == shards_with_links  # within the budget: each shard read once
     assert whole.cached_bytes > bounded.cached_bytes
+
+
+def test_planning_the_next_shard_ahead_changes_no_batch(small_index, small_corpus):
+    corpus = Corpus.open(small_corpus)
+    for epoch in (0, 1):
+        ahead = list(epoch_batches(small_index, DocumentStore(corpus, cache_mb=0), BatcherConfig(max_tokens=400), epoch))
+        inline = list(epoch_batches(small_index, DocumentStore(corpus, cache_mb=0),
+                                    BatcherConfig(max_tokens=400, plan_ahead=False), epoch))
+        assert [b.batch_id for b in ahead] == [b.batch_id for b in inline] and len(ahead) > 10
+        for a, b in zip(ahead, inline, strict=True):
+            assert np.array_equal(a.doc_ids, b.doc_ids) and np.array_equal(a.edges, b.edges)
+            assert np.array_equal(a.edge_weights, b.edge_weights)
+    # a sequence abandoned mid-way (the schedule moved its cursor) leaves no planning thread behind
+    def planners() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("plan-ahead")}
+
+    before = planners()  # the suspended sequences of other tests' schedules keep theirs
+    sequence = epoch_batches(small_index, DocumentStore(corpus), BatcherConfig(max_tokens=400), 0)
+    next(sequence)
+    assert planners() - before
+    sequence.close()
+    deadline = time.time() + 10
+    while planners() - before and time.time() < deadline:
+        time.sleep(0.05)
+    assert not planners() - before
 
 
 def test_the_store_budget_counts_every_byte_a_cached_shard_holds(small_corpus):

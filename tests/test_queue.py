@@ -86,6 +86,38 @@ def test_each_rank_reads_its_slots_and_batches_count_only_when_committed(redis_s
     assert q.counts()["trained_twice"] == 1
 
 
+def test_the_ledger_keeps_two_checkpoint_intervals_and_counts_the_older_updates(redis_server):
+    """A commit repeats the previous interval and retires the rank's older entries into per-update counts: the
+    ledger's Redis footprint stays two intervals however long the run."""
+    q = BatchQueue.connect(redis_server.url, "t1w", Slots(2, 1))
+    ids = {n: f"v0-e0-s0-{n}" for n in range(40)}
+
+    def own(rank: int, updates: range) -> list[tuple[int, str]]:
+        return [(n, ids[n]) for n in range(2 * updates.start, 2 * updates.stop) if n % 2 == rank]
+
+    previous: dict[int, range] = {0: range(0, 0), 1: range(0, 0)}
+    for checkpoint in (4, 8, 12, 16, 20):  # checkpoint every 4 updates
+        interval = range(checkpoint - 4, checkpoint)
+        for rank in (0, 1):
+            assert q.commit(rank, checkpoint, own(rank, previous[rank]) + own(rank, interval)) == []
+            previous[rank] = interval
+        window = q.ledger_entries()
+        assert sorted(e["step"] for e in window.values()) == sorted([*range(max(0, checkpoint - 8), checkpoint)] * 2)
+        assert q.r.zcard(q.keys.ledger_slots(0)) == q.r.zcard(q.keys.ledger_slots(1)) == len(window) // 2
+    assert q.retired_by_update() == {u: 2 for u in range(12)}  # updates 0-11 left the window, 2 batches each
+    counts = q.counts()
+    assert counts["trained"] == 40 and counts["retired"] == 24 and counts["ledger"] == 16
+    assert counts.get("trained_twice", 0) == 0
+    # a commit repeated after a Redis restart lost nothing changes nothing
+    q.commit(0, 20, own(0, range(12, 16)) + own(0, range(16, 20)))
+    assert q.counts()["trained"] == 40 and q.retired_by_update() == {u: 2 for u in range(12)}
+    # a run resumed from an older checkpoint (update 10): later entries and later retired counts go
+    q.reset_from(10)
+    assert q.retired_by_update() == {u: 2 for u in range(10)}
+    assert q.ledger_entries() == {} and q.counts()["trained"] == 20 and q.counts()["retired"] == 20
+    assert q.r.zcard(q.keys.ledger_slots(0)) == 0
+
+
 def test_the_batcher_waits_for_the_slowest_rank_and_drops_nothing(redis_server):
     q = BatchQueue.connect(redis_server.url, "t2", Slots(2, 1))
     written = []
@@ -143,12 +175,62 @@ def test_an_undecodable_entry_is_delivered_with_the_reason(redis_server):
     assert delivery.batch is None and "sha256" in delivery.problem
 
 
+def counting_round_trips(monkeypatch) -> list[int]:
+    """Round trips to Redis made by the calling thread: one packed send each (a pipeline is one)."""
+    me, sent = threading.get_ident(), [0]
+    original = redis.connection.AbstractConnection.send_packed_command
+
+    def send(self, command, check_health=True):
+        if threading.get_ident() == me:
+            sent[0] += 1
+        return original(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", send)
+    return sent
+
+
+def test_the_batcher_writes_one_round_trip_per_batch(redis_server, monkeypatch):
+    from services.batcher.writer import write_slots
+
+    q = BatchQueue.connect(redis_server.url, "t3w", Slots(2, 1))
+    q.next_slot()  # connected before counting
+    sent = counting_round_trips(monkeypatch)
+    written = []
+    write_slots(q, lambda slot, _: make_batch(slot) if slot < 40 else None, lambda slot, placed: 0, 100,
+                threading.Event(), lambda batch, slot: written.append(slot))
+    assert written == list(range(40))
+    assert sent[0] == 1 + 40  # where the queue stands, then one script per batch
+    assert [q.get(n, block_ms=10).batch.batch_id for n in (0, 1, 39)] == ["v0-e0-s0-0", "v0-e0-s0-1", "v0-e0-s0-39"]
+
+
+def test_the_batcher_follows_a_moved_cursor_and_places_a_requested_replay(redis_server):
+    from services.batcher.writer import write_slots
+
+    q = BatchQueue.connect(redis_server.url, "t4w", Slots(1, 1))
+    fill(q, range(3))
+    q.dead_letter(1, q.get(1, block_ms=10).fields, "poison")
+    q.request_replay(q.dead_letters()[0]["entry"])
+    q.reset_from(2)  # the run resumes from update 2: the cursor is back at slot 2 for a batcher that wrote on
+    schedule_positions = []
+
+    def batch_for(slot: int, replays_before: int):
+        schedule_positions.append((slot, replays_before))
+        return make_batch(100 + slot - replays_before) if slot < 6 else None
+
+    write_slots(q, batch_for, lambda slot, placed: sum(1 for n in placed if n < slot), 100, threading.Event())
+    assert q.replay_placements() == {2: q.dead_letters()[0]["entry"]}  # the requeued batch went first
+    assert q.get(2, block_ms=10).batch.batch_id == "v0-e0-s0-1"
+    # the schedule moved one slot on: slot 3 holds what slot 2 would have held
+    assert schedule_positions == [(3, 1), (4, 1), (5, 1), (6, 1)]
+    assert [q.get(n, block_ms=10).batch.batch_id for n in (3, 4, 5)] == [f"v0-e0-s0-{100 + n - 1}" for n in (3, 4, 5)]
+
+
 def test_reset_from_rewinds_the_queue_to_a_checkpoint(redis_server):
     q = BatchQueue.connect(redis_server.url, "t5", Slots(2, 1))
     fill(q, range(10))
     q.commit(0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")])
     q.commit(1, 2, [(1, "v0-e0-s0-1"), (3, "v0-e0-s0-3")])
-    q.commit(0, 3, [(4, "v0-e0-s0-4")])  # rank 0 committed update 2, rank 1 did not: the run resumes from 2
+    q.commit(0, 3, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2"), (4, "v0-e0-s0-4")])  # rank 0 committed 3, rank 1 did not: resume from 2
     q.reset_from(2)
     counts = q.counts()
     assert q.next_slot() == 4 and counts["pending"] == 0 and counts["committed_step"] == 2

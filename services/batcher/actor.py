@@ -28,6 +28,7 @@ from marge.utils import setup_logging
 from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.core import DocumentStore
 from services.batcher.schedule import BatchSchedule, wait_for_version
+from services.batcher.writer import write_slots
 
 log = logging.getLogger(__name__)
 
@@ -74,25 +75,14 @@ class Batcher:
         return index
 
     def run(self) -> None:
-        """Write slots from the queue's cursor on, until stopped: a requeued batch if an operator asked for one,
-        else the schedule's batch."""
+        """Write slots from the queue's cursor on, until stopped (`services.batcher.writer.write_slots`)."""
         schedule = BatchSchedule(self.docs, self.cfg, self.seed, self.slots, self.plan, self._version, self.shape)
-        while not self._stop.is_set():
-            slot = self.queue.next_slot()  # follows a reset or a Redis restart that lost the last writes
-            request = self.queue.next_replay_request()
-            if request is not None:
-                log.info("batcher: writing requeued dead-letter entry %s into slot %d", request, slot)
-                if not self.queue.put_replay(slot, request, self.lookahead_steps, should_stop=self._stop.is_set):
-                    return
-                continue
-            batch = schedule.batch(slot, schedule.replays_before(slot, self.queue.replay_placements()))
-            if batch is None:
-                return  # stopped while waiting for an index version
-            if slot == self.faults.poison_slot:
-                batch = poisoned(batch)
-            if not self.queue.put(slot, batch, self.lookahead_steps, should_stop=self._stop.is_set):
-                return
-            self._count(batch, slot)
+
+        def scheduled(slot: int, replays_before: int) -> Batch | None:
+            batch = schedule.batch(slot, replays_before)
+            return poisoned(batch) if batch is not None and slot == self.faults.poison_slot else batch
+
+        write_slots(self.queue, scheduled, schedule.replays_before, self.lookahead_steps, self._stop, self._count)
 
     def _count(self, batch: Batch, slot: int) -> None:
         self.produced += 1

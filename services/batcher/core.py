@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +77,7 @@ class DocumentStore:
         self.cache_bytes = int(cache_mb * 2**20)
         self._cache: OrderedDict[int, ShardTokens] = OrderedDict()
         self._checked: set[int] = set()
+        self._lock = threading.Lock()
         self.reads = 0
         """Shard files read so far (a corpus that fits the budget: each once)."""
 
@@ -83,6 +86,10 @@ class DocumentStore:
         return [info.shard for info in self.corpus.shards]
 
     def shard(self, shard: int) -> ShardTokens:
+        with self._lock:  # the plan-ahead thread reads the next shard while batches of this one are built
+            return self._shard(shard)
+
+    def _shard(self, shard: int) -> ShardTokens:
         cached = self._cache.get(shard)
         if cached is not None:
             self._cache.move_to_end(shard)
@@ -126,17 +133,28 @@ def epoch_batches(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig
     batches, and the ledger can recognise a batch seen before.
     """
     entries = [s for s in version.shards if shards is None or s["shard"] in shards]
-    order = np.random.default_rng([seed, version.version, epoch]).permutation(len(entries))
-    for j in order:
-        shard = int(entries[j]["shard"])
-        planned = plan_shard(version, docs, cfg, epoch, seed, shard, shape, stats)
-        if planned is None:
-            continue
-        plans, shard_docs = planned
-        for n, plan in enumerate(plans):
-            yield materialize(plan, shard_docs, BatchId(version.version, epoch, shard, n), version.version,
-                              version.snapshot_step)
-        del planned, plans, shard_docs  # the next shard is planned without this one's plans and documents
+    order = [int(entries[j]["shard"]) for j in np.random.default_rng([seed, version.version, epoch]).permutation(len(entries))]
+
+    def plan(k: int):
+        return plan_shard(version, docs, cfg, epoch, seed, order[k], shape, stats)
+
+    # with plan_ahead, shard k+1 is planned in a thread while shard k's batches are materialised and written
+    ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-ahead") if cfg.plan_ahead else None
+    try:
+        upcoming = ahead.submit(plan, 0) if ahead and order else None
+        for k, shard in enumerate(order):
+            planned = upcoming.result() if upcoming else plan(k)
+            upcoming = ahead.submit(plan, k + 1) if ahead and k + 1 < len(order) else None
+            if planned is None:
+                continue
+            plans, shard_docs = planned
+            for n, batch_plan in enumerate(plans):
+                yield materialize(batch_plan, shard_docs, BatchId(version.version, epoch, shard, n), version.version,
+                                  version.snapshot_step)
+            del planned, plans, shard_docs  # this shard's plans and documents go before the one after the next
+    finally:
+        if ahead:
+            ahead.shutdown(wait=False, cancel_futures=True)
 
 
 def plan_shard(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig, epoch: int, seed: int, shard: int,

@@ -2,7 +2,9 @@
 
 The account of one run (the `marge.protocol` delivery rules), from the newest good checkpoint C:
 
-    slots of updates 0..C-1   each trained (in the ledger, with the batch id train_log.jsonl gives that slot)
+    slots of updates 0..C-1   each trained (in the ledger's window, with the batch id train_log.jsonl gives
+                              that slot; for an update whose batches left the window, in train_log.jsonl, as
+                              many as the ledger's retired count of that update)
                               or dead-lettered (in the dead-letter stream with that slot)
                               (or in the checkpoint's record of its last interval, when the driver died
                               before the ranks recorded it in Redis: `batches_awaiting_commit`)
@@ -79,6 +81,14 @@ def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
     counts = queue.counts()
     ledger = queue.ledger_entries()
     trained_slot = {entry["slot"]: batch_id for batch_id, entry in ledger.items() if entry["slot"] < covered}
+    records = read_train_log(cfg.paths().run_dir, through_step=step)
+    logged = {n: b for r in records for n, b in r.trained_slots().items()}
+    # updates whose batches left the ledger's window: their slots are the train log's, as many as the ledger counted
+    retired = {s: k for s, k in queue.retired_by_update().items() if s < step}
+    from_log = {n: b for n, b in logged.items() if n not in trained_slot and slots.step_of(n) in retired}
+    logged_per_update = Counter(slots.step_of(n) for n in from_log)
+    retired_disagree = sorted(s for s in retired if logged_per_update[s] != retired[s])
+    trained_slot.update(from_log)
     dead = queue.dead_letters()
     dead_slots = {d["slot"] for d in dead}
     # the checkpoint is the commit point: its last interval counts even if the driver died before the ranks
@@ -89,13 +99,11 @@ def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
     trained_slot.update(awaiting)
     lost = [n for n in range(covered) if n not in trained_slot and n not in dead_slots and n not in awaiting_dead]
 
-    records = read_train_log(cfg.paths().run_dir, through_step=step)
-    logged = {n: b for r in records for n, b in r.trained_slots().items()}
     logged_twice = [b for b, k in Counter(b for r in records for b in r.trained_slots().values()).items() if k > 1]
     disagree = sorted(n for n, b in logged.items() if n in trained_slot and trained_slot[n] != b)
     trained_twice = counts.get("trained_twice", 0) + len(logged_twice)
     return {
-        "ok": not lost and trained_twice == 0 and not disagree,
+        "ok": not lost and trained_twice == 0 and not disagree and not retired_disagree,
         "steps": step, "checkpoint": str(checkpoint) if checkpoint else None,
         "committed_step": counts["committed_step"],
         "batches_produced": counts.get("produced", 0),
@@ -103,6 +111,8 @@ def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
         "batches_lost": len(lost), "lost_slots": lost[:100],
         "trained_twice": trained_twice, "trained_twice_ids": logged_twice[:100],
         "ledger_disagrees_with_train_log": disagree[:100],
+        "batches_retired_from_ledger": sum(retired.values()),
+        "retired_counts_disagree_with_train_log": retired_disagree[:100],
         "batches_pending": counts["pending"],
         "batches_awaiting_commit": len(awaiting) + len(awaiting_dead),
         "batches_dead_lettered": sum(1 for d in dead if d["replayed_to_slot"] is None) + len(awaiting_dead),

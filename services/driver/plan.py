@@ -26,7 +26,11 @@ and from them
     build time               corpus embedding + linking FLOPs / (indexer workers x indexer FLOP/s)
     trainer wait             per refresh: build time - L x seconds per update, when positive
     staleness (updates)      a batch's trainer step minus the snapshot its index came from: L to L + R - 1
-    Redis memory             queue depth x batch message size (4 bytes a token + header)
+    Redis memory (peak)      the streams: every slot from the last checkpoint to `queue.max_depth` ahead,
+                             (checkpoint_every + look-ahead) x B messages of 4 bytes a token + header; the
+                             ledger's window, 2 x checkpoint_every x B entries; one retired count per update;
+                             the last STEP_RECORDS_KEPT step records (`redis_footprint`; per-entry costs measured
+                             with MEMORY USAGE by benchmarks/redis_soak.py)
 """
 
 from __future__ import annotations
@@ -51,6 +55,46 @@ GPU_TARGET_TOKENS_PER_WORKER = 8192
 """Target tokens one GPU should train per update: below it, the fixed cost of an update (the optimizer over every
 parameter, clipping, kernel launches: about 2 ms at `base` on an H100) outweighs the work (1,500 target tokens are
 about 1.7 ms of model FLOPs at 45% of an H100's bf16 peak)."""
+
+
+STREAM_ENTRY_OVERHEAD_BYTES = 160
+"""A stream entry's cost beyond its message: field names, entry id, listpack and radix-tree nodes."""
+LEDGER_ENTRY_BYTES = 190
+"""One batch in the ledger's window: its hash field and JSON value, and its member of the rank's sorted set."""
+RETIRED_UPDATE_BYTES = 60
+"""One update's retired count (a hash field)."""
+STEP_RECORD_BYTES = 900
+"""One trainer step record (JSON) in the capped list."""
+
+
+def message_bytes(max_tokens: int, mean_document_tokens: float) -> float:
+    """A queue message for a full batch: 4 bytes a token plus the JSON header's share per document."""
+    return 4 * max_tokens + HEADER_BYTES_PER_DOCUMENT * max_tokens / max(mean_document_tokens, 1)
+
+
+def redis_footprint(cfg: PipelineConfig, mean_document_tokens: float, message: float | None = None,
+                    steps: int | None = None) -> dict:
+    """The run's peak Redis memory, part by part (bytes): it does not grow with the run but for 60 bytes an update.
+
+    Just before a checkpoint commits, each rank's stream holds every slot since the previous checkpoint plus the
+    batcher's look-ahead; the ledger holds the last two intervals' batches and a count per older update
+    (`marge.protocol`)."""
+    from marge.protocol import STEP_RECORDS_KEPT
+
+    t = cfg.trainer
+    per_step = t.num_workers * t.grad_accum
+    lookahead_steps = math.ceil(cfg.queue.max_depth / per_step)
+    message = message if message is not None else message_bytes(cfg.batcher.max_tokens, mean_document_tokens)
+    steps = cfg.run.max_steps if steps is None else steps
+    interval = min(t.checkpoint_every, steps)
+    parts = {
+        "streams": (interval + lookahead_steps) * per_step * (message + STREAM_ENTRY_OVERHEAD_BYTES),
+        "ledger_window": 2 * interval * per_step * LEDGER_ENTRY_BYTES,
+        "ledger_retired": steps * RETIRED_UPDATE_BYTES,
+        "step_records": min(STEP_RECORDS_KEPT, steps) * STEP_RECORD_BYTES,
+    }
+    return {"parts": parts, "peak_bytes": sum(parts.values()), "message_bytes": message,
+            "batches_per_update": per_step, "lookahead_updates": lookahead_steps, "steps": steps}
 
 
 @dataclass(frozen=True)
@@ -99,7 +143,6 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
     queue_updates = cfg.queue.max_depth / batches_per_update
     per_worker = t.grad_accum * target_tokens_per_batch
     accumulate = max(t.grad_accum, math.ceil(GPU_TARGET_TOKENS_PER_WORKER / max(target_tokens_per_batch, 1)))
-    message_bytes = 4 * cfg.batcher.max_tokens + HEADER_BYTES_PER_DOCUMENT * cfg.batcher.max_tokens / max(mean_document_tokens, 1)
     return {
         "documents": documents, "mean_document_tokens": round(mean_document_tokens, 1),
         "throughput": asdict(rates),
@@ -121,12 +164,13 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
         "gpu_sized": (per_worker >= GPU_TARGET_TOKENS_PER_WORKER) if t.use_gpu else None,
         "grad_accum_for_gpu": accumulate,
         "queue_depth_updates": queue_updates,
-        "redis_queue_bytes": cfg.queue.max_depth * message_bytes,
+        "redis_queue_bytes": cfg.queue.max_depth * message_bytes(cfg.batcher.max_tokens, mean_document_tokens),
+        "redis": redis_footprint(cfg, mean_document_tokens),
     }
 
 
 def describe(plan: dict, cfg: PipelineConfig) -> list[str]:
-    s = plan["staleness_updates"]
+    s, redis = plan["staleness_updates"], plan["redis"]
     lines = [
         f"{plan['documents']:,} documents of {plan['mean_document_tokens']:.0f} tokens; {plan['throughput']['source']}",
         f"one update: {plan['seconds_per_update']:.3g} s -> refresh interval {cfg.indexer.reindex_every} updates = "
@@ -141,8 +185,12 @@ def describe(plan: dict, cfg: PipelineConfig) -> list[str]:
         + ("" if plan["gpu_sized"] is None else " (sized for a GPU)" if plan["gpu_sized"] else
            f" -- too few for a GPU (at least {GPU_TARGET_TOKENS_PER_WORKER:,} a worker): set trainer.grad_accum="
            f"{plan['grad_accum_for_gpu']}, or fewer trainer workers with more accumulation for the same update"),
-        f"batch staleness: {s['min']:.0f} to {s['max']:.0f} updates (mean {s['mean']:.0f}); the queue holds "
-        f"{plan['queue_depth_updates']:.1f} updates = {plan['redis_queue_bytes'] / 2**20:.1f} MiB of Redis memory",
+        f"batch staleness: {s['min']:.0f} to {s['max']:.0f} updates (mean {s['mean']:.0f}); the batcher writes "
+        f"{plan['queue_depth_updates']:.1f} updates ahead",
+        f"Redis memory at its peak (before a checkpoint commits): {redis['peak_bytes'] / 2**20:,.1f} MiB = "
+        + ", ".join(f"{name.replace('_', ' ')} {size / 2**20:,.1f}" for name, size in redis["parts"].items())
+        + f" MiB (streams: trainer.checkpoint_every={cfg.trainer.checkpoint_every} updates of "
+        f"{redis['batches_per_update']} batches; size Redis's maxmemory above it)",
     ]
     return lines
 

@@ -21,6 +21,12 @@ Delivery (every slot trained, or dead-lettered, exactly once in the run's final 
     update C is reported, each rank trims its stream below slot C*B and records those slots' batches in the
     ledger (batch id -> update, slot), with `committed` = C; a batch recorded twice is counted
     (`trained_twice`);
+  * the ledger is a window, so Redis does not grow with the run: it keeps each rank's batches of the last two
+    checkpoint intervals (a commit repeats the previous interval's batches), and a commit retires the rank's
+    older entries into one count per update (`ledger:retired`, update -> batches). train_log.jsonl (rank 0,
+    on the run's storage) keeps every update's slots and batch ids; `marge audit` reads the retired updates'
+    slots from it and checks them against those counts, and finds a batch trained twice across the whole run
+    there (at commit, only within the window);
   * a crash before that loses nothing: the resumed run (from checkpoint C) reads slots C*B... again, and
     whatever Redis lost the batcher writes again, identically (`reset_from`);
   * a batch that cannot be trained (undecodable, tampered, poison, non-finite loss) is left out of its update
@@ -57,8 +63,8 @@ log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = b"2"
 
-STEP_RECORDS_KEPT = 10000
-"""Step records kept in Redis for progress lines (train_log.jsonl keeps them all)."""
+STEP_RECORDS_KEPT = 100
+"""Step records kept in Redis (the progress lines read the last one; train_log.jsonl keeps them all)."""
 
 
 class ProtocolError(ValueError):
@@ -181,7 +187,17 @@ class RunKeys:
 
     @property
     def ledger(self) -> str:
+        """The window of trained batches: batch id -> {"step", "slot"} (the last two checkpoint intervals)."""
         return f"{self.prefix}:ledger"
+
+    def ledger_slots(self, rank: int) -> str:
+        """Rank `rank`'s batches in the window, scored by slot (which entries a commit retires)."""
+        return f"{self.prefix}:ledger:slots:{rank}"
+
+    @property
+    def ledger_retired(self) -> str:
+        """Batches that left the window, counted per update: update -> batches."""
+        return f"{self.prefix}:ledger:retired"
 
     @property
     def counters(self) -> str:
@@ -280,6 +296,13 @@ def entry_id(slot: int) -> str:
     return f"{slot + 1}-0"
 
 
+class Offer:
+    """What `BatchQueue.offer` did."""
+
+    WRITTEN, ALREADY, AHEAD = "written", "already", "ahead"
+    MOVED, REPLAY, REPLAYS = "moved", "replay", "replays"
+
+
 @dataclass
 class Delivery:
     slot: int
@@ -328,12 +351,23 @@ class BatchQueue:
         values = self.r.mget([self.keys.progress(r) for r in range(slots.world)])
         return min(int(v) if v is not None else 0 for v in values)
 
+    def position(self) -> tuple[int, str | None, dict[int, str]]:
+        """Where the batcher stands, in one round trip: the cursor (the first slot not written), the oldest replay
+        request (None if none) and where requeued batches went (slot -> dead-letter entry)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(self.keys.next_slot)
+        pipe.lindex(self.keys.replay_requests, 0)
+        pipe.hgetall(self.keys.replays)
+        cursor, request, placed = pipe.execute()
+        return (int(cursor) if cursor is not None else 0, None if request is None else request.decode(),
+                {int(k): v.decode() for k, v in placed.items()})
+
     def put(self, slot: int, batch: Batch, lookahead_steps: int, poll_s: float = 0.05,
             should_stop=lambda: False) -> bool:
         """Write `batch` into `slot` once the slowest rank is within `lookahead_steps` updates of it.
 
         False if stopped first. A slot written before (its entry id exists) is left as it is."""
-        return self._write(slot, encode_batch(batch), lookahead_steps, poll_s, should_stop)
+        return self._put(slot, encode_batch(batch), lookahead_steps, poll_s, should_stop)
 
     def put_replay(self, slot: int, entry: str, lookahead_steps: int, poll_s: float = 0.05,
                    should_stop=lambda: False) -> bool:
@@ -342,37 +376,74 @@ class BatchQueue:
         if not found:
             raise ValueError(f"replay request for dead-letter entry {entry}, which does not exist")
         fields = {k: v for k, v in found[0][1].items() if k not in (b"slot", b"reason", b"time")}
-        return self._write(slot, {**fields, b"replay_of": entry.encode()}, lookahead_steps, poll_s, should_stop, entry)
+        return self._put(slot, {**fields, b"replay_of": entry.encode()}, lookahead_steps, poll_s, should_stop, entry)
 
-    _WRITE_SLOT = """
-        local slot = tonumber(ARGV[1])
-        if slot < tonumber(redis.call('GET', KEYS[2]) or '0') then return 0 end
+    def _put(self, slot: int, fields: dict[bytes, bytes], lookahead_steps: int, poll_s: float, should_stop,
+             replay_entry: str | None = None) -> bool:
+        while True:
+            if not self.wait_for_room(slot, lookahead_steps, poll_s, should_stop):
+                return False
+            if self.offer(slot, fields, lookahead_steps, replay_entry=replay_entry)[0] != Offer.AHEAD:
+                return True
+
+    def wait_for_room(self, slot: int, lookahead_steps: int, poll_s: float = 0.05, should_stop=lambda: False) -> bool:
+        """Wait (polling the ranks' progress) until `slot`'s update is fewer than `lookahead_steps` updates ahead of
+        the slowest rank; False if stopped first."""
+        slots = self._slots()
+        while slots.step_of(slot) >= self.slowest_progress() + lookahead_steps:
+            if should_stop():
+                return False
+            time.sleep(poll_s)
+        return True
+
+    _OFFER = """
+        local slot, per_step, lookahead, known = tonumber(ARGV[1]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+        local cursor = tonumber(redis.call('GET', KEYS[2]) or '0')
+        if slot < cursor then return {'already', cursor} end
+        if known >= 0 then
+            if slot > cursor then return {'moved', cursor} end
+            if ARGV[3] == '' and redis.call('LLEN', KEYS[4]) > 0 then return {'replay', cursor} end
+            if redis.call('HLEN', KEYS[5]) ~= known then return {'replays', cursor} end
+        end
+        local slowest = nil
+        for i = 6, #KEYS do
+            local p = tonumber(redis.call('GET', KEYS[i]) or '0')
+            if slowest == nil or p < slowest then slowest = p end
+        end
+        if math.floor(slot / per_step) >= slowest + lookahead then return {'ahead', slowest} end
         if #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) > 0 then
             redis.call('SET', KEYS[2], slot + 1)
-            return 0
+            return {'already', slot + 1}
         end
-        redis.call('XADD', KEYS[1], ARGV[2], unpack(ARGV, 4))
+        redis.call('XADD', KEYS[1], ARGV[2], unpack(ARGV, 7))
         redis.call('SET', KEYS[2], slot + 1)
         redis.call('HINCRBY', KEYS[3], 'produced', 1)
         if ARGV[3] ~= '' then
             redis.call('LREM', KEYS[4], 1, ARGV[3])
             redis.call('HSET', KEYS[5], ARGV[1], ARGV[3])
         end
-        return 1"""
+        return {'written', slot + 1}"""
 
-    def _write(self, slot: int, fields: dict[bytes, bytes], lookahead_steps: int, poll_s: float, should_stop,
-               replay_entry: str | None = None) -> bool:
-        """One script, so all or nothing, and a no-op when `slot` was written before: by a batcher that was
-        restarted, or by this very call when the client retried it after a connection reset that hid the reply."""
+    def offer(self, slot: int, fields: dict[bytes, bytes], lookahead_steps: int, replay_entry: str | None = None,
+              placements_known: int | None = None) -> tuple[str, int]:
+        """Write `fields` into `slot` if the queue is where the writer thinks it is: one round trip, one script
+        (all or nothing). Returns (`Offer` status, value):
+
+            written   the entry was written; value: the new cursor
+            already   the slot holds an entry (a restarted batcher, or this very call retried after a connection
+                      reset hid its reply): nothing changed; value: the cursor
+            ahead     the slot's update is `lookahead_steps` or more ahead of the slowest rank; value: its progress
+        and, with `placements_known` (the batcher's count of requeued batches placed so far), the changes it must
+        read first (`position`): `moved` (the cursor is elsewhere: a resumed run, a Redis restart that lost the last
+        writes), `replay` (an operator asked for a requeue), `replays` (placements changed)."""
         slots = self._slots()
-        while slots.step_of(slot) >= self.slowest_progress() + lookahead_steps:
-            if should_stop():
-                return False
-            time.sleep(poll_s)
         flat = [x for pair in {b"slot": str(slot).encode(), **fields}.items() for x in pair]
-        self.r.eval(self._WRITE_SLOT, 5, self.keys.slots(slots.rank_of(slot)), self.keys.next_slot, self.counters,
-                    self.keys.replay_requests, self.keys.replays, slot, entry_id(slot), replay_entry or "", *flat)
-        return True
+        progress = [self.keys.progress(r) for r in range(slots.world)]
+        status, value = self.r.eval(
+            self._OFFER, 5 + len(progress), self.keys.slots(slots.rank_of(slot)), self.keys.next_slot, self.counters,
+            self.keys.replay_requests, self.keys.replays, *progress, slot, entry_id(slot), replay_entry or "",
+            slots.per_step, lookahead_steps, -1 if placements_known is None else placements_known, *flat)
+        return status.decode(), int(value)
 
     def replay_placements(self) -> dict[int, str]:
         """Slot -> dead-letter entry of every requeued batch written so far."""
@@ -403,29 +474,55 @@ class BatchQueue:
         """Rank `rank` has trained every update before `step` (lets the batcher write further ahead)."""
         self.r.set(self.keys.progress(rank), step)
 
+    _COMMIT = """
+        local ledger, window, retired, counters = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+        local per_step, n = tonumber(ARGV[3]), tonumber(ARGV[4])
+        local fresh, doubles, first = 0, {}, nil
+        for i = 0, n - 1 do
+            local slot, id = tonumber(ARGV[5 + 2 * i]), ARGV[6 + 2 * i]
+            local seen = redis.call('HGET', ledger, id)
+            if not seen then
+                redis.call('HSET', ledger, id, cjson.encode({step = math.floor(slot / per_step), slot = slot}))
+                redis.call('ZADD', window, slot, id)
+                fresh = fresh + 1
+            elseif cjson.decode(seen).slot ~= slot then
+                doubles[#doubles + 1] = id
+            end
+            if first == nil or slot < first then first = slot end
+        end
+        local retiring = 0
+        if first ~= nil then
+            local old = redis.call('ZRANGEBYSCORE', window, '-inf', '(' .. first, 'WITHSCORES')
+            for i = 1, #old, 2 do
+                if redis.call('HDEL', ledger, old[i]) == 1 then
+                    redis.call('HINCRBY', retired, tostring(math.floor(tonumber(old[i + 1]) / per_step)), 1)
+                    retiring = retiring + 1
+                end
+            end
+            redis.call('ZREMRANGEBYSCORE', window, '-inf', '(' .. first)
+        end
+        redis.call('HINCRBY', counters, 'trained', fresh)
+        redis.call('HINCRBY', counters, 'retired', retiring)
+        if #doubles > 0 then redis.call('HINCRBY', counters, 'trained_twice', #doubles) end
+        if ARGV[1] == '0' then redis.call('SET', KEYS[6], ARGV[2]) end
+        redis.call('XTRIM', KEYS[5], 'MINID', ARGV[5 + 2 * n])
+        return doubles"""
+
     def commit(self, rank: int, step: int, trained: list[tuple[int, str]]) -> list[str]:
         """The checkpoint of update `step` is durable: record `trained` (slot, batch id) of this rank in the
-        ledger and trim its stream below the update. Idempotent: a batch already recorded for the same slot is
-        left as it is (a rank commits its previous batches again with the next ones, and a resumed rank its
-        checkpoint's, so a commit a Redis restart lost is made good). Returns the ids recorded before for a
+        ledger, retire this rank's entries older than the oldest of them (counted per update), and trim its
+        stream below the update. One script, so all or nothing. Idempotent: a batch already recorded for the same
+        slot is left as it is (a rank commits its previous batches again with the next ones, and a resumed rank
+        its checkpoint's, so a commit a Redis restart lost is made good). Returns the ids recorded before for a
         *different* slot: batches trained twice (counted in `trained_twice`)."""
         slots = self._slots()
-        pipe = self.r.pipeline(transaction=True)
-        for slot, batch_id in trained:
-            pipe.hsetnx(self.ledger, batch_id, json.dumps({"step": slots.step_of(slot), "slot": slot}))
-        pipe.xtrim(self.keys.slots(rank), minid=entry_id(step * slots.per_step), approximate=False)
-        fresh = pipe.execute()[:len(trained)]
-        seen = [(slot, batch_id) for (slot, batch_id), new in zip(trained, fresh) if not new]
-        recorded = self.r.hmget(self.ledger, [b for _, b in seen]) if seen else []
-        doubles = [b for (slot, b), entry in zip(seen, recorded) if entry is not None and json.loads(entry)["slot"] != slot]
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hincrby(self.counters, "trained", sum(bool(x) for x in fresh))
+        pairs = [x for slot, batch_id in trained for x in (slot, batch_id)]
+        doubles = [d.decode() for d in self.r.eval(
+            self._COMMIT, 6, self.ledger, self.keys.ledger_slots(rank), self.keys.ledger_retired, self.counters,
+            self.keys.slots(rank), self.keys.committed, rank, step, slots.per_step, len(trained), *pairs,
+            entry_id(step * slots.per_step))]
         if doubles:
-            pipe.hincrby(self.counters, "trained_twice", len(doubles))
             log.error("batches trained twice: %s", doubles)
-        if rank == 0:
-            pipe.set(self.keys.committed, step)
-        pipe.execute()
         return doubles
 
     _DEAD_LETTER_ONCE = """
@@ -479,10 +576,17 @@ class BatchQueue:
             pipe.hdel(self.keys.replays, str(n))
             pipe.lpush(self.keys.replay_requests, entry)
         pipe.execute()
-        later = [k for k, v in self.r.hscan_iter(self.ledger) if json.loads(v)["step"] >= step]
-        if later:
-            self.r.hdel(self.ledger, *later)
-        self.r.hset(self.counters, "trained", self.r.hlen(self.ledger))
+        later = [(k, json.loads(v)["slot"]) for k, v in self.r.hscan_iter(self.ledger) if json.loads(v)["step"] >= step]
+        pipe = self.r.pipeline(transaction=True)
+        for batch_id, slot in later:
+            pipe.hdel(self.ledger, batch_id)
+            pipe.zrem(self.keys.ledger_slots(slots.rank_of(slot)), batch_id)
+        later_retired = [k for k in self.r.hkeys(self.keys.ledger_retired) if int(k) >= step]  # resumed from an older checkpoint
+        if later_retired:
+            pipe.hdel(self.keys.ledger_retired, *later_retired)
+        pipe.execute()
+        retired = sum(int(v) for v in self.r.hvals(self.keys.ledger_retired))
+        self.r.hset(self.counters, mapping={"trained": self.r.hlen(self.ledger) + retired, "retired": retired})
 
     # --- accounting ------------------------------------------------------------------------------
 
@@ -502,7 +606,12 @@ class BatchQueue:
         return out
 
     def ledger_entries(self) -> dict[str, dict[str, Any]]:
+        """The ledger's window: batch id -> {"step", "slot"} of the batches not yet retired."""
         return {k.decode(): json.loads(v) for k, v in self.r.hgetall(self.ledger).items()}
+
+    def retired_by_update(self) -> dict[int, int]:
+        """Update -> how many of its batches left the ledger's window (their ids are in train_log.jsonl)."""
+        return {int(k): int(v) for k, v in self.r.hgetall(self.keys.ledger_retired).items()}
 
     def dead_letters(self) -> list[dict[str, Any]]:
         """Every dead-lettered batch: its entry, slot, batch id, reason, and where it was requeued (if it was)."""

@@ -1,0 +1,53 @@
+"""The batcher's writing loop: every slot's batch into the queue, in slot order, one round trip per batch.
+
+The loop keeps the cursor and the replay placements it last read, and `BatchQueue.offer` writes only if the
+queue still agrees with them; when it does not (a resumed run moved the cursor back, a Redis restart lost the last
+writes, an operator requeued a dead-lettered batch) the loop reads the queue's position again and carries on
+from there. Which batch a slot holds is the schedule's (`services.batcher.schedule`), never the timing's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from marge.batch import Batch
+from marge.protocol import BatchQueue, Offer, encode_batch
+
+log = logging.getLogger(__name__)
+
+
+def write_slots(queue: BatchQueue, batch_for: Callable[[int, int], Batch | None],
+                replays_before: Callable[[int, dict[int, str]], int], lookahead_steps: int, stop: threading.Event,
+                on_written: Callable[[Batch, int], None] = lambda batch, slot: None) -> None:
+    """Write slots from the queue's cursor on until `stop` is set or `batch_for` gives None (stopped while waiting
+    for an index version): a requeued batch if an operator asked for one, else `batch_for(slot, requeued batches
+    placed before it in its version)`. While the slot is `lookahead_steps` updates ahead of the slowest rank, it
+    waits (polling the ranks' progress, not writing)."""
+    position = None
+    while not stop.is_set():
+        if position is None:
+            position = queue.position()
+        slot, request, placements = position
+        if request is not None:
+            log.info("batcher: writing requeued dead-letter entry %s into slot %d", request, slot)
+            if not queue.put_replay(slot, request, lookahead_steps, should_stop=stop.is_set):
+                return
+            position = None
+            continue
+        batch = batch_for(slot, replays_before(slot, placements))
+        if batch is None:
+            return
+        fields = encode_batch(batch)
+        while True:
+            status, _ = queue.offer(slot, fields, lookahead_steps, placements_known=len(placements))
+            if status != Offer.AHEAD:
+                break
+            if not queue.wait_for_room(slot, lookahead_steps, should_stop=stop.is_set):
+                return
+        if status == Offer.WRITTEN:
+            on_written(batch, slot)
+            position = (slot + 1, None, placements)
+        else:
+            position = None
