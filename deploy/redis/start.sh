@@ -19,5 +19,5 @@ else
 fi
 exec "${REDIS_SERVER:-redis-server}" "$here/redis.conf" \
     --user marge on ">$MARGE_REDIS_PASSWORD" resetkeys "~marge:*" resetchannels -@all \
-        +@stream +@hash +@list +@string +@set +@transaction +@scripting +@connection +del +exists -@dangerous \
+        +@stream +@hash +@list +@string +@set +@sortedset +@transaction +@scripting +@connection +del +exists -@dangerous \
     "$@"
