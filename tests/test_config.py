@@ -69,6 +69,7 @@ def test_every_field_of_every_section_refuses_a_wrong_type_and_names_itself(key)
     ("run.max_step=7", r"unknown key\(s\) \['max_step'\] in section 'run'"),
     ("run.max_steps=0", r"run\.max_steps must be > 0, got 0"),
     ("run.name=a/b", r"run\.name must be a non-empty name"),
+    ("run.dir=s3://bucket/runs/x", r"run\.dir must be a path on a POSIX filesystem every node mounts, not an object-store URI"),
     ("data.max_chunk_tokens=2", r"data\.max_chunk_tokens must be >= 3, got 2"),
     ("indexer.link_rule=bogus", r"indexer\.link_rule must be one of \['shard', 'document'\], got 'bogus'"),
     ("indexer.nice=25", r"indexer\.nice must be in \[0, 19\], got 25"),

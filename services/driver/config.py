@@ -67,6 +67,13 @@ class RunConfig:
         at_least(self, "max_minutes", 0)
         if not self.name or any(c in self.name for c in " /:"):
             raise FieldError("name", self.name, "a non-empty name without spaces, '/' or ':'")
+        if "://" in self.dir:
+            raise FieldError("dir", self.dir,
+                             "a path on a POSIX filesystem every node mounts, not an object-store URI: the run's "
+                             "checkpoints are listed, hard-linked and renamed into place, and index versions, "
+                             "snapshots and the train log are files read by other nodes; mount the bucket or a "
+                             "shared filesystem (FSx for Lustre, EFS, Filestore, NFS) on every node and give its "
+                             "mount path")
 
 
 @dataclass(frozen=True, kw_only=True)
