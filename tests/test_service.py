@@ -246,3 +246,91 @@ def test_loopback_is_an_address_not_a_name_that_starts_with_127():
         assert is_loopback(host), host
     for host in ("127.example.com", "0.0.0.0", "10.0.0.1", "example.com", "::", "192.168.1.5"):
         assert not is_loopback(host), host
+
+
+# --- the index layer: one copy of the vectors, index type by size, text read on demand --------------------------
+
+
+@pytest.fixture(scope="module")
+def one_version(small_corpus, tmp_path_factory):
+    from marge.corpus import Corpus
+    from marge.index_store import latest_version
+
+    run = tmp_path_factory.mktemp("index-layer") / "run"
+    build_run(run, small_corpus, version=0, seed=3)
+    corpus = Corpus.open(small_corpus)
+    return run, corpus, latest_version(run / "index")
+
+
+def exact_neighbours(version, query, k, lang_ids=None):
+    """Exact top-k scores by inner product over every shard's stored vectors (optionally within `lang_ids`)."""
+    import faiss
+    import numpy as np
+
+    ids, scores = [], []
+    for entry in version.shards:
+        index = version.read_faiss(entry["shard"])
+        flat = faiss.downcast_index(index.index)
+        ids.append(faiss.vector_to_array(index.id_map))
+        scores.append(flat.reconstruct_n(0, flat.ntotal) @ query)
+    ids, scores = np.concatenate(ids), np.concatenate(scores)
+    if lang_ids is not None:
+        keep = np.isin(ids, lang_ids)
+        ids, scores = ids[keep], scores[keep]
+    return np.sort(scores)[::-1][:k]
+
+
+def test_flat_search_is_exact_in_every_language_and_holds_the_vectors_once(one_version):
+    import numpy as np
+
+    from services.retrieval.index import DocumentTable, IndexChoice, LoadedIndex
+
+    run, corpus, version = one_version
+    docs = DocumentTable(corpus, cache_mb=0)
+    loaded = LoadedIndex(version, run, corpus, corpus.tokenizer(), docs, IndexChoice("auto"))
+    assert loaded.kind == "flat" and loaded.recall_at_10 is None
+    assert loaded.index.ntotal == len(loaded.ids) == len(docs.ids)
+    assert not hasattr(loaded, "vectors") and not hasattr(docs, "texts")  # no second copy, no corpus text held
+    rng = np.random.default_rng(0)
+    for doc_id in rng.choice(loaded.ids, size=5, replace=False):
+        query = loaded.vector_of(int(doc_id))
+        hits = loaded.search(query, 10)  # scores equal exact search's (ids may swap among near-ties)
+        assert hits[0][0] == doc_id and np.allclose([s for _, s in hits], exact_neighbours(version, query, 10), atol=1e-5)
+        for lang in ("de", "zh"):
+            lang_ids = docs.ids[docs.lang == docs.lang_names.index(lang)]
+            found = loaded.search(query, 10, lang=lang)
+            assert np.allclose([s for _, s in found], exact_neighbours(version, query, 10, lang_ids), atol=1e-5)
+            assert all(docs.describe(d, 50)["lang"] == lang for d, _ in found)
+    assert loaded.vector_of(10**9) is None
+
+
+def test_hnsw_is_built_above_the_flat_limit_and_its_recall_is_measured(one_version):
+    import numpy as np
+
+    from services.retrieval.index import DocumentTable, IndexChoice, LoadedIndex
+
+    run, corpus, version = one_version
+    docs = DocumentTable(corpus)
+    loaded = LoadedIndex(version, run, corpus, corpus.tokenizer(), docs,
+                         IndexChoice("auto", flat_max_documents=100, hnsw_ef_search=64, recall_queries=100))
+    assert loaded.kind == "hnsw" and loaded.recall_at_10 is not None and loaded.recall_at_10 >= 0.9
+    query = loaded.vector_of(int(loaded.ids[7]))
+    assert np.allclose(query, exact_query := loaded.index.reconstruct(int(loaded.ids[7])))
+    found = [d for d, _ in loaded.search(exact_query, 10, lang="de")]
+    assert found and all(docs.describe(d, 50)["lang"] == "de" for d in found)
+
+
+def test_document_text_is_read_from_its_shard_within_the_cache_budget(one_version):
+    from services.retrieval.index import DocumentTable
+
+    _, corpus, _ = one_version
+    docs = DocumentTable(corpus, cache_mb=0)  # keeps only the shard read last
+    shard0, shard1 = corpus.read_shard(0), corpus.read_shard(1)
+    first = docs.describe(int(shard0.doc_ids[3]), 10_000)
+    assert first["text"] == shard0.texts[3] and first["lang"] == shard0.langs[3]
+    assert docs.describe(int(shard1.doc_ids[0]), 10_000)["text"] == shard1.texts[0]
+    assert len(docs.text._cache) == 1 and docs.text.reads == 2
+    assert docs.describe(int(shard0.doc_ids[3]), 5)["text"] == shard0.texts[3][:5] + "…"
+    assert docs.text.reads == 3  # read again: the budget held one shard
+    with pytest.raises(KeyError, match="doc id 1000000000 is not in the corpus"):
+        docs.describe(10**9, 10)

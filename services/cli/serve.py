@@ -23,6 +23,14 @@ def add_serve(sub) -> None:
     p.add_argument("--max-body-bytes", type=int, default=SERVE_DEFAULTS["max_body_bytes"])
     p.add_argument("--max-in-flight", type=int, default=SERVE_DEFAULTS["max_in_flight"])
     p.add_argument("--poll-s", type=float, default=SERVE_DEFAULTS["poll_s"], help="how often to look for a newer index version")
+    p.add_argument("--index-type", choices=["auto", "flat", "hnsw"], default=SERVE_DEFAULTS["index_type"],
+                   help="exact search ('flat'), HNSW ('hnsw', its recall@10 against exact search is measured when a "
+                        "version loads), or 'auto': flat up to --flat-max-documents, HNSW above")
+    p.add_argument("--flat-max-documents", type=int, default=SERVE_DEFAULTS["flat_max_documents"])
+    p.add_argument("--hnsw-m", type=int, default=SERVE_DEFAULTS["hnsw_m"])
+    p.add_argument("--hnsw-ef-search", type=int, default=SERVE_DEFAULTS["hnsw_ef_search"])
+    p.add_argument("--text-cache-mb", type=float, default=SERVE_DEFAULTS["text_cache_mb"],
+                   help="memory for recently read corpus shards' text (hits are described from the Parquet shards)")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
     p.set_defaults(func=cmd_serve)
 
@@ -56,7 +64,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     corpus = args.corpus or run_config(Path(args.run))["data"]["corpus"]
     settings = ServeSettings(run_dir=Path(args.run), corpus_dir=Path(corpus), token=token or None, max_k=args.max_k,
                              max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
-                             max_in_flight=args.max_in_flight, poll_s=args.poll_s)
+                             max_in_flight=args.max_in_flight, poll_s=args.poll_s, index_type=args.index_type,
+                             flat_max_documents=args.flat_max_documents, hnsw_m=args.hnsw_m,
+                             hnsw_ef_search=args.hnsw_ef_search, text_cache_mb=args.text_cache_mb)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info",
                 limit_concurrency=4 * args.max_in_flight)
     return 0

@@ -103,7 +103,8 @@ def _replay(messages: list[dict], receive):
 
 
 def create_app(settings: ServeSettings, holder: IndexHolder | None = None) -> FastAPI:
-    holder = holder or IndexHolder(settings.run_dir, settings.corpus_dir, settings.poll_s)
+    holder = holder or IndexHolder(settings.run_dir, settings.corpus_dir, settings.poll_s, settings.index_choice(),
+                                   settings.text_cache_mb)
     in_flight = threading.BoundedSemaphore(settings.max_in_flight)
     bearer = HTTPBearer(auto_error=False)
 
@@ -139,6 +140,7 @@ def create_app(settings: ServeSettings, holder: IndexHolder | None = None) -> Fa
         current = holder.current
         return {"index_version": current.version, "snapshot_step": current.snapshot_step,
                 "created_unix": current.created_unix, "documents": len(current.ids), "dim": current.dim,
+                "index_type": current.kind, "recall_at_10": current.recall_at_10,
                 "languages": holder.languages, "swaps": holder.swaps, "metric": "cosine",
                 "limits": {"max_k": settings.max_k, "max_query_chars": settings.max_query_chars,
                            "max_body_bytes": settings.max_body_bytes}}
