@@ -10,7 +10,7 @@ LOOPBACK = {"127.0.0.1", "::1"}
 
 def listening_addresses(pids: list[int]) -> list[tuple[str, int, str]]:
     """(address, port, owner's command line) of every TCP socket in LISTEN state that one of `pids` holds (from
-    /proc/net/tcp{,6})."""
+    each process's own /proc/PID/net/tcp{,6}: the tables of its network namespace)."""
     import ipaddress
 
     inodes: dict[str, str] = {}
@@ -24,8 +24,23 @@ def listening_addresses(pids: list[int]) -> list[tuple[str, int, str]]:
         except OSError:
             continue
     out = []
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        for line in Path(table).read_text().splitlines()[1:]:
+    tables, namespaces = [], set()
+    for pid in pids:
+        try:
+            namespace = os.readlink(f"/proc/{pid}/ns/net")
+        except OSError:
+            continue
+        if namespace in namespaces:  # one read of each namespace's tables
+            continue
+        namespaces.add(namespace)
+        for name, width in (("tcp", 4), ("tcp6", 16)):
+            try:
+                tables.append((Path(f"/proc/{pid}/net/{name}").read_text(), width))
+            except OSError:
+                continue
+    seen = set()
+    for text, width in tables:
+        for line in text.splitlines()[1:]:
             fields = line.split()
             local, state, inode = fields[1], fields[3], fields[9]
             if state != "0A" or inode not in inodes:  # 0A: LISTEN
@@ -35,7 +50,9 @@ def listening_addresses(pids: list[int]) -> list[tuple[str, int, str]]:
             raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))  # little-endian 32-bit words
             address = ipaddress.ip_address(raw)
             address = getattr(address, "ipv4_mapped", None) or address
-            out.append((str(address), int(hex_port, 16), inodes[inode]))
+            if inode not in seen:
+                seen.add(inode)
+                out.append((str(address), int(hex_port, 16), inodes[inode]))
     return out
 
 
