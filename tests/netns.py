@@ -86,7 +86,8 @@ def remove_stale() -> list[str]:
                 removed.append(name)
     for line in ip("-o", "link").stdout.splitlines():
         link = line.split(":")[1].strip().split("@")[0]
-        if link.startswith("mgbr") and link[4:].isdigit() and not Path(f"/proc/{int(link[4:])}").exists():
+        tag = link[4:] if link.startswith("mgbr") else link[3:8] if link.startswith(("mgh", "mgp")) else ""
+        if tag.isdigit() and not Path(f"/proc/{int(tag)}").exists():
             ip("link", "del", link, check=False)
             removed.append(link)
     return removed
@@ -173,7 +174,8 @@ class NamespacedNetwork:
         for node in self.nodes:
             self.kill(node, signal.SIGTERM, wait_s=10)
             self.kill(node, signal.SIGKILL, wait_s=5)
-            ip("netns", "del", node.name, check=False)  # its veth pair goes with it
+            ip("link", "del", node.host_link, check=False)  # both ends (the kernel frees a namespace's own lazily)
+            ip("netns", "del", node.name, check=False)
         ip("link", "del", self.bridge, check=False)
         self.nodes = []
 

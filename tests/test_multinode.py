@@ -187,6 +187,14 @@ def same_batches_as_uninterrupted(run_dir: Path) -> None:
     assert batches_by_step(run_dir) == UNINTERRUPTED  # the slot -> batch map of an uninterrupted run
 
 
+def recovery_seconds(run_dir: Path, fault_unix: float) -> float:
+    """From the fault to the first update of the final train log trained after it (updates trained after the fault
+    but lost with their node, trained again after the resume, do not count)."""
+    times = [r["time"] for r in map(json.loads, (run_dir / "train_log.jsonl").read_text().splitlines())
+             if r["time"] > fault_unix]
+    return min(times) - fault_unix
+
+
 def trained_steps(run_dir: Path) -> list[int]:
     path = run_dir / "train_log.jsonl"
     if not path.exists():
@@ -255,21 +263,21 @@ def test_a_lost_trainer_node_is_replaced_and_the_run_resumes_with_nothing_lost(c
     job = submit(c, run_dir, small_corpus, steps=STEPS)
     wait_for(lambda: len(trained_steps(run_dir)) >= 15, 600, "15 updates were trained (a checkpoint at 10)")
     before = max(trained_steps(run_dir))
-    killed_at = time.time()
+    fault_at = time.time()
     victims = c.net.kill(c.trainer_node, signal.SIGKILL)  # the node's raylet, its agents and both trainer ranks
     assert victims
     time.sleep(5)
     c.start_worker(c.trainer_node, {"marge_trainer": 2}, cpus=2)  # a replacement node at the same address
     wait_for(lambda: (steps := trained_steps(run_dir)) and max(steps) > before and steps, 600,
              "training went on after the node was lost")
-    recovery_s = time.time() - killed_at
     assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
     assert trained_steps(run_dir) == list(range(1, STEPS + 1))  # updates after the checkpoint: trained again, logged once
     same_batches_as_uninterrupted(run_dir)
     result = audit(c, run_dir)
     assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
     print(json.dumps({"fault": "trainer node lost (raylet and both ranks killed), replaced after 5 s",
-                      "updates_before_fault": before, "recovery_s": round(recovery_s, 1), "audit": result}))
+                      "updates_before_fault": before, "recovery_s": round(recovery_seconds(run_dir, fault_at), 1),
+                      "audit": result}))
 
 
 def node_raylet_alive(c: NamespacedCluster, node: NetNode) -> bool:
@@ -285,29 +293,30 @@ def test_a_trainer_node_cut_off_for_30_s_and_restored_loses_nothing(cluster, sma
     job = submit(c, run_dir, small_corpus, steps=STEPS)
     wait_for(lambda: len(trained_steps(run_dir)) >= 15, 600, "15 updates were trained (a checkpoint at 10)")
     before = max(trained_steps(run_dir))
-    cut_at = time.time()
+    fault_at = time.time()
     c.net.cut(c.trainer_node)
     time.sleep(30)
     c.net.restore(c.trainer_node)
+    # Ray's GCS declares a node dead after 5 failed health checks (about 15-30 s); once the link is back its raylet
+    # hears so and exits. Give it a minute to do that, then start the node again, as a node agent would.
     restarted = False
     try:
-        wait_for(lambda: (not node_raylet_alive(c, c.trainer_node)) or max(trained_steps(run_dir)) > before + 2, 120,
-                 "the node's raylet exited or training went on")
+        wait_for(lambda: not node_raylet_alive(c, c.trainer_node), 60, "the cut-off node's raylet exited", every_s=1)
     except TimeoutError:
-        pass  # neither: the raylet lives on and the trainers wait; the wait below says whether they go on
+        pass  # the node survived the cut: the wait below says whether training goes on with it
     if not node_raylet_alive(c, c.trainer_node):
         c.net.kill(c.trainer_node, signal.SIGKILL)  # what the lost node left behind (its workers)
         c.start_worker(c.trainer_node, {"marge_trainer": 2}, cpus=2)
         restarted = True
     wait_for(lambda: max(trained_steps(run_dir) or [0]) > before, 600, "training went on after the link came back")
-    recovery_s = time.time() - cut_at
     assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
     assert trained_steps(run_dir) == list(range(1, STEPS + 1))
     same_batches_as_uninterrupted(run_dir)
     result = audit(c, run_dir)
     assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
     print(json.dumps({"fault": "trainer node cut off for 30 s, then restored", "node_restarted": restarted,
-                      "updates_before_fault": before, "recovery_s": round(recovery_s, 1), "audit": result}))
+                      "updates_before_fault": before, "recovery_s": round(recovery_seconds(run_dir, fault_at), 1),
+                      "audit": result}))
 
 
 def test_the_indexer_node_lost_during_an_index_build_loses_nothing(cluster, small_corpus, tmp_path):
@@ -319,17 +328,17 @@ def test_the_indexer_node_lost_during_an_index_build_loses_nothing(cluster, smal
     wait_for(staging, 300, "an index build was in progress", every_s=0.05)
     building = [p.name for p in staging()]
     before = max(trained_steps(run_dir) or [0])
-    killed_at = time.time()
+    fault_at = time.time()
     assert c.net.kill(c.indexer_node, signal.SIGKILL)
     time.sleep(5)
     c.start_worker(c.indexer_node, {"marge_indexer": 1}, cpus=1)
     wait_for(lambda: max(trained_steps(run_dir) or [0]) > max(before, 21), 600,
              "training went past the version being built when the indexer node was lost")
-    recovery_s = time.time() - killed_at
     assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
     assert trained_steps(run_dir) == list(range(1, STEPS + 1))
     same_batches_as_uninterrupted(run_dir)
     result = audit(c, run_dir)
     assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
     print(json.dumps({"fault": "indexer node lost during an index build, replaced after 5 s", "building": building,
-                      "updates_before_fault": before, "recovery_s": round(recovery_s, 1), "audit": result}))
+                      "updates_before_fault": before, "recovery_s": round(recovery_seconds(run_dir, fault_at), 1),
+                      "audit": result}))
