@@ -116,6 +116,19 @@ def marge_scale(cluster: LoopbackCluster, workers: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def submit_when_an_agent_answers(client, entrypoint: str, runtime_env: dict, timeout_s: float = 120) -> str:
+    """Submit, retrying while the dashboard has no job agent yet (it starts after the dashboard answers, later on a
+    loaded machine: "No available agent to submit job, please try again later")."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.time() > deadline:
+                raise
+            time.sleep(2)
+
+
 def scrape(cluster: LoopbackCluster) -> None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5) as r:
@@ -140,7 +153,7 @@ def test_a_submitted_job_trains_while_the_indexer_is_scaled_and_every_stage_repo
         "trainer.snapshot_every=10", "trainer.checkpoint_every=30", "trainer.warmup_steps=2",
         "run.progress_every_s=2", "health.probe_size=4", "health.aligned_probe_size=8"])
     client = JobSubmissionClient(cluster.dashboard)
-    job = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+    job = submit_when_an_agent_answers(client, entrypoint, runtime_env)
 
     namespace = f"marge-{RUN}"
     stages_seen: set[str] = set()

@@ -2,8 +2,10 @@
 
 The head's namespace holds the Ray head (GCS, dashboard, the job's driver and batcher) and the run's Redis
 (password-protected, bound to the head's address); one worker node holds both trainer ranks (custom resource
-`marge_trainer`), the other the indexer (`marge_indexer`). The tiny run is submitted with `ray job submit` from
-inside the head's namespace, as a user on the cluster would; the machine's filesystem plays the shared run folder.
+`marge_trainer`), the other the indexer (`marge_indexer`); a fourth namespace joins as a node while the first
+job trains, for the second indexer worker `marge scale` asks for. The tiny run is submitted with `ray job submit`
+from inside the head's namespace, as a user on the cluster would; the machine's filesystem plays the shared run
+folder.
 Everything the cluster started is stopped by PID and every namespace and link removed at teardown.
 
 The test process itself stays in the machine's namespace, which has no route into the cluster's subnet: it watches
@@ -62,6 +64,11 @@ class NamespacedCluster:
         return self.net.nodes[2]
 
     @property
+    def spare_node(self) -> NetNode:
+        """Joins the cluster when `marge scale` asks for a second indexer worker."""
+        return self.net.nodes[3]
+
+    @property
     def dashboard(self) -> str:
         return f"http://{self.head.address}:{DASHBOARD_PORT}"
 
@@ -114,7 +121,7 @@ def wait_for(check, timeout_s: float, what: str, every_s: float = 0.5):
 def cluster():
     try:
         remove_stale()  # a run killed before its teardown (SIGKILL) left these
-        net = NamespacedNetwork(3).create()
+        net = NamespacedNetwork(4).create()  # head, trainer node, indexer node, and one more for `marge scale`
     except NamespacesUnavailable as e:
         pytest.skip(f"no network namespaces here: {e}")
 
@@ -143,7 +150,7 @@ def cluster():
                   env, temp / f"{head.name}.log")
         c.start_worker(c.trainer_node, {"marge_trainer": 2}, cpus=2)
         c.start_worker(c.indexer_node, {"marge_indexer": 1}, cpus=1)
-        c.wait_nodes({n.address for n in net.nodes})
+        c.wait_nodes({n.address for n in net.nodes[:3]})
         yield c
     finally:
         net.teardown()
@@ -155,15 +162,23 @@ def cluster():
 def submit(c: NamespacedCluster, run_dir: Path, corpus: Path, steps: int, extra: list[str] = ()) -> str:
     runtime_env = {**yaml.safe_load((REPO / "deploy" / "runtime_env.yaml").read_text()), "working_dir": str(REPO)}
     runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), "MARGE_REDIS_URL": c.redis_url}
-    out = c.on_head([str(VENV_BIN / "ray"), "job", "submit", "--address", c.dashboard, "--no-wait",
-                     "--runtime-env-json", json.dumps(runtime_env), "--",
-                     "marge", "pretrain", "--config", "deploy/configs/tiny.yaml", f"run.name={RUN}", f"run.dir={run_dir}",
-                     f"run.max_steps={steps}", f"data.corpus={corpus}", "data.max_chunk_tokens=128",
-                     "model.max_positions=128", "batcher.max_tokens=400", "indexer.reindex_every=10",
-                     "trainer.snapshot_every=10", "trainer.checkpoint_every=10", "trainer.warmup_steps=2",
-                     "run.progress_every_s=5", "health.probe_size=4", "health.aligned_probe_size=8",
-                     "trainer.resources={marge_trainer: 1}", "indexer.resources={marge_indexer: 1}",
-                     "indexer.num_workers=1", "trainer.max_failures=3", *extra])
+    argv = [str(VENV_BIN / "ray"), "job", "submit", "--address", c.dashboard, "--no-wait",
+            "--runtime-env-json", json.dumps(runtime_env), "--",
+            "marge", "pretrain", "--config", "deploy/configs/tiny.yaml", f"run.name={RUN}", f"run.dir={run_dir}",
+            f"run.max_steps={steps}", f"data.corpus={corpus}", "data.max_chunk_tokens=128",
+            "model.max_positions=128", "batcher.max_tokens=400", "indexer.reindex_every=10",
+            "trainer.snapshot_every=10", "trainer.checkpoint_every=10", "trainer.warmup_steps=2",
+            "run.progress_every_s=5", "health.probe_size=4", "health.aligned_probe_size=8",
+            "trainer.resources={marge_trainer: 1}", "indexer.resources={marge_indexer: 1}",
+            "indexer.num_workers=1", "trainer.max_failures=3", *extra]
+    deadline = time.time() + 120
+    while True:  # the dashboard's job agent starts after the dashboard answers, later on a loaded machine
+        done = c.net.run(c.head, argv, c.env, timeout=180)
+        if done.returncode == 0 or "No available agent" not in done.stdout + done.stderr or time.time() > deadline:
+            break
+        time.sleep(2)
+    assert done.returncode == 0, f"ray job submit failed ({done.returncode}):\n{done.stderr[-3000:]}"
+    out = done.stdout
     return next(word.strip("'") for line in out.splitlines() for word in line.split() if word.strip("'").startswith("raysubmit_"))
 
 
@@ -175,6 +190,16 @@ def job_status(c: NamespacedCluster, job: str) -> str:
 
 def job_logs(c: NamespacedCluster, job: str) -> str:
     return c.on_head([str(VENV_BIN / "ray"), "job", "logs", "--address", c.dashboard, job])[-4000:]
+
+
+def index_manifests(run_dir: Path) -> list[dict]:
+    out = []
+    for path in (run_dir / "index").glob("v*/manifest.json"):
+        try:
+            out.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):  # being renamed into place, or pruned
+            continue
+    return out
 
 
 def batches_by_step(run_dir: Path) -> dict[int, list[str]]:
@@ -242,6 +267,17 @@ def test_the_job_runs_across_three_namespaced_nodes(cluster, small_corpus, tmp_p
     assert where.get("marge-indexer-0") == [c.indexer_node.address], where
     assert c.indexer_node.address not in trainers  # the indexer is on another node than rank 0 (and rank 1)
     assert where.get("marge-batcher") and where.get("marge-indexer-coordinator")  # num_cpus=0: any node
+    # a second indexer worker on a node that joins now, while the job trains; the next version records it
+    c.start_worker(c.spare_node, {"marge_indexer": 1}, cpus=1)
+    c.wait_nodes({n.address for n in c.net.nodes})
+    scaled = json.loads(c.on_head([str(VENV_BIN / "marge"), "scale", "--run", RUN, "--indexer-workers", "2",
+                                   "--address", f"{c.head.address}:{GCS_PORT}"]).strip().splitlines()[-1])
+    assert scaled["wanted"] == 2, scaled
+    second = wait_for(lambda: placement(c).get("marge-indexer-1"), 600, "marge-indexer-1 started", every_s=1)
+    assert second == [c.spare_node.address], second
+    built_by_two = wait_for(lambda: [m for m in index_manifests(run_dir) if m.get("indexer_workers") == 2], 600,
+                            "an index version built by two workers")
+    assert min(m["version"] for m in built_by_two) >= scaled["from_version"]
     listening = [entry for node in c.net.nodes for entry in listening_addresses(c.net.pids(node))]
     assert listening
     own = {node.address for node in c.net.nodes} | {"127.0.0.1", "::1", "0.0.0.0", "::"}

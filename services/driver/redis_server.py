@@ -170,11 +170,11 @@ class LocalRedis:
                                     if (self.data_dir / "redis.log").exists() else "")
                         raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port}: {log_tail}") from None
                     time.sleep(0.02)
+            log.info("redis-server pid %d on 127.0.0.1:%d (AOF appendfsync=%s, data in %s)",
+                     self.process.pid, self.port, self.appendfsync, self.data_dir)
         except BaseException:
             self.stop()
             raise
-        log.info("redis-server pid %d on 127.0.0.1:%d (AOF appendfsync=%s, data in %s)",
-                 self.process.pid, self.port, self.appendfsync, self.data_dir)
         return self
 
     def restart(self) -> None:
@@ -202,7 +202,11 @@ class LocalRedis:
         self.pid_file.unlink(missing_ok=True)
 
     def __enter__(self) -> "LocalRedis":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # interrupted after start() returned, before the block began: __exit__ will not run
+            self.stop()
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()
