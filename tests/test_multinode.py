@@ -23,7 +23,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -49,7 +49,6 @@ class NamespacedCluster:
     temp: Path
     env: dict[str, str]
     redis_url: str
-    started: dict[str, object] = field(default_factory=dict)
 
     @property
     def head(self) -> NetNode:

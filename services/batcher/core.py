@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,6 +14,7 @@ from marge.batch import Batch
 from marge.corpus import Corpus, ShardDocuments
 from marge.index_store import IndexVersion
 from marge.protocol import BatchId
+from marge.utils import BudgetCache
 from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.greedy import BatchPlan, plan_document_batches, plan_shard_batches
 
@@ -74,42 +73,35 @@ class DocumentStore:
 
     def __init__(self, corpus: Corpus, cache_mb: float = 512.0):
         self.corpus = corpus
-        self.cache_bytes = int(cache_mb * 2**20)
-        self._cache: OrderedDict[int, ShardTokens] = OrderedDict()
+        self._cache = BudgetCache(int(cache_mb * 2**20), self._read, lambda tokens: tokens.nbytes)
+        """Shared with the plan-ahead thread, which reads the next shard while batches of this one are built."""
         self._checked: set[int] = set()
-        self._lock = threading.Lock()
-        self.reads = 0
-        """Shard files read so far (a corpus that fits the budget: each once)."""
 
     @property
     def shard_numbers(self) -> list[int]:
         return [info.shard for info in self.corpus.shards]
 
-    def shard(self, shard: int) -> ShardTokens:
-        with self._lock:  # the plan-ahead thread reads the next shard while batches of this one are built
-            return self._shard(shard)
+    @property
+    def reads(self) -> int:
+        """Shard files read so far (a corpus that fits the budget: each once)."""
+        return self._cache.reads
 
-    def _shard(self, shard: int) -> ShardTokens:
-        cached = self._cache.get(shard)
-        if cached is not None:
-            self._cache.move_to_end(shard)
-            return cached
+    def shard(self, shard: int) -> ShardTokens:
+        return self._cache.get(shard)
+
+    def _read(self, shard: int) -> ShardTokens:
         docs = self.corpus.read_shard(shard, verify_checksum=False if shard in self._checked else None)
         self._checked.add(shard)
-        self.reads += 1
         tokens = ShardTokens.from_documents(docs)
         del docs
         # the Parquet read's buffers are free now; Arrow's allocator would keep their pages for the next
         # read, which can be a few hundred MB on a large shard: give them back so memory follows the budget
         pa.default_memory_pool().release_unused()
-        self._cache[shard] = tokens
-        while len(self._cache) > 1 and self.cached_bytes > self.cache_bytes:
-            self._cache.popitem(last=False)
         return tokens
 
     @property
     def cached_bytes(self) -> int:
-        return sum(t.nbytes for t in self._cache.values())
+        return self._cache.cached_bytes
 
 
 def materialize(plan: BatchPlan, docs: ShardTokens, batch_id: BatchId, index_version: int, snapshot_step: int) -> Batch:

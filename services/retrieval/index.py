@@ -12,7 +12,7 @@ finish on the version they started with.
 
 Memory does not hold the corpus: `DocumentTable` keeps doc id -> (shard, row, language) as arrays, and a
 document's text and page are read from its Parquet shard when a hit is described, through a cache of recently
-read shards bounded in bytes (`ShardTextCache`).
+read shards bounded in bytes (`shard_text_cache`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from marge.index_store import IndexVersion, latest_version
 from marge.paths import INDEX, SNAPSHOTS
 from marge.model import pad_rows
 from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
+from marge.utils import BudgetCache
 
 log = logging.getLogger(__name__)
 
@@ -71,43 +71,24 @@ class IndexChoice:
         return "flat" if documents <= self.flat_max_documents else "hnsw"
 
 
-class ShardTextCache:
-    """The text and page of documents, read from their Parquet shard on demand: whole columns of the shards read
-    most recently, kept while they fit in `cache_mb` (the shard just read always stays)."""
+def shard_text_cache(corpus: Corpus, cache_mb: float = 64.0) -> BudgetCache:
+    """The text and page columns of corpus shards, read from their Parquet file on demand (`.get(shard)`), the
+    shards read most recently kept while they fit in `cache_mb`."""
 
-    def __init__(self, corpus: Corpus, cache_mb: float = 64.0):
-        self.corpus = corpus
-        self.cache_bytes = int(cache_mb * 2**20)
-        self._cache: OrderedDict[int, tuple[pa.Array, pa.Array]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.reads = 0
+    def read(shard: int) -> tuple[pa.Array, pa.Array]:
+        path = corpus.root / corpus.shards[shard].file
+        try:
+            table = pq.read_table(path, columns=["text", "group"])
+        except (pa.ArrowInvalid, OSError) as e:
+            raise CorpusError(f"{path}: not a readable Parquet file ({e})") from None
+        return table.column("text").combine_chunks(), table.column("group").combine_chunks()
 
-    def columns(self, shard: int) -> tuple[pa.Array, pa.Array]:
-        with self._lock:
-            cached = self._cache.get(shard)
-            if cached is not None:
-                self._cache.move_to_end(shard)
-                return cached
-            path = self.corpus.root / self.corpus.shards[shard].file
-            try:
-                table = pq.read_table(path, columns=["text", "group"])
-            except (pa.ArrowInvalid, OSError) as e:
-                raise CorpusError(f"{path}: not a readable Parquet file ({e})") from None
-            cached = (table.column("text").combine_chunks(), table.column("group").combine_chunks())
-            self.reads += 1
-            self._cache[shard] = cached
-            while len(self._cache) > 1 and self.cached_bytes > self.cache_bytes:
-                self._cache.popitem(last=False)
-            return cached
-
-    @property
-    def cached_bytes(self) -> int:
-        return sum(t.nbytes + g.nbytes for t, g in self._cache.values())
+    return BudgetCache(int(cache_mb * 2**20), read, lambda columns: columns[0].nbytes + columns[1].nbytes)
 
 
 class DocumentTable:
     """Every corpus document's shard, row and language, by doc id, as arrays (about 18 bytes a document); text
-    and page are read on demand (`ShardTextCache`). The corpus does not change between index versions."""
+    and page are read on demand (`shard_text_cache`). The corpus does not change between index versions."""
 
     def __init__(self, corpus: Corpus, cache_mb: float = 64.0):
         ids, shards, rows, langs = [], [], [], []
@@ -130,7 +111,7 @@ class DocumentTable:
         self.shard = (np.concatenate(shards) if shards else np.zeros(0, np.int32))[order]
         self.row = (np.concatenate(rows) if rows else np.zeros(0, np.int32))[order]
         self.lang = (np.concatenate(lang_codes) if lang_codes else np.zeros(0, np.int16))[order]
-        self.text = ShardTextCache(corpus, cache_mb)
+        self.text = shard_text_cache(corpus, cache_mb)
 
     @property
     def nbytes(self) -> int:
@@ -150,7 +131,7 @@ class DocumentTable:
 
     def describe(self, doc_id: int, snippet_chars: int) -> dict:
         i = int(self.positions(np.array([doc_id]))[0])
-        texts, groups = self.text.columns(int(self.shard[i]))
+        texts, groups = self.text.get(int(self.shard[i]))
         text = texts[int(self.row[i])].as_py()
         return {"doc_id": doc_id, "lang": self.lang_names[self.lang[i]], "group": groups[int(self.row[i])].as_py(),
                 "text": text if len(text) <= snippet_chars else text[:snippet_chars] + "…"}

@@ -8,8 +8,10 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import uuid
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -96,3 +98,39 @@ def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+class BudgetCache:
+    """Values loaded by key, the most recently used kept while their bytes fit in `budget_bytes`; the value just
+    loaded always stays, so memory is bounded by the largest value and the budget. One load at a time (a lock):
+    callers in several threads share it."""
+
+    def __init__(self, budget_bytes: int, load: Callable, size: Callable[[object], int]):
+        self.budget_bytes, self._load, self._size = budget_bytes, load, size
+        self._cache: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.reads = 0
+        """Values loaded so far (everything within the budget: each once)."""
+
+    def get(self, key):
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+            value = self._load(key)
+            self.reads += 1
+            self._cache[key] = value
+            while len(self._cache) > 1 and self.cached_bytes > self.budget_bytes:
+                self._cache.popitem(last=False)
+            return value
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(self._size(v) for v in self._cache.values())
+
+    def values(self) -> list:
+        return list(self._cache.values())
+
+    def __len__(self) -> int:
+        return len(self._cache)
