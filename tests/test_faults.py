@@ -336,16 +336,10 @@ def test_the_newest_good_checkpoint_skips_torn_and_half_uploaded_ones_and_orders
     a manifest without its files. Both are skipped (never an exception that stops every resume), and a second
     attempt at an update (`step-N-1`, written after resuming from an older checkpoint) is newer than the first."""
     from marge.checkpoint import checkpoint_dir_name, complete_checkpoints, newest_good_checkpoint, save_checkpoint
-    from marge.model import Marge, preset
+    from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
 
-    torch.manual_seed(0)
-    model = Marge(preset("tiny", vocab_size=64, max_positions=32))
-    optimizer = torch.optim.AdamW(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    tokenizer_dir = tmp_path / "tok"
-    tokenizer_dir.mkdir()
-    for name in ("tokenizer.model", "tokenizer.json"):
-        (tokenizer_dir / name).write_text("x")
+    model, optimizer, scheduler = tiny_training()
+    tokenizer_dir = stand_in_tokenizer(tmp_path / "tok")
     root = tmp_path / "ckpt"
     for step in (6, 12, 12):
         save_checkpoint(root / checkpoint_dir_name(root, step), model, optimizer, scheduler, step, tokenizer_dir, {})

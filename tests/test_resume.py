@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from marge.checkpoint import checkpoint_dir_name, save_checkpoint
-from marge.model import Marge, preset
+from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
 
 
 def free_port() -> int:
@@ -41,10 +41,7 @@ def resume_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
     ray.train.get_checkpoint = lambda: None  # no Ray Train session: storage alone
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        torch.manual_seed(1)
-        model = Marge(preset("tiny", vocab_size=64, max_positions=32))
-        optimizer = torch.optim.AdamW(model.parameters())
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        model, optimizer, scheduler = tiny_training(seed=1)
         resumed = resume(model, optimizer, scheduler, "cpu", rank, None, Path(root))
         weight = float(next(model.parameters()).flatten()[0])
         Path(out, f"rank{rank}.json").write_text(json.dumps({"step": resumed.step, "verified": verified,
@@ -61,14 +58,8 @@ def resume_two_ranks(root: Path, out: Path) -> list[dict]:
 
 @pytest.fixture
 def checkpoints(tmp_path: Path) -> Path:
-    torch.manual_seed(0)
-    model = Marge(preset("tiny", vocab_size=64, max_positions=32))
-    optimizer = torch.optim.AdamW(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    tokenizer_dir = tmp_path / "tok"
-    tokenizer_dir.mkdir()
-    for name in ("tokenizer.model", "tokenizer.json"):
-        (tokenizer_dir / name).write_text("x")
+    model, optimizer, scheduler = tiny_training()
+    tokenizer_dir = stand_in_tokenizer(tmp_path / "tok")
     root = tmp_path / "ckpt"
     for step in (6, 12):
         with torch.no_grad():
