@@ -28,7 +28,14 @@ def add_prepare(sub) -> None:
                    help="language ID confidence above which a contradicting label is an error (default 0.5)")
     p.add_argument("--max-document-chars", type=int, default=1_000_000, help="longest accepted document")
     p.add_argument("--skip-bad-documents", action="store_true", help="drop (and count) bad documents instead of stopping")
-    p.add_argument("--seed", type=int, default=0, help="seed of the shard assignment")
+    p.add_argument("--seed", type=int, default=0, help="seed of the shard assignment and of the tokenizer's sample")
+    p.add_argument("--tokenizer-sample-lines", type=int, default=2_000_000,
+                   help="lines the tokenizer is trained on, at most: an equal share per language, drawn at random "
+                        "(default 2,000,000)")
+    p.add_argument("--engine", choices=("auto", "local", "ray"), default="auto",
+                   help="local: this process, the corpus in memory; ray: streamed through Ray Data (RAY_ADDRESS's "
+                        "cluster, else a local Ray), memory bounded by a partition; auto: local up to 256 MiB of input")
+    p.add_argument("--workers", type=int, default=None, help="Ray Data tasks per stage (default: the cluster's CPUs)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_prepare)
 
@@ -43,11 +50,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         heldout_permille=args.heldout_permille,
         languages=tuple(args.languages.split(",")) if args.languages else None, lid=not args.no_lid,
         lid_threshold=args.lid_threshold, max_document_chars=args.max_document_chars,
-        on_bad_document="skip" if args.skip_bad_documents else "error", seed=args.seed, overwrite=args.overwrite)
+        on_bad_document="skip" if args.skip_bad_documents else "error", seed=args.seed, overwrite=args.overwrite,
+        tokenizer_sample_lines=args.tokenizer_sample_lines, engine=args.engine, workers=args.workers)
     manifest = prepare(opts)
     summary = {k: manifest[k] for k in ("num_documents", "num_shards", "num_groups", "num_tokens", "languages")}
     if manifest.get("heldout"):
         summary["heldout"] = {k: manifest["heldout"][k] for k in ("groups", "documents", "pairs")}
+    summary["engine"] = manifest["engine"]["name"]
     summary["out"] = str(args.out)
     print(json.dumps(summary))
     return 0

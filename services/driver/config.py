@@ -104,9 +104,21 @@ class DataConfig:
     heldout_pairs: str | None = None
     """Held-out translation pairs (TSV) for retrieval P@1 in the probes, the reports and g's health at the end (null:
     the corpus's own held-out pairs when it has them, else no P@1)."""
+    prepare_engine: str = "auto"
+    """How a missing corpus is prepared from `raw` (`marge prepare --engine`): 'ray' streams it through Ray Data on the
+    run's Ray cluster (`ray.address`, else a local Ray for the preparation), with memory bounded by the partition, not
+    the corpus; 'local' in the driver's process, the corpus in memory; 'auto': 'local' up to 256 MiB of input."""
+    prepare_workers: int | None = None
+    """Ray Data tasks per stage of a preparation on Ray (null: the cluster's CPUs)."""
+    tokenizer_sample_lines: int = 2_000_000
+    """Lines the tokenizer of a corpus prepared here is trained on, at most: an equal share per language, drawn at
+    random (seeded), so a corpus sorted by language still gets a balanced vocabulary."""
 
     def __post_init__(self) -> None:
-        positive(self, "vocab_size", "docs_per_shard", "min_document_tokens")
+        positive(self, "vocab_size", "docs_per_shard", "min_document_tokens", "tokenizer_sample_lines")
+        one_of(self, "prepare_engine", ("auto", "local", "ray"))
+        if self.prepare_workers is not None:
+            positive(self, "prepare_workers")
         within(self, "heldout_permille", 0, 999)
         at_least(self, "max_chunk_tokens", 3)
         one_of(self, "document_unit", ("chunk", "paragraph"))
@@ -289,7 +301,8 @@ class PipelineConfig:
 
 
 RESUMABLE = ("run.max_steps", "run.max_minutes", "run.progress_every_s", "run.tensorboard", "redis.", "ray.",
-             "faults.", "health.", "queue.block_ms", "data.raw", "data.heldout_pairs", "indexer.num_workers", "indexer.nice",
+             "faults.", "health.", "queue.block_ms", "data.raw", "data.heldout_pairs", "data.prepare_engine",
+             "data.prepare_workers", "indexer.num_workers", "indexer.nice",
              "indexer.num_cpus_per_worker", "indexer.num_gpus_per_worker", "indexer.resources", "indexer.use_gpu",
              "indexer.bf16", "indexer.batch_tokens", "trainer.num_cpus_per_worker", "trainer.resources",
              "trainer.torch_threads", "trainer.max_failures", "trainer.keep_checkpoints", "trainer.compile",

@@ -113,7 +113,12 @@ def dry_run(cfg: PipelineConfig) -> dict:
         missing = [p for p in cfg.data.raw if not Path(p).exists()]
         if missing:
             raise ConfigError(f"data.raw names input that does not exist: {missing}")
-        out["corpus"] = f"{root}: to be prepared from {', '.join(cfg.data.raw)}"
+        from marge.prepare import PrepareOptions, chosen_engine
+
+        engine = chosen_engine(PrepareOptions(inputs=[Path(p) for p in cfg.data.raw], out=root,
+                                              engine=cfg.data.prepare_engine))
+        out["corpus"] = (f"{root}: to be prepared from {', '.join(cfg.data.raw)} "
+                         f"({'on Ray Data' if engine == 'ray' else 'in the driver process'})")
         out["model"] = dataclasses.asdict(cfg.model_config(vocab_size=cfg.data.vocab_size))
         return out
     corpus = ensure_corpus(cfg)
@@ -214,12 +219,14 @@ def ensure_corpus(cfg: PipelineConfig) -> Corpus:
                               f"--out {root}`, or set data.raw")
         log.info("preparing %s from %s", root, ", ".join(cfg.data.raw))
         d = cfg.data
-        prepare(PrepareOptions(inputs=[Path(p) for p in d.raw], out=root, vocab_size=d.vocab_size,
-                               max_chunk_tokens=d.max_chunk_tokens, document_unit=d.document_unit,
-                               min_document_tokens=d.min_document_tokens,
-                               languages=tuple(d.languages) if d.languages else None,
-                               docs_per_shard=d.docs_per_shard, num_shards=d.num_shards,
-                               heldout_permille=d.heldout_permille, seed=cfg.run.seed))
+        opts = PrepareOptions(inputs=[Path(p) for p in d.raw], out=root, vocab_size=d.vocab_size,
+                              max_chunk_tokens=d.max_chunk_tokens, document_unit=d.document_unit,
+                              min_document_tokens=d.min_document_tokens,
+                              languages=tuple(d.languages) if d.languages else None,
+                              docs_per_shard=d.docs_per_shard, num_shards=d.num_shards,
+                              heldout_permille=d.heldout_permille, seed=cfg.run.seed, engine=d.prepare_engine,
+                              workers=d.prepare_workers, tokenizer_sample_lines=d.tokenizer_sample_lines)
+        prepare(opts, ray_address=cfg.ray.address)
     corpus = Corpus.open(root)
     if corpus.manifest["max_chunk_tokens"] > cfg.data.max_chunk_tokens:
         raise ConfigError(f"{root} was prepared with max_chunk_tokens={corpus.manifest['max_chunk_tokens']} but "

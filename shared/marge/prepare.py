@@ -70,9 +70,19 @@ class RawDocument:
     text: str
     paragraph_ids: tuple[str, ...] | None = None
     """One id per paragraph of `text` (`split_paragraphs`), shared by its translations in the group; None: unknown."""
+    order: int = 0
+    """Its place in the input (`input_order`): the first of two duplicates in this order is the one kept, by either
+    engine."""
+
+
+def input_order(input_index: int, position: int) -> int:
+    """A document's place in the input: the input's index on the command line, then its line (JSONL) or its file's
+    place in the sorted listing (folders)."""
+    return (input_index << 40) + position
 
 
 DOCUMENT_UNITS = ("chunk", "paragraph")
+ENGINES = ("auto", "local", "ray")
 
 
 @dataclass
@@ -103,6 +113,19 @@ class PrepareOptions:
     on_bad_document: str = "error"
     seed: int = 0
     overwrite: bool = False
+    tokenizer_sample_lines: int = 2_000_000
+    """Lines the tokenizer is trained on, at most: an equal share per language, each share drawn at random (a hash of
+    the seed and the line's place), so a language with more text than its share gets a uniform sample of it and not
+    its first lines; a language with less gives all its lines. Lines are fed in corpus order."""
+    engine: str = "auto"
+    """'local': this process, the corpus in memory (small inputs); 'ray': streamed through Ray Data on the Ray
+    cluster, memory bounded by the partition size, not the corpus; 'auto': 'ray' above `local_max_bytes` of input."""
+    workers: int | None = None
+    """Ray Data tasks per stage ('ray'); None: the CPUs of the Ray cluster."""
+    local_max_bytes: int = 256 << 20
+    """'auto' prepares input up to this many bytes on disk in this process, larger input on Ray Data."""
+    partition_bytes: int = 64 << 20
+    """'ray': bytes of documents per hash partition (the de-duplication and shard-writing units): what one task holds."""
 
     def __post_init__(self) -> None:
         self.inputs = [Path(p) for p in self.inputs]
@@ -123,6 +146,14 @@ class PrepareOptions:
             raise PrepareError(f"--num-shards must be positive, got {self.num_shards}")
         if self.on_bad_document not in ("error", "skip"):
             raise PrepareError(f"on_bad_document must be 'error' or 'skip', got {self.on_bad_document!r}")
+        if self.engine not in ENGINES:
+            raise PrepareError(f"--engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.workers is not None and self.workers < 1:
+            raise PrepareError(f"--workers must be positive, got {self.workers}")
+        if self.tokenizer_sample_lines < 1:
+            raise PrepareError(f"--tokenizer-sample-lines must be positive, got {self.tokenizer_sample_lines}")
+        if self.partition_bytes < 1 << 20:
+            raise PrepareError(f"partition_bytes must be at least 1 MiB, got {self.partition_bytes}")
         if self.languages is not None:
             self.languages = tuple(normalize_language(lang) for lang in self.languages)
 
@@ -149,10 +180,10 @@ class BadLine:
     error: PrepareError
 
 
-def read_jsonl(path: Path) -> Iterator[RawDocument | BadLine]:
+def read_jsonl(path: Path, input_index: int = 0) -> Iterator[RawDocument | BadLine]:
     for line_no, raw in jsonl_lines(path):
         try:
-            document = parse_jsonl_line(path, line_no, raw)
+            document = parse_jsonl_line(path, line_no, raw, input_index)
         except PrepareError as e:
             yield BadLine(f"{path}:{line_no}", e)
             continue
@@ -176,14 +207,15 @@ def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                            "uncorrupted (gzip) JSONL file? (`gzip -t` checks one)") from None
 
 
-def parse_jsonl_line(path: Path, line_no: int, raw: bytes) -> RawDocument | None:
+def parse_jsonl_line(path: Path, line_no: int, raw: bytes, input_index: int = 0) -> RawDocument | None:
     """One JSONL line as a document (None: a blank line), or PrepareError naming the file, line and field."""
     obj = parse_jsonl_object(path, line_no, raw)
     if obj is None:
         return None
     where = f"{path}:{line_no}"
     doc_id, group = document_ids(obj, path, line_no)
-    return RawDocument(where, doc_id, group, obj["language"], obj["text"], read_paragraph_ids(obj, where))
+    return RawDocument(where, doc_id, group, obj["language"], obj["text"], read_paragraph_ids(obj, where),
+                       input_order(input_index, line_no))
 
 
 def parse_jsonl_object(path: Path, line_no: int, raw: bytes) -> dict | None:
@@ -252,7 +284,9 @@ def read_paragraph_ids(obj: dict, where: str) -> tuple[str, ...] | None:
     return tuple(ids)
 
 
-def read_folder(root: Path) -> Iterator[RawDocument | BadLine]:
+def folder_files(root: Path) -> Iterator[tuple[Path, Path]]:
+    """(language folder, file) of every .html/.htm/.txt file under `root`, in the order both engines read them; a
+    folder that is not laid out as <root>/<lang>/... is a PrepareError."""
     lang_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not lang_dirs:
         raise PrepareError(f"{root}: no language folders; lay out HTML/text input as {root}/<lang>/...")
@@ -263,31 +297,49 @@ def read_folder(root: Path) -> Iterator[RawDocument | BadLine]:
             raise PrepareError(f"{lang_dir}: folder name {lang_dir.name!r} is not an ISO 639-1 language code; "
                                f"name each folder under {root} after the language of its files (en, de, zh, ...)") from None
         for path in sorted(p for p in lang_dir.rglob("*") if p.is_file() and not p.name.startswith(".")):
-            kind = TEXT_SUFFIXES.get(path.suffix.lower())
-            if kind is None:
+            if path.suffix.lower() not in TEXT_SUFFIXES:
                 log.warning("skipping %s: not .html, .htm or .txt", path)
                 continue
-            try:
-                text = _decode(path.read_bytes(), str(path))
-            except PrepareError as e:
-                yield BadLine(str(path), e)
-                continue
-            if kind == "html":
-                text = extract_text(text).text()
-            rel = path.relative_to(lang_dir).with_suffix("").as_posix()
-            yield RawDocument(str(path), f"{lang_dir.name}/{rel}", rel, lang_dir.name, text)
+            yield lang_dir, path
+
+
+def read_folder_file(lang_dir: Path, path: Path, order: int, raw: bytes) -> RawDocument:
+    """One HTML or text file of a language folder as a document (HTML reduced to its text)."""
+    text = _decode(raw, str(path))
+    if TEXT_SUFFIXES[path.suffix.lower()] == "html":
+        text = extract_text(text).text()
+    rel = path.relative_to(lang_dir).with_suffix("").as_posix()
+    return RawDocument(str(path), f"{lang_dir.name}/{rel}", rel, lang_dir.name, text, order=order)
+
+
+def read_folder(root: Path, input_index: int = 0) -> Iterator[RawDocument | BadLine]:
+    for position, (lang_dir, path) in enumerate(folder_files(root)):
+        try:
+            yield read_folder_file(lang_dir, path, input_order(input_index, position), path.read_bytes())
+        except PrepareError as e:
+            yield BadLine(str(path), e)
+
+
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")
+
+
+def check_input(path: Path) -> str:
+    """'folder' or 'jsonl': what kind of input `path` is, or a PrepareError saying what is wrong with it."""
+    if path.is_dir():
+        return "folder"
+    if path.name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if not path.exists():
+        raise PrepareError(f"{path}: no such file or folder")
+    raise PrepareError(f"{path}: unsupported input; give .jsonl / .jsonl.gz files or a folder of <lang>/ subfolders")
 
 
 def read_inputs(inputs: list[Path]) -> Iterator[RawDocument | BadLine]:
-    for path in inputs:
-        if path.is_dir():
-            yield from read_folder(path)
-        elif path.name.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")):
-            yield from read_jsonl(path)
-        elif not path.exists():
-            raise PrepareError(f"{path}: no such file or folder")
+    for index, path in enumerate(inputs):
+        if check_input(path) == "folder":
+            yield from read_folder(path, index)
         else:
-            raise PrepareError(f"{path}: unsupported input; give .jsonl / .jsonl.gz files or a folder of <lang>/ subfolders")
+            yield from read_jsonl(path, index)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -324,7 +376,7 @@ def check_document(doc: RawDocument, opts: PrepareOptions) -> RawDocument:
             raise PrepareError(f"{doc.source}: field 'language' says {lang!r} but language identification says "
                                f"{guess.lang!r} (confidence {guess.score:.2f}); fix the label, raise --lid-threshold, "
                                "or pass --no-lid to trust the labels")
-    return RawDocument(doc.source, doc.doc_id, doc.group, lang, doc.text, doc.paragraph_ids)
+    return RawDocument(doc.source, doc.doc_id, doc.group, lang, doc.text, doc.paragraph_ids, doc.order)
 
 
 @dataclass
@@ -387,6 +439,122 @@ def paragraph_documents(paragraphs: list[str], paragraph_tokens: list[list[int]]
             text = tokenizer.decode(toks)
         out.append(Piece(list(toks), text, [pid] if pid else []))
     return out
+
+
+def document_pieces(doc: RawDocument, tokenizer: MargeTokenizer, opts: PrepareOptions) -> tuple[list[Piece], int]:
+    """The documents `doc` becomes (chunks, or paragraphs with `document_unit="paragraph"`), and how many of its
+    paragraphs were cut at `max_chunk_tokens` (paragraph unit only)."""
+    paragraphs = split_paragraphs(doc.text)
+    paragraph_tokens = tokenizer.encode_batch(paragraphs)
+    if opts.document_unit == "paragraph":
+        budget = max_text_tokens(opts.max_chunk_tokens)
+        cut = sum(len(t) > budget for t in paragraph_tokens)
+        return paragraph_documents(paragraphs, paragraph_tokens, opts.max_chunk_tokens, tokenizer,
+                                   doc.paragraph_ids), cut
+    return chunk_paragraphs(paragraphs, paragraph_tokens, opts.max_chunk_tokens, tokenizer, doc.paragraph_ids), 0
+
+
+class TokenizerSample:
+    """The tokenizer's training lines: per language, the `per_language` lines with the smallest hash of (seed, the
+    document's input order, the line's place in it). A uniform sample whatever order the input is in, and the same
+    however the documents are split between workers: merging the samples of parts gives the sample of the whole."""
+
+    def __init__(self, per_language: int, seed: int):
+        self.per_language, self.seed = per_language, seed
+        self.heaps: dict[str, list[tuple[int, int, int, str]]] = defaultdict(list)  # (-hash, -order, -line, text)
+        self.lines_seen: Counter = Counter()
+
+    @staticmethod
+    def per_language_share(total: int, languages: int) -> int:
+        return max(1, math.ceil(total / max(1, languages)))
+
+    def add(self, lang: str, order: int, text: str) -> None:
+        for i, line in enumerate(line for line in text.split("\n") if line.strip()):
+            digest = hashlib.sha1(f"marge-tokenizer-sample:{self.seed}:{order}:{i}".encode()).digest()
+            self._push(lang, (-int.from_bytes(digest[:8], "big"), -order, -i, line))
+            self.lines_seen[lang] += 1
+
+    def _push(self, lang: str, item: tuple[int, int, int, str]) -> None:
+        heap = self.heaps[lang]
+        if len(heap) < self.per_language:
+            heapq.heappush(heap, item)
+        elif item > heap[0]:  # a smaller hash than the largest kept
+            heapq.heapreplace(heap, item)
+
+    def merge(self, other: "TokenizerSample") -> None:
+        for lang, heap in other.heaps.items():
+            for item in heap:
+                self._push(lang, item)
+        self.lines_seen.update(other.lines_seen)
+
+    def lines(self) -> list[str]:
+        """The sampled lines in corpus order (document input order, then line)."""
+        items = sorted((-order, -i, line) for heap in self.heaps.values() for _, order, i, line in heap)
+        return [line for _, _, line in items]
+
+    def summary(self) -> dict:
+        return {lang: {"lines": self.lines_seen[lang], "sampled": len(self.heaps[lang])} for lang in sorted(self.heaps)}
+
+
+def train_tokenizer(sample: TokenizerSample, languages: list[str], opts: PrepareOptions) -> MargeTokenizer:
+    lines = sample.lines()
+    log.info("training the tokenizer on %d sampled lines (%s)", len(lines),
+             ", ".join(f"{lang} {s['sampled']}/{s['lines']}" for lang, s in sample.summary().items()))
+    # SentencePiece keeps the first `input_sentence_size` lines it is given: never fewer than the sample (the
+    # default is kept when the sample is smaller, as the setting is recorded in the model file and so in its sha256)
+    return MargeTokenizer.train(lines, languages, opts.vocab_size,
+                                input_sentence_size=max(len(lines), MargeTokenizer.DEFAULT_INPUT_SENTENCES))
+
+
+def load_tokenizer(opts: PrepareOptions, languages: list[str]) -> MargeTokenizer:
+    """The tokenizer given with --tokenizer, checked to have a language token for each of `languages`."""
+    tokenizer = MargeTokenizer.load(opts.tokenizer_dir)
+    missing = sorted(set(languages) - set(tokenizer.languages))
+    if missing:
+        raise PrepareError(f"{opts.tokenizer_dir}: the tokenizer has no language token for {missing}; "
+                           "train a new one (omit --tokenizer)")
+    return tokenizer
+
+
+def shard_columns(rows: list["_Chunk"], shard: int, first_doc_id: int) -> dict[str, list]:
+    """The columns of one shard file: its chunks sorted by (group, language, chunk index), ids from `first_doc_id`."""
+    rows = sorted(rows, key=lambda c: (c.group, c.lang, c.chunk_index))
+    return {
+        "doc_id": list(range(first_doc_id, first_doc_id + len(rows))),
+        "doc_key": [c.doc_key for c in rows], "shard": [shard] * len(rows), "group": [c.group for c in rows],
+        "lang": [c.lang for c in rows], "chunk_index": [c.chunk_index for c in rows],
+        "num_chunks": [c.num_chunks for c in rows], "text": [c.text for c in rows],
+        "tokens": [list(c.tokens) for c in rows], "num_tokens": [len(c.tokens) for c in rows],
+        "source": [c.source for c in rows], "paragraph_ids": [list(c.paragraph_ids) for c in rows],
+    }
+
+
+def write_corpus_shard(folder: Path, shard: int, columns: dict[str, list]) -> dict:
+    """Write one shard into the corpus folder being built; returns its manifest entry."""
+    info = write_shard(folder / "shards" / f"shard-{shard:05d}.parquet", columns)
+    info.file = f"shards/shard-{shard:05d}.parquet"
+    info.shard = shard
+    return asdict(info)
+
+
+def corpus_manifest(opts: PrepareOptions, tokenizer: MargeTokenizer, shard_infos: list[dict], num_groups: int,
+                    languages: Counter, num_tokens: int, aligned: int, stats: "_Stats", sample: dict | None,
+                    engine: dict) -> dict:
+    return {
+        "format": CORPUS_FORMAT, "schema_version": CORPUS_SCHEMA_VERSION, "marge_version": __version__,
+        "created_unix": int(time.time()), "num_documents": sum(s["rows"] for s in shard_infos),
+        "num_shards": len(shard_infos), "num_groups": num_groups, "num_tokens": int(num_tokens),
+        "languages": dict(sorted(languages.items())), "max_chunk_tokens": opts.max_chunk_tokens,
+        "document_unit": opts.document_unit, "aligned_documents": int(aligned),
+        "tokenizer": {"files": ["tokenizer.model", "tokenizer.json"], "sha256": tokenizer.sha256,
+                      "vocab_size": tokenizer.vocab_size, **({"sample": sample} if sample is not None else {})},
+        "inputs": [str(p) for p in opts.inputs],
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()
+                    if k not in ("inputs", "out", "overwrite")},
+        "engine": engine,
+        "stats": {k: v for k, v in sorted(stats.counts.items()) if v}, "skipped_examples": stats.skipped[:20],
+        "shards": shard_infos,
+    }
 
 
 def assign_shards(group_sizes: dict[str, int], num_shards: int, seed: int) -> dict[str, int]:
@@ -508,13 +676,54 @@ def write_heldout(folder: Path, docs: list[RawDocument], opts: PrepareOptions) -
             "pairs_file": f"{HELDOUT_DIR}/pairs.tsv" if pairs else None}
 
 
-def prepare(opts: PrepareOptions) -> dict:
-    """Run the whole preparation; returns the manifest that was written."""
-    started = time.time()
+def input_bytes(inputs: list[Path]) -> int:
+    """Bytes on disk of the inputs (files, and the files under folders)."""
+    total = 0
+    for path in inputs:
+        if check_input(path) == "folder":
+            total += sum(p.stat().st_size for _, p in folder_files(path))
+        else:
+            total += path.stat().st_size
+    return total
+
+
+def chosen_engine(opts: PrepareOptions) -> str:
+    """'local' or 'ray': the engine `opts.engine` names, 'auto' by the size of the input."""
+    if opts.engine != "auto":
+        return opts.engine
+    size = input_bytes(opts.inputs)
+    engine = "ray" if size > opts.local_max_bytes else "local"
+    log.info("%s of input: preparing it %s (engine=auto, local up to %s)", _mib(size),
+             "on Ray Data" if engine == "ray" else "in this process", _mib(opts.local_max_bytes))
+    return engine
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def prepare(opts: PrepareOptions, ray_address: str | None = None) -> dict:
+    """Run the whole preparation on the engine `opts.engine` chooses; returns the manifest that was written.
+    `ray_address`: the Ray cluster of the 'ray' engine (None: the one this process is connected to, RAY_ADDRESS, or a
+    local Ray started for it)."""
     if opts.out.exists() and not opts.overwrite:
         raise PrepareError(f"{opts.out} already exists; choose another --out or pass --overwrite to replace it")
+    for path in opts.inputs:
+        check_input(path)
+    if chosen_engine(opts) == "ray":
+        from marge.prepare_ray import prepare_on_ray
+
+        return prepare_on_ray(opts, ray_address)
+    return prepare_locally(opts)
+
+
+def prepare_locally(opts: PrepareOptions) -> dict:
+    """The single-process engine: the whole corpus in this process's memory; for inputs of up to a few hundred MB."""
+    started = time.time()
     stats = _Stats()
     docs = _collect(opts, stats)
+    sample = TokenizerSample(TokenizerSample.per_language_share(opts.tokenizer_sample_lines,
+                                                                len({d.lang for d in docs})), opts.seed)
     heldout = [d for d in docs if is_heldout_group(d.group, opts.heldout_permille)]
     docs = [d for d in docs if not is_heldout_group(d.group, opts.heldout_permille)]
     if not docs:
@@ -523,24 +732,18 @@ def prepare(opts: PrepareOptions) -> dict:
     log.info("%d documents in %d languages after checks and de-duplication", len(docs), len(languages))
 
     if opts.tokenizer_dir is not None:
-        tokenizer = MargeTokenizer.load(opts.tokenizer_dir)
-        missing = sorted(set(languages) - set(tokenizer.languages))
-        if missing:
-            raise PrepareError(f"{opts.tokenizer_dir}: the tokenizer has no language token for {missing}; "
-                               "train a new one (omit --tokenizer)")
+        tokenizer, sample_summary = load_tokenizer(opts, languages), None
     else:
-        tokenizer = MargeTokenizer.train((d.text for d in docs), languages, opts.vocab_size)
+        for d in docs:
+            sample.add(d.lang, d.order, d.text)
+        tokenizer, sample_summary = train_tokenizer(sample, languages, opts), sample.summary()
+        del sample
 
     chunks: list[_Chunk] = []
     seen_chunks = set()
-    make_documents = paragraph_documents if opts.document_unit == "paragraph" else chunk_paragraphs
-    budget = max_text_tokens(opts.max_chunk_tokens)
     for doc in track(docs, "chunking", unit="doc"):
-        paragraphs = split_paragraphs(doc.text)
-        paragraph_tokens = tokenizer.encode_batch(paragraphs)
-        if opts.document_unit == "paragraph":
-            stats.counts["paragraphs_cut"] += sum(len(t) > budget for t in paragraph_tokens)
-        pieces = make_documents(paragraphs, paragraph_tokens, opts.max_chunk_tokens, tokenizer, doc.paragraph_ids)
+        pieces, cut = document_pieces(doc, tokenizer, opts)
+        stats.counts["paragraphs_cut"] += cut
         for i, piece in enumerate(pieces):
             if len(piece.tokens) < opts.min_document_tokens:
                 stats.counts["documents_too_short"] += 1
@@ -565,41 +768,16 @@ def prepare(opts: PrepareOptions) -> dict:
 
     next_id = 0
     shard_infos = []
-    lang_counts: Counter = Counter()
     with atomic_directory(opts.out, overwrite=opts.overwrite) as tmp:
         (tmp / "shards").mkdir()
         tokenizer.save(tmp)
         for s in track(range(num_shards), "writing shards", unit="shard"):
-            rows = sorted(by_shard[s], key=lambda c: (c.group, c.lang, c.chunk_index))
-            columns = {
-                "doc_id": list(range(next_id, next_id + len(rows))),
-                "doc_key": [c.doc_key for c in rows], "shard": [s] * len(rows), "group": [c.group for c in rows],
-                "lang": [c.lang for c in rows], "chunk_index": [c.chunk_index for c in rows],
-                "num_chunks": [c.num_chunks for c in rows], "text": [c.text for c in rows],
-                "tokens": [c.tokens for c in rows], "num_tokens": [len(c.tokens) for c in rows],
-                "source": [c.source for c in rows], "paragraph_ids": [c.paragraph_ids for c in rows],
-            }
-            next_id += len(rows)
-            lang_counts.update(c.lang for c in rows)
-            info = write_shard(tmp / "shards" / f"shard-{s:05d}.parquet", columns)
-            info.file = f"shards/shard-{s:05d}.parquet"
-            info.shard = s
-            shard_infos.append(asdict(info))
-        manifest = {
-            "format": CORPUS_FORMAT, "schema_version": CORPUS_SCHEMA_VERSION, "marge_version": __version__,
-            "created_unix": int(time.time()), "num_documents": next_id, "num_shards": num_shards,
-            "num_groups": len(group_sizes), "num_tokens": int(sum(len(c.tokens) for c in chunks)),
-            "languages": dict(sorted(lang_counts.items())), "max_chunk_tokens": opts.max_chunk_tokens,
-            "document_unit": opts.document_unit,
-            "aligned_documents": sum(bool(c.paragraph_ids) for c in chunks),
-            "tokenizer": {"files": ["tokenizer.model", "tokenizer.json"], "sha256": tokenizer.sha256,
-                          "vocab_size": tokenizer.vocab_size},
-            "inputs": [str(p) for p in opts.inputs],
-            "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()
-                        if k not in ("inputs", "out", "overwrite")},
-            "stats": dict(sorted(stats.counts.items())), "skipped_examples": stats.skipped[:20],
-            "shards": shard_infos,
-        }
+            shard_infos.append(write_corpus_shard(tmp, s, shard_columns(by_shard[s], s, next_id)))
+            next_id += len(by_shard[s])
+        manifest = corpus_manifest(
+            opts, tokenizer, shard_infos, len(group_sizes), Counter(c.lang for c in chunks),
+            sum(len(c.tokens) for c in chunks), sum(bool(c.paragraph_ids) for c in chunks), stats, sample_summary,
+            {"name": "local", "shard_assignment": "balanced"})
         if heldout:
             manifest["heldout"] = write_heldout(tmp / HELDOUT_DIR, heldout, opts)
         atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")

@@ -35,6 +35,8 @@ def language_token(lang: str) -> str:
 
 
 class MargeTokenizer:
+    DEFAULT_INPUT_SENTENCES = 2_000_000
+
     def __init__(self, model_bytes: bytes, languages: list[str]):
         self.model_bytes = model_bytes
         self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
@@ -98,7 +100,7 @@ class MargeTokenizer:
     @classmethod
     def train(cls, texts: Iterable[str], languages: Iterable[str], vocab_size: int,
               character_coverage: float = 0.9995, max_sentence_length: int = 16384,
-              input_sentence_size: int = 2_000_000) -> "MargeTokenizer":
+              input_sentence_size: int = DEFAULT_INPUT_SENTENCES) -> "MargeTokenizer":
         """Train a unigram SentencePiece model on `texts` (deterministic for the same input order)."""
         langs = sorted({normalize_language(lang) for lang in languages})
         if not langs:

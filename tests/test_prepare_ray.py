@@ -1,0 +1,183 @@
+"""`marge prepare --engine ray`: the single-process engine's documents and tokens, from Ray Data, and the tokenizer's
+language-balanced sample that both engines draw."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from marge.corpus import Corpus
+from marge.prepare import PrepareError, PrepareOptions, RawDocument, TokenizerSample, prepare
+from test_prepare import ENGLISH, GERMAN, assert_nothing_written, good_rows, write_jsonl  # tests/test_prepare.py
+
+
+def corpus_documents(path: Path) -> set[tuple]:
+    """Every document of a prepared corpus as it is trained on, apart from its shard and doc id."""
+    corpus = Corpus.open(path)
+    out = set()
+    for s in range(corpus.num_shards):
+        for r in corpus.read_table(s).to_pylist():
+            out.add((r["doc_key"], r["group"], r["lang"], r["chunk_index"], r["num_chunks"], r["text"],
+                     tuple(r["tokens"]), r["num_tokens"], r["source"], tuple(r["paragraph_ids"])))
+    return out
+
+
+def assert_same_corpus(local: Path, ray: Path) -> None:
+    a, b = Corpus.open(local).manifest, Corpus.open(ray).manifest
+    assert a["engine"]["name"] == "local" and b["engine"]["name"] == "ray"
+    assert corpus_documents(local) == corpus_documents(ray)
+    for key in ("num_documents", "num_groups", "num_tokens", "languages", "aligned_documents", "stats", "tokenizer",
+                "heldout", "max_chunk_tokens", "document_unit", "skipped_examples"):
+        assert a.get(key) == b.get(key), key
+    assert (local / "tokenizer.model").read_bytes() == (ray / "tokenizer.model").read_bytes()
+    for name in ("documents.jsonl.gz", "pairs.tsv"):
+        if (local / "heldout" / name).exists():
+            read = gzip.open if name.endswith(".gz") else open
+            with read(local / "heldout" / name, "rb") as x, read(ray / "heldout" / name, "rb") as y:
+                assert x.read() == y.read(), name
+    shards = Corpus.open(ray)
+    group_shard = {}
+    for s in range(shards.num_shards):
+        table = shards.read_table(s)
+        assert set(table.column("shard").to_pylist()) == {s}
+        for group in table.column("group").to_pylist():
+            assert group_shard.setdefault(group, s) == s, "a group is split across shards"
+    ids = sorted(i for s in range(shards.num_shards) for i in shards.read_table(s).column("doc_id").to_pylist())
+    assert ids == list(range(len(ids)))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from marge.local_ray import local_ray
+
+    with local_ray(2, object_store_memory=256 << 20):
+        yield
+
+
+def both(tmp_path: Path, inputs: list[Path], **kw) -> tuple[Path, Path]:
+    for engine in ("local", "ray"):
+        prepare(PrepareOptions(inputs=inputs, out=tmp_path / engine, engine=engine, workers=2, **kw))
+    return tmp_path / "local", tmp_path / "ray"
+
+
+@pytest.mark.slow
+def test_the_demo_corpus_has_the_same_documents_and_tokens_on_both_engines(ray_cluster, demo_raw, tmp_path):
+    # 1 MiB partitions: the demo is de-duplicated in several partitions and its shards written by several tasks
+    local, ray = both(tmp_path, [demo_raw / "documents.jsonl.gz"], vocab_size=4000, docs_per_shard=400,
+                      max_chunk_tokens=128, heldout_permille=300, partition_bytes=1 << 20)
+    assert_same_corpus(local, ray)
+    manifest = Corpus.open(ray).manifest
+    assert manifest["engine"]["document_partitions"] > 1 and manifest["engine"]["shard_groups"] > 1
+    assert manifest["heldout"]["documents"] > 100 and manifest["heldout"]["pairs"] > 100
+    assert manifest["num_documents"] > 4000
+    assert not list(tmp_path.glob(".*")), "the work folder is removed"
+
+
+def test_paragraph_documents_languages_and_bad_lines_skipped_alike(ray_cluster, tmp_path):
+    rows = [*good_rows(),
+            {"id": "p2-en", "group": "p2", "language": "en", "text": f"{ENGLISH}\n\n{ENGLISH} Again.\n\nOk"},
+            {"id": "p2-fr", "group": "p2", "language": "fr", "text": "Le tableur calcule la somme de la colonne."},
+            {"id": "dup", "group": "p3", "language": "de", "text": f"  {GERMAN.upper()} "},  # a duplicate
+            {"id": "bad", "group": "p4", "language": "xx", "text": "Unknown language."},
+            {"id": "mislabelled", "group": "p4", "language": "de", "text": ENGLISH * 2}]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("{not json\n\n")
+    local, ray = both(tmp_path, [path], vocab_size=600, document_unit="paragraph", min_document_tokens=5,
+                      max_chunk_tokens=16, languages=("en", "de", "zh"), on_bad_document="skip")
+    assert_same_corpus(local, ray)
+    stats = Corpus.open(ray).manifest["stats"]
+    assert stats["documents_skipped_bad"] == 3 and stats["documents_skipped_language"] == 1
+    assert stats["documents_duplicate"] == 1 and stats["paragraphs_cut"] >= 1 and stats["documents_too_short"] >= 1
+
+
+def test_html_folders_on_both_engines(ray_cluster, tmp_path):
+    root = tmp_path / "site"
+    for lang, text in (("en", ENGLISH), ("de", GERMAN)):
+        for page in range(3):
+            (root / lang / "guide").mkdir(parents=True, exist_ok=True)
+            (root / lang / "guide" / f"page{page}.html").write_text(
+                f"<html><body><h1>{page}</h1><p>{text} {page}</p></body></html>", encoding="utf-8")
+    local, ray = both(tmp_path, [root], vocab_size=600)
+    assert_same_corpus(local, ray)
+    assert Corpus.open(ray).manifest["num_groups"] == 3
+
+
+def test_a_bad_document_stops_the_ray_engine_naming_the_first_one_and_nothing_is_left(ray_cluster, tmp_path):
+    rows = good_rows() + [{"id": "x", "language": "en"}, {"id": "y", "text": "No language."}]
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    out = tmp_path / "out"
+    with pytest.raises(PrepareError, match=r"bad\.jsonl:4: field 'text' is missing.*--skip-bad-documents"):
+        prepare(PrepareOptions(inputs=[path], out=out, engine="ray", vocab_size=600))
+    assert_nothing_written(out)
+    truncated = tmp_path / "cut.jsonl.gz"
+    truncated.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in good_rows()).encode())[:-20])
+    with pytest.raises(PrepareError, match=r"cut\.jsonl\.gz:\d+: cannot be read"):
+        prepare(PrepareOptions(inputs=[truncated], out=out, engine="ray", vocab_size=600))
+    assert_nothing_written(out)
+
+
+def test_auto_picks_the_engine_by_input_size(tmp_path):
+    from marge.prepare import chosen_engine
+
+    path = write_jsonl(tmp_path / "in.jsonl", good_rows())
+    size = path.stat().st_size
+    assert chosen_engine(PrepareOptions(inputs=[path], out=tmp_path / "o", local_max_bytes=size)) == "local"
+    assert chosen_engine(PrepareOptions(inputs=[path], out=tmp_path / "o", local_max_bytes=size - 1)) == "ray"
+    with pytest.raises(PrepareError, match="--engine must be one of"):
+        PrepareOptions(inputs=[path], out=tmp_path / "o", engine="spark")
+
+
+# --- the tokenizer's sample ---------------------------------------------------------------------------
+
+
+def documents(lang: str, count: int, lines: int, start: int = 0) -> list[RawDocument]:
+    return [RawDocument(f"f:{start + i}", f"{lang}{i}", f"g{i}", lang,
+                        "\n".join(f"{lang} line {j} of document {i}" for j in range(lines)), order=start + i)
+            for i in range(count)]
+
+
+def test_merging_the_samples_of_parts_gives_the_sample_of_the_whole():
+    docs = documents("en", 300, 4) + documents("de", 50, 3, start=300)
+    whole = TokenizerSample(200, seed=7)
+    for d in docs:
+        whole.add(d.lang, d.order, d.text)
+    parts = [TokenizerSample(200, seed=7) for _ in range(4)]
+    for d in random.Random(0).sample(docs, len(docs)):
+        parts[hash(d.doc_id) % 4].add(d.lang, d.order, d.text)
+    merged = TokenizerSample(200, seed=7)
+    for part in parts:
+        merged.merge(part)
+    assert merged.lines() == whole.lines()
+    assert whole.summary() == {"de": {"lines": 150, "sampled": 150}, "en": {"lines": 1200, "sampled": 200}}
+
+
+def test_a_language_sorted_corpus_gets_a_balanced_uniform_sample():
+    """The first lines in file order would be English only; the sample takes an equal share of each language, drawn
+    from the whole of each, and keeps corpus order."""
+    docs = documents("en", 1000, 2) + documents("de", 1000, 2, start=1000)
+    sample = TokenizerSample(TokenizerSample.per_language_share(400, 2), seed=0)
+    for d in docs:
+        sample.add(d.lang, d.order, d.text)
+    lines = sample.lines()
+    assert len(lines) == 400 and sum(line.startswith("de") for line in lines) == 200
+    english = [int(line.split()[-1]) for line in lines if line.startswith("en")]
+    assert english == sorted(english)  # corpus order
+    assert 300 < sum(english) / len(english) < 700  # drawn from the whole language, not its first documents
+    other_seed = TokenizerSample(200, seed=1)
+    for d in docs:
+        other_seed.add(d.lang, d.order, d.text)
+    assert other_seed.lines() != lines
+
+
+def test_the_tokenizer_sample_bounds_the_lines_the_local_engine_trains_on(tmp_path):
+    rows = [{"id": f"en{i}", "group": f"g{i}", "language": "en", "text": f"{ENGLISH} {i}"} for i in range(40)]
+    rows += [{"id": f"de{i}", "group": f"g{i}", "language": "de", "text": f"{GERMAN} {i}"} for i in range(5)]
+    path = write_jsonl(tmp_path / "sorted.jsonl", rows)
+    manifest = prepare(PrepareOptions(inputs=[path], out=tmp_path / "c", vocab_size=600, tokenizer_sample_lines=20,
+                                      engine="local"))
+    assert manifest["tokenizer"]["sample"] == {"de": {"lines": 5, "sampled": 5}, "en": {"lines": 40, "sampled": 10}}
