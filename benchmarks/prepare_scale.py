@@ -4,7 +4,8 @@ single-process engine.
 The inputs are the demo's raw documents (data/demo/libreoffice-help/documents.jsonl.gz) and replicas of them in the
 same format: replica r shuffles the words of every paragraph (the characters of a paragraph without spaces, as in
 Chinese and Japanese) with a seed of its own and suffixes ids and groups with ~r, so its documents survive
-de-duplication and language identification, and tokenize like real text. Each measurement is one
+de-duplication, and tokenize like real text (the few whose shuffled characters language identification then reads
+as another language are skipped and counted: `--skip-bad-documents`). Each measurement is one
 `marge prepare` process, run alone; its memory is the sum of the proportional set sizes (PSS: shared pages such as
 Ray's object store counted once) of the process and everything it started (a local Ray's GCS, raylet, workers),
 sampled every 0.2 s. Measured:
@@ -92,7 +93,7 @@ def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_
     out = work / f"out-{engine}-{workers}"
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "services.cli", "prepare", str(raw), "--out", str(out), "--vocab-size", "8000",
-           "--tokenizer-sample-lines", str(sample_lines), "--engine", engine]
+           "--tokenizer-sample-lines", str(sample_lines), "--engine", engine, "--skip-bad-documents"]
     if workers:
         cmd += ["--workers", str(workers)]
     env = {**os.environ, "MARGE_PROGRESS": "0", "PYTHONPATH": f"{REPO}:{REPO / 'shared'}"}
@@ -124,6 +125,7 @@ def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_
     manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
     shutil.rmtree(out)
     return {"engine": engine, "workers": workers, "documents_read": manifest["stats"]["documents_read"],
+            "documents_skipped_bad": manifest["stats"].get("documents_skipped_bad", 0),
             "chunks_written": summary["num_documents"], "shards": summary["num_shards"], "wall_s": round(wall, 1),
             "documents_per_s": round(manifest["stats"]["documents_read"] / wall, 1),
             "peak_pss_mib": round(peak[0] / 2**20, 1), "peak_driver_pss_mib": round(peak[1] / 2**20, 1),
