@@ -1,4 +1,4 @@
-"""`marge prepare` at 1x, 4x and 16x the demo corpus: peak memory and documents per second, on Ray Data against the
+"""`marge prepare` at 1x, 4x, 16x and 64x the demo corpus: peak memory and documents per second, on Ray Data against the
 single-process engine.
 
 The inputs are the demo's raw documents (data/demo/libreoffice-help/documents.jsonl.gz) and replicas of them in the
@@ -10,8 +10,9 @@ as another language are skipped and counted: `--skip-bad-documents`). Each measu
 Ray's object store counted once) of the process and everything it started (a local Ray's GCS, raylet, workers),
 sampled every 0.2 s. Measured:
 
-  * the single-process engine (`--engine local`) at every size: the named alternative;
+  * the single-process engine (`--engine local`) at `--local-sizes`: the named alternative;
   * the Ray Data engine (`--engine ray`) with 2 workers at every size, and with 1 worker at `--one-worker-sizes`;
+  * where the Ray engine's time went, stage by stage (the manifest's `engine.stage_seconds`);
   * documents per second: documents read over the process's wall time (start-up included: a local Ray's start is
     part of what a user waits for).
 
@@ -129,25 +130,28 @@ def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_
             "chunks_written": summary["num_documents"], "shards": summary["num_shards"], "wall_s": round(wall, 1),
             "documents_per_s": round(manifest["stats"]["documents_read"] / wall, 1),
             "peak_pss_mib": round(peak[0] / 2**20, 1), "peak_driver_pss_mib": round(peak[1] / 2**20, 1),
-            "input_documents": documents}
+            "input_documents": documents, "stage_seconds": manifest["engine"].get("stage_seconds")}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="1,4,16")
-    parser.add_argument("--one-worker-sizes", default="4")
+    parser.add_argument("--sizes", default="1,4,16,64")
+    parser.add_argument("--local-sizes", default="1,4,16,64", help="sizes the single-process engine runs at")
+    parser.add_argument("--one-worker-sizes", default="4,16", help="sizes the Ray engine also runs at with 1 worker")
     parser.add_argument("--tokenizer-sample-lines", type=int, default=40_000,
                         help="the tokenizer's sample cap for both engines (the 1x corpus has about 75k lines)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     one_worker = {int(s) for s in args.one_worker_sizes.split(",") if s}
+    local = {int(s) for s in args.local_sizes.split(",") if s}
     work = Path(tempfile.mkdtemp(prefix="marge-prepare-scale-"))
     rows = []
     try:
         for times in sizes:
             raw, documents = replicated_input(work, times)
-            runs = [("local", None), ("ray", 2)] + ([("ray", 1)] if times in one_worker else [])
+            runs = ([("local", None)] if times in local else []) + [("ray", 2)] + (
+                [("ray", 1)] if times in one_worker else [])
             for engine, workers in runs:
                 row = {"size": f"{times}x", "input_mib": round(raw.stat().st_size / 2**20, 2),
                        **measure(raw, documents, engine, workers, args.tokenizer_sample_lines, work)}
@@ -161,16 +165,16 @@ def main() -> int:
         return next((r["peak_pss_mib"] for r in rows if r["engine"] == engine and r["workers"] == workers
                      and r["size"] == f"{size}x"), None)
 
-    lo, hi = min(sizes), max(sizes)
-    growth = {f"{engine}{'' if workers is None else f'-{workers}'}": round(peak(engine, workers, hi) /
-                                                                         peak(engine, workers, lo), 2)
-              for engine, workers in (("local", None), ("ray", 2)) if peak(engine, workers, lo)}
+    growth = {f"{engine}{'' if workers is None else f'-{workers}'}": {
+        f"{lo}x_to_{hi}x": round(peak(engine, workers, hi) / peak(engine, workers, lo), 2)
+        for lo in sizes for hi in sizes if lo < hi and peak(engine, workers, lo) and peak(engine, workers, hi)}
+        for engine, workers in (("local", None), ("ray", 2))}
     speed = {r["size"]: r["documents_per_s"] for r in rows if r["engine"] == "ray" and r["workers"] == 1}
     two = {r["size"]: r["documents_per_s"] for r in rows if r["engine"] == "ray" and r["workers"] == 2}
     result = {"machine": f"{os.cpu_count()}-core CPU", "python": platform.python_version(),
               "command": "python benchmarks/prepare_scale.py " + " ".join(sys.argv[1:]),
               "tokenizer_sample_lines": args.tokenizer_sample_lines, "runs": rows,
-              f"peak_growth_{lo}x_to_{hi}x": growth,
+              "peak_growth": growth,
               "two_workers_over_one": {size: round(two[size] / speed[size], 2) for size in speed if size in two}}
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     if args.out:

@@ -181,3 +181,15 @@ def test_the_tokenizer_sample_bounds_the_lines_the_local_engine_trains_on(tmp_pa
     manifest = prepare(PrepareOptions(inputs=[path], out=tmp_path / "c", vocab_size=600, tokenizer_sample_lines=20,
                                       engine="local"))
     assert manifest["tokenizer"]["sample"] == {"de": {"lines": 5, "sampled": 5}, "en": {"lines": 40, "sampled": 10}}
+
+
+def test_the_driver_prepares_a_missing_corpus_on_ray_data_with_the_configured_sample(ray_cluster, tmp_path):
+    from services.driver.config import load_config
+    from services.driver.pipeline import ensure_corpus
+
+    path = write_jsonl(tmp_path / "in.jsonl", good_rows())
+    cfg = load_config(None, [f"data.corpus={tmp_path / 'corpus'}", f"data.raw=[{path}]", "data.vocab_size=600",
+                             "data.prepare_engine=ray", "data.prepare_workers=1", "data.tokenizer_sample_lines=2"])
+    manifest = ensure_corpus(cfg).manifest
+    assert manifest["engine"]["name"] == "ray" and manifest["engine"]["workers"] == 1
+    assert manifest["tokenizer"]["sample"] == {lang: {"lines": 1, "sampled": 1} for lang in ("de", "en", "zh")}

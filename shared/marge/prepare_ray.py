@@ -424,8 +424,22 @@ def prepare_on_ray(opts: PrepareOptions, ray_address: str | None = None) -> dict
     return manifest
 
 
+class _StageClock:
+    """Seconds per stage, for the manifest (`engine.stage_seconds`): where a preparation's time went."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = round(now - self._last, 2)
+        self._last = now
+
+
 def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
     stats = _Stats()
+    clock = _StageClock()
     partitions = max(1, math.ceil(_estimated_bytes(opts.inputs) / opts.partition_bytes))
     tasks = read_tasks(opts.inputs)
     log.info("reading, checking and partitioning %d input task(s) into %d partition(s), %d workers", len(tasks),
@@ -437,6 +451,7 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
                   fn_kwargs={"opts": opts, "partitions": partitions})
      .write_parquet(str(work / "documents"), partition_cols=["bucket"]))
     _check_rejected(opts, work, stats)
+    clock.lap("read_and_check")
 
     log.info("de-duplicating the documents of %d partition(s)", partitions)
     per_language = Counter()
@@ -460,11 +475,13 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
     languages = sorted(per_language)
     log.info("%d documents in %d languages after checks and de-duplication", sum(per_language.values()),
              len(languages))
+    clock.lap("deduplicate_documents")
     if opts.tokenizer_dir is not None:
         tokenizer, sample_summary = load_tokenizer(opts, languages), None
     else:
         tokenizer, sample_summary = train_tokenizer(sample, languages, opts), sample.summary()
     del sample
+    clock.lap("tokenizer")
 
     chunk_partitions = max(1, math.ceil(2 * clean_bytes / opts.partition_bytes))
     log.info("tokenizing and chunking into %d partition(s)", chunk_partitions)
@@ -478,6 +495,7 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
     counts = pq.read_table(work / "chunks" / f"bucket={NOT_A_DOCUMENT}", columns=["paragraphs_cut", "too_short"])
     stats.counts["paragraphs_cut"] += int(pa.compute.sum(counts.column("paragraphs_cut")).as_py() or 0)
     stats.counts["documents_too_short"] += int(pa.compute.sum(counts.column("too_short")).as_py() or 0)
+    clock.lap("tokenize_and_chunk")
 
     log.info("de-duplicating the chunks of %d partition(s)", chunk_partitions)
     total = chunk_bytes = 0
@@ -488,6 +506,7 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
         chunk_bytes += row["bytes"]
     if not total:
         raise PrepareError("every chunk was a duplicate or empty; nothing to write")
+    clock.lap("deduplicate_chunks")
     num_shards = opts.num_shards or max(1, math.ceil(total / opts.docs_per_shard))
     shard_groups = max(1, min(num_shards, math.ceil(chunk_bytes / opts.partition_bytes)))
     per_shard = np.zeros(num_shards, dtype=np.int64)
@@ -498,6 +517,7 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
     for shard in np.flatnonzero(per_shard):  # a shard no group hashed to is left out, the others renumbered
         numbering[int(shard)] = (len(numbering), next_id)
         next_id += int(per_shard[shard])
+    clock.lap("route_to_shards")
 
     log.info("writing %d shards", len(numbering))
     heldout = _heldout_documents(work)
@@ -507,6 +527,7 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
         written = list(_run([{"q": q} for q in range(shard_groups)], _write_shards, workers=workers,
                        work=str(work), corpus=str(tmp), numbering=numbering))
         infos = sorted((json.loads(r["info"]) for r in written), key=lambda i: i["shard"])
+        clock.lap("write_shards")
         lang_counts = Counter()
         for r in written:
             lang_counts.update(json.loads(r["languages"]))
@@ -514,7 +535,7 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
             opts, tokenizer, infos, sum(r["groups"] for r in written), lang_counts, sum(r["tokens"] for r in written),
             sum(r["aligned"] for r in written), stats, sample_summary,
             {"name": "ray", "shard_assignment": "hash", "workers": workers, "document_partitions": partitions,
-             "chunk_partitions": chunk_partitions, "shard_groups": shard_groups})
+             "chunk_partitions": chunk_partitions, "shard_groups": shard_groups, "stage_seconds": clock.seconds})
         if heldout:
             manifest["heldout"] = write_heldout(tmp / HELDOUT_DIR, heldout, opts)
         atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
