@@ -76,18 +76,18 @@ def replicated_input(target: Path, times: int) -> tuple[Path, int]:
     return path, count
 
 
-def tree_pss(root: psutil.Process) -> tuple[int, int]:
-    """(PSS of `root` and its descendants, PSS of `root` alone), in bytes."""
-    total = own = 0
+def tree_pss(root: psutil.Process) -> dict[str, int]:
+    """PSS in bytes of `root` ("driver") and of its descendants, summed by process name (Ray's names its workers
+    after what they run)."""
+    out: dict[str, int] = {}
     for i, proc in enumerate([root, *root.children(recursive=True)]):
         try:
             pss = proc.memory_full_info().pss
+            name = "driver" if i == 0 else proc.name()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        total += pss
-        if i == 0:
-            own = pss
-    return total, own
+        out[name] = out.get(name, 0) + pss
+    return out
 
 
 def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_lines: int, work: Path) -> dict:
@@ -101,17 +101,20 @@ def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_
     started = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    peak = [0, 0]
+    peak = {"total": 0, "driver": 0, "at_peak": {}}
     done = threading.Event()
 
     def sample() -> None:
         root = psutil.Process(proc.pid)
         while not done.is_set():
             try:
-                total, own = tree_pss(root)
+                by_name = tree_pss(root)
             except psutil.NoSuchProcess:
                 return
-            peak[0], peak[1] = max(peak[0], total), max(peak[1], own)
+            total = sum(by_name.values())
+            if total > peak["total"]:
+                peak["total"], peak["at_peak"] = total, by_name
+            peak["driver"] = max(peak["driver"], by_name.get("driver", 0))
             time.sleep(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -129,7 +132,9 @@ def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_
             "documents_skipped_bad": manifest["stats"].get("documents_skipped_bad", 0),
             "chunks_written": summary["num_documents"], "shards": summary["num_shards"], "wall_s": round(wall, 1),
             "documents_per_s": round(manifest["stats"]["documents_read"] / wall, 1),
-            "peak_pss_mib": round(peak[0] / 2**20, 1), "peak_driver_pss_mib": round(peak[1] / 2**20, 1),
+            "peak_pss_mib": round(peak["total"] / 2**20, 1), "peak_driver_pss_mib": round(peak["driver"] / 2**20, 1),
+            "pss_at_peak_mib": {name: round(b / 2**20, 1) for name, b in sorted(peak["at_peak"].items(),
+                                                                              key=lambda kv: -kv[1])},
             "input_documents": documents, "stage_seconds": manifest["engine"].get("stage_seconds")}
 
 

@@ -124,7 +124,7 @@ class PrepareOptions:
     """Ray Data tasks per stage ('ray'); None: the CPUs of the Ray cluster."""
     local_max_bytes: int = 256 << 20
     """'auto' prepares input up to this many bytes on disk in this process, larger input on Ray Data."""
-    partition_bytes: int = 64 << 20
+    partition_bytes: int = 32 << 20
     """'ray': bytes of documents per hash partition (the de-duplication and shard-writing units): what one task holds."""
 
     def __post_init__(self) -> None:
