@@ -50,14 +50,6 @@ def assert_same_corpus(local: Path, ray: Path) -> None:
     assert ids == list(range(len(ids)))
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from marge.local_ray import local_ray
-
-    with local_ray(2, object_store_memory=256 << 20):
-        yield
-
-
 def both(tmp_path: Path, inputs: list[Path], **kw) -> tuple[Path, Path]:
     for engine in ("local", "ray"):
         prepare(PrepareOptions(inputs=inputs, out=tmp_path / engine, engine=engine, workers=2, **kw))

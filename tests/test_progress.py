@@ -48,3 +48,23 @@ def test_the_pretraining_line_gives_the_eta_of_this_sessions_rate_or_of_the_dead
     assert run.eta({"step": 100, "elapsed_s": 0.0}) == ""  # no rate yet
     run.deadline_unix = time.time() + 30
     assert run.eta({"step": 150, "elapsed_s": 25.0}) in (" | ETA 30s", " | ETA 29s")  # run.max_minutes comes first
+
+
+def test_a_stage_that_does_not_answer_costs_a_progress_report_not_the_run(ray_cluster, caplog):
+    """A batcher on a node that is cut off answers no stats call; the driver's progress report gives up on it after
+    `answer_timeout_s` and says so, and the run goes on (the stage's own `run` says whether it failed for good)."""
+    import ray
+
+    from services.driver.progress import Progress as RunProgress, log_progress
+
+    @ray.remote(num_cpus=0)
+    class Unresponsive:
+        def stats(self) -> dict:
+            time.sleep(5)
+            return {}
+
+    run = RunProgress(max_steps=10, queue=None, coordinator=None, batcher=Unresponsive.remote())
+    run.answer_timeout_s = 0.5
+    with caplog.at_level(logging.WARNING, logger="services.driver.progress"):
+        assert log_progress(run) is False
+    assert "did not answer within 0.5 s (GetTimeoutError); the run goes on" in caplog.text

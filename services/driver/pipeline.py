@@ -39,7 +39,7 @@ from marge.utils import atomic_write_text
 from services.driver.config import PipelineConfig, config_drift, environment_endpoints, with_absolute_paths
 from services.driver.lock import DriverLock
 from services.driver.plan import estimated_throughput, warn_if_behind
-from services.driver.progress import Progress
+from services.driver.progress import Progress, log_progress
 from services.driver.resources import RedisEndpoint, apply_local_ray_env, check_local_fit, ray_for, ray_running, redis_for
 from services.trainer.init import ensure_initial_model
 from services.trainer.job import TrainerJob
@@ -376,8 +376,7 @@ def supervise(trainer, stages: Stages, queue: BatchQueue, progress: Progress, pr
                     ray.get(ref)  # raises the stage's error
                     raise RuntimeError(f"the {name} stage stopped unexpectedly")
             if time.time() >= next_report:
-                for line in progress.lines():
-                    log.info(line)
+                log_progress(progress)
                 next_report = time.time() + progress_every_s
     except BaseException:
         queue.request_stop()  # trainers stop at the next step boundary and checkpoint
@@ -385,8 +384,7 @@ def supervise(trainer, stages: Stages, queue: BatchQueue, progress: Progress, pr
         raise
     if "error" in outcome:
         raise outcome["error"]
-    for line in progress.lines():
-        log.info(line)
+    log_progress(progress)
     return outcome["result"]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from marge.progress import eta_seconds, format_seconds
@@ -9,7 +10,13 @@ from marge.protocol import BatchQueue
 from marge.tensorboard import RunBoard
 
 
+log = logging.getLogger(__name__)
+
+
 class Progress:
+    answer_timeout_s: float = 30.0
+    """How long a stage's actor has to answer for its figures before this report is skipped."""
+
     def __init__(self, max_steps: int, queue: BatchQueue, coordinator, batcher, board: RunBoard | None = None,
                  start_step: int = 0, deadline_unix: float | None = None):
         self.max_steps, self.queue, self.coordinator, self.batcher = max_steps, queue, coordinator, batcher
@@ -23,8 +30,9 @@ class Progress:
     def lines(self) -> list[str]:
         import ray
 
-        bat = ray.get(self.batcher.stats.remote(), timeout=30)
-        idx = ray.get(self.coordinator.stats.remote(), timeout=30) if self.coordinator is not None else None
+        bat = ray.get(self.batcher.stats.remote(), timeout=self.answer_timeout_s)
+        idx = (ray.get(self.coordinator.stats.remote(), timeout=self.answer_timeout_s) if self.coordinator is not None
+               else None)
         counts = self.queue.counts()
         if idx is not None and self.board is not None:
             for record in idx["history"]:
@@ -71,3 +79,19 @@ class Progress:
             until_deadline = max(0.0, self.deadline_unix - time.time())
             left = until_deadline if left is None else min(left, until_deadline)
         return "" if left is None else f" | ETA {format_seconds(left)}"
+
+
+def log_progress(progress: Progress) -> bool:
+    """Log the progress lines; False when a stage's actor did not answer in time or is being restarted (a node lost
+    or cut off): that costs one report, never the run. Whether a stage failed for good is what its `run` says."""
+    import ray.exceptions
+
+    try:
+        lines = progress.lines()
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+        log.warning("no progress report: a stage did not answer within %g s (%s); the run goes on",
+                    progress.answer_timeout_s, type(e).__name__)
+        return False
+    for line in lines:
+        log.info(line)
+    return True
