@@ -112,20 +112,30 @@ def ray_for_preparation(address: str | None, workers: int | None) -> Iterator[in
             yield cpus
 
 
-def _data_context() -> None:
-    """Blocks of about BLOCK_BYTES (Ray Data's default, 128 MiB, would hand one task a whole input file's lines), and
-    Ray Data's progress bars on a terminal; elsewhere (a log file, a job's output) the stages' own log lines, not Ray
-    Data's report of every operator every few seconds."""
+@contextlib.contextmanager
+def _data_context() -> Iterator[None]:
+    """For the block: blocks of about BLOCK_BYTES (Ray Data's default, 128 MiB, would hand one task a whole input
+    file's lines), and Ray Data's progress bars on a terminal; elsewhere (a log file, a job's output) the stages' own
+    log lines, not Ray Data's report of every operator every few seconds. The process's settings are put back after
+    (a program that embeds the preparation may use Ray Data itself)."""
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
+    data_logger = logging.getLogger("ray.data")
+    saved = (ctx.target_max_block_size, ctx.enable_progress_bars, ctx.print_on_execution_start, data_logger.level)
     ctx.target_max_block_size = 2 * BLOCK_BYTES
-    # an input smaller than a block is one task's work, which Ray Data warns of at every stage
-    warnings.filterwarnings("ignore", message="The maximum number of concurrent tasks", category=UserWarning)
     ctx.enable_progress_bars = sys.stderr.isatty() and os.environ.get("MARGE_PROGRESS", "1") != "0"
     ctx.print_on_execution_start = False
     if not ctx.enable_progress_bars:
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        data_logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            # an input smaller than a block is one task's work, which Ray Data warns of at every stage
+            warnings.filterwarnings("ignore", message="The maximum number of concurrent tasks", category=UserWarning)
+            yield
+    finally:
+        (ctx.target_max_block_size, ctx.enable_progress_bars, ctx.print_on_execution_start) = saved[:3]
+        data_logger.setLevel(saved[3])
 
 
 def _tasks(workers: int, inputs: int):
@@ -420,8 +430,7 @@ def prepare_on_ray(opts: PrepareOptions, ray_address: str | None = None) -> dict
         raise PrepareError(f"{opts.out} already exists; choose another --out or pass --overwrite to replace it")
     for path in opts.inputs:
         check_input(path)
-    with ray_for_preparation(ray_address, opts.workers) as workers:
-        _data_context()
+    with ray_for_preparation(ray_address, opts.workers) as workers, _data_context():
         opts.out.parent.mkdir(parents=True, exist_ok=True)
         work = opts.out.parent / f".{opts.out.name}.work"
         shutil.rmtree(work, ignore_errors=True)  # a killed run's
