@@ -65,6 +65,6 @@ def test_a_stage_that_does_not_answer_costs_a_progress_report_not_the_run(ray_cl
 
     run = RunProgress(max_steps=10, queue=None, coordinator=None, batcher=Unresponsive.remote())
     run.answer_timeout_s = 0.5
-    with caplog.at_level(logging.WARNING, logger="services.driver.progress"):
+    with caplog.at_level(logging.WARNING, logger="marge.pipeline"):
         assert log_progress(run) is False
     assert "did not answer within 0.5 s (GetTimeoutError); the run goes on" in caplog.text

@@ -10,7 +10,7 @@ from marge.protocol import BatchQueue
 from marge.tensorboard import RunBoard
 
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("marge.pipeline")  # the run's lines, as `marge pretrain` logs them
 
 
 class Progress:
