@@ -259,7 +259,8 @@ def test_the_job_runs_across_three_namespaced_nodes(cluster, small_corpus, tmp_p
     root_listening = set(listening_addresses([os.getpid()]))
     run_dir = tmp_path / "run"
     job = submit(c, run_dir, small_corpus, steps=STEPS)
-    wait_for(lambda: len(trained_steps(run_dir)) >= 12, 600, "12 updates were trained")
+    # early, so that index versions are left to build when the scaled pool takes effect (the run builds one every 10)
+    wait_for(lambda: len(trained_steps(run_dir)) >= 2, 600, "2 updates were trained")
     where = placement(c)
     trainers = where.get("RayTrainWorker", [])
     assert sorted(trainers) == [c.trainer_node.address] * 2, where
