@@ -676,14 +676,13 @@ def write_heldout(folder: Path, docs: list[RawDocument], opts: PrepareOptions) -
             "pairs_file": f"{HELDOUT_DIR}/pairs.tsv" if pairs else None}
 
 
-def input_bytes(inputs: list[Path]) -> int:
-    """Bytes on disk of the inputs (files, and the files under folders)."""
+def input_bytes(inputs: list[Path], gzip_expansion: int = 1) -> int:
+    """Bytes on disk of the inputs (files, and the files under folders), a .gz file's counted `gzip_expansion`
+    times (an estimate of its text)."""
     total = 0
     for path in inputs:
-        if check_input(path) == "folder":
-            total += sum(p.stat().st_size for _, p in folder_files(path))
-        else:
-            total += path.stat().st_size
+        files = [p for _, p in folder_files(path)] if check_input(path) == "folder" else [path]
+        total += sum(p.stat().st_size * (gzip_expansion if p.suffix == ".gz" else 1) for p in files)
     return total
 
 

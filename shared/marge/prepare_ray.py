@@ -49,7 +49,7 @@ import pyarrow.parquet as pq
 
 from marge.prepare import (HELDOUT_DIR, PrepareError, PrepareOptions, RawDocument, TokenizerSample, _Chunk,
                            _Stats, check_document, check_input, corpus_manifest, document_pieces, folder_files,
-                           input_order, is_heldout_group, jsonl_lines, load_tokenizer, normalized_hash,
+                           input_bytes, input_order, is_heldout_group, jsonl_lines, load_tokenizer, normalized_hash,
                            parse_jsonl_line, read_folder_file, shard_columns, train_tokenizer, write_corpus_shard,
                            write_heldout)
 from marge.tokenizer import MargeTokenizer
@@ -403,14 +403,6 @@ def _write_shards(batch: pa.Table, work: str, corpus: str, numbering: dict[int, 
 # --------------------------------------------------------------------------------------------------
 
 
-def _estimated_bytes(inputs: list[Path]) -> int:
-    total = 0
-    for path in inputs:
-        files = [p for _, p in folder_files(path)] if path.is_dir() else [path]
-        total += sum(p.stat().st_size * (GZIP_EXPANSION if p.suffix == ".gz" else 1) for p in files)
-    return total
-
-
 def _run(rows: list[dict], fn, *, workers: int, **kwargs) -> Iterator[dict]:
     """Apply `fn` to each of `rows` (one call per row), `workers` at once; its small results, as they come."""
     yield from _items(rows).map_batches(fn, batch_size=1, batch_format="pyarrow", compute=_tasks(workers, len(rows)),
@@ -461,7 +453,7 @@ class _StageClock:
 def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
     stats = _Stats()
     clock = _StageClock()
-    partitions = max(1, math.ceil(_estimated_bytes(opts.inputs) / opts.partition_bytes))
+    partitions = max(1, math.ceil(input_bytes(opts.inputs, GZIP_EXPANSION) / opts.partition_bytes))
     tasks = read_tasks(opts.inputs)
     log.info("reading, checking and partitioning %d input task(s) into %d partition(s), %d workers", len(tasks),
              partitions, workers)
@@ -471,15 +463,11 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
      .map_batches(_checked_documents, batch_size=None, batch_format="pyarrow", compute=_tasks(workers, workers),
                   fn_kwargs={"opts": opts, "partitions": partitions})
      .write_parquet(str(work / "documents"), partition_cols=["bucket"]))
-    _check_rejected(opts, work, stats)
+    ok_languages = _check_rejected(opts, work, stats)
     clock.lap("read_and_check")
 
     log.info("de-duplicating the documents of %d partition(s)", partitions)
     per_language = Counter()
-    ok_languages: set[str] = set()
-    for f in (work / "documents").glob("bucket=*/*.parquet"):
-        if not f.parent.name.endswith(f"={NOT_A_DOCUMENT}"):
-            ok_languages.update(pq.read_table(f, columns=["lang"]).column("lang").to_pylist())
     if not ok_languages:
         raise PrepareError(f"no usable documents in {', '.join(map(str, opts.inputs))}")
     share = TokenizerSample.per_language_share(opts.tokenizer_sample_lines, len(ok_languages))
@@ -563,16 +551,18 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
     return manifest
 
 
-def _check_rejected(opts: PrepareOptions, work: Path, stats: _Stats) -> None:
+def _check_rejected(opts: PrepareOptions, work: Path, stats: _Stats) -> set[str]:
     """Count the documents read and the rejected ones; stop at the first unreadable input, and (unless bad ones are
-    to be skipped) at the first bad document in input order, as the single-process engine does."""
-    table = pa.concat_tables(pq.read_table(f, columns=["status", "order"]) for f in
+    to be skipped) at the first bad document in input order, as the single-process engine does. Returns the
+    languages of the documents kept (one read of the status and language columns serves both)."""
+    table = pa.concat_tables(pq.read_table(f, columns=["status", "lang"]) for f in
                              (work / "documents").glob("bucket=*/*.parquet"))
     stats.counts["documents_read"] += int(table.num_rows - pc.sum(
         pc.equal(table.column("status"), "fatal")).as_py() or 0)
+    languages = set(pc.unique(table.filter(pc.equal(table.column("status"), "ok")).column("lang")).to_pylist())
     rejected_files = _partition_files(work / "documents", NOT_A_DOCUMENT)
     if not rejected_files:
-        return
+        return languages
     rejected = pa.concat_tables(pq.read_table(f, columns=["status", "order", "error"]) for f in rejected_files)
     rejected = rejected.sort_by([("order", "ascending")]).to_pylist()
     for row in rejected:
@@ -588,6 +578,7 @@ def _check_rejected(opts: PrepareOptions, work: Path, stats: _Stats) -> None:
             if len(stats.skipped) < 100:
                 stats.skipped.append(row["error"])
             log.warning("skipping: %s", row["error"])
+    return languages
 
 
 def _heldout_documents(work: Path) -> list[RawDocument]:
