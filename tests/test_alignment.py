@@ -323,23 +323,56 @@ def test_aligned_gain_is_zero_without_cross_attention_and_its_split_adds_up(alig
     assert blind["aligned_copy_gain"] == pytest.approx(0.0, abs=1e-6)
 
 
-def test_g_health_says_when_g_is_collapsed_or_not_above_its_initialisation(latin_tokenizer, few_pairs):
-    from marge.evaluation import read_pairs
+def test_g_health_calls_g_learning_only_above_its_initialisations_by_more_than_the_interval(latin_tokenizer, few_pairs):
+    from marge.evaluation import encode_texts, read_pairs
     from services.trainer.health import describe_g_health, g_health
 
     pairs = read_pairs(few_pairs, latin_tokenizer.languages)
     assert {p.tgt_lang for p in pairs} == {"de", "fr", "es", "it"}  # the tokenizer's directions only
     torch.manual_seed(0)
     cfg = preset("tiny", vocab_size=latin_tokenizer.vocab_size, max_positions=64, relevance_pooling="mean",
-                 relevance_layers=1)
+                 relevance_layers=1, relevance_centering=True)
     initial = RelevanceEncoder.from_model(Marge(cfg)).eval()
-    same = g_health(initial, initial, latin_tokenizer, pairs)
-    assert same["verdict"] == "below initialisation" and "no better than at initialisation" in same["warning"]
-    assert same["p_at_1"] == same["p_at_1_at_init"] and same["directions"] == 8
+    centre = encode_texts(latin_tokenizer, [p.sources[0] for p in pairs], cfg.max_positions)
+    same = g_health(initial, [initial], latin_tokenizer, pairs, centre)
+    assert same["verdict"] == "not above initialisation" and "an interval that holds 0" in same["warning"]
+    assert same["p_at_1"] == same["p_at_1_at_init"] and same["difference_ci95"] == [0.0, 0.0]
+    assert same["directions"] == 8 and same["pages"] == sum(len(p.sources) for p in pairs)  # each pair its own page
     collapsed = RelevanceEncoder.from_model(Marge(cfg)).eval()
     with torch.no_grad():  # every token the same vector: every document the same g
         collapsed.embed_tokens.weight.copy_(collapsed.embed_tokens.weight[5].expand_as(collapsed.embed_tokens.weight))
         collapsed.encoder_positions.weight.zero_()
-    bad = g_health(collapsed, initial, latin_tokenizer, pairs)
-    assert bad["verdict"] == "collapsed" and bad["spread"] > 0.99 and "has collapsed" in bad["warning"]
+    bad = g_health(collapsed, [initial], latin_tokenizer, pairs, centre)
+    assert bad["verdict"] == "collapsed" and bad["variation"] < 1e-3 and "has collapsed" in bad["warning"]
     assert describe_g_health(bad).startswith("[g] collapsed | held-out P@1")
+    # a g far above its baselines (here: a random init, P@1 0.52, against flat "initialisations", 0.19) is learning;
+    # against the mean of a flat and a random baseline, the same g is above by half as much
+    flat = RelevanceEncoder.from_model(Marge(cfg.with_overrides(relevance_centering=False))).eval()
+    with torch.no_grad():  # uncentred and every document alike: every query ranks candidate 0 first
+        flat.embed_tokens.weight.copy_(flat.embed_tokens.weight[5].expand_as(flat.embed_tokens.weight))
+        flat.encoder_positions.weight.zero_()
+    good = g_health(initial, [flat, flat], latin_tokenizer, pairs, centre)
+    assert good["verdict"] == "learning" and good["warning"] is None and good["difference_ci95"][0] > 0
+    assert good["initialisations"] == 2 and "mean of 2 random inits, g centred alike" in describe_g_health(good)
+    half = g_health(initial, [flat, initial], latin_tokenizer, pairs, centre)
+    assert half["difference"] == pytest.approx(good["difference"] / 2)
+
+
+def test_every_g_is_centred_on_the_same_documents_whatever_its_own_running_centre(latin_tokenizer, few_pairs):
+    from marge.evaluation import encode_texts, fitted_centre, read_pairs, retrieval_hits
+
+    pairs = read_pairs(few_pairs, latin_tokenizer.languages)
+    torch.manual_seed(0)
+    cfg = preset("tiny", vocab_size=latin_tokenizer.vocab_size, max_positions=64, relevance_pooling="mean",
+                 relevance_layers=1, relevance_centering=True)
+    encoder = RelevanceEncoder.from_model(Marge(cfg)).eval()
+    rows = encode_texts(latin_tokenizer, [t for p in pairs for t in p.targets], cfg.max_positions)
+    centre = fitted_centre(encoder, rows, latin_tokenizer.specials)
+    before = retrieval_hits(encoder, latin_tokenizer, pairs, centre)
+    with torch.no_grad():
+        encoder.relevance_center.fill_(3.0)  # a running centre far off: the fitted centre ignores it
+    assert np.allclose(fitted_centre(encoder, rows, latin_tokenizer.specials), centre)
+    after = retrieval_hits(encoder, latin_tokenizer, pairs, centre)
+    assert all((before[k] == after[k]).all() for k in before)
+    uncentred = preset("tiny", vocab_size=latin_tokenizer.vocab_size, max_positions=64, relevance_centering=False)
+    assert fitted_centre(RelevanceEncoder.from_model(Marge(uncentred)), rows, latin_tokenizer.specials) is None

@@ -22,10 +22,10 @@ def test_paired_ratio_is_the_ratio_of_sums_with_an_interval_around_it():
 
 
 def test_ratios_pair_the_updates_both_arms_measured():
-    arms = {"oracle": {"item_gains": {"0": [0.0, 0.0], "250": [1.0, 1.0], "500": [2.0, 2.0]}},
-            "loop": {"item_gains": {"0": [0.0, 0.0], "250": [0.5, 0.5], "750": [1.0, 1.0]}}}
-    assert {s: r["ratio"] for s, r in ratios(arms, "loop").items()} == {"250": 0.5}
-    assert ratios(arms, "paper") == {}
+    arms = {"aligned_translations": {"item_gains": {"0": [0.0, 0.0], "250": [1.0, 1.0], "500": [2.0, 2.0]}},
+            "recipe": {"item_gains": {"0": [0.0, 0.0], "250": [0.5, 0.5], "750": [1.0, 1.0]}}}
+    assert {s: r["ratio"] for s, r in ratios(arms, "recipe").items()} == {"250": 0.5}
+    assert ratios(arms, "recipe_random_index") == {}
 
 
 def arm(gains: dict, precision: dict, lexical: dict, trained: dict, init: dict, beta: dict) -> dict:
@@ -37,26 +37,26 @@ def test_targets_are_judged_from_the_measurements():
     directions = ["en->de", "de->en", "en->fr", "fr->en", "en->es", "es->en", "en->it", "it->en"]
     high, low = dict.fromkeys(directions, 0.4), dict.fromkeys(directions, 0.1)
     arms = {
-        "oracle": arm({"0": 0.0, "3000": 0.6}, {}, {}, high, low, {"0": 1.0}),
-        "loop": arm({"0": 0.0, "3000": 0.4}, {"0": 0.5, "1": 0.45, "2": 0.5, "3": 0.55, "4": 0.6},
+        "aligned_translations": arm({"0": 0.0, "3000": 0.6}, {}, {}, high, low, {"0": 1.0}),
+        "recipe": arm({"0": 0.0, "3000": 0.4}, {"0": 0.5, "1": 0.45, "2": 0.5, "3": 0.55, "4": 0.6},
                     {"0": 0.0, "1": 1.0, "2": 0.0, "3": 0.0, "4": 0.0}, high, low, {"0": 1.0}),
-        "lexical_frozen": arm({"0": 0.0, "3000": 0.3}, {"0": 0.5}, {"0": 0.0}, low, low, {"0": 1.0}),
-        "mechanism": arm({"0": 0.0}, {}, {}, {**low, "en->de": 0.2, "en->fr": 0.2, "en->es": 0.2}, low,
+        "recipe_tfidf_frozen": arm({"0": 0.0, "3000": 0.3}, {"0": 0.5}, {"0": 0.0}, low, low, {"0": 1.0}),
+        "aligned_supervised": arm({"0": 0.0}, {}, {}, {**low, "en->de": 0.2, "en->fr": 0.2, "en->es": 0.2}, low,
                          {"0": 1.0, "500": 1.2}),
     }
     ratio = {"2000": {"ratio": 0.6}, "3000": {"ratio": 0.55}}
     t = judge_targets(arms, ratio, {"2000": {"ratio": 0.2}})
-    assert t["T0_oracle_gain_at_least_0.5"] and t["T0_oracle_final_gain"] == 0.6
-    assert t["T1_loop_ratio_at_least_0.5_from_2000"] and not t["T2_paper_ratio_at_least_0.25_from_2000"]
+    assert t["T0_aligned_translations_gain_at_least_0.5"] and t["T0_aligned_translations_final_gain"] == 0.6
+    assert t["T1_recipe_ratio_at_least_0.5_from_2000"] and not t["T2_recipe_random_index_ratio_at_least_0.25_from_2000"]
     # v1 (lambda 1, before the hand-over) may dip; v2-v4 (g alone) never fall below v0's TF-IDF and rise
     assert t["T3_precision_never_below_tfidf_after_handover"] and t["T3_precision_rises_over_last_rebuilds"]
-    assert t["T3_loop_beats_lexical_frozen_at_end"]
-    assert t["T4_loop_latin_p_at_1_at_least_0.30"] and t["T4_loop_above_random_init_every_direction"]
-    assert t["T5_mechanism_directions_above_random_init"] == 3 and t["T5_mechanism_g_beats_init_on_3_of_4_with_beta_rising"]
-    arms["loop"]["parallel_link_precision"]["3"] = 0.4
+    assert t["T3_recipe_beats_recipe_tfidf_frozen_at_end"]
+    assert t["T4_recipe_latin_p_at_1_at_least_0.30"] and t["T4_recipe_above_random_init_every_direction"]
+    assert t["T5_aligned_supervised_directions_above_random_init"] == 3 and t["T5_aligned_supervised_g_beats_init_on_3_of_4_with_beta_rising"]
+    arms["recipe"]["parallel_link_precision"]["3"] = 0.4
     worse = judge_targets(arms, ratio, {})
     assert worse["T3_precision_never_below_tfidf_after_handover"] is False
-    assert worse["T3_precision_rises_over_last_rebuilds"] is False and worse["T2_paper_ratio_at_least_0.25_from_2000"] is None
+    assert worse["T3_precision_rises_over_last_rebuilds"] is False and worse["T2_recipe_random_index_ratio_at_least_0.25_from_2000"] is None
 
 
 @pytest.mark.slow
@@ -72,9 +72,9 @@ def test_the_ceiling_experiment_reports_each_arm_and_the_ratio_and_keeps_finishe
              "objectives.self_evidence.until=4", "objectives.denoising_contrastive.extra_documents=8",
              "run.max_steps=8"]
     out = tmp_path / "ceiling"
-    report = run_ceiling(None, short, 1.0, out, arms=["oracle", "loop"], device="cpu")
+    report = run_ceiling(None, short, 1.0, out, arms=["aligned_translations", "recipe"], device="cpu")
 
-    assert set(report["arms"]) == {"oracle", "loop"}
+    assert set(report["arms"]) == {"aligned_translations", "recipe"}
     for name, a in report["arms"].items():
         assert a["updates"] == 8 and a["minutes"] == 1.0
         assert list(a["evidence_gain"]) == ["0", "2", "4", "6", "8"] == list(a["evidence_gain_per_char"])
@@ -82,7 +82,7 @@ def test_the_ceiling_experiment_reports_each_arm_and_the_ratio_and_keeps_finishe
         for kind in ("trained", "random_init", "tfidf"):
             assert len(a["p_at_1"][kind]) == 8  # the 5 languages' directions, not the file's 14
         assert a["beta"]["0"] == 1.0
-    oracle, loop = report["arms"]["oracle"], report["arms"]["loop"]
+    oracle, loop = report["arms"]["aligned_translations"], report["arms"]["recipe"]
     assert list(oracle["parallel_link_precision"]) == ["0"] and oracle["link_sources"]["0"] == ["aligned"]
     # the bootstrap: TF-IDF, then cos(g) + lambda * tfidf (lambda = 4 x (1 - 4/6) at update 4), then g alone from update 6
     assert loop["link_sources"] == {"0": ["tfidf"], "1": ["hybrid"], "2": ["g"]}
@@ -90,13 +90,13 @@ def test_the_ceiling_experiment_reports_each_arm_and_the_ratio_and_keeps_finishe
     assert loop["parallel_link_precision"]["0"] > 0
     assert list(report["ratio"]) == ["2", "4", "6", "8"] == list(report["ratio_ci95"])
     assert report["ratio"] == report["ratio_per_char"]
-    assert set(report["headline_ratios"]["loop"]) == {"8"}
+    assert set(report["headline_ratios"]["recipe"]) == {"8"}
     assert (out / "curves.png").stat().st_size > 0
     saved = json.loads((out / "report.json").read_text())
-    assert saved["arms"]["loop"]["evidence_gain"] == loop["evidence_gain"]
+    assert saved["arms"]["recipe"]["evidence_gain"] == loop["evidence_gain"]
     assert str(tmp_path) not in (out / "report.json").read_text()  # paths relative to the experiment folder
 
-    log = (out / "arms" / "loop" / "run" / "train_log.jsonl").read_text()
-    again = run_ceiling(None, short, 1.0, out, arms=["loop"], device="cpu")
-    assert (out / "arms" / "loop" / "run" / "train_log.jsonl").read_text() == log  # finished: kept, not retrained
-    assert set(again["arms"]) == {"oracle", "loop"}  # arms of earlier commands on the folder count too
+    log = (out / "arms" / "recipe" / "run" / "train_log.jsonl").read_text()
+    again = run_ceiling(None, short, 1.0, out, arms=["recipe"], device="cpu")
+    assert (out / "arms" / "recipe" / "run" / "train_log.jsonl").read_text() == log  # finished: kept, not retrained
+    assert set(again["arms"]) == {"aligned_translations", "recipe"}  # arms of earlier commands on the folder count too

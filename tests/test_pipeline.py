@@ -100,9 +100,12 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
     assert "[indexer] v" in text and "[batcher] produced" in text and "[trainer] step" in text
     # the run ends with g's health: the trained g against the same model at initialisation, on held-out pairs
     g = summary["g_health"]
-    assert g["snapshot_step"] == 24 and g["directions"] == 14 and g["verdict"] in ("learning", "below initialisation",
-                                                                                   "collapsed")
+    assert g["snapshot_step"] == 24 and g["directions"] == 14 and g["initialisations"] == 3
+    assert g["verdict"] in ("learning", "not above initialisation", "below initialisation", "collapsed")
     assert (g["warning"] is None) == (g["verdict"] == "learning") and 0 <= g["p_at_1_at_init"] <= 1
+    lo, hi = g["difference_ci95"]
+    assert lo <= g["difference"] <= hi
+    assert g["verdict"] == "collapsed" or (g["verdict"] == "learning") == (lo > 0)
     assert f"[g] {g['verdict']} | held-out P@1 {g['p_at_1']:.3f} vs {g['p_at_1_at_init']:.3f}" in text
     # TensorBoard: every update from rank 0, every index version from the driver, the numbers of the logs
     trainer = board_scalars(run_dir / "tb" / "trainer")

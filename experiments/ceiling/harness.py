@@ -1,31 +1,33 @@
-"""`marge experiment ceiling`: how much of what perfect retrieval would give does the MARGE loop get?
+"""`marge experiment ceiling`: the recipe's held-out evidence gain against an index built from alignment labels.
 
 Every arm is a single-process run (`experiments.learning.single_process`) of one base config (the learning recipe,
-`deploy/configs/learning.yaml`), with the same model, data, probes and seed, for the same wall-clock minutes;
-only the index differs:
+`deploy/configs/learning.yaml`, which keeps self-evidence and the denoising-contrastive loss on g unless an arm
+removes it), with the same model, data, probes and seed, for the same wall-clock minutes; only the index differs:
 
-    oracle          each document linked to its aligned translations (the corpus's paragraph ids) and to 2 random
-                    documents of its shard: the ceiling a retriever could give the decoder. Not MARGE.
-    loop            the recipe: version 0 from char n-gram TF-IDF within each shard, then cos(g) + lambda * tfidf
-                    with lambda annealed to 0 (the lexical bootstrap), rebuilt every `indexer.reindex_every`
-    paper           the paper's loop: version 0 from the random-init g, then g (the recipe's auxiliaries kept)
-    lexical_frozen  a TF-IDF index built once and never rebuilt: does the learned g add anything?
-    mechanism       the oracle without the auxiliary loss on g (the denoising contrastive loss): does beta * f
-                    alone, once the decoder reads, make g retrieve better than at initialisation and beta rise?
+    aligned_translations  each document linked to its aligned translations (the corpus's paragraph ids) and to 2
+                          random documents of its shard, built once: an index from labels. Not MARGE, and not a
+                          ceiling either (it gives fewer, differently mixed links than the recipe's index)
+    recipe                version 0 from char n-gram TF-IDF within each shard, then cos(g) + lambda * tfidf with
+                          lambda annealed to 0 (the lexical bootstrap), rebuilt every `indexer.reindex_every`
+    recipe_random_index   the recipe with version 0 from the random-init g, then g (its auxiliaries kept: not the
+                          paper's loop, which `marge experiment mechanism` runs as its `paper` arm)
+    recipe_tfidf_frozen   the recipe with a TF-IDF index built once and never rebuilt
+    aligned_supervised    aligned_translations without the auxiliary loss on g: batches built from the labels,
+                          self-evidence kept, f not detached (so it does not isolate beta * f: see
+                          experiments/mechanism)
 
-Each arm measures, every `trainer.snapshot_every` updates, the aligned probe (held-out paragraphs with their
-aligned translations: evidence gain per token and per character with bootstrap intervals, split into verbatim
-and other target tokens), and with every index version the share of its cross-lingual links that join aligned
-translations. The headline is R(t) = evidence gain of the loop / evidence gain of the oracle at equal updates,
-with a paired bootstrap interval over the probe's targets (the same targets in both arms, so R per token and per
-character are the same number).
+Each arm measures, every `trainer.snapshot_every` updates, the aligned probe: held-out paragraphs' loss with **gold**
+aligned translations as evidence against their loss with another page's translations (evidence gain per token and
+per character, with bootstrap intervals over targets, split into verbatim and other target tokens). g and the
+index play no part in that figure. With every index version it records the share of cross-lingual links that join
+aligned translations. R(t) = the arm's gain / the aligned_translations arm's at equal updates, with a paired
+bootstrap interval over the probe's targets.
 
-A size sweep comes first (`--sweep-minutes`): the oracle arm at each model width for a few minutes, and the width
-with the largest held-out oracle gain at the end (the most gain per minute, the minutes being equal) is used by
-every arm. Finished arms and sweep points are kept: the command is resumable, and running it again on its
-folder runs only what is missing.
+A size sweep comes first (`--sweep-minutes`): the aligned_translations arm at each model width for a few minutes,
+and the width with the largest held-out gain at the end is used by every arm. Finished arms and sweep points are
+kept: the command is resumable, and running it again on its folder runs only what is missing.
 
-    DIR/sweep/<width>/      one single-process run per width (oracle arm)
+    DIR/sweep/<width>/      one single-process run per width (aligned_translations arm)
     DIR/arms/<arm>/         one single-process run per arm
     DIR/report.json         arms, ratio, targets, sweep (paths relative to DIR)
     DIR/curves.png
@@ -60,13 +62,16 @@ class Arm:
 
 ORACLE = ("indexer.links=aligned", "indexer.bootstrap=none", "indexer.lexical_weight=0", FROZEN)
 ARMS = (
-    Arm("oracle", "aligned translations + 2 random in-shard distractors: the ceiling, not MARGE", ORACLE),
-    Arm("loop", "the recipe: TF-IDF version 0, then cos(g) + lambda * tfidf, lambda annealed to 0", ()),
-    Arm("paper", "the paper's loop: random-init g for version 0, g after (the recipe's auxiliaries kept)",
+    Arm("aligned_translations", "aligned translations + 2 random in-shard distractors, built once: an index from "
+        "labels, not MARGE", ORACLE),
+    Arm("recipe", "the recipe: TF-IDF version 0, then cos(g) + lambda * tfidf, lambda annealed to 0", ()),
+    Arm("recipe_random_index", "the recipe from a random-init g's index: version 0 from it, g after (self-evidence and "
+        "the auxiliary loss kept)",
         ("indexer.bootstrap=none", "indexer.lexical_weight=0")),
-    Arm("lexical_frozen", "a char n-gram TF-IDF index built once, never rebuilt",
+    Arm("recipe_tfidf_frozen", "a char n-gram TF-IDF index built once, never rebuilt",
         ("indexer.links=tfidf", "indexer.bootstrap=none", "indexer.lexical_weight=0", FROZEN)),
-    Arm("mechanism", "the oracle without the auxiliary loss on g: does beta * f alone teach g?",
+    Arm("aligned_supervised", "aligned_translations without the auxiliary loss on g (batches from labels, "
+        "self-evidence kept, f not detached)",
         (*ORACLE, "objectives.denoising_contrastive=null")),
 )
 ARM_NAMES = tuple(a.name for a in ARMS)
@@ -176,7 +181,7 @@ def paired_ratio(numerator: list[float], denominator: list[float], resamples: in
     return {"ratio": float(a.sum() / b.sum()) if abs(b.sum()) > 1e-12 else None, "ci95": ci}
 
 
-def ratios(arms: dict[str, dict], numerator: str, denominator: str = "oracle") -> dict[str, dict]:
+def ratios(arms: dict[str, dict], numerator: str, denominator: str = "aligned_translations") -> dict[str, dict]:
     """R(update) = arm `numerator`'s aligned evidence gain / `denominator`'s at every update both measured."""
     if numerator not in arms or denominator not in arms:
         return {}
@@ -198,18 +203,18 @@ def latin_directions(results: dict[str, float]) -> dict[str, float]:
 def judge_targets(arms: dict[str, dict], ratio_loop: dict, ratio_paper: dict) -> dict:
     """T0-T5 of the comparison as measured (True / False / None when the arm did not run)."""
     out: dict = {}
-    if "oracle" in arms:
-        gains = arms["oracle"]["evidence_gain"]
+    if "aligned_translations" in arms:
+        gains = arms["aligned_translations"]["evidence_gain"]
         final = gains[max(gains, key=int)] if gains else None
-        out["T0_oracle_gain_at_least_0.5"] = None if final is None else final >= 0.5
-        out["T0_oracle_final_gain"] = final
+        out["T0_aligned_translations_gain_at_least_0.5"] = None if final is None else final >= 0.5
+        out["T0_aligned_translations_final_gain"] = final
     later = {s: r for s, r in ratio_loop.items() if int(s) >= 2000 and r["ratio"] is not None}
-    out["T1_loop_ratio_at_least_0.5_from_2000"] = (all(r["ratio"] >= 0.5 for r in later.values()) if later else None)
+    out["T1_recipe_ratio_at_least_0.5_from_2000"] = (all(r["ratio"] >= 0.5 for r in later.values()) if later else None)
     later = {s: r for s, r in ratio_paper.items() if int(s) >= 2000 and r["ratio"] is not None}
-    out["T2_paper_ratio_at_least_0.25_from_2000"] = (all(r["ratio"] >= 0.25 for r in later.values()) if later else None)
-    if "loop" in arms:
-        precision = {int(v): p for v, p in arms["loop"]["parallel_link_precision"].items() if p is not None}
-        lexical = {int(v): w for v, w in arms["loop"]["lexical_weight"].items()}
+    out["T2_recipe_random_index_ratio_at_least_0.25_from_2000"] = (all(r["ratio"] >= 0.25 for r in later.values()) if later else None)
+    if "recipe" in arms:
+        precision = {int(v): p for v, p in arms["recipe"]["parallel_link_precision"].items() if p is not None}
+        lexical = {int(v): w for v, w in arms["recipe"]["lexical_weight"].items()}
         handed = [v for v in sorted(precision) if v > 0 and not lexical.get(v)]
         start = precision.get(0)
         out["T3_precision_never_below_tfidf_after_handover"] = (
@@ -217,23 +222,23 @@ def judge_targets(arms: dict[str, dict], ratio_loop: dict, ratio_paper: dict) ->
         last = handed[-3:]
         out["T3_precision_rises_over_last_rebuilds"] = (
             all(precision[a] <= precision[b] for a, b in zip(last, last[1:])) if len(last) >= 2 else None)
-        if "lexical_frozen" in arms:
-            loop_gain, frozen_gain = (arms[k]["evidence_gain"] for k in ("loop", "lexical_frozen"))
+        if "recipe_tfidf_frozen" in arms:
+            loop_gain, frozen_gain = (arms[k]["evidence_gain"] for k in ("recipe", "recipe_tfidf_frozen"))
             common = sorted(set(loop_gain) & set(frozen_gain), key=int)
-            out["T3_loop_beats_lexical_frozen_at_end"] = (loop_gain[common[-1]] > frozen_gain[common[-1]]) if common else None
-        trained, init = (latin_directions(arms["loop"]["p_at_1"][k]) for k in ("trained", "random_init"))
-        out["T4_loop_latin_p_at_1_mean"] = float(np.mean(list(trained.values()))) if trained else None
-        out["T4_loop_latin_p_at_1_at_least_0.30"] = (out["T4_loop_latin_p_at_1_mean"] or 0) >= 0.30
-        out["T4_loop_above_random_init_every_direction"] = bool(trained) and all(trained[k] > init.get(k, 1) for k in trained)
-    if "mechanism" in arms:
-        trained, init = (latin_directions(arms["mechanism"]["p_at_1"][k]) for k in ("trained", "random_init"))
+            out["T3_recipe_beats_recipe_tfidf_frozen_at_end"] = (loop_gain[common[-1]] > frozen_gain[common[-1]]) if common else None
+        trained, init = (latin_directions(arms["recipe"]["p_at_1"][k]) for k in ("trained", "random_init"))
+        out["T4_recipe_latin_p_at_1_mean"] = float(np.mean(list(trained.values()))) if trained else None
+        out["T4_recipe_latin_p_at_1_at_least_0.30"] = (out["T4_recipe_latin_p_at_1_mean"] or 0) >= 0.30
+        out["T4_recipe_above_random_init_every_direction"] = bool(trained) and all(trained[k] > init.get(k, 1) for k in trained)
+    if "aligned_supervised" in arms:
+        trained, init = (latin_directions(arms["aligned_supervised"]["p_at_1"][k]) for k in ("trained", "random_init"))
         en_pairs = {k: v for k, v in trained.items() if k.startswith("en->")}
-        beta = arms["mechanism"]["beta"]
-        out["T5_mechanism_directions_above_random_init"] = sum(v > init.get(k, 1) for k, v in en_pairs.items())
-        out["T5_mechanism_en_directions"] = len(en_pairs)
-        out["T5_mechanism_beta_first_last"] = [beta[min(beta, key=int)], beta[max(beta, key=int)]] if beta else None
-        out["T5_mechanism_g_beats_init_on_3_of_4_with_beta_rising"] = (
-            out["T5_mechanism_directions_above_random_init"] >= 3 and bool(beta)
+        beta = arms["aligned_supervised"]["beta"]
+        out["T5_aligned_supervised_directions_above_random_init"] = sum(v > init.get(k, 1) for k, v in en_pairs.items())
+        out["T5_aligned_supervised_en_directions"] = len(en_pairs)
+        out["T5_aligned_supervised_beta_first_last"] = [beta[min(beta, key=int)], beta[max(beta, key=int)]] if beta else None
+        out["T5_aligned_supervised_g_beats_init_on_3_of_4_with_beta_rising"] = (
+            out["T5_aligned_supervised_directions_above_random_init"] >= 3 and bool(beta)
             and beta[max(beta, key=int)] > beta[min(beta, key=int)])
     return out
 
@@ -252,7 +257,7 @@ def run_sweep(config: Path, overrides: list[str], minutes: float, out: Path, siz
         run = out / "sweep" / size
         report = train_for_minutes(config, [*overrides, *SIZES[size], SWEEP_SNAPSHOTS, *ORACLE], minutes, run, device,
                                    label=f"sweep {size}")
-        arm = summarize_arm("oracle", run, report)
+        arm = summarize_arm("aligned_translations", run, report)
         gains = arm["evidence_gain"]
         final_step = max(gains, key=int) if gains else "0"
         points[size] = {"overrides": list(SIZES[size]), "parameters": parameters(run), "updates": arm["updates"],
@@ -318,27 +323,28 @@ def run_ceiling(config: Path | None, overrides: list[str], minutes: float, out_d
 
 def write_report(out_dir: Path, summaries: dict[str, dict], sweep: dict | None, size: str | None, config: Path,
                  overrides: list[str], minutes: float, elapsed_s: float) -> dict:
-    ratio_loop = ratios(summaries, "loop")
-    ratio_paper = ratios(summaries, "paper")
-    ratio_frozen = ratios(summaries, "lexical_frozen")
+    ratio_loop = ratios(summaries, "recipe")
+    ratio_paper = ratios(summaries, "recipe_random_index")
+    ratio_frozen = ratios(summaries, "recipe_tfidf_frozen")
     arms_out = {name: {k: v for k, v in arm.items() if k != "item_gains"} for name, arm in summaries.items()}
     for name, arm in arms_out.items():
         arm["why"] = arm_named(name).why
         arm["overrides"] = list(arm_named(name).overrides)
     headline = {}
-    for name, series in (("loop", ratio_loop), ("paper", ratio_paper), ("lexical_frozen", ratio_frozen)):
+    for name, series in (("recipe", ratio_loop), ("recipe_random_index", ratio_paper), ("recipe_tfidf_frozen", ratio_frozen)):
         if series:
             last = max(series, key=int)
             headline[name] = {str(u): at_or_before({s: r["ratio"] for s, r in series.items()}, u)
                               for u in (*(u for u in CHECKPOINT_UPDATES if u <= int(last)), int(last))}
     report = {
-        "question": "How much of the oracle's held-out evidence gain does the MARGE loop keep at equal updates?",
-        "ratio_definition": "R(t) = aligned-probe evidence gain of the arm / of the oracle at update t (the same "
+        "question": "How much does each arm's decoder gain from gold aligned translations as evidence, against the "
+                    "arm whose index is built from the alignment labels, at equal updates?",
+        "ratio_definition": "R(t) = aligned-probe evidence gain of the arm / of aligned_translations at update t (the same "
                             "held-out targets, so per token and per character it is the same number); ci95: paired "
                             "bootstrap over the probe's targets",
         "evidence_gain_definition": "aligned probe: held-out paragraphs' loss with an unrelated paragraph's "
-                                    "translations minus with their own aligned translations (nats per target token, "
-                                    "and per target character)",
+                                    "translations minus with their own gold aligned translations (nats per target "
+                                    "token, and per target character); g and the index play no part in it",
         "config": str(config), "size": size, "size_overrides": list(SIZES[size]) if size else [],
         "common_overrides": list(overrides),
         "minutes_per_arm": {name: arm["minutes"] for name, arm in summaries.items()},
@@ -346,10 +352,10 @@ def write_report(out_dir: Path, summaries: dict[str, dict], sweep: dict | None, 
         "ratio": {s: r["ratio"] for s, r in ratio_loop.items()},
         "ratio_ci95": {s: r["ci95"] for s, r in ratio_loop.items()},
         "ratio_per_char": {s: r["ratio"] for s, r in ratio_loop.items()},
-        "ratio_paper": {s: r["ratio"] for s, r in ratio_paper.items()},
-        "ratio_paper_ci95": {s: r["ci95"] for s, r in ratio_paper.items()},
-        "ratio_lexical_frozen": {s: r["ratio"] for s, r in ratio_frozen.items()},
-        "ratio_lexical_frozen_ci95": {s: r["ci95"] for s, r in ratio_frozen.items()},
+        "ratio_recipe_random_index": {s: r["ratio"] for s, r in ratio_paper.items()},
+        "ratio_recipe_random_index_ci95": {s: r["ci95"] for s, r in ratio_paper.items()},
+        "ratio_recipe_tfidf_frozen": {s: r["ratio"] for s, r in ratio_frozen.items()},
+        "ratio_recipe_tfidf_frozen_ci95": {s: r["ci95"] for s, r in ratio_frozen.items()},
         "headline_ratios": headline,
         "targets": judge_targets(summaries, ratio_loop, ratio_paper),
         "sweep": sweep, "elapsed_s": round(elapsed_s, 1),
@@ -370,7 +376,7 @@ def plot_ceiling(report: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     arms = report["arms"]
-    colors = {"oracle": "C0", "loop": "C1", "paper": "C2", "lexical_frozen": "C3", "mechanism": "C4"}
+    colors = {"aligned_translations": "C0", "recipe": "C1", "recipe_random_index": "C2", "recipe_tfidf_frozen": "C3", "aligned_supervised": "C4"}
     fig, axes = plt.subplots(2, 3, figsize=(17, 9))
 
     def xy(series: dict) -> tuple[list[int], list[float]]:
@@ -384,22 +390,22 @@ def plot_ceiling(report: dict, path: Path) -> Path:
         lo = [arm["evidence_gain_ci95"][str(s)][0] for s in x]
         hi = [arm["evidence_gain_ci95"][str(s)][1] for s in x]
         ax.fill_between(x, lo, hi, color=colors.get(name), alpha=0.15)
-    ax.set_title("held-out evidence gain, aligned probe (nats/token, 95% CI)")
+    ax.set_title("held-out gain from gold translations vs another page's (nats/token, 95% CI)")
     ax.set_xlabel("update")
     ax.legend(fontsize=8)
 
     ax = axes[0, 1]
     top = 1.5  # R can exceed 1 (an arm that learns faster than the oracle): the axis grows to show it
-    for key, name in (("ratio", "loop"), ("ratio_paper", "paper"), ("ratio_lexical_frozen", "lexical_frozen")):
+    for key, name in (("ratio", "recipe"), ("ratio_recipe_random_index", "recipe_random_index"), ("ratio_recipe_tfidf_frozen", "recipe_tfidf_frozen")):
         x, y = xy(report[key])
         if x:
             ci = report[f"{key}_ci95"]
             top = max(top, *(ci[str(s)][1] + 0.1 for s in x if ci[str(s)][1] is not None))
-            ax.plot(x, y, "o-", color=colors[name], label=f"{name} / oracle", markersize=3)
+            ax.plot(x, y, "o-", color=colors[name], label=f"{name} / aligned_translations", markersize=3)
             ax.fill_between(x, [ci[str(s)][0] for s in x], [ci[str(s)][1] for s in x], color=colors[name], alpha=0.15)
     ax.axhline(0.5, color="k", linestyle=":", linewidth=1)
     ax.set_ylim(-0.5, top)
-    ax.set_title("R(t): share of the oracle's gain kept (paired 95% CI)")
+    ax.set_title("R(t): gain / aligned_translations' gain (paired 95% CI)")
     ax.set_xlabel("update")
     ax.legend(fontsize=8)
 
@@ -443,7 +449,8 @@ def plot_ceiling(report: dict, path: Path) -> Path:
     ax.set_xlabel("update")
     ax.legend(fontsize=8)
     minutes = sorted(set(report["minutes_per_arm"].values()))
-    fig.suptitle(f"MARGE against its ceiling: {' / '.join(f'{m:g}' for m in minutes)} min per arm"
+    fig.suptitle(f"The recipe's gold-evidence gain against an index from labels: {' / '.join(f'{m:g}' for m in minutes)} "
+                 "min per arm, one seed"
                  + (f", width {report['size']}" if report.get("size") else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -71,7 +71,7 @@ from services.driver.pipeline import ensure_corpus, final_g_health, with_probes
 from services.indexer.core import build_version, describe_build, index_shard
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
-from services.trainer.objectives import PreparedBatch, objectives_for
+from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
 from services.trainer.step import Item, apply_execution_settings, build_optimizer, build_scheduler, compiled, device_peak_flops, seed_key
 
@@ -237,7 +237,9 @@ class SingleProcessRun:
 
     def build_training_state(self):
         cfg = self.cfg
-        model = apply_execution_settings(load_model_weights(self.paths.init_weights).to(self.device).train(), cfg.trainer)
+        model = apply_objective_settings(
+            apply_execution_settings(load_model_weights(self.paths.init_weights).to(self.device).train(), cfg.trainer),
+            cfg.objectives)
         optimizer = build_optimizer(model, cfg.trainer)
         scheduler = build_scheduler(optimizer, cfg.trainer, cfg.run.max_steps)
         state = {"step": 0, "tokens_seen": 0, "target_tokens_seen": 0, "train_seconds": 0.0}

@@ -8,7 +8,7 @@ One module per group of commands, each with the parsers of its commands (`add_<c
     evaluate.py     eval retrieval | translate | finetuned, translate
     serve.py        serve
     ops.py          audit, queue, scale
-    experiment.py   experiment learning | objectives | ceiling | finetune
+    experiment.py   experiment learning | objectives | ceiling | mechanism | finetune
 
 What a command needs is imported inside its `cmd_*` function: building the parser imports no torch, so `marge
 --help` and a bad flag answer at once.

@@ -1,5 +1,5 @@
-"""`marge experiment learning | objectives | ceiling | finetune`: the studies, each run by its driver module
-(imported when the command runs)."""
+"""`marge experiment learning | objectives | ceiling | mechanism | finetune`: the studies, each run by its driver
+module (imported when the command runs)."""
 
 from __future__ import annotations
 
@@ -36,20 +36,31 @@ def add_experiment(sub) -> None:
                    help="held-out pairs per direction (to/from en) translated for chrF (0: none)")
     q.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="applied to every variant")
     q.set_defaults(func=cmd_experiment_objectives)
-    q = exp_sub.add_parser("ceiling", help="the MARGE loop against its ceiling (aligned oracle), the paper's loop and a "
-                                           "frozen lexical index, equal minutes each (single-process runs)")
+    q = exp_sub.add_parser("ceiling", help="the recipe's gold-evidence gain against indexes built from alignment labels, "
+                                           "a random-init first index and a frozen TF-IDF index, equal minutes each "
+                                           "(single-process runs)")
     q.add_argument("--minutes", type=float, required=True, help="wall-clock training minutes of each arm (0: report only)")
     q.add_argument("--out", type=Path, required=True, help="folder for report.json, curves.png, the sweep and one run "
                                                            "per arm (finished arms are kept: run it again to resume)")
     q.add_argument("--config", type=Path, default=None, help="base config (default deploy/configs/learning.yaml)")
-    q.add_argument("--arms", default=None, help="comma-separated: oracle, loop, paper, lexical_frozen, mechanism")
+    q.add_argument("--arms", default=None, help="comma-separated: aligned_translations, recipe, recipe_random_index, "
+                                                "recipe_tfidf_frozen, aligned_supervised")
     q.add_argument("--sweep-minutes", type=float, default=0.0,
-                   help="first run the oracle arm at each width for this many minutes and use the best width")
+                   help="first run the aligned_translations arm at each width for this many minutes and use the best "
+                        "width")
     q.add_argument("--sizes", default=None, help="widths of the sweep (default d64,d128,d192)")
     q.add_argument("--size", default=None, help="use this width (d64, d128, d192) instead of the sweep's choice")
     q.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     q.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="applied to every arm")
     q.set_defaults(func=cmd_experiment_ceiling)
+    q = exp_sub.add_parser("mechanism", help="does reconstruction teach g to retrieve through beta * f? Arms that differ "
+                                             "in one ingredient (f detached, the auxiliary loss, the index), several "
+                                             "seeds each at equal updates, held-out measures with CIs "
+                                             "(experiments/mechanism)")
+    from experiments.mechanism.__main__ import add_study_arguments
+
+    add_study_arguments(q)
+    q.set_defaults(func=cmd_experiment_mechanism)
     q = exp_sub.add_parser("finetune", help="the demo tasks fine-tuned from each checkpoint and from random init, "
                                             "one recipe and budget, scored on test")
     q.add_argument("--checkpoint", action="append", required=True, metavar="NAME=PATH",
@@ -108,6 +119,16 @@ def cmd_experiment_ceiling(args: argparse.Namespace) -> int:
                          names(args.sizes), args.size, args.device)
     print(json.dumps({"size": report["size"], "headline_ratios": report["headline_ratios"], "targets": report["targets"],
                       "report": str(Path(args.out) / "report.json")}))
+    return 0
+
+
+def cmd_experiment_mechanism(args: argparse.Namespace) -> int:
+    from experiments.mechanism.__main__ import run_from_args
+
+    report = run_from_args(args)
+    print(json.dumps({"contrasts": {k: {f: v[f] for f in ("delta", "ci95", "ci95_seeds_t", "shown")}
+                                    for k, v in report.get("contrasts", {}).items()},
+                      "targets": report.get("targets"), "report": str(Path(args.out) / "report.json")}))
     return 0
 
 

@@ -139,12 +139,14 @@ def dry_run(cfg: PipelineConfig) -> dict:
 
 
 def final_g_health(cfg: PipelineConfig, paths: RunPaths, corpus: Corpus) -> dict | None:
-    """g of the run's newest snapshot against its step-0 snapshot (the same model at initialisation) on the held-out
-    pairs, logged as the run's last progress line, with a warning when g has collapsed or is not above its
-    initialisation; None when the run has no held-out pairs or no trained snapshot."""
-    from marge.evaluation import read_pairs
+    """g of the run's newest snapshot against random initialisations (its step-0 snapshot and
+    `INIT_BASELINES - 1` more models of its config drawn with other seeds), every one centred alike, on the held-out
+    pairs, with an interval over held-out pages (`services.trainer.health.g_health`): logged as the run's last
+    progress line, with a warning when g has collapsed or is not above its initialisation; None when the run has
+    no held-out pairs or no trained snapshot."""
+    from marge.evaluation import pair_pages, read_pairs
     from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
-    from services.trainer.health import describe_g_health, g_health
+    from services.trainer.health import INIT_BASELINES, centre_rows, describe_g_health, g_health, random_encoders
 
     pairs_path = cfg.health.pairs or cfg.data.heldout_pairs
     newest = latest_snapshot(paths.snapshots)
@@ -154,8 +156,13 @@ def final_g_health(cfg: PipelineConfig, paths: RunPaths, corpus: Corpus) -> dict
                  not Path(pairs_path).exists() else "no snapshot after update 0")
         return None
     tokenizer = corpus.tokenizer()
-    health = g_health(load_relevance_encoder(newest), load_relevance_encoder(read_snapshot(initial)), tokenizer,
-                      read_pairs(Path(pairs_path), tokenizer.languages))
+    pairs = read_pairs(Path(pairs_path), tokenizer.languages)
+    trained = load_relevance_encoder(newest)
+    seeds = [cfg.run.seed + 1000 * k for k in range(1, INIT_BASELINES)]
+    initials = [load_relevance_encoder(read_snapshot(initial)), *random_encoders(trained.cfg, seeds)]
+    documents = Path(cfg.health.documents) if cfg.health.documents else None
+    health = g_health(trained, initials, tokenizer, pairs, centre_rows(corpus, seed=cfg.run.seed),
+                      pair_pages(pairs, documents))
     health["snapshot_step"] = newest.step
     log.info(describe_g_health(health))
     if health["warning"]:

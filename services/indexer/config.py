@@ -8,6 +8,7 @@ from marge.config import FieldError, at_least, non_negative_mapping, one_of, pos
 
 LINK_RULES = ("shard", "document")
 LINK_SOURCES = ("g", "tfidf", "aligned")
+ALIGNED_LAYOUTS = ("translations", "budget")
 BOOTSTRAPS = ("none", "tfidf")
 
 
@@ -46,8 +47,14 @@ class IndexerConfig:
     lexical_until: int = 0
     """lambda falls linearly from `lexical_weight` to 0 at this update (of the version's snapshot)."""
     aligned_distractors: int = 2
-    """links 'aligned': random in-shard documents linked to each document besides its translations, so that
-    beta * f has something to tell apart."""
+    """links 'aligned' with layout 'translations': random in-shard documents linked to each document besides its
+    translations, so that beta * f has something to tell apart."""
+    aligned_layout: str = "translations"
+    """links 'aligned' (diagnostic): 'translations' links each document to all its aligned translations plus
+    `aligned_distractors` random documents of its shard. 'budget' gives the oracle the loop's own link budget:
+    `links_monolingual` same-language neighbours by char TF-IDF (as the lexical bootstrap finds them) and
+    `links_crosslingual` cross-lingual slots filled with the aligned translations first, then random
+    cross-lingual documents of the shard; the random ones are drawn again at every rebuild."""
     keep_versions: int = 3
     """Committed index versions kept on disk (the newest always)."""
     use_gpu: bool = False
@@ -108,6 +115,7 @@ class IndexerConfig:
         at_least(self, "lexical_weight", 0)
         at_least(self, "lexical_until", 0)
         at_least(self, "aligned_distractors", 0)
+        one_of(self, "aligned_layout", ALIGNED_LAYOUTS)
         if self.bootstrap != "none" and self.links != "g":
             raise FieldError("bootstrap", self.bootstrap, f"'none' when links is {self.links!r} (a bootstrap hands "
                                                           "over to g; links 'g' uses one)")

@@ -202,6 +202,42 @@ def aligned_links(docs: ShardDocuments, distractors: int, rng: np.random.Generat
             "cross_lingual": docs.langs[t] != docs.langs[e] if len(t) else np.zeros(0, dtype=bool)}
 
 
+def budget_aligned_links(docs: ShardDocuments, cfg: IndexerConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Diagnostic oracle links with the loop's link budget (`IndexerConfig.aligned_layout` 'budget'): each document's
+    `links_monolingual` nearest same-language documents by char TF-IDF, and `links_crosslingual` cross-lingual
+    links, its aligned translations first (score 1), the free slots filled with random cross-lingual documents of
+    the shard (score 0). Uses the corpus's alignment labels: never MARGE, only the ceiling a retriever could
+    reach with the loop's budget."""
+    from dataclasses import replace
+
+    if not docs.aligned:
+        raise ValueError(f"shard {docs.shard}: indexer.links 'aligned' needs a corpus prepared from input with "
+                         "paragraph_ids (see `marge prepare`); this one has none")
+    mono = shard_links(docs.doc_ids, docs.langs, None, replace(cfg, links_crosslingual=0), lexical=lexical_vectors(docs.texts),
+                       lexical_weight=None)
+    n, budget = len(docs), int(round(cfg.links_crosslingual))
+    by_key: dict[tuple[str, str], list[int]] = {}
+    for i in range(n):
+        for pid in docs.paragraph_ids[i]:
+            by_key.setdefault((docs.groups[i], pid), []).append(i)
+    targets, evidence, scores = [], [], []
+    for i in range(n):
+        partners = sorted({j for pid in docs.paragraph_ids[i] for j in by_key[(docs.groups[i], pid)]
+                           if docs.langs[j] != docs.langs[i]})[:budget]
+        others = np.setdiff1d(np.flatnonzero(docs.langs != docs.langs[i]), partners)
+        fill = min(budget - len(partners), len(others))
+        chosen = rng.choice(others, size=fill, replace=False).tolist() if fill > 0 else []
+        for j, score in [*((j, 1.0) for j in partners), *((int(j), 0.0) for j in chosen)]:
+            targets.append(i)
+            evidence.append(j)
+            scores.append(score)
+    t, e = np.array(targets, dtype=np.int64), np.array(evidence, dtype=np.int64)
+    return {"target_id": np.concatenate([mono["target_id"], docs.doc_ids[t]]),
+            "evidence_id": np.concatenate([mono["evidence_id"], docs.doc_ids[e]]),
+            "score": np.concatenate([mono["score"], np.array(scores, dtype=np.float32)]),
+            "cross_lingual": np.concatenate([mono["cross_lingual"], np.ones(len(t), dtype=bool)])}
+
+
 @dataclass
 class ShardIndexResult:
     shard: int
@@ -231,6 +267,22 @@ class ShardIndexResult:
         return dict(self.__dict__)
 
 
+def version_links(docs: ShardDocuments, unit: np.ndarray, cfg: IndexerConfig, snapshot_step: int, seed: int = 0,
+                  search: str = "faiss", device: str | torch.device = "cpu") -> dict[str, np.ndarray]:
+    """The links of one shard as the index version built from the snapshot of `snapshot_step` ranks them
+    (`IndexerConfig.link_source`), given the shard's g unit vectors `unit`: what `index_shard` writes, and what a
+    held-out measurement of "the evidence this index would link" reads."""
+    source, lexical_weight = cfg.link_source(snapshot_step)
+    if source == "aligned" and cfg.aligned_layout == "budget":
+        return budget_aligned_links(docs, cfg, np.random.default_rng([seed, snapshot_step]))
+    if source == "aligned":
+        return aligned_links(docs, cfg.aligned_distractors, np.random.default_rng([seed, snapshot_step]))
+    if source in ("tfidf", "hybrid"):
+        return shard_links(docs.doc_ids, docs.langs, unit, cfg, search, device, lexical_vectors(docs.texts),
+                           None if source == "tfidf" else lexical_weight)
+    return shard_links(docs.doc_ids, docs.langs, unit, cfg, search, device)
+
+
 def index_shard(docs: ShardDocuments, encoder: RelevanceEncoder, specials: SpecialTokens, out_dir: Path,
                 cfg: IndexerConfig, device: str = "cpu", seed: int = 0, search: str = "faiss",
                 snapshot_step: int = 0) -> ShardIndexResult:
@@ -242,13 +294,7 @@ def index_shard(docs: ShardDocuments, encoder: RelevanceEncoder, specials: Speci
     unit = embed_documents(encoder, docs.tokens, specials, cfg.batch_tokens, device, autocast)
     t1 = time.perf_counter()
     source, lexical_weight = cfg.link_source(snapshot_step)
-    if source == "aligned":
-        links = aligned_links(docs, cfg.aligned_distractors, np.random.default_rng([seed, snapshot_step]))
-    elif source in ("tfidf", "hybrid"):
-        links = shard_links(docs.doc_ids, docs.langs, unit, cfg, search, device, lexical_vectors(docs.texts),
-                            None if source == "tfidf" else lexical_weight)
-    else:
-        links = shard_links(docs.doc_ids, docs.langs, unit, cfg, search, device)
+    links = version_links(docs, unit, cfg, snapshot_step, seed, search, device)
     t2 = time.perf_counter()
     index_file, graph_file = None, f"graph-{docs.shard:05d}.parquet"
     if search == "faiss":

@@ -176,11 +176,14 @@ def read_aligned_paragraphs(documents_jsonl: Path, languages) -> dict[tuple[str,
 
 
 def build_aligned_probe(documents_jsonl: Path, tokenizer, size: int = 256, max_evidence: int = 3,
-                        max_tokens: int = 128, min_tokens: int = 4, seed: int = 0) -> list[AlignedItem]:
+                        max_tokens: int = 128, min_tokens: int = 4, seed: int = 0,
+                        exclude: frozenset[tuple[str, tuple[int, ...]]] = frozenset()) -> list[AlignedItem]:
     """`size` held-out paragraphs (a seeded draw; a target language drawn per paragraph) with their translations.
 
     Only paragraphs with at least `min_tokens` text tokens in the target language and a translation in another
-    language of the tokenizer qualify; texts longer than `max_tokens` positions are cut."""
+    language of the tokenizer qualify; texts longer than `max_tokens` positions are cut. A target whose
+    (language, tokens) is in `exclude` (e.g. every document of the training corpus: boilerplate that held-out pages
+    share with training pages) is skipped."""
     paragraphs = read_aligned_paragraphs(documents_jsonl, set(tokenizer.languages))
     keys = sorted(k for k, langs in paragraphs.items() if len(langs) >= 2)
     if len(keys) < 2:
@@ -196,7 +199,7 @@ def build_aligned_probe(documents_jsonl: Path, tokenizer, size: int = 256, max_e
         langs = sorted(texts)
         target_lang = langs[int(rng.integers(len(langs)))]
         target = np.asarray(tokenizer.encode(texts[target_lang])[:limit], dtype=np.int32)
-        if len(target) < min_tokens:
+        if len(target) < min_tokens or (target_lang, tuple(target.tolist())) in exclude:
             continue
         others = [lang for lang in langs if lang != target_lang]
         rng.shuffle(others)
@@ -322,6 +325,47 @@ def aligned_evidence_gain(model: Marge, items: list[AlignedItem], specials: Spec
 
 COLLAPSED_SPREAD = 0.9
 """Mean cosine of g between unrelated documents at or above which g counts as collapsed (every document alike)."""
+COLLAPSED_VARIATION = 0.01
+"""Centred g: its mean distance from the centre, as a share of its mean length, below which g counts as collapsed
+(the documents differ by rounding noise, whose directions the spread cannot see)."""
+
+
+INIT_BASELINES = 3
+"""Random initialisations g's held-out P@1 is compared with (the run's own and more, drawn with other seeds)."""
+CENTRE_DOCUMENTS = 2048
+"""Training documents every g is centred on before it is scored (`centre_rows`)."""
+
+
+def centre_rows(corpus, size: int = CENTRE_DOCUMENTS, seed: int = 0) -> list[list[int]]:
+    """A fixed, seeded sample of training documents (as encoder rows) from up to 8 shards: what `fitted_centre`
+    centres every g on, trained or initial, so that they are scored alike."""
+    from marge.batch import as_encoder_input
+
+    rng = np.random.default_rng(seed)
+    shards = rng.choice(corpus.num_shards, size=min(8, corpus.num_shards), replace=False)
+    pool = [t for s in shards for t in corpus.read_shard(int(s), verify_checksum=False).tokens if len(t)]
+    chosen = rng.choice(len(pool), size=min(size, len(pool)), replace=False)
+    return [as_encoder_input(pool[i], corpus.tokenizer().specials) for i in chosen]
+
+
+def random_encoders(model_cfg, seeds: list[int]):
+    """g of freshly initialised models of `model_cfg`, one per seed (the initialisation baselines)."""
+    from marge.checkpoint import build_model
+    from marge.model import RelevanceEncoder
+
+    out = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        out.append(RelevanceEncoder.from_model(build_model(model_cfg)).eval())
+    return out
+
+
+@torch.no_grad()
+def spread_of(vectors: np.ndarray) -> float:
+    """Mean cosine between different rows of unit vectors (1.0: every document alike)."""
+    sims = vectors @ vectors.T
+    n = len(vectors)
+    return float((sims.sum() - np.trace(sims)) / max(1, n * (n - 1)))
 
 
 @torch.no_grad()
@@ -330,47 +374,89 @@ def relevance_spread(encoder, tokenizer, texts: list[str], device: str | torch.d
     from marge.evaluation import encode_texts, relevance_unit_vectors
 
     rows = encode_texts(tokenizer, texts, encoder.cfg.max_positions)
-    g = relevance_unit_vectors(encoder, rows, tokenizer.specials, device=str(device)).astype(np.float64)
-    sims = g @ g.T
-    n = len(rows)
-    return float((sims.sum() - np.trace(sims)) / max(1, n * (n - 1)))
+    return spread_of(relevance_unit_vectors(encoder, rows, tokenizer.specials, device=str(device)).astype(np.float64))
 
 
-def g_health(trained, initial, tokenizer, pairs, device: str | torch.device = "cpu", spread_texts: int = 256) -> dict:
-    """Held-out P@1 of g (as the index searches it) and its spread, for the trained relevance encoder and the same
-    model at initialisation, and a verdict: 'learning', 'below initialisation' or 'collapsed', with a warning that
-    says what it means when it is not learning."""
-    from marge.evaluation import evaluate_model, mean_score
+def g_health(trained, initials: list, tokenizer, pairs, centre: list[list[int]], pages: dict | None = None,
+             device: str | torch.device = "cpu", spread_texts: int = 256, resamples: int = 2000) -> dict:
+    """Held-out P@1 of the trained g against the mean of random initialisations (`initials`: relevance encoders or
+    models), every one centred alike (`marge.evaluation.fitted_centre` on the `centre` documents), and a verdict:
 
-    trained_p = evaluate_model(trained, tokenizer, pairs, "g", device=str(device))
-    initial_p = evaluate_model(initial, tokenizer, pairs, "g", device=str(device))
+    * 'collapsed': unrelated documents have a mean cosine >= COLLAPSED_SPREAD under the trained g;
+    * 'learning': the trained g's P@1 is above the initialisations' mean by more than its 95% interval (a paired
+      bootstrap over held-out pages, `pages` from `marge.evaluation.pair_pages`; None: each pair its own page);
+    * 'below initialisation': below it by more than the interval;
+    * 'not above initialisation': within the interval.
+
+    A warning says what the verdict means when it is not 'learning'."""
+    from marge.evaluation import (centred_unit, clustered_bootstrap, encode_texts, fitted_centre, page_sums,
+                                  raw_relevance_vectors, retrieval_hits)
+
+    device = str(device)
+
+    def scored(model) -> tuple[dict, np.ndarray]:
+        c = fitted_centre(model, centre, tokenizer.specials, device=device)
+        return retrieval_hits(model, tokenizer, pairs, c, device=device), c
+
+    trained_hits, trained_centre = scored(trained)
+    initial = [scored(m) for m in initials]
+    init_hits = {k: np.mean([h[k] for h, _ in initial], axis=0) for k in trained_hits}
+    if pages is None:
+        pages = {}
+        for pair in pairs:
+            ids = np.array([f"{pair.src_lang}-{pair.tgt_lang}#{i}" for i in range(len(pair.sources))], dtype=object)
+            pages[f"{pair.src_lang}->{pair.tgt_lang}"] = pages[f"{pair.tgt_lang}->{pair.src_lang}"] = ids
+    index = {p: i for i, p in enumerate(sorted({p for v in pages.values() for p in v.tolist()}))}
+    diff = clustered_bootstrap(*page_sums({k: trained_hits[k].astype(np.float64) - init_hits[k] for k in trained_hits},
+                                          pages, index), resamples=resamples)
     texts = list(dict.fromkeys(text for p in pairs for text in p.sources))[:spread_texts]
-    spread, spread_init = (relevance_spread(m, tokenizer, texts, device) for m in (trained, initial))
-    p, p0 = mean_score(trained_p), mean_score(initial_p)
-    if spread >= COLLAPSED_SPREAD:
+    rows = encode_texts(tokenizer, texts, trained.cfg.max_positions)
+    raw = raw_relevance_vectors(trained, rows, tokenizer.specials, device=device)
+    spread = spread_of(centred_unit(raw, trained_centre))
+    variation = 1.0 if trained_centre is None else float(
+        np.linalg.norm(raw - trained_centre, axis=1).mean() / max(np.linalg.norm(raw, axis=1).mean(), 1e-12))
+    spread_init = float(np.mean([spread_of(centred_unit(raw_relevance_vectors(m, rows, tokenizer.specials, device=device), c))
+                                 for m, (_, c) in zip(initials, initial)]))
+    p = float(np.mean([v.mean() for v in trained_hits.values()]))
+    p0 = float(np.mean([v.mean() for v in init_hits.values()]))
+    lo, hi = diff["ci95"]
+    interval = f"{diff['mean']:+.3f} (95% CI {lo:+.3f} to {hi:+.3f}, held-out pages resampled)"
+    if spread >= COLLAPSED_SPREAD or variation < COLLAPSED_VARIATION:
         verdict = "collapsed"
         warning = (f"g has collapsed: unrelated documents have a mean cosine of {spread:.3f} (at initialisation "
                    f"{spread_init:.3f}), so the index links documents at random; held-out P@1 {p:.3f} vs {p0:.3f} at "
                    "initialisation. This recipe does not learn to retrieve at this scale: start from "
-                   "deploy/configs/learning.yaml (experiments/ceiling/README.md).")
-    elif p <= p0:
-        verdict = "below initialisation"
-        warning = (f"g retrieves no better than at initialisation: held-out P@1 {p:.3f} vs {p0:.3f} ({len(trained_p)} "
-                   "directions); the index is not learning. Train longer, or start from deploy/configs/learning.yaml "
-                   "(experiments/ceiling/README.md).")
-    else:
+                   "deploy/configs/learning.yaml (experiments/mechanism/README.md).")
+    elif lo > 0:
         verdict, warning = "learning", None
+    elif hi < 0:
+        verdict = "below initialisation"
+        warning = (f"g retrieves worse than at initialisation: held-out P@1 {p:.3f} vs {p0:.3f}, {interval}; the "
+                   "index is getting worse. Train longer, or start from deploy/configs/learning.yaml "
+                   "(experiments/mechanism/README.md).")
+    else:
+        verdict = "not above initialisation"
+        warning = (f"g retrieves no better than at initialisation: held-out P@1 {p:.3f} vs {p0:.3f}, {interval}, "
+                   "an interval that holds 0. Train longer, or start from deploy/configs/learning.yaml "
+                   "(experiments/mechanism/README.md).")
+    directions = {k: float(v.mean()) for k, v in trained_hits.items()}
+    directions_init = {k: float(v.mean()) for k, v in init_hits.items()}
     return {"verdict": verdict, "warning": warning, "spread": spread, "spread_at_init": spread_init,
-            "p_at_1": p, "p_at_1_at_init": p0,
-            "directions_above_init": sum(trained_p[k] > initial_p[k] for k in trained_p), "directions": len(trained_p),
-            "p_at_1_by_direction": trained_p, "p_at_1_at_init_by_direction": initial_p}
+            "variation": variation,
+            "p_at_1": p, "p_at_1_at_init": p0, "difference": diff["mean"], "difference_ci95": diff["ci95"],
+            "initialisations": len(initials), "pages": len(index),
+            "directions_above_init": sum(directions[k] > directions_init[k] for k in directions),
+            "directions": len(directions), "p_at_1_by_direction": directions,
+            "p_at_1_at_init_by_direction": directions_init}
 
 
 def describe_g_health(health: dict) -> str:
     """The one-line report of `g_health` for a progress log."""
+    lo, hi = health["difference_ci95"]
     return (f"[g] {health['verdict']} | held-out P@1 {health['p_at_1']:.3f} vs {health['p_at_1_at_init']:.3f} at "
-            f"initialisation ({health['directions_above_init']}/{health['directions']} directions above) | spread "
-            f"{health['spread']:.3f} (at initialisation {health['spread_at_init']:.3f})")
+            f"initialisation (mean of {health['initialisations']} random inits, g centred alike): "
+            f"{health['difference']:+.3f}, 95% CI {lo:+.3f} to {hi:+.3f} over {health['pages']} held-out pages | "
+            f"spread {health['spread']:.3f} (at initialisation {health['spread_at_init']:.3f})")
 
 
 def loggable(health: dict) -> dict:

@@ -78,6 +78,13 @@ class MargeObjectiveConfig:
     attend_to: str = "all"
     """'all': a target cross-attends to every evidence document of its batch (paper Eq. 2); deviation
     'linked': only to the ones it has a retrieval link to."""
+    detach_relevance: bool = False
+    """A control, not a recipe: true keeps beta * f in the cross-attention logits but lets no gradient reach g
+    through f, so g learns only from what reaches it otherwise (the encoder's memory, an auxiliary loss). The
+    difference in g's retrieval against the same run with false is what the relevance bias teaches g
+    (experiments/mechanism)."""
+    train_beta: bool = True
+    """A control: false keeps beta at `model.beta_init` for the whole run (no gradient, not in the optimizer)."""
 
     def __post_init__(self) -> None:
         positive(self, "weight")
@@ -322,7 +329,8 @@ class MargeObjective:
         return to_model_inputs(batch, self.specials, self.cfg.attend_to)
 
     def loss(self, model: torch.nn.Module, inputs: ModelInputs) -> tuple[Tensor, Tensor]:
-        out = model(**inputs.as_kwargs(), width=inputs.width)  # checked on the host: no device read in the forward
+        # width was checked on the host: no device read in the forward
+        out = model(**inputs.as_kwargs(), width=inputs.width, detach_relevance=self.cfg.detach_relevance)
         return out.loss, out.tokens_per_target_N.sum()
 
 
@@ -525,6 +533,15 @@ class Objectives:
             if plugin.name == self.primary:
                 tokens = predicted
         return Losses(objective, parts, tokens)
+
+
+def apply_objective_settings(model: torch.nn.Module, cfg: ObjectivesConfig) -> torch.nn.Module:
+    """What the objectives change about the model's trainable parameters, applied before the optimizer and any DDP
+    wrapper are built: `objectives.marge.train_beta: false` takes beta out of training (no gradient, so neither
+    the optimizer nor DDP's all-reduce sees it)."""
+    if cfg.marge is not None and not cfg.marge.train_beta and hasattr(model, "beta"):
+        model.beta.requires_grad_(False)
+    return model
 
 
 def objectives_for(cfg: ObjectivesConfig, tokenizer, corpus_tokens: list | None = None) -> Objectives:

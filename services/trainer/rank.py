@@ -35,7 +35,7 @@ from marge.utils import setup_logging
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.job import TrainerJob
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
-from services.trainer.objectives import objectives_for
+from services.trainer.objectives import apply_objective_settings, objectives_for
 from services.trainer.source import source_for
 from services.trainer.state import report_checkpoint, resume
 from services.trainer.inputs import untrainable
@@ -148,7 +148,8 @@ class Rank:
             trace_collectives(job.faults.trace_collectives, self.rank, self.device)
         corpus = Corpus.open(job.paths.corpus, verify_checksums=False)
         self.corpus_root, self.tokenizer = corpus.root, corpus.tokenizer()
-        self.model = apply_execution_settings(load_model_weights(job.paths.init_weights).to(self.device), t)
+        self.model = apply_objective_settings(
+            apply_execution_settings(load_model_weights(job.paths.init_weights).to(self.device), t), job.objectives)
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_scheduler(self.optimizer, t, job.max_steps)
         resumed = resume(self.model, self.optimizer, self.scheduler, self.device, self.rank, job.resume_from,

@@ -28,7 +28,7 @@ from marge.model import Marge
 from marge.protocol import Slots
 from services.trainer.config import TrainerConfig
 from services.trainer.inputs import substitute_batch, untrainable
-from services.trainer.objectives import Objectives, PreparedBatch
+from services.trainer.objectives import Objectives, PreparedBatch, apply_objective_settings
 
 # Dense bf16 tensor-core peak (FLOP/s) by device name, from the vendors' data sheets: the denominator of MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
@@ -345,7 +345,7 @@ def reference_train(model: Marge, step_batches: Iterable[list[Batch]], objective
                     start_step: int = 0) -> list[StepRecord]:
     """Train in this process on the given batches, one list of batches per optimizer step."""
     device = torch.device(device)
-    model.to(device).train()
+    apply_objective_settings(model.to(device).train(), objectives.cfg)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg, max_steps)
     return [train_step(model, optimizer, scheduler, objectives, batches, cfg, step, device, seed)

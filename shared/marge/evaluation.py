@@ -284,3 +284,107 @@ def by_language_pair(results: dict[str, float]) -> dict[str, dict[str, float]]:
         src, tgt = key.split("->")
         table[src][tgt] = value
     return dict(table)
+
+
+# --------------------------------------------------------------------------------------------------
+# g with one centring procedure for every model, hits per query, and a bootstrap over pages
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def raw_relevance_vectors(model: Marge | RelevanceEncoder, rows: list[list[int]], specials: SpecialTokens,
+                          batch_size: int = 64, device: str = "cpu") -> np.ndarray:
+    """g of each row before any centring (float64, R D)."""
+    g = model.relevance_vectors if isinstance(model, Marge) else model
+    order = np.argsort([len(r) for r in rows], kind="stable")
+    out = np.zeros((len(rows), model.cfg.d_model), dtype=np.float64)
+    for start in range(0, len(rows), batch_size):
+        idx = order[start:start + batch_size]
+        out[idx] = g(pad_rows([rows[i] for i in idx], specials.pad_id).to(device)).double().cpu().numpy()
+    return out
+
+
+def fitted_centre(model: Marge | RelevanceEncoder, centre_rows: list[list[int]], specials: SpecialTokens,
+                  device: str = "cpu") -> np.ndarray | None:
+    """The centre a model's g is compared around, fitted the same way for every model: the mean g over
+    `centre_rows` (a fixed sample of training documents) when the model centres g (`model.relevance_centering`),
+    else None. A trained model's running centre is a moving mean of g over its training batches; a model at
+    initialisation has none (zeros), so scoring it with its own centre would compare it uncentred. Fitting both on
+    the same documents compares like with like."""
+    if not model.cfg.relevance_centering:
+        return None
+    return raw_relevance_vectors(model, centre_rows, specials, device=device).mean(0)
+
+
+def centred_unit(vectors: np.ndarray, centre: np.ndarray | None) -> np.ndarray:
+    v = vectors - centre if centre is not None else vectors
+    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+
+
+def retrieval_hits(model: Marge | RelevanceEncoder, tokenizer, pairs: list[PairSet], centre: np.ndarray | None,
+                   device: str = "cpu") -> dict[str, np.ndarray]:
+    """For every direction, whether each query's nearest candidate by cos(g - centre) is its translation (a bool
+    per query, in the pair set's order): the items P@1 averages, kept so that runs can be compared item by item."""
+    def vectors(texts: list[str]) -> np.ndarray:
+        rows = encode_texts(tokenizer, texts, model.cfg.max_positions)
+        return centred_unit(raw_relevance_vectors(model, rows, tokenizer.specials, device=device), centre)
+
+    out = {}
+    for pair in pairs:
+        sim = vectors(pair.sources) @ vectors(pair.targets).T
+        out[f"{pair.src_lang}->{pair.tgt_lang}"] = np.argmax(sim, axis=1) == np.arange(len(sim))
+        out[f"{pair.tgt_lang}->{pair.src_lang}"] = np.argmax(sim.T, axis=1) == np.arange(len(sim))
+    return out
+
+
+def pair_pages(pairs: list[PairSet], documents_jsonl: Path | None) -> dict[str, np.ndarray]:
+    """The page (document group) each pair of every language pair comes from, found by its source text among the
+    paragraphs of `documents_jsonl` (the held-out documents the pairs were drawn from): what a bootstrap must resample,
+    since paragraphs of one page are not independent. A pair whose page is unknown is a page of its own."""
+    from marge.corpus import split_paragraphs
+    from marge.prepare import read_documents
+
+    page_of: dict[tuple[str, str], str] = {}
+    if documents_jsonl is not None and Path(documents_jsonl).exists():
+        langs = {lang for p in pairs for lang in (p.src_lang, p.tgt_lang)}
+        for group, texts in read_documents(Path(documents_jsonl), langs).items():
+            for lang, text in texts.items():
+                for para in split_paragraphs(text):
+                    page_of.setdefault((lang, para), group)
+    out = {}
+    for pair in pairs:
+        pages = []
+        for i, (src, tgt) in enumerate(zip(pair.sources, pair.targets)):
+            key = " ".join(src.split())
+            pages.append(page_of.get((pair.src_lang, key)) or page_of.get((pair.tgt_lang, " ".join(tgt.split())))
+                         or f"{pair.src_lang}-{pair.tgt_lang}#{i}")
+        out[f"{pair.src_lang}->{pair.tgt_lang}"] = out[f"{pair.tgt_lang}->{pair.src_lang}"] = np.asarray(pages, dtype=object)
+    return out
+
+
+def page_sums(values_by_direction: dict[str, np.ndarray], pages_by_direction: dict[str, np.ndarray],
+              page_index: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(sum of the values, number of items) per page, over every direction: what `clustered_bootstrap` resamples."""
+    sums, counts = np.zeros(len(page_index)), np.zeros(len(page_index))
+    for key, values in values_by_direction.items():
+        idx = np.array([page_index[p] for p in pages_by_direction[key]], dtype=np.int64)
+        np.add.at(sums, idx, np.asarray(values, dtype=np.float64))
+        np.add.at(counts, idx, 1.0)
+    return sums, counts
+
+
+def clustered_bootstrap(sums_KP: np.ndarray, counts_KP: np.ndarray, resamples: int = 2000, seed: int = 0,
+                        resample_rows: bool = True) -> dict:
+    """Mean over rows (runs: seeds) of sum / count over pages, with a 95% bootstrap interval that resamples the
+    pages (columns, the same draw for every row) and, with `resample_rows`, the rows too: a two-level bootstrap
+    of runs and pages. (K P) arrays; a single row is a page bootstrap alone."""
+    sums_KP, counts_KP = np.atleast_2d(sums_KP), np.atleast_2d(counts_KP)
+    k, p = sums_KP.shape
+    mean = float(np.mean(sums_KP.sum(1) / np.maximum(counts_KP.sum(1), 1e-12)))
+    rng = np.random.default_rng(seed)
+    draws = np.empty(resamples)
+    for b in range(resamples):
+        w = np.bincount(rng.integers(0, p, size=p), minlength=p).astype(np.float64)
+        rows = rng.integers(0, k, size=k) if resample_rows and k > 1 else np.arange(k)
+        draws[b] = np.mean((sums_KP[rows] @ w) / np.maximum(counts_KP[rows] @ w, 1e-12))
+    return {"mean": mean, "ci95": [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))]}

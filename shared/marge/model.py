@@ -642,7 +642,8 @@ class Marge(nn.Module):
     # --- the reconstruction loss ----------------------------------------------------------------
 
     def forward(self, evidence_MS: Tensor, target_enc_NS: Tensor | None, decoder_in_NT: Tensor, labels_NT: Tensor,
-                allowed_NM: Tensor, return_logits: bool = False, width: int | None = None) -> MargeOutput:
+                allowed_NM: Tensor, return_logits: bool = False, width: int | None = None,
+                detach_relevance: bool = False) -> MargeOutput:
         """Negative log-likelihood of each target given the evidence and relevance scores (paper Eq. 2).
 
         evidence_MS    evidence documents as encoder input (BOS ... EOS, padded)
@@ -653,6 +654,8 @@ class Marge(nn.Module):
         allowed_NM     True where target i may attend to evidence j (never its own document)
         width          `check_inputs` of these inputs, done on the host when the batch was prepared; None: checked
                        here, which reads device values back (the trainer never leaves it None)
+        detach_relevance  beta * f still biases the cross-attention, but no gradient reaches g through f (the
+                       control that measures what the relevance bias teaches g: `objectives.marge.detach_relevance`)
         """
         self._check_lengths(decoder_in_NT, "target")
         if decoder_in_NT.shape != labels_NT.shape:
@@ -662,6 +665,9 @@ class Marge(nn.Module):
         evidence = self.encode_evidence(evidence_MS)
         if target_enc_NS is None:
             relevance_NM = torch.zeros(allowed_NM.shape, device=allowed_NM.device)
+        elif detach_relevance:  # the same f, a constant to the backward pass: the targets' g pass needs no graph
+            with torch.no_grad():
+                relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD.detach())
         else:
             relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD)
         cross = self.cross_memory(evidence, relevance_NM, allowed_NM, width)

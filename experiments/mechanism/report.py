@@ -1,0 +1,324 @@
+"""The mechanism study's report: every arm over its seeds, and the named contrasts, with intervals that resample
+seeds and pages.
+
+Intervals. A P@1 or an evidence gain of an arm is a mean over its seeds of a mean over held-out items; its `ci95`
+is a two-level bootstrap (seeds with replacement, then pages with replacement, the same page draw for every seed:
+paragraphs of one page are not independent, and neither are the 8 directions of one pair). `ci95_seeds_t` is the
+t interval over the seeds' own means (what seed-to-seed variance alone allows, n - 1 degrees of freedom). A
+contrast is paired: seed s of one arm against seed s of the other (the same initial weights and, until the arms'
+indexes differ, the same batches), item by item. A contrast is **shown** only when both intervals lie above 0.
+
+    report.json   arms.<name> = {seeds, updates, aux_loss, detached_f, index, p_at_1, p_at_1_init, nll, gains,
+                  aligned_link_precision, ...}; contrasts.<name> = {delta, ci95, ci95_seeds_t, ...}; targets
+    curves.png
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from marge.evaluation import clustered_bootstrap, page_sums
+from marge.utils import atomic_write_text
+
+log = logging.getLogger("marge.mechanism")
+
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+"""Two-sided 95% quantiles of Student's t by degrees of freedom (seeds - 1)."""
+
+
+def t_interval(values: list[float]) -> list[float] | None:
+    if len(values) < 2:
+        return None
+    v = np.asarray(values, dtype=np.float64)
+    half = T_975.get(len(v) - 1, 1.96) * v.std(ddof=1) / np.sqrt(len(v))
+    return [float(v.mean() - half), float(v.mean() + half)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading the runs
+# ----------------------------------------------------------------------------------------------------
+
+
+def read_runs(out: Path) -> dict[str, dict[int, dict]]:
+    """{arm: {seed: {"measures", "builds", "baselines", "updates"}}} of every measured run in a study folder."""
+    runs: dict[str, dict[int, dict]] = {}
+    for folder in sorted(Path(out).glob("runs/*/seed-*")):
+        measures = folder / "measures.json"
+        if not folder.is_dir() or not measures.exists():
+            continue
+        builds_path = folder / "run" / "index_builds.jsonl"
+        builds = [json.loads(line) for line in builds_path.read_text(encoding="utf-8").splitlines()
+                  if line.strip()] if builds_path.exists() else []
+        report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+        runs.setdefault(folder.parent.name, {})[int(folder.name.split("-", 1)[1])] = {
+            "measures": json.loads(measures.read_text(encoding="utf-8")), "builds": builds,
+            "baselines": json.loads((folder / "baselines.json").read_text(encoding="utf-8")),
+            "updates": int(report["pipeline"]["steps"]), "minutes": report["pipeline"]["train_seconds"] / 60}
+    return runs
+
+
+def common_steps(seeds: dict[int, dict]) -> list[int]:
+    steps = None
+    for run in seeds.values():
+        mine = {int(s) for s in run["measures"]["steps"]}
+        steps = mine if steps is None else steps & mine
+    return sorted(steps or [])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Item values per page
+# ----------------------------------------------------------------------------------------------------
+
+
+class Pages:
+    """A fixed page index over the probe's targets and the pairs' queries (the same for every run)."""
+
+    def __init__(self, any_measures: dict):
+        self.pair_pages = {k: np.asarray(v, dtype=object) for k, v in any_measures["pair_pages"].items()}
+        first = next(iter(any_measures["steps"].values()))
+        self.target_pages = np.asarray(first["groups"], dtype=object)
+        names = sorted({*self.target_pages.tolist(), *(p for v in self.pair_pages.values() for p in v.tolist())})
+        self.index = {p: i for i, p in enumerate(names)}
+
+    def hits(self, record: dict, minus: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(per-page sums, counts) of P@1 hits, or of hits minus `minus`'s hits (a paired difference)."""
+        values = {k: np.asarray(v, dtype=np.float64) for k, v in record["p_at_1_hits"].items()}
+        if minus is not None:
+            values = {k: v - np.asarray(minus["p_at_1_hits"][k], dtype=np.float64) for k, v in values.items()}
+        return page_sums(values, self.pair_pages, self.index)
+
+    def gain(self, record: dict, condition: str, minus: tuple[dict, str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(per-page sums of NLL(none) - NLL(condition), per-page target tokens): a gain in nats per token; with
+        `minus` = (record, condition), the paired difference of two gains."""
+        gain = np.asarray(record["nll_sum"]["none"]) - np.asarray(record["nll_sum"][condition])
+        if minus is not None:
+            other, cond = minus
+            gain = gain - (np.asarray(other["nll_sum"]["none"]) - np.asarray(other["nll_sum"][cond]))
+        idx = np.array([self.index[p] for p in self.target_pages], dtype=np.int64)
+        sums, counts = np.zeros(len(self.index)), np.zeros(len(self.index))
+        np.add.at(sums, idx, gain)
+        np.add.at(counts, idx, np.asarray(record["tokens"], dtype=np.float64))
+        return sums, counts
+
+
+def summarise(rows: list[tuple[np.ndarray, np.ndarray]], seed: int = 0) -> dict:
+    """Mean, two-level bootstrap CI and t interval over seeds of per-seed (page sums, page counts)."""
+    sums = np.stack([r[0] for r in rows])
+    counts = np.stack([r[1] for r in rows])
+    boot = clustered_bootstrap(sums, counts, seed=seed)
+    per_seed = (sums.sum(1) / np.maximum(counts.sum(1), 1e-12)).tolist()
+    return {"mean": round(boot["mean"], 5), "ci95": [round(x, 5) for x in boot["ci95"]],
+            "ci95_seeds_t": [round(x, 5) for x in t_interval(per_seed)] if len(per_seed) > 1 else None,
+            "by_seed": [round(x, 5) for x in per_seed]}
+
+
+def shown(summary: dict) -> bool:
+    """Above 0 by both intervals (a single seed never shows anything)."""
+    t = summary.get("ci95_seeds_t")
+    return bool(t) and summary["ci95"][0] > 0 and t[0] > 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Arms and contrasts
+# ----------------------------------------------------------------------------------------------------
+
+
+def arm_summary(name: str, seeds: dict[int, dict], pages: Pages) -> dict:
+    from experiments.mechanism.harness import ARM_NAMES, arm_named
+
+    steps = common_steps(seeds)
+    if not steps:
+        return {}
+    final = str(steps[-1])
+    order = sorted(seeds)
+    records = [seeds[s]["measures"]["steps"][final] for s in order]
+    inits = [seeds[s]["measures"]["steps"]["0"] for s in order]
+    conditions = list(records[0]["nll_sum"])
+    tokens = [sum(r["tokens"]) for r in records]
+    nll = {c: round(float(np.mean([sum(r["nll_sum"][c]) / t for r, t in zip(records, tokens)])), 5) for c in conditions}
+    gains = {c: summarise([pages.gain(r, c) for r in records]) for c in conditions if c != "none"}
+    over = {}
+    for step in steps:
+        rs = [seeds[s]["measures"]["steps"][str(step)] for s in order]
+        over[str(step)] = {"p_at_1": summarise([pages.hits(r) for r in rs]),
+                           "gain_retrieved": summarise([pages.gain(r, "retrieved") for r in rs]),
+                           "gain_gold": summarise([pages.gain(r, "gold") for r in rs]),
+                           "beta": round(float(np.mean([r["beta"] for r in rs])), 4),
+                           "retrieved_precision": round(float(np.mean(
+                               [r["retrieved_links"]["crosslingual_parallel_precision"] for r in rs])), 4)}
+    builds = {}
+    for s in order:
+        for b in seeds[s]["builds"]:
+            builds.setdefault(int(b["version"]), []).append(b)
+    precision = [{"version": v, "snapshot_step": bs[0]["snapshot_step"], "link_sources": bs[0].get("link_sources"),
+                  "lexical_weight": bs[0].get("lexical_weight"),
+                  "mean": round(float(np.mean([b["crosslingual_parallel_precision"] for b in bs])), 4),
+                  "by_seed": [round(b["crosslingual_parallel_precision"], 4) for b in bs]}
+                 for v, bs in sorted(builds.items()) if all(b.get("crosslingual_parallel_precision") is not None for b in bs)]
+    arm = arm_named(name) if name in ARM_NAMES else None
+    tfidf = [float(np.mean(list(seeds[s]["baselines"]["tfidf"].values()))) for s in order]
+    return {
+        "why": arm.why if arm else None, "overrides": list(arm.overrides) if arm else None,
+        "seeds": order, "updates": steps[-1], "aux_loss": arm.aux_loss if arm else None,
+        "detached_f": arm.detached_f if arm else None, "index": arm.index if arm else None,
+        "minutes_by_seed": [round(seeds[s]["minutes"], 1) for s in order],
+        "p_at_1": summarise([pages.hits(r) for r in records]),
+        "p_at_1_init": summarise([pages.hits(r) for r in inits]),
+        "p_at_1_over_init": summarise([pages.hits(r, minus=i) for r, i in zip(records, inits)]),
+        "p_at_1_tfidf": round(float(np.mean(tfidf)), 4),
+        "nll": nll, "gains": gains,
+        "retrieved_links": {k: round(float(np.mean([r["retrieved_links"][k] for r in records])), 4)
+                            for k in records[0]["retrieved_links"]},
+        "retrieved_g_links": {k: round(float(np.mean([r["retrieved_g_links"][k] for r in records])), 4)
+                              for k in records[0]["retrieved_g_links"]},
+        "beta": round(float(np.mean([r["beta"] for r in records])), 4),
+        "aligned_link_precision": precision,
+        "over_updates": over,
+    }
+
+
+def contrast(first: dict[int, dict], second: dict[int, dict], pages: Pages, step: int) -> dict:
+    """first minus second, paired by seed, at update `step`: P@1 of g and the retrieved-evidence gain."""
+    both = sorted(set(first) & set(second))
+    a = [first[s]["measures"]["steps"][str(step)] for s in both]
+    b = [second[s]["measures"]["steps"][str(step)] for s in both]
+    p = summarise([pages.hits(x, minus=y) for x, y in zip(a, b)])
+    gain = summarise([pages.gain(x, "retrieved", minus=(y, "retrieved")) for x, y in zip(a, b)])
+    return {"seeds": both, "updates": step, "delta": p["mean"], "ci95": p["ci95"], "ci95_seeds_t": p["ci95_seeds_t"],
+            "by_seed": p["by_seed"], "shown": shown(p), "delta_retrieved_gain": gain}
+
+
+def judge(arms: dict, contrasts: dict) -> dict:
+    def verdict(name: str):
+        c = contrasts.get(name)
+        return None if c is None else c["shown"]
+
+    out = {"L3_beta_f_trains_g_in_the_loop": verdict("beta_f_vs_detached_loop"),
+           "L4_loop_adds_to_g_beyond_the_aux_loss": verdict("loop_vs_lexical_frozen")}
+    for name in ("loop", "loop_aux"):
+        arm = arms.get(name)
+        if not arm:
+            continue
+        versions = arm["aligned_link_precision"]
+        start = next((v["mean"] for v in versions if v["version"] == 0), None)
+        handed = [v for v in versions if v["version"] > 0 and not v["lexical_weight"]]
+        out[f"L5_{name}_precision_after_handover_at_least_tfidf_start"] = (
+            all(v["mean"] >= start for v in handed) if handed and start is not None else None)
+        out[f"L5_{name}_precision"] = {"tfidf_start": start, "after_handover": [v["mean"] for v in handed]}
+    best = max((a for a in arms.values() if a), key=lambda a: a["p_at_1"]["mean"], default=None)
+    if best:
+        out["moonshot_best_arm_p_at_1"] = best["p_at_1"]["mean"]
+        out["moonshot_tfidf_p_at_1"] = best["p_at_1_tfidf"]
+        out["moonshot_g_at_least_tfidf"] = best["p_at_1"]["mean"] >= best["p_at_1_tfidf"]
+    return out
+
+
+def write_report(out: Path) -> dict:
+    from experiments.mechanism.harness import ARM_NAMES, COMMON, CONTRASTS
+
+    out = Path(out)
+    runs = read_runs(out)
+    if not runs:
+        log.warning("%s holds no measured run yet", out)
+        return {}
+    pages = Pages(next(iter(next(iter(runs.values())).values()))["measures"])
+    arms = {name: arm_summary(name, runs[name], pages) for name in [*ARM_NAMES, *sorted(set(runs) - set(ARM_NAMES))]
+            if name in runs}
+    arms = {k: v for k, v in arms.items() if v}
+    contrasts = {}
+    for name, (first, second, what) in CONTRASTS.items():
+        if first in arms and second in arms:
+            step = min(arms[first]["updates"], arms[second]["updates"])
+            contrasts[name] = {"first": first, "second": second, "what": what,
+                               **contrast(runs[first], runs[second], pages, step)}
+    any_run = next(iter(next(iter(runs.values())).values()))
+    report = {
+        "question": "Does the reconstruction loss teach g to retrieve through beta * f, and does the loop add to g?",
+        "common_overrides": list(COMMON),
+        "heldout": any_run["measures"].get("heldout"),
+        "definitions": {
+            "p_at_1": "held-out P@1 of g, mean over the tokenizer's directions of the held-out pairs; g centred on the "
+                      "mean g of 2,048 training documents for every model (trained and initial alike)",
+            "p_at_1_init": "the same measure of each seed's initial weights (one random init per seed)",
+            "nll": "absolute NLL per held-out target token (text and EOS) at the last common update, mean over seeds, "
+                   "by evidence condition (experiments/mechanism/measures.py)",
+            "gains": "NLL(none) - NLL(condition) in nats per target token; 'retrieved' is the headline",
+            "ci95": "two-level bootstrap: seeds, then pages (2,000 draws); ci95_seeds_t: t interval over seed means",
+            "contrast": "first arm minus second, paired by seed and item; shown = both intervals above 0",
+        },
+        "arms": arms, "contrasts": contrasts, "targets": judge(arms, contrasts),
+        "command": "python -m experiments.mechanism run --out DIR --updates N --seeds 0,1,2 --jobs 2",
+    }
+    report["curves"] = plot_mechanism(report, out / "curves.png").name
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def plot_mechanism(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = report["arms"]
+    fig, axes = plt.subplots(2, 3, figsize=(18, 10))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(arms)}
+    styles = {True: "--", False: "-"}
+
+    def curve(ax, key: str, title: str, hline=None):
+        for name, arm in arms.items():
+            steps = sorted(arm["over_updates"], key=int)
+            x = [int(s) for s in steps]
+            y = [arm["over_updates"][s][key]["mean"] for s in steps]
+            lo = [arm["over_updates"][s][key]["ci95"][0] for s in steps]
+            hi = [arm["over_updates"][s][key]["ci95"][1] for s in steps]
+            ax.plot(x, y, styles[bool(arm.get("detached_f"))], color=colors[name], label=name, marker="o", markersize=3)
+            ax.fill_between(x, lo, hi, color=colors[name], alpha=0.12)
+        if hline is not None:
+            ax.axhline(hline[0], color="k", linestyle=":", linewidth=1, label=hline[1])
+        ax.set_title(title)
+        ax.set_xlabel("update")
+        ax.legend(fontsize=7)
+
+    tfidf = next(iter(arms.values()))["p_at_1_tfidf"]
+    curve(axes[0, 0], "p_at_1", "held-out P@1 of g (95% CI: seeds x pages; dashed: f detached)", (tfidf, "char TF-IDF"))
+    curve(axes[0, 1], "gain_retrieved", "retrieved-evidence gain NLL(none) - NLL(retrieved), nats/token")
+    curve(axes[0, 2], "gain_gold", "gold-evidence gain NLL(none) - NLL(gold), nats/token")
+    ax = axes[1, 0]
+    for name, arm in arms.items():
+        v = arm["aligned_link_precision"]
+        ax.plot([b["snapshot_step"] for b in v], [b["mean"] for b in v], "s" + styles[bool(arm.get("detached_f"))],
+                color=colors[name], label=name, markersize=3)
+    ax.set_title("index: cross-lingual links joining aligned translations (by snapshot)")
+    ax.set_xlabel("snapshot update")
+    ax.legend(fontsize=7)
+    ax = axes[1, 1]
+    for name, arm in arms.items():
+        steps = sorted(arm["over_updates"], key=int)
+        ax.plot([int(s) for s in steps], [arm["over_updates"][s]["beta"] for s in steps],
+                styles[bool(arm.get("detached_f"))], color=colors[name], label=name)
+    ax.set_title("beta")
+    ax.set_xlabel("update")
+    ax.legend(fontsize=7)
+    ax = axes[1, 2]
+    conditions = list(next(iter(arms.values()))["nll"])
+    width = 0.8 / max(1, len(arms))
+    for i, (name, arm) in enumerate(arms.items()):
+        ax.bar(np.arange(len(conditions)) + i * width, [arm["nll"][c] for c in conditions], width, color=colors[name],
+               label=name)
+    ax.set_xticks(np.arange(len(conditions)) + 0.4 - width / 2)
+    ax.set_xticklabels(conditions, fontsize=8)
+    low = min(arm["nll"][c] for arm in arms.values() for c in conditions)
+    ax.set_ylim(low - 0.3, None)
+    ax.set_title("held-out NLL per token at the last update, by evidence")
+    ax.legend(fontsize=7)
+    fig.suptitle("What teaches g to retrieve: arms at equal updates, seeds " +
+                 ", ".join(str(s) for s in next(iter(arms.values()))["seeds"]))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
