@@ -160,7 +160,7 @@ def fake_measures(p_hit: float, gain: float, seed: int, pages: int = 40, per_pag
         none = rng.normal(30.0, 3.0, size=n)
         tokens = [10] * n
         nll = {"none": none.tolist(), "retrieved": (none - 10 * g + rng.normal(0, 1.0, size=n)).tolist(),
-               "gold": (none - 10 * g).tolist()}
+               "gold": (none - 10 * g).tolist(), "wrong_page": (none - 0.5).tolist()}
         hits = {d: (rng.random(n) < p).astype(int).tolist() for d in ("en->de", "de->en")}
         return {"nll_sum": nll, "tokens": tokens, "groups": groups, "p_at_1_hits": hits, "p_at_1": p, "beta": 1.0,
                 "retrieved_links": {"crosslingual_parallel_precision": 0.5},
@@ -198,7 +198,10 @@ def test_a_contrast_is_shown_only_when_seeds_and_pages_agree(tmp_path):
     assert c["delta_retrieved_gain"]["mean"] == pytest.approx(0.3, abs=0.05)
     arm = real["arms"]["loop"]
     assert arm["seeds"] == [0, 1, 2] and arm["updates"] == 500 and arm["index"] == "loop" and not arm["detached_f"]
-    assert set(arm["nll"]) == {"none", "retrieved", "gold"} and arm["gains"]["gold"]["mean"] == pytest.approx(0.4)
+    assert set(arm["nll"]) == {"none", "retrieved", "gold", "wrong_page"}
+    assert arm["gains"]["gold"]["mean"] == pytest.approx(0.4) and arm["gains_over_wrong_page"]["gold"]["mean"] == \
+        pytest.approx(0.35)
+    assert c["retrieved_nll_lower_by"]["mean"] == pytest.approx(0.3, abs=0.05)  # detached's retrieved NLL is higher
     assert arm["p_at_1_over_init"]["ci95"][0] > 0 and arm["aligned_link_precision"][0]["mean"] == 0.47
     assert real["targets"]["L3_beta_f_trains_g_in_the_loop"] is True
     assert (tmp_path / "real" / "curves.png").exists()

@@ -62,6 +62,8 @@ every checkpoint, with the other held-out measures (`experiments.mechanism.measu
 FROZEN = "indexer.reindex_every=1000000"
 NO_AUX = "objectives.denoising_contrastive=null"
 DETACHED = "objectives.marge.detach_relevance=true"
+UNTIED = "model.tie_encoder_embeddings=false"
+"""g's token embedding apart from the decoder's input and output one, which the language-model loss shapes."""
 TFIDF_FROZEN = ("indexer.links=tfidf", "indexer.bootstrap=none", "indexer.lexical_weight=0", "indexer.lexical_until=0",
                 FROZEN)
 ALIGNED = ("indexer.links=aligned", "indexer.aligned_layout=budget", "indexer.bootstrap=none",
@@ -103,6 +105,10 @@ ARMS = (
         "aligned translations in the loop's link budget, rebuilt: the decoder's ceiling (uses labels)"),
     Arm("paper", "paper", False, False, PAPER,
         "the paper's loop: random-init first index, g alone, no auxiliary loss"),
+    Arm("loop_untied", "loop", False, False, (NO_AUX, UNTIED),
+        "the loop with g's own token embedding (not the decoder's): does beta * f teach g more?"),
+    Arm("loop_untied_detached", "loop", False, True, (NO_AUX, UNTIED, DETACHED),
+        "the same with f detached"),
 )
 ARM_NAMES = tuple(a.name for a in ARMS)
 
@@ -114,6 +120,9 @@ CONTRASTS = {
     "loop_vs_lexical_frozen": ("loop_aux", "tfidf_frozen_aux",
                                "what the loop adds to g beyond the auxiliary loss"),
     "aux_loss_in_loop": ("loop_aux", "loop", "what the auxiliary loss adds to g in the loop"),
+    "beta_f_vs_detached_loop_untied": ("loop_untied", "loop_untied_detached",
+                                       "what beta * f teaches g when g's token embedding is its own"),
+    "untied_vs_tied_loop": ("loop_untied", "loop", "what an embedding of g's own adds to the loop's g"),
 }
 """Named differences (first arm minus second, paired by seed) the report states with CIs."""
 

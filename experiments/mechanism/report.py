@@ -91,17 +91,22 @@ class Pages:
             values = {k: v - np.asarray(minus["p_at_1_hits"][k], dtype=np.float64) for k, v in values.items()}
         return page_sums(values, self.pair_pages, self.index)
 
-    def gain(self, record: dict, condition: str, minus: tuple[dict, str] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(per-page sums of NLL(none) - NLL(condition), per-page target tokens): a gain in nats per token; with
+    def gain(self, record: dict, condition: str, minus: tuple[dict, str] | None = None,
+             baseline: str = "none") -> tuple[np.ndarray, np.ndarray]:
+        """(per-page sums of NLL(baseline) - NLL(condition), per-page target tokens): a gain in nats per token; with
         `minus` = (record, condition), the paired difference of two gains."""
-        gain = np.asarray(record["nll_sum"]["none"]) - np.asarray(record["nll_sum"][condition])
+        gain = np.asarray(record["nll_sum"][baseline]) - np.asarray(record["nll_sum"][condition])
         if minus is not None:
             other, cond = minus
-            gain = gain - (np.asarray(other["nll_sum"]["none"]) - np.asarray(other["nll_sum"][cond]))
+            gain = gain - (np.asarray(other["nll_sum"][baseline]) - np.asarray(other["nll_sum"][cond]))
+        return self.per_target(gain, record["tokens"])
+
+    def per_target(self, values: np.ndarray, tokens) -> tuple[np.ndarray, np.ndarray]:
+        """(per-page sums of per-target `values`, per-page target tokens): a mean per target token."""
         idx = np.array([self.index[p] for p in self.target_pages], dtype=np.int64)
         sums, counts = np.zeros(len(self.index)), np.zeros(len(self.index))
-        np.add.at(sums, idx, gain)
-        np.add.at(counts, idx, np.asarray(record["tokens"], dtype=np.float64))
+        np.add.at(sums, idx, np.asarray(values, dtype=np.float64))
+        np.add.at(counts, idx, np.asarray(tokens, dtype=np.float64))
         return sums, counts
 
 
@@ -141,12 +146,18 @@ def arm_summary(name: str, seeds: dict[int, dict], pages: Pages) -> dict:
     tokens = [sum(r["tokens"]) for r in records]
     nll = {c: round(float(np.mean([sum(r["nll_sum"][c]) / t for r, t in zip(records, tokens)])), 5) for c in conditions}
     gains = {c: summarise([pages.gain(r, c) for r in records]) for c in conditions if c != "none"}
+    over_wrong_page = {c: summarise([pages.gain(r, c, baseline="wrong_page") for r in records])
+                       for c in conditions if c not in ("none", "wrong_page")}
     over = {}
     for step in steps:
         rs = [seeds[s]["measures"]["steps"][str(step)] for s in order]
         over[str(step)] = {"p_at_1": summarise([pages.hits(r) for r in rs]),
                            "gain_retrieved": summarise([pages.gain(r, "retrieved") for r in rs]),
                            "gain_gold": summarise([pages.gain(r, "gold") for r in rs]),
+                           "retrieved_over_wrong_page": summarise([pages.gain(r, "retrieved", baseline="wrong_page")
+                                                                   for r in rs]),
+                           "nll": {c: round(float(np.mean([sum(r["nll_sum"][c]) / sum(r["tokens"]) for r in rs])), 4)
+                                   for c in rs[0]["nll_sum"]},
                            "beta": round(float(np.mean([r["beta"] for r in rs])), 4),
                            "retrieved_precision": round(float(np.mean(
                                [r["retrieved_links"]["crosslingual_parallel_precision"] for r in rs])), 4)}
@@ -170,7 +181,7 @@ def arm_summary(name: str, seeds: dict[int, dict], pages: Pages) -> dict:
         "p_at_1_init": summarise([pages.hits(r) for r in inits]),
         "p_at_1_over_init": summarise([pages.hits(r, minus=i) for r, i in zip(records, inits)]),
         "p_at_1_tfidf": round(float(np.mean(tfidf)), 4),
-        "nll": nll, "gains": gains,
+        "nll": nll, "gains": gains, "gains_over_wrong_page": over_wrong_page,
         "retrieved_links": {k: round(float(np.mean([r["retrieved_links"][k] for r in records])), 4)
                             for k in records[0]["retrieved_links"]},
         "retrieved_g_links": {k: round(float(np.mean([r["retrieved_g_links"][k] for r in records])), 4)
@@ -188,8 +199,11 @@ def contrast(first: dict[int, dict], second: dict[int, dict], pages: Pages, step
     b = [second[s]["measures"]["steps"][str(step)] for s in both]
     p = summarise([pages.hits(x, minus=y) for x, y in zip(a, b)])
     gain = summarise([pages.gain(x, "retrieved", minus=(y, "retrieved")) for x, y in zip(a, b)])
+    lower_nll = summarise([pages.per_target(np.asarray(y["nll_sum"]["retrieved"]) - np.asarray(x["nll_sum"]["retrieved"]),
+                                            x["tokens"]) for x, y in zip(a, b)])
     return {"seeds": both, "updates": step, "delta": p["mean"], "ci95": p["ci95"], "ci95_seeds_t": p["ci95_seeds_t"],
-            "by_seed": p["by_seed"], "shown": shown(p), "delta_retrieved_gain": gain}
+            "by_seed": p["by_seed"], "shown": shown(p), "delta_retrieved_gain": gain,
+            "retrieved_nll_lower_by": lower_nll}
 
 
 def judge(arms: dict, contrasts: dict) -> dict:
@@ -246,9 +260,14 @@ def write_report(out: Path) -> dict:
             "p_at_1_init": "the same measure of each seed's initial weights (one random init per seed)",
             "nll": "absolute NLL per held-out target token (text and EOS) at the last common update, mean over seeds, "
                    "by evidence condition (experiments/mechanism/measures.py)",
-            "gains": "NLL(none) - NLL(condition) in nats per target token; 'retrieved' is the headline",
+            "gains": "NLL(none) - NLL(condition) in nats per target token; 'retrieved' is the headline. 'none' is an "
+                     "empty evidence document, which no training batch has: see gains_over_wrong_page",
+            "gains_over_wrong_page": "NLL(wrong_page) - NLL(condition): against evidence of the same kind that is "
+                                     "unrelated to the target",
             "ci95": "two-level bootstrap: seeds, then pages (2,000 draws); ci95_seeds_t: t interval over seed means",
-            "contrast": "first arm minus second, paired by seed and item; shown = both intervals above 0",
+            "contrast": "first arm minus second in g's P@1, paired by seed and item; shown = both intervals above 0; "
+                        "retrieved_nll_lower_by: the second arm's NLL with its own retrieved evidence minus the "
+                        "first's (positive: the first arm's own index and decoder do better)",
         },
         "arms": arms, "contrasts": contrasts, "targets": judge(arms, contrasts),
         "command": "python -m experiments.mechanism run --out DIR --updates N --seeds 0,1,2 --jobs 2",
@@ -287,7 +306,7 @@ def plot_mechanism(report: dict, path: Path) -> Path:
     tfidf = next(iter(arms.values()))["p_at_1_tfidf"]
     curve(axes[0, 0], "p_at_1", "held-out P@1 of g (95% CI: seeds x pages; dashed: f detached)", (tfidf, "char TF-IDF"))
     curve(axes[0, 1], "gain_retrieved", "retrieved-evidence gain NLL(none) - NLL(retrieved), nats/token")
-    curve(axes[0, 2], "gain_gold", "gold-evidence gain NLL(none) - NLL(gold), nats/token")
+    curve(axes[0, 2], "retrieved_over_wrong_page", "retrieved evidence against another page's: NLL(wrong) - NLL(retr.)")
     ax = axes[1, 0]
     for name, arm in arms.items():
         v = arm["aligned_link_precision"]
