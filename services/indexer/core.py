@@ -175,31 +175,44 @@ def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray | None,
             "score": s[keep_idx].astype(np.float32), "cross_lingual": cross[keep_idx]}
 
 
-def aligned_links(docs: ShardDocuments, distractors: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Diagnostic oracle links: every document to each of its aligned translations (`ShardDocuments.translations`,
-    score 1) and to `distractors` random other documents of the shard that are not its translations (score 0).
-    Uses the corpus's alignment labels: never MARGE, only the ceiling a retriever could reach."""
+def aligned_partners(docs: ShardDocuments) -> list[list[int]]:
+    """Each document's aligned translations in the shard (positions, sorted): the corpus's alignment labels, which the
+    diagnostic oracles link by and nothing else reads."""
     if not docs.aligned:
         raise ValueError(f"shard {docs.shard}: indexer.links 'aligned' needs a corpus prepared from input with "
                          "paragraph_ids (see `marge prepare`); this one has none")
-    n = len(docs)
     by_key: dict[tuple[str, str], list[int]] = {}
-    for i in range(n):
+    for i in range(len(docs)):
         for pid in docs.paragraph_ids[i]:
             by_key.setdefault((docs.groups[i], pid), []).append(i)
+    return [sorted({j for pid in docs.paragraph_ids[i] for j in by_key[(docs.groups[i], pid)]
+                    if docs.langs[j] != docs.langs[i]}) for i in range(len(docs))]
+
+
+def scored_links(docs: ShardDocuments, chosen: list[tuple[int, list[int], list[int]]]) -> dict[str, np.ndarray]:
+    """Links from (target, evidence scored 1, evidence scored 0) positions, in that order per target."""
     targets, evidence, scores = [], [], []
-    for i in range(n):
-        partners = sorted({j for pid in docs.paragraph_ids[i] for j in by_key[(docs.groups[i], pid)]
-                           if docs.langs[j] != docs.langs[i]})
-        others = np.setdiff1d(np.arange(n), [i, *partners])
-        chosen = rng.choice(others, size=min(distractors, len(others)), replace=False) if len(others) else []
-        for j, score in [*((j, 1.0) for j in partners), *((int(j), 0.0) for j in chosen)]:
+    for i, partners, others in chosen:
+        for j, score in [*((j, 1.0) for j in partners), *((int(j), 0.0) for j in others)]:
             targets.append(i)
             evidence.append(j)
             scores.append(score)
     t, e = np.array(targets, dtype=np.int64), np.array(evidence, dtype=np.int64)
     return {"target_id": docs.doc_ids[t], "evidence_id": docs.doc_ids[e], "score": np.array(scores, dtype=np.float32),
             "cross_lingual": docs.langs[t] != docs.langs[e] if len(t) else np.zeros(0, dtype=bool)}
+
+
+def aligned_links(docs: ShardDocuments, distractors: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Diagnostic oracle links: every document to each of its aligned translations (`ShardDocuments.translations`,
+    score 1) and to `distractors` random other documents of the shard that are not its translations (score 0).
+    Uses the corpus's alignment labels: never MARGE, only the ceiling a retriever could reach."""
+    n = len(docs)
+    chosen = []
+    for i, partners in enumerate(aligned_partners(docs)):
+        others = np.setdiff1d(np.arange(n), [i, *partners])
+        chosen.append((i, partners, rng.choice(others, size=min(distractors, len(others)), replace=False)
+                       if len(others) else []))
+    return scored_links(docs, chosen)
 
 
 def budget_aligned_links(docs: ShardDocuments, cfg: IndexerConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -210,32 +223,18 @@ def budget_aligned_links(docs: ShardDocuments, cfg: IndexerConfig, rng: np.rando
     reach with the loop's budget."""
     from dataclasses import replace
 
-    if not docs.aligned:
-        raise ValueError(f"shard {docs.shard}: indexer.links 'aligned' needs a corpus prepared from input with "
-                         "paragraph_ids (see `marge prepare`); this one has none")
-    mono = shard_links(docs.doc_ids, docs.langs, None, replace(cfg, links_crosslingual=0), lexical=lexical_vectors(docs.texts),
-                       lexical_weight=None)
-    n, budget = len(docs), int(round(cfg.links_crosslingual))
-    by_key: dict[tuple[str, str], list[int]] = {}
-    for i in range(n):
-        for pid in docs.paragraph_ids[i]:
-            by_key.setdefault((docs.groups[i], pid), []).append(i)
-    targets, evidence, scores = [], [], []
-    for i in range(n):
-        partners = sorted({j for pid in docs.paragraph_ids[i] for j in by_key[(docs.groups[i], pid)]
-                           if docs.langs[j] != docs.langs[i]})[:budget]
+    partners_of = aligned_partners(docs)
+    mono = shard_links(docs.doc_ids, docs.langs, None, replace(cfg, links_crosslingual=0),
+                       lexical=lexical_vectors(docs.texts), lexical_weight=None)
+    budget = int(round(cfg.links_crosslingual))
+    chosen = []
+    for i, partners in enumerate(partners_of):
+        partners = partners[:budget]
         others = np.setdiff1d(np.flatnonzero(docs.langs != docs.langs[i]), partners)
         fill = min(budget - len(partners), len(others))
-        chosen = rng.choice(others, size=fill, replace=False).tolist() if fill > 0 else []
-        for j, score in [*((j, 1.0) for j in partners), *((int(j), 0.0) for j in chosen)]:
-            targets.append(i)
-            evidence.append(j)
-            scores.append(score)
-    t, e = np.array(targets, dtype=np.int64), np.array(evidence, dtype=np.int64)
-    return {"target_id": np.concatenate([mono["target_id"], docs.doc_ids[t]]),
-            "evidence_id": np.concatenate([mono["evidence_id"], docs.doc_ids[e]]),
-            "score": np.concatenate([mono["score"], np.array(scores, dtype=np.float32)]),
-            "cross_lingual": np.concatenate([mono["cross_lingual"], np.ones(len(t), dtype=bool)])}
+        chosen.append((i, partners, rng.choice(others, size=fill, replace=False).tolist() if fill > 0 else []))
+    cross = scored_links(docs, chosen)
+    return {k: np.concatenate([mono[k], cross[k]]) for k in ("target_id", "evidence_id", "score", "cross_lingual")}
 
 
 @dataclass
