@@ -169,7 +169,8 @@ def arm_summary(name: str, seeds: dict[int, dict], pages: Pages) -> dict:
                   "lexical_weight": bs[0].get("lexical_weight"),
                   "mean": round(float(np.mean([b["crosslingual_parallel_precision"] for b in bs])), 4),
                   "by_seed": [round(b["crosslingual_parallel_precision"], 4) for b in bs]}
-                 for v, bs in sorted(builds.items()) if all(b.get("crosslingual_parallel_precision") is not None for b in bs)]
+                 for v, bs in sorted(builds.items()) if len(bs) == len(order) and bs[0]["snapshot_step"] <= steps[-1]
+                 and all(b.get("crosslingual_parallel_precision") is not None for b in bs)]
     arm = arm_named(name) if name in ARM_NAMES else None
     tfidf = [float(np.mean(list(seeds[s]["baselines"]["tfidf"].values()))) for s in order]
     return {
@@ -189,7 +190,34 @@ def arm_summary(name: str, seeds: dict[int, dict], pages: Pages) -> dict:
         "beta": round(float(np.mean([r["beta"] for r in records])), 4),
         "aligned_link_precision": precision,
         "over_updates": over,
+        "extended": extended_seeds(seeds, steps[-1]),
     }
+
+
+def extended_seeds(seeds: dict[int, dict], common: int) -> dict:
+    """Seeds trained past the arm's common last update (a longer diagnostic run): their own curves, one seed each,
+    kept apart from the arm's figures."""
+    out = {}
+    for s, run in sorted(seeds.items()):
+        later = sorted(int(k) for k in run["measures"]["steps"] if int(k) > common)
+        if not later:
+            continue
+        steps = [0, *(k for k in sorted(int(k) for k in run["measures"]["steps"]) if k > 0)]
+        records = {k: run["measures"]["steps"][str(k)] for k in steps}
+        out[str(s)] = {
+            "updates": later[-1],
+            "p_at_1": {str(k): round(r["p_at_1"], 4) for k, r in records.items()},
+            "nll": {str(k): {c: round(sum(v) / sum(r["tokens"]), 4) for c, v in r["nll_sum"].items()}
+                    for k, r in records.items()},
+            "retrieved_precision": {str(k): round(r["retrieved_links"]["crosslingual_parallel_precision"], 4)
+                                    for k, r in records.items()},
+            "beta": {str(k): round(r["beta"], 4) for k, r in records.items()},
+            "aligned_link_precision": [{"version": b["version"], "snapshot_step": b["snapshot_step"],
+                                        "lexical_weight": b.get("lexical_weight"),
+                                        "precision": round(b["crosslingual_parallel_precision"], 4)}
+                                       for b in run["builds"] if b.get("crosslingual_parallel_precision") is not None],
+        }
+    return out
 
 
 def contrast(first: dict[int, dict], second: dict[int, dict], pages: Pages, step: int) -> dict:
@@ -213,7 +241,7 @@ def judge(arms: dict, contrasts: dict) -> dict:
 
     out = {"L3_beta_f_trains_g_in_the_loop": verdict("beta_f_vs_detached_loop"),
            "L4_loop_adds_to_g_beyond_the_aux_loss": verdict("loop_vs_lexical_frozen")}
-    for name in ("loop", "loop_aux"):
+    for name in ("loop", "loop_aux", "loop_untied"):
         arm = arms.get(name)
         if not arm:
             continue
@@ -223,6 +251,9 @@ def judge(arms: dict, contrasts: dict) -> dict:
         out[f"L5_{name}_precision_after_handover_at_least_tfidf_start"] = (
             all(v["mean"] >= start for v in handed) if handed and start is not None else None)
         out[f"L5_{name}_precision"] = {"tfidf_start": start, "after_handover": [v["mean"] for v in handed]}
+        for seed, longer in arm["extended"].items():
+            out[f"L5_{name}_seed_{seed}_to_{longer['updates']}_after_handover"] = [
+                v["precision"] for v in longer["aligned_link_precision"] if v["version"] > 0 and not v["lexical_weight"]]
     best = max((a for a in arms.values() if a), key=lambda a: a["p_at_1"]["mean"], default=None)
     if best:
         out["moonshot_best_arm_p_at_1"] = best["p_at_1"]["mean"]
