@@ -74,3 +74,31 @@ def test_a_sigterm_during_start_up_leaves_no_process_behind(small_corpus, tmp_pa
         time.sleep(0.5)
     assert left == {}, f"left behind after a SIGTERM at {when!r}: {left}"
     assert not (run_dir / "redis" / "redis-server.pid").exists()
+
+
+def test_a_sigterm_that_rays_start_swallows_still_reaches_the_programs_handler():
+    """Ray's handlers during `ray.init` raise SystemExit wherever the main thread is, where Ray code may swallow
+    it: the SIGTERM must still stop the program once Ray is up. A handler that does nothing stands in for Ray's
+    swallowed one (a real ray.init cannot be made to swallow on cue)."""
+    from marge.local_ray import keeping_sigterm_handler
+
+    handled = []
+
+    def programs_handler(signum, frame):
+        handled.append(signum)
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, programs_handler)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            with keeping_sigterm_handler():
+                signal.signal(signal.SIGTERM, lambda signum, frame: None)  # what ray.init does, then eats the exit
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # the handler runs at the next bytecode boundary
+        assert stopped.value.code == 128 + signal.SIGTERM and handled == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is programs_handler
+        with keeping_sigterm_handler():  # without a SIGTERM nothing is raised
+            pass
+        assert handled == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -27,16 +27,35 @@ SETUP_HOOK = "services.trainer.loopback.install"
 
 @contextlib.contextmanager
 def keeping_sigterm_handler() -> Iterator[None]:
-    """Keep this program's SIGTERM handler across `ray.init`: Ray's core worker installs a C++ failure handler
-    for SIGTERM that aborts the process (exit -6) without running Python's `finally` blocks, which would leave a
-    private redis-server and Ray's agents behind (measured: tests/test_shutdown.py). The Python handler the program
-    set (`marge` exits through its normal path) is put back as soon as Ray is up."""
+    """Keep this program's SIGTERM handler across `ray.init`, and never lose a SIGTERM that arrives during it.
+
+    Ray replaces the handler while it starts: its own Python handlers (`sys.exit` from wherever the main thread is,
+    which Ray code that swallows exceptions, such as a callback run from C, can eat: the run then trained to its end
+    with exit code 0, tests/test_shutdown.py) and its core worker's C++ failure handler, which aborts the process
+    (exit -6) without running Python's `finally` blocks. So the program's handler is put back as soon as Ray is up,
+    and a SIGTERM that arrived in between (seen on a wakeup fd, which records every signal Python's own C handler
+    receives whatever Python handler is set) is handed to it then."""
     previous = signal.getsignal(signal.SIGTERM)
+    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+        yield  # nothing of ours to keep, or no way to set handlers from here
+        return
+    seen_fd, wakeup_fd = os.pipe()
+    os.set_blocking(seen_fd, False)
+    os.set_blocking(wakeup_fd, False)
+    earlier_wakeup_fd = signal.set_wakeup_fd(wakeup_fd, warn_on_full_buffer=False)
     try:
         yield
     finally:
-        if callable(previous) and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous)
+        signal.set_wakeup_fd(earlier_wakeup_fd)
+        try:
+            received = os.read(seen_fd, 4096)
+        except BlockingIOError:
+            received = b""
+        os.close(seen_fd)
+        os.close(wakeup_fd)
+        if signal.SIGTERM in received:
+            previous(signal.SIGTERM, None)  # the program's own answer (`marge`: exit through the normal path)
 
 
 def apply_local_ray_env() -> None:
