@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ import torch
 
 from marge.model import Marge, preset
 from services.trainer.objectives import MargeObjectiveConfig, ObjectivesConfig, apply_objective_settings
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_inputs(vocab: int = 100, seed: int = 0):
@@ -257,3 +260,24 @@ def test_the_study_trains_measures_and_reports_arms_at_equal_updates(paragraph_c
     assert report["arms"]["loop_detached"]["detached_f"] is True
     config = (out / "runs" / "loop_detached" / "seed-0" / "config.yaml").read_text()
     assert "detach_relevance: true" in config and "self_evidence: null" in config
+
+
+def test_the_committed_report_holds_the_schema_and_the_figures_the_readme_quotes():
+    """docs/learning/mechanism/report.json is what a reader's script reads and what README.md quotes: every arm at
+    equal updates over at least 3 seeds with all five evidence conditions, and the named contrasts."""
+    report = json.loads((REPO / "docs/learning/mechanism/report.json").read_text(encoding="utf-8"))
+    for name, arm in report["arms"].items():
+        assert len(arm["seeds"]) >= 3, name
+        assert {"none", "retrieved", "gold", "wrong_page", "self_copy"} <= set(arm["nll"]), name
+        assert {"mean", "ci95"} <= set(arm["p_at_1"]) and {"mean", "ci95"} <= set(arm["p_at_1_init"]), name
+        assert isinstance(arm["aux_loss"], bool) and isinstance(arm["detached_f"], bool) and arm["index"], name
+        assert arm["aligned_link_precision"], name
+    assert len({arm["updates"] for arm in report["arms"].values()}) == 1  # equal updates
+    for name in ("beta_f_vs_detached_loop", "beta_f_vs_detached_tfidf", "loop_vs_lexical_frozen"):
+        contrast = report["contrasts"][name]
+        lo, hi = contrast["ci95"]
+        assert lo <= contrast["delta"] <= hi, name
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    loop = report["contrasts"]["beta_f_vs_detached_loop"]
+    quoted = f"{loop['delta']:.3f} in the loop (95% CI {loop['ci95'][0]:.3f} to {loop['ci95'][1]:.3f})"
+    assert quoted in readme, quoted
