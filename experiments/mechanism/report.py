@@ -301,7 +301,8 @@ def write_report(out: Path) -> dict:
                         "first's (positive: the first arm's own index and decoder do better)",
         },
         "arms": arms, "contrasts": contrasts, "targets": judge(arms, contrasts),
-        "command": "python -m experiments.mechanism run --out DIR --updates N --seeds 0,1,2 --jobs 2",
+        "command": ("python -m experiments.mechanism run --out DIR --updates N --seeds 0,1,2 --jobs 2 "
+                    f"--arms {','.join(arms)}"),
     }
     report["curves"] = plot_mechanism(report, out / "curves.png").name
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
