@@ -206,7 +206,7 @@ def test_a_contrast_is_shown_only_when_seeds_and_pages_agree(tmp_path):
         pytest.approx(0.35)
     assert c["retrieved_nll_lower_by"]["mean"] == pytest.approx(0.3, abs=0.05)  # detached's retrieved NLL is higher
     assert arm["p_at_1_over_init"]["ci95"][0] > 0 and arm["aligned_link_precision"][0]["mean"] == 0.47
-    assert real["targets"]["L3_beta_f_trains_g_in_the_loop"] is True
+    assert real["targets"]["beta_f_trains_g_in_the_loop"] is True
     assert (tmp_path / "real" / "curves.png").exists()
 
     null = write_report(tmp_path / "null")["contrasts"]["beta_f_vs_detached_loop"]

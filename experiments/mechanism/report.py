@@ -239,8 +239,8 @@ def judge(arms: dict, contrasts: dict) -> dict:
         c = contrasts.get(name)
         return None if c is None else c["shown"]
 
-    out = {"L3_beta_f_trains_g_in_the_loop": verdict("beta_f_vs_detached_loop"),
-           "L4_loop_adds_to_g_beyond_the_aux_loss": verdict("loop_vs_lexical_frozen")}
+    out = {"beta_f_trains_g_in_the_loop": verdict("beta_f_vs_detached_loop"),
+           "loop_adds_to_g_beyond_the_aux_loss": verdict("loop_vs_lexical_frozen")}
     for name in ("loop", "loop_aux", "loop_untied"):
         arm = arms.get(name)
         if not arm:
@@ -248,17 +248,17 @@ def judge(arms: dict, contrasts: dict) -> dict:
         versions = arm["aligned_link_precision"]
         start = next((v["mean"] for v in versions if v["version"] == 0), None)
         handed = [v for v in versions if v["version"] > 0 and not v["lexical_weight"]]
-        out[f"L5_{name}_precision_after_handover_at_least_tfidf_start"] = (
+        out[f"{name}_index_precision_after_handover_at_least_tfidf_start"] = (
             all(v["mean"] >= start for v in handed) if handed and start is not None else None)
-        out[f"L5_{name}_precision"] = {"tfidf_start": start, "after_handover": [v["mean"] for v in handed]}
+        out[f"{name}_index_precision"] = {"tfidf_start": start, "after_handover": [v["mean"] for v in handed]}
         for seed, longer in arm["extended"].items():
-            out[f"L5_{name}_seed_{seed}_to_{longer['updates']}_after_handover"] = [
+            out[f"{name}_seed_{seed}_to_{longer['updates']}_index_precision_after_handover"] = [
                 v["precision"] for v in longer["aligned_link_precision"] if v["version"] > 0 and not v["lexical_weight"]]
     best = max((a for a in arms.values() if a), key=lambda a: a["p_at_1"]["mean"], default=None)
     if best:
-        out["moonshot_best_arm_p_at_1"] = best["p_at_1"]["mean"]
-        out["moonshot_tfidf_p_at_1"] = best["p_at_1_tfidf"]
-        out["moonshot_g_at_least_tfidf"] = best["p_at_1"]["mean"] >= best["p_at_1_tfidf"]
+        out["best_arm_p_at_1"] = best["p_at_1"]["mean"]
+        out["tfidf_p_at_1"] = best["p_at_1_tfidf"]
+        out["best_g_at_least_tfidf"] = best["p_at_1"]["mean"] >= best["p_at_1_tfidf"]
     return out
 
 
