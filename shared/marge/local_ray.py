@@ -29,9 +29,9 @@ SETUP_HOOK = "services.trainer.loopback.install"
 def keeping_sigterm_handler() -> Iterator[None]:
     """Keep this program's SIGTERM handler across `ray.init`, and never lose a SIGTERM that arrives during it.
 
-    Ray replaces the handler while it starts: its own Python handlers (`sys.exit` from wherever the main thread is,
-    which Ray code that swallows exceptions, such as a callback run from C, can eat: the run then trained to its end
-    with exit code 0, tests/test_shutdown.py) and its core worker's C++ failure handler, which aborts the process
+    Ray replaces the handler while it starts: its own Python handlers (`sys.exit` from wherever the main thread is;
+    once in CI that exit was lost inside `ray.init` and the run trained to its end with exit code 0 — where it was
+    lost is not known, tests/test_shutdown.py) and its core worker's C++ failure handler, which aborts the process
     (exit -6) without running Python's `finally` blocks. So the program's handler is put back as soon as Ray is up,
     and a SIGTERM that arrived in between (seen on a wakeup fd, which records every signal Python's own C handler
     receives whatever Python handler is set) is handed to it then."""
