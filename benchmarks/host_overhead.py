@@ -30,16 +30,35 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch._dynamo
+from torch.utils._python_dispatch import TorchDispatchMode
+
 REPO = Path(__file__).resolve().parents[1]
 SYNCHRONISING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_consecutive",
                  "aten::_unique2"}
+NO_KERNEL = ("aten::view", "aten::_reshape", "aten::as_strided", "aten::t", "aten::transpose", "aten::expand",
+             "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::alias",
+             "aten::detach", "aten::_unsafe_view")
+"""aten operations that only make a view or change metadata: no kernel on any device."""
+
+
+class Launches(TorchDispatchMode):
+    """Counts the aten operations that compute (launch a kernel on a GPU): views and metadata excluded."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.view_copy not in getattr(func, "tags", ()) and not func._schema.name.startswith(NO_KERNEL):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def measure(compile_host: bool) -> dict:
     """Every figure for the `marge` importable here (this tree's, or the exported commit's)."""
     import numpy as np
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from marge.batch import Batch, SpecialTokens
     from marge.model import Marge, preset
@@ -106,23 +125,6 @@ def measure(compile_host: bool) -> dict:
                 self.count += 1
             return func(*args, **(kwargs or {}))
 
-    class Launches(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            tags = getattr(func, "tags", ())
-            if torch.Tag.view_copy not in tags and not func._schema.name.startswith(("aten::view", "aten::_reshape",
-                                                                                       "aten::as_strided", "aten::t",
-                                                                                       "aten::transpose", "aten::expand",
-                                                                                       "aten::slice", "aten::select",
-                                                                                       "aten::unsqueeze", "aten::squeeze",
-                                                                                       "aten::permute", "aten::alias",
-                                                                                       "aten::detach", "aten::_unsafe_view")):
-                self.count += 1
-            return func(*args, **(kwargs or {}))
-
     out: dict = {}
     model = model_of(64)
     optimizer = optimizer_for(model)
@@ -154,7 +156,6 @@ def measure(compile_host: bool) -> dict:
     out["device_reads_per_update"] = statistics.median(reads)
     out["kernel_launching_ops_per_update"] = statistics.median(launches)
 
-    import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()

@@ -148,9 +148,9 @@ def test_gradient_reaches_relevance_layers_through_beta_f():
         original = model.relevance_vectors
         calls = {"n": 0}
 
-        def detach_targets(tokens):
+        def detach_targets(tokens, rows=None):
             calls["n"] += 1
-            return original(tokens).detach()  # only the target pass goes through relevance_vectors
+            return original(tokens, rows).detach()  # only the target pass goes through relevance_vectors
 
         model.relevance_vectors = detach_targets
         no_target = torch.autograd.grad(model(**inputs.as_kwargs()).loss, list(model.encoder_layers.parameters()),

@@ -180,6 +180,7 @@ class TrainingLoop:
                 t.trained, t.optimizer, t.scheduler, t.objectives, update.items, t.slots, t.cfg, t.device, t.seed,
                 t.model.cfg, t.specials, t.nan_loss_slot,
                 figures=lambda done: update_statistics(update.items, done, self.names, t.device, host.reduce))
+            share_relevance_center(t.model, host.reduce)
             seconds = time.perf_counter() - t_step
             step += 1
             record = self.update_record(step, update, done, read, lr, seconds)
@@ -239,6 +240,20 @@ class TrainingLoop:
         return {k: sum(w[k] for w in works) for k in ("target", "evidence", "relevance")}
 
 
+def share_relevance_center(model: nn.Module, reduce: Callable[[torch.Tensor], None]) -> None:
+    """Every process's running centre of g (`Marge.relevance_center`) replaced by their mean, once per update: DDP
+    broadcasts no buffers (`step.DDP_SETTINGS`), so each rank moves its own centre towards its own batches' mean g,
+    and this keeps them one (the mean over every rank's batches, where rank 0's alone was published before). The
+    sum carries a 1 per process to divide by; on the device, with no host read."""
+    center = getattr(model, "relevance_center", None)
+    if center is None or not getattr(model.cfg, "relevance_centering", False):
+        return
+    summed = torch.cat([center.to(torch.float64), torch.ones(1, dtype=torch.float64, device=center.device)])
+    reduce(summed)
+    with torch.no_grad():
+        center.copy_((summed[:-1] / summed[-1]).to(center.dtype))
+
+
 def update_statistics(items: list[Item], done: Backward, names: list[str], device: torch.device | str,
                       reduce: Callable[[torch.Tensor], None]) -> dict[str, torch.Tensor]:
     """This process's part of an update's statistics, summed over the processes on the model's device by `reduce`
@@ -247,11 +262,16 @@ def update_statistics(items: list[Item], done: Backward, names: list[str], devic
     of batches whose objective was not finite (`nonfinite_losses`, which makes every rank agree on a second pass)."""
     kept = {slot for slot, _ in done.trained}
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    cost = torch.tensor([float(sum(i.batch.cost_tokens() for i in items if i.slot in kept))], dtype=torch.float64)
-    counts = torch.tensor([float(sum(1 for p in done.losses if n in p)) for n in names], dtype=torch.float64)
-    target = sum((torch.as_tensor(n).to(device, torch.float64) for n in done.target_tokens), zero)
+    # host numbers enter as fills made on the device, never as host tensors copied over: a copy from pageable host
+    # memory waits for every kernel queued before it, which would stall the host at the end of each update
+    def filled(value: float) -> torch.Tensor:
+        return torch.full((1,), value, dtype=torch.float64, device=device)
+
+    cost = filled(float(sum(i.batch.cost_tokens() for i in items if i.slot in kept)))
+    counts = [filled(float(sum(1 for p in done.losses if n in p))) for n in names]
+    target = sum((torch.as_tensor(n, device=device).to(torch.float64) for n in done.target_tokens), zero)
     sums = [sum((p[n].to(torch.float64) for p in done.losses if n in p), zero) for n in names]
     nonfinite = sum(((~torch.isfinite(o)).to(torch.float64) for o in done.objective), zero)
-    stats = torch.cat([cost.to(device), target.reshape(1), torch.stack(sums), counts.to(device), nonfinite.reshape(1)])
+    stats = torch.cat([cost, target.reshape(1), torch.stack(sums), *counts, nonfinite.reshape(1)])
     reduce(stats)  # on the model's device: NCCL's own on GPUs
     return {"stats": stats[:-1], "nonfinite_losses": stats[-1:]}

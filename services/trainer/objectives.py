@@ -53,14 +53,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from marge.batch import ENCODER_SPECIALS, Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels
+from marge.batch import (ENCODER_SPECIALS, Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels,
+                         encoder_rows_flat)
 from marge.config import ConfigError, FieldError, at_least, one_of, positive, within
 from marge.model import Marge, pad_rows
 from marge.veco import mlm_mask
-from services.trainer.inputs import ModelInputs, to_model_inputs
+from services.trainer.inputs import ATTEND_TO, ModelInputs, to_model_inputs
 from services.trainer.noising import BartNoise, bart_noise
 
-ATTEND_TO = ("all", "linked")
 VECO_PAIRS = ("halves", "index")
 MAIN_OBJECTIVES = ("marge", "bart", "veco")
 """Objectives that can make up a run on their own; the first configured one is the run's logged `loss`."""
@@ -276,9 +276,19 @@ def denoising_views(batch: Batch, cfg: DenoisingContrastiveConfig, specials: Spe
     docs = [np.asarray(d) for d in docs if len(d) > 1]
     if len(docs) < 2:
         return None
-    first, second = (pad_rows([as_encoder_input(noised(d, cfg.deletion, 1, rng), specials) for d in docs],
-                              specials.pad_id) for _ in range(2))
-    return first, second
+    flat = np.concatenate(docs).astype(np.int64)
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+    starts = np.cumsum(lengths) - lengths
+    doc_of = np.repeat(np.arange(len(docs)), lengths)
+
+    def view() -> Tensor:
+        # `noised(d, cfg.deletion, 1, rng)` of every document in one draw (the same random numbers, in the same order)
+        keep = rng.random(len(flat)) >= cfg.deletion
+        kept_N = np.bincount(doc_of, weights=keep, minlength=len(docs))
+        keep[starts[kept_N == 0]] = True  # a document that lost every token keeps its first
+        return torch.from_numpy(encoder_rows_flat(flat[keep], np.bincount(doc_of[keep], minlength=len(docs)), specials))
+    first = view()
+    return first, view()
 
 
 def denoising_loss(model: Marge, views: tuple[Tensor, Tensor], temperature: float) -> Tensor:
@@ -322,15 +332,16 @@ class MargeObjective:
 
     name = "marge"
 
-    def __init__(self, cfg: MargeObjectiveConfig, specials: SpecialTokens):
-        self.cfg, self.specials = cfg, specials
+    def __init__(self, cfg: MargeObjectiveConfig, specials: SpecialTokens, length_buckets: int = 0):
+        self.cfg, self.specials, self.length_buckets = cfg, specials, length_buckets
 
     def prepare(self, batch: Batch, rng: np.random.Generator) -> ModelInputs:
-        return to_model_inputs(batch, self.specials, self.cfg.attend_to)
+        return to_model_inputs(batch, self.specials, self.cfg.attend_to, self.length_buckets)
 
     def loss(self, model: torch.nn.Module, inputs: ModelInputs) -> tuple[Tensor, Tensor]:
         # width was checked on the host: no device read in the forward
-        out = model(**inputs.as_kwargs(), width=inputs.width, detach_relevance=self.cfg.detach_relevance)
+        out = model(**inputs.as_kwargs(), width=inputs.width, detach_relevance=self.cfg.detach_relevance,
+                    layout=inputs.layout)
         return out.loss, out.tokens_per_target_N.sum()
 
 
@@ -492,7 +503,9 @@ class Objectives:
     """The configured objectives: `prepare` a batch (CPU), then `losses` of the prepared batch on the model."""
 
     def __init__(self, cfg: ObjectivesConfig, specials: SpecialTokens, corpus_tokens: list | None = None,
-                 sentence_ends: np.ndarray | None = None, vocab_size: int | None = None):
+                 sentence_ends: np.ndarray | None = None, vocab_size: int | None = None, length_buckets: int = 0):
+        """`length_buckets`: MARGE batches run in at most this many length buckets (`trainer.length_buckets`;
+        0: padded to each batch's longest row)."""
         if cfg.needs_corpus and not corpus_tokens:
             raise ValueError("objectives.denoising_contrastive.extra_documents > 0 needs the corpus's documents")
         if (cfg.bart is not None or cfg.veco is not None) and (sentence_ends is None or vocab_size is None):
@@ -501,7 +514,7 @@ class Objectives:
         self.cfg, self.specials, self.primary = cfg, specials, cfg.primary
         self.plugins: list = []
         if cfg.marge is not None:
-            self.plugins.append(MargeObjective(cfg.marge, specials))
+            self.plugins.append(MargeObjective(cfg.marge, specials, length_buckets))
         if cfg.bart is not None:
             self.plugins.append(BartObjective(cfg.bart, specials, sentence_ends, vocab_size))
         if cfg.veco is not None:
@@ -544,9 +557,11 @@ def apply_objective_settings(model: torch.nn.Module, cfg: ObjectivesConfig) -> t
     return model
 
 
-def objectives_for(cfg: ObjectivesConfig, tokenizer, corpus_tokens: list | None = None) -> Objectives:
+def objectives_for(cfg: ObjectivesConfig, tokenizer, corpus_tokens: list | None = None,
+                   length_buckets: int = 0) -> Objectives:
     """The run's objectives with what they need from its tokenizer (`marge.tokenizer.MargeTokenizer`)."""
     from services.trainer.noising import sentence_end_ids
 
     pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-    return Objectives(cfg, tokenizer.specials, corpus_tokens, sentence_end_ids(pieces), tokenizer.vocab_size)
+    return Objectives(cfg, tokenizer.specials, corpus_tokens, sentence_end_ids(pieces), tokenizer.vocab_size,
+                      length_buckets)

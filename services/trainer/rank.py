@@ -40,8 +40,8 @@ from services.trainer.source import source_for
 from services.trainer.state import report_checkpoint, resume
 from services.trainer.inputs import untrainable
 from services.trainer.source import BatchSource
-from services.trainer.step import (Backward, Item, apply_execution_settings, build_optimizer, build_scheduler, compiled,
-                                   device_peak_flops, seed_key)
+from services.trainer.step import (DDP_SETTINGS, Backward, Item, apply_execution_settings, build_optimizer,
+                                   build_scheduler, compiled, device_peak_flops, seed_key)
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class Rank:
         if self.writes_log:
             self.train_log.truncate_after(self.step)  # lines of updates the checkpoint does not hold
         corpus_tokens = corpus.all_tokens() if job.objectives.needs_corpus else None
-        self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens)
+        self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens, job.trainer.length_buckets)
         self.source = source_for(job, self.rank)
         self.source.progress(self.step)  # a resumed rank: the batcher may write up to `lookahead` past it
         self.committed = [(n, b) for n, b in resumed.trained if self.slots.rank_of(n) == self.rank]
@@ -187,7 +187,8 @@ class Rank:
                                              pin=self.device.type == "cuda") if t.prefetch else None
         self.last_metrics: dict = {}
         """What rank 0 reports to Ray Train with a checkpoint (step, loss, throughput)."""
-        trainee = Trainee(self.model, compiled(ray.train.torch.prepare_model(self.model), t.compile), self.optimizer,
+        trainee = Trainee(self.model, compiled(ray.train.torch.prepare_model(self.model, parallel_strategy_kwargs=DDP_SETTINGS),
+                                           t.compile), self.optimizer,
                           self.scheduler, self.objectives, t, self.slots, self.device, job.seed,
                           self.tokenizer.specials, job.max_steps, job.faults.nan_loss_slot)
         self.loop = TrainingLoop(trainee, self, self.train_log, self.board,

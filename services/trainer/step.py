@@ -98,6 +98,17 @@ def apply_execution_settings(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
     return model
 
 
+DDP_SETTINGS = {"broadcast_buffers": False, "gradient_as_bucket_view": True}
+"""How DDP wraps the trainer's model (`ray.train.torch.prepare_model`'s DDP arguments). No buffer broadcast: by
+default DDP copies rank 0's buffers over every rank's at each forward (a collective per micro-batch, before any
+compute), and the model's only buffer, the running centre of g, is not an input of the training forward (which
+centres on the batch's own mean); the loop averages it over the ranks once per update instead
+(`loop.share_relevance_center`). Gradients as views of the all-reduce buckets: no copy of every gradient into the
+buckets and back, and one gradient-sized buffer less. Left at their defaults: the 25 MB bucket size (not measured
+on a multi-GPU node) and `static_graph` (the denoising loss runs g outside DDP's forward, so the graph DDP sees
+is not the whole backward)."""
+
+
 def compiled(model: nn.Module, enabled: bool, backend="inductor") -> nn.Module:
     """The model (or its DDP wrapper) to train with (`trainer.compile`): under `torch.compile` with dynamic shapes,
     so that batches of every size share a few graphs (one per key layout) instead of one each; the forward reads

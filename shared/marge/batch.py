@@ -126,3 +126,52 @@ def as_decoder_input(tokens: np.ndarray | list[int], lang: str, specials: Specia
 def as_labels(tokens: np.ndarray | list[int], specials: SpecialTokens) -> list[int]:
     """The target's text, then EOS: what the decoder predicts at each input position."""
     return [*map(int, tokens), specials.eos_id]
+
+
+def framed_rows(docs: list[np.ndarray] | tuple[np.ndarray, ...], pad_id: int, first: np.ndarray | int | None = None,
+                last: int | None = None) -> np.ndarray:
+    """Documents as one (rows, longest) int64 array, each row `first`, the document's tokens, `last`, then `pad_id`:
+    one concatenation and one scatter over the whole batch, no per-token Python (what `as_encoder_input`,
+    `as_decoder_input` and `as_labels` give row by row). `first`: one id for every row, one per row, or None."""
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+    flat = np.concatenate([np.asarray(d, dtype=np.int64).reshape(-1) for d in docs]) if len(docs) else \
+        np.zeros(0, dtype=np.int64)
+    return framed_flat(flat, lengths, pad_id, first, last)
+
+
+def framed_flat(flat: np.ndarray, lengths: np.ndarray, pad_id: int, first: np.ndarray | int | None = None,
+                last: int | None = None) -> np.ndarray:
+    """`framed_rows` of documents given as their concatenated tokens and each one's length."""
+    lead = 0 if first is None else 1
+    width = int(lengths.max(initial=0)) + lead + (last is not None)
+    out = np.full((len(lengths), width), pad_id, dtype=np.int64)
+    if len(lengths) == 0:
+        return out
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    starts = np.cumsum(lengths) - lengths
+    out[rows, np.arange(len(flat)) - np.repeat(starts, lengths) + lead] = flat
+    if first is not None:
+        out[:, 0] = first
+    if last is not None:
+        out[np.arange(len(lengths)), lengths + lead] = last
+    return out
+
+
+def encoder_rows(docs, specials: SpecialTokens) -> np.ndarray:
+    """`as_encoder_input` of every document, padded: BOS, text, EOS."""
+    return framed_rows(docs, specials.pad_id, specials.bos_id, specials.eos_id)
+
+
+def encoder_rows_flat(flat: np.ndarray, lengths: np.ndarray, specials: SpecialTokens) -> np.ndarray:
+    """`encoder_rows` of documents given as their concatenated tokens and each one's length."""
+    return framed_flat(flat, lengths, specials.pad_id, specials.bos_id, specials.eos_id)
+
+
+def decoder_rows(docs, langs, specials: SpecialTokens) -> np.ndarray:
+    """`as_decoder_input` of every target, padded: its language token, then its text."""
+    return framed_rows(docs, specials.pad_id, np.array([specials.lang_id(lang) for lang in langs], dtype=np.int64))
+
+
+def label_rows(docs, specials: SpecialTokens) -> np.ndarray:
+    """`as_labels` of every target, padded: its text, then EOS."""
+    return framed_rows(docs, specials.pad_id, None, specials.eos_id)

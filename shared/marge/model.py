@@ -34,6 +34,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from marge.batch import framed_rows
+
 # ----------------------------------------------------------------------------------------------------
 # Configuration
 # ----------------------------------------------------------------------------------------------------
@@ -239,11 +241,7 @@ def run_layers(x_RSD: Tensor, layers, key_ok_RS: Tensor) -> Tensor:
 def pad_rows(rows: list[list[int]], pad_id: int) -> Tensor:
     """Token rows of different lengths as one (rows, longest) tensor, padded with `pad_id` (which every layer
     masks)."""
-    width = max(len(r) for r in rows)
-    out = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
-    return out
+    return torch.from_numpy(framed_rows(rows, pad_id))
 
 
 def pool_relevance(states_RSD: Tensor, key_ok_RS: Tensor, pooling: str) -> Tensor:
@@ -445,6 +443,36 @@ class CrossMemory:
         return CrossMemory(key_index, self.relevance_NK.index_select(0, index_N), self.visible_NK.index_select(0, index_N))
 
 
+@dataclass
+class PackedLayout:
+    """How one host-prepared batch runs with little padding (`trainer.length_buckets`; `inputs.packed_layout` makes
+    it): evidence and target rows come sorted by length and run in a few length buckets, each padded only to its
+    own longest row (rounded up to a multiple of 8), and the encoder states of all buckets form one memory in which
+    a target reads the real keys of its documents only. The loss and gradients are those of the padded batch
+    (tests/test_model.py): padding keys weigh exactly 0 in every softmax, so only rounding differs.
+
+    Rows are (first row, end row, positions): `evidence_rows` over the evidence, `target_rows` over the targets,
+    with the decoder's positions, the targets' encoder positions (their g) and the keys each of them reads."""
+
+    evidence_rows: tuple[tuple[int, int, int], ...]
+    target_rows: tuple[tuple[int, int, int, int, int], ...]  # first, end, decoder positions, g positions, keys
+    key_doc_NK: Tensor  # the evidence document of each key slot a target reads ((1, L) when every target reads all)
+    visible_NK: Tensor  # False on slots a target may not read (its own document, padding, unused slots)
+    key_index_NK: Tensor | None = None  # where each slot's key sits in the memory (None: slot k is memory key k)
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        return self.key_doc_NK, self.visible_NK, self.key_index_NK
+
+    def _map(self, fn) -> "PackedLayout":
+        return PackedLayout(self.evidence_rows, self.target_rows, *(None if t is None else fn(t) for t in self.tensors()))
+
+    def to(self, device: torch.device | str) -> "PackedLayout":
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> "PackedLayout":
+        return self._map(lambda t: t.pin_memory())
+
+
 class DecoderLayer(nn.Module):
     """Pre-LayerNorm causal self-attention, optional biased cross-attention over the evidence, FFN."""
 
@@ -555,8 +583,11 @@ class Marge(nn.Module):
         x = run_layers(self._embed_encoder(tokens_RS), layers, tokens_RS != self.cfg.pad_id)
         return self.encoder_norm(x) if num_layers is None else x
 
-    def relevance_vectors(self, tokens_RS: Tensor) -> Tensor:
-        """g(x): the BOS state after the first `relevance_layers` encoder layers (R D), or their mean."""
+    def relevance_vectors(self, tokens_RS: Tensor, rows: list[tuple[int, int, int]] | None = None) -> Tensor:
+        """g(x): the BOS state after the first `relevance_layers` encoder layers (R D), or their mean. `rows`:
+        (first row, end row, positions) buckets covering the rows in order, each run at its own width."""
+        if rows is not None:
+            return torch.cat([self.relevance_vectors(tokens_RS[first:end, :positions]) for first, end, positions in rows])
         states = self.encoder_states(tokens_RS, self.cfg.relevance_layers)
         return pool_relevance(states, tokens_RS != self.cfg.pad_id, self.cfg.relevance_pooling)
 
@@ -577,9 +608,8 @@ class Marge(nn.Module):
                     self.relevance_center.lerp_(center_D.detach().float(), RELEVANCE_CENTER_MOMENTUM)
         return unit_relevance(targets_ND, center_D) @ unit_relevance(evidence_MD, center_D).T
 
-    def encode_evidence(self, evidence_MS: Tensor) -> EncodedEvidence:
-        """Encode each evidence document separately, then concatenate (one pass gives g(z) too). Every row starts
-        with BOS (`as_encoder_input`; `check_inputs` checks it where inputs were not prepared on the host)."""
+    def _encode_rows(self, evidence_MS: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The encoder's final states (M S D), g of each row and the key mask: one pass gives g(z) too."""
         key_ok_MS = evidence_MS != self.cfg.pad_id
         key_ok_M11S = key_ok_MS[:, None, None, :]
         x = self._embed_encoder(evidence_MS)
@@ -588,9 +618,15 @@ class Marge(nn.Module):
             x = layer(x, key_ok_M11S)
             if i + 1 == self.cfg.relevance_layers:
                 relevance_MD = pool_relevance(x, key_ok_MS, self.cfg.relevance_pooling)
-        m, s, d = x.shape
-        memory_1LD = self.encoder_norm(x).reshape(1, m * s, d)
-        key_doc_L = torch.arange(m, device=x.device).repeat_interleave(s)
+        return self.encoder_norm(x), relevance_MD, key_ok_MS
+
+    def encode_evidence(self, evidence_MS: Tensor) -> EncodedEvidence:
+        """Encode each evidence document separately, then concatenate (one pass gives g(z) too). Every row starts
+        with BOS (`as_encoder_input`; `check_inputs` checks it where inputs were not prepared on the host)."""
+        states_MSD, relevance_MD, key_ok_MS = self._encode_rows(evidence_MS)
+        m, s, d = states_MSD.shape
+        memory_1LD = states_MSD.reshape(1, m * s, d)
+        key_doc_L = torch.arange(m, device=states_MSD.device).repeat_interleave(s)
         return EncodedEvidence(memory_1LD, key_ok_MS.reshape(-1), key_doc_L, relevance_MD)
 
     def cross_memory(self, evidence: EncodedEvidence, relevance_NM: Tensor, allowed_NM: Tensor,
@@ -643,7 +679,7 @@ class Marge(nn.Module):
 
     def forward(self, evidence_MS: Tensor, target_enc_NS: Tensor | None, decoder_in_NT: Tensor, labels_NT: Tensor,
                 allowed_NM: Tensor, return_logits: bool = False, width: int | None = None,
-                detach_relevance: bool = False) -> MargeOutput:
+                detach_relevance: bool = False, layout: PackedLayout | None = None) -> MargeOutput:
         """Negative log-likelihood of each target given the evidence and relevance scores (paper Eq. 2).
 
         evidence_MS    evidence documents as encoder input (BOS ... EOS, padded)
@@ -656,20 +692,21 @@ class Marge(nn.Module):
                        here, which reads device values back (the trainer never leaves it None)
         detach_relevance  beta * f still biases the cross-attention, but no gradient reaches g through f (the
                        control that measures what the relevance bias teaches g: `objectives.marge.detach_relevance`)
+        layout         rows sorted by length with the plan that runs them in length buckets (`PackedLayout`): the
+                       same loss, with little padding (the trainer's `length_buckets`); `width` is then not needed
         """
         self._check_lengths(decoder_in_NT, "target")
         if decoder_in_NT.shape != labels_NT.shape:
             raise ValueError(f"decoder input {tuple(decoder_in_NT.shape)} and labels {tuple(labels_NT.shape)} differ")
+        if layout is not None:
+            if return_logits:
+                raise ValueError("return_logits needs the padded layout (layout=None)")
+            return self._forward_packed(evidence_MS, target_enc_NS, decoder_in_NT, labels_NT, allowed_NM, layout,
+                                        detach_relevance)
         if width is None:
             width = check_inputs(evidence_MS, allowed_NM, self.cfg.pad_id)
         evidence = self.encode_evidence(evidence_MS)
-        if target_enc_NS is None:
-            relevance_NM = torch.zeros(allowed_NM.shape, device=allowed_NM.device)
-        elif detach_relevance:  # the same f, a constant to the backward pass: the targets' g pass needs no graph
-            with torch.no_grad():
-                relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD.detach())
-        else:
-            relevance_NM = self.relevance(self.relevance_vectors(target_enc_NS), evidence.relevance_MD)
+        relevance_NM = self._target_relevance(target_enc_NS, evidence.relevance_MD, allowed_NM.shape, detach_relevance)
         cross = self.cross_memory(evidence, relevance_NM, allowed_NM, width)
         states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, cross)
         n, t, d = states_NTD.shape
@@ -690,6 +727,57 @@ class Marge(nn.Module):
         nll_N = nll_NT.sum(1)
         loss = nll_N.sum() / tokens_N.sum().clamp(min=1)
         return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None)
+
+    def _target_relevance(self, target_enc_NS: Tensor | None, relevance_MD: Tensor, shape: torch.Size,
+                          detach: bool, rows: list[tuple[int, int, int]] | None = None) -> Tensor:
+        """f(x_i, z_j) of the batch: zero without targets' encoder input (no relevance bias); under `detach` the same
+        f as a constant to the backward pass (the targets' g pass then needs no graph)."""
+        if target_enc_NS is None:
+            return torch.zeros(shape, device=relevance_MD.device)
+        if detach:
+            with torch.no_grad():
+                return self.relevance(self.relevance_vectors(target_enc_NS, rows), relevance_MD.detach())
+        return self.relevance(self.relevance_vectors(target_enc_NS, rows), relevance_MD)
+
+    def _forward_packed(self, evidence_MS: Tensor, target_enc_NS: Tensor | None, decoder_in_NT: Tensor,
+                        labels_NT: Tensor, allowed_NM: Tensor, layout: PackedLayout,
+                        detach_relevance: bool) -> MargeOutput:
+        """`forward` in length buckets (`PackedLayout`): each evidence bucket encoded at its own width into one
+        memory of L = sum(rows x positions) keys, each target bucket decoded at its own width over the keys of
+        its documents."""
+        memories, relevance = [], []
+        for first, end, positions in layout.evidence_rows:
+            states_BSD, relevance_BD, _ = self._encode_rows(evidence_MS[first:end, :positions])
+            memories.append(states_BSD.flatten(0, 1))
+            relevance.append(relevance_BD)
+        memory_1LD, relevance_MD = torch.cat(memories)[None], torch.cat(relevance)
+        g_rows = [(first, end, g_positions) for first, end, _, g_positions, _ in layout.target_rows]
+        relevance_NM = self._target_relevance(target_enc_NS, relevance_MD, allowed_NM.shape, detach_relevance, g_rows)
+        n = allowed_NM.shape[0]
+        relevance_NK = relevance_NM.gather(1, layout.key_doc_NK.expand(n, -1))
+        states, labels, rows_positions = [], [], []
+        for first, end, positions, _, keys in layout.target_rows:
+            rows = slice(first, end)
+            cross = CrossMemory(None if layout.key_index_NK is None else layout.key_index_NK[rows, :keys],
+                                relevance_NK[rows, :keys], layout.visible_NK[rows, :keys])
+            states.append(self.decode(decoder_in_NT[rows, :positions], memory_1LD, cross).flatten(0, 1))
+            labels.append(labels_NT[rows, :positions].reshape(-1))
+            rows_positions.append((end - first, positions))
+        states_RD, labels_R = torch.cat(states), torch.cat(labels)
+        tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
+        chunk = self.loss_chunk_tokens
+        nll_sum = None
+        if chunk and torch.is_grad_enabled():
+            nll_sum, nll_R = fused_linear_nll(states_RD, self.embed_tokens.weight, labels_R, self.cfg.pad_id, chunk)
+        elif chunk:
+            nll_R = chunked_token_nll(states_RD, self.embed_tokens.weight, labels_R, self.cfg.pad_id, chunk)
+        else:
+            nll_R = token_nll(self.logits(states_RD), labels_R, self.cfg.pad_id)
+        nll_N = torch.cat([piece.view(rows, positions).sum(1)
+                           for piece, (rows, positions) in zip(nll_R.split([r * p for r, p in rows_positions]),
+                                                               rows_positions)])
+        loss = (nll_N.sum() if nll_sum is None else nll_sum) / tokens_N.sum().clamp(min=1)
+        return MargeOutput(loss, nll_N, tokens_N, relevance_NM)
 
 
 def layout_width(allowed_NM: Tensor) -> int:
@@ -881,7 +969,7 @@ def training_flops_per_token(cfg: MargeConfig, evidence_per_target_tokens: float
 
 
 __all__ = [
-    "PRESETS", "CrossMemory", "EncodedEvidence", "LayerCache", "Marge", "MargeConfig", "MargeOutput",
+    "PRESETS", "CrossMemory", "EncodedEvidence", "LayerCache", "Marge", "MargeConfig", "MargeOutput", "PackedLayout",
     "RelevanceEncoder", "build_on_meta", "count_parameters", "pad_rows", "parameter_breakdown", "preset",
     "relevance_state_dict", "training_flops", "training_flops_per_token", "unit_relevance",
 ]

@@ -1,0 +1,269 @@
+"""How much of the learning recipe's update is real work, measured on a CPU: before and after, in one run.
+
+On a GPU the recipe's update ran far below the bench step (docs/gpu.md). Most of the gap is visible without a GPU:
+the FLOPs a padded batch executes against those `training_flops` credits, the host's preparation of a batch and how
+much it slows the update's own host work when it runs beside it (the single process's and each rank's prefetch
+thread), the aten operations that launch kernels, and the host-to-device copies that block. Batches are the
+recipe's shape (benchmarks/recipe_batches.py: demo paragraph lengths, the project's greedy batcher, 16k tokens,
+learning-gpu.yaml's self-evidence and denoising loss), the model is learning-gpu.yaml's (`base`, 4k vocabulary,
+128 positions, g = 1 mean-pooled layer); updates are 2 batches (learning-gpu.yaml's `grad_accum`).
+
+* executed_over_credited_flops: FLOPs of the forward and backward of one update's batches (FlopCounterMode, on the
+  meta device: shapes only) over `marge.model.training_flops` of the tokens they hold;
+* prepare_ms_per_16k_batch: `Objectives.prepare` per batch, scaled to 16,384 budget tokens (median of 12);
+  planner_ms_per_batch: the greedy batcher's time per batch it makes;
+* prefetch_host_slowdown: host time of an update's forward and backward on the meta device (no arithmetic: the
+  host's own work) while a thread prepares the next update's batches (as the trainer's prefetcher does), over
+  without (median of 9 updates each); `_without_pause`: while a thread prepares batches without rest;
+* launch_ops_per_update: aten operations that compute (views and metadata excluded) in that forward and backward;
+* blocking_h2d_copies_per_update: host-to-device copies without `non_blocking` while an update moves its inputs,
+  computes its losses and gathers its statistics (`update_statistics`), with the meta device as the device;
+* decoder_run_over_real: decoder positions run over the real target tokens;
+* distinct_shapes_50_batches: input shape signatures (and bucket plans) over 50 prepared batches: what a static
+  compile would specialise on.
+
+"Before" is a given commit of this repository, exported with `git archive` and measured in a subprocess by this same
+file; "after" is the working tree, padded (`trainer.length_buckets: 0`) and in length buckets.
+
+    python benchmarks/recipe_efficiency.py --before ced48d1 --out benchmarks/results/recipe-efficiency-cpu-2core.json
+    python benchmarks/recipe_efficiency.py --smoke          # seconds: checks that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from host_overhead import REPO, Launches, exported
+
+PER_UPDATE = 2
+META = torch.device("meta")
+
+
+class BlockingCopies(TorchDispatchMode):
+    """Host-to-device copies that do not ask for `non_blocking`: on a GPU each waits for the stream's queued work."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        if name in ("aten::_to_copy", "aten::copy_"):
+            source = args[1] if name == "aten::copy_" else args[0]
+            target = args[0] if name == "aten::copy_" else out
+            non_blocking = (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) if name == "aten::copy_" \
+                else kwargs.get("non_blocking", False)
+            if source.device.type == "cpu" and target.device.type != "cpu" and not non_blocking:
+                self.count += 1
+        return out
+
+
+def objective(model, objectives, prepared, device):
+    """`Objectives.losses` without autocast (the meta device has none): the weighted sum of the plugins' losses."""
+    total, tokens = None, None
+    for plugin in objectives.plugins:
+        inputs = prepared.parts[plugin.name]
+        if inputs is None:
+            continue
+        loss, predicted = plugin.loss(model, inputs.to(device))
+        weighted = objectives.weights[plugin.name] * loss
+        total = weighted if total is None else total + weighted
+        if plugin.name == objectives.primary:
+            tokens = predicted
+    return total, tokens
+
+
+def measure(length_buckets: int, smoke: bool) -> dict:
+    """Every figure for the code importable here (this tree's, or the exported commit's)."""
+    import numpy as np
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from marge.batch import SpecialTokens
+    from marge.model import build_on_meta, preset, training_flops
+    from services.trainer.loop import update_statistics
+    from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
+                                             ObjectivesConfig, SelfEvidenceConfig)
+    from recipe_batches import LANGUAGES, recipe_batches
+
+    torch.set_num_threads(1)
+    specials = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={lang: 4 + k for k, lang in enumerate(LANGUAGES)})
+    max_tokens = 2048 if smoke else 16384
+    made = recipe_batches(8 if smoke else 50, max_tokens=max_tokens)
+    batches = made.batches
+    kwargs = {}
+    if "length_buckets" in inspect.signature(Objectives).parameters:
+        kwargs["length_buckets"] = length_buckets
+    elif length_buckets:
+        raise SystemExit("this tree has no length buckets")
+    objectives = Objectives(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked"),
+                                             self_evidence=SelfEvidenceConfig(prob=0.5, until=1500, deletion=0.3),
+                                             denoising_contrastive=DenoisingContrastiveConfig(weight=0.3,
+                                                                                              extra_documents=64)),
+                            specials, made.corpus_tokens, **kwargs)
+    cfg = preset("base", vocab_size=4000, max_positions=128, relevance_layers=1, relevance_pooling="mean",
+                 relevance_centering=True, tie_encoder_embeddings=False,
+                 **(dict(d_model=64, num_heads=4, encoder_ffn=128, decoder_local_ffn=128, decoder_ffn=128) if smoke else {}))
+
+    def prepare(k: int):
+        return objectives.prepare(batches[k % len(batches)], (0, 10, k))
+
+    out: dict = {"batches": len(batches), "planner_ms_per_batch": 1e3 * made.plan_seconds_per_batch}
+    seconds = []
+    for k in range(12 if not smoke else 2):
+        t0 = time.perf_counter()
+        prepare(k)
+        seconds.append((time.perf_counter() - t0) * 16384 / batches[k].cost_tokens())
+    out["prepare_ms_per_16k_batch"] = 1e3 * statistics.median(seconds)
+    prepared = [prepare(k) for k in range(len(batches))]
+    update = prepared[:PER_UPDATE]
+
+    model = build_on_meta(cfg).train()
+    with FlopCounterMode(display=False) as counter:
+        for p in update:
+            objective(model, objectives, p, META)[0].backward()
+    work = {"target": 0, "evidence": 0, "relevance": 0}
+    for p in update:
+        for key, value in p.work(specials.pad_id).items():
+            work[key] += value
+    credited = training_flops(cfg, work["target"], work["evidence"], work["relevance"])
+    out["executed_tflop_per_update"] = counter.get_total_flops() / 1e12
+    out["credited_tflop_per_update"] = credited / 1e12
+    out["executed_over_credited_flops"] = counter.get_total_flops() / credited
+    marge = [p.parts["marge"] for p in update]
+    real = lambda t: int((t != specials.pad_id).sum())  # noqa: E731
+
+    def decoder_positions(m) -> int:  # what the decoder runs: padded rows, or each length bucket at its own width
+        layout = getattr(m, "layout", None)
+        if layout is None:
+            return m.labels_NT.numel()
+        return sum((end - first) * positions for first, end, positions, _, _ in layout.target_rows)
+    out["decoder_run_over_real"] = sum(map(decoder_positions, marge)) / sum(real(m.labels_NT) for m in marge)
+
+    with Launches() as launches:
+        for p in update:
+            objective(model, objectives, p, META)[0].backward()
+    out["launch_ops_per_update"] = launches.count
+
+    with BlockingCopies() as copies:
+        losses, tokens, totals = [], [], []
+        for p in update:
+            total, predicted = objective(model, objectives, p, META)
+            total.backward()
+            losses.append({"marge": total.detach()})
+            tokens.append(predicted)
+            totals.append(total.detach())
+        items = [SimpleNamespace(slot=k, batch=batches[k]) for k in range(PER_UPDATE)]
+        done = SimpleNamespace(trained=[(k, batches[k].batch_id) for k in range(PER_UPDATE)], losses=losses,
+                               target_tokens=tokens, objective=totals)
+        update_statistics(items, done, ["marge"], META, lambda stats: None)
+    out["blocking_h2d_copies_per_update"] = copies.count
+
+    def host_seconds(updates: int) -> list[float]:
+        times = []
+        for u in range(updates):
+            t0 = time.perf_counter()
+            for p in prepared[(u * PER_UPDATE) % len(prepared):][:PER_UPDATE]:
+                objective(model, objectives, p, META)[0].backward()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    updates = 3 if smoke else 9
+    host_seconds(1)
+    alone = statistics.median(host_seconds(updates))
+
+    def beside(prefetcher) -> float:
+        """Host seconds of an update while a thread runs `prefetcher(update, stop)`."""
+        times = []
+        for u in range(updates):
+            stop = threading.Event()
+            thread = threading.Thread(target=prefetcher, args=(u, stop), daemon=True)
+            thread.start()
+            times.extend(host_seconds(1))
+            stop.set()
+            thread.join()
+        return statistics.median(times)
+
+    def next_update(u, stop):  # what the trainer's prefetcher does: the next update's batches, then it waits
+        for k in range(PER_UPDATE):
+            prepare(100 + u * PER_UPDATE + k)
+
+    def without_pause(u, stop):  # a thread that never rests: the worst case
+        k = 0
+        while not stop.is_set():
+            prepare(200 + k)
+            k += 1
+    out["update_host_s_alone"] = alone
+    out["update_host_s_with_prefetch"] = beside(next_update)
+    out["prefetch_host_slowdown"] = out["update_host_s_with_prefetch"] / alone
+    out["prefetch_host_slowdown_without_pause"] = beside(without_pause) / alone
+
+    def signature(p) -> tuple:
+        m = p.parts["marge"]
+        layout = getattr(m, "layout", None)
+        views = p.parts.get("denoising_contrastive")
+        return (tuple(m.evidence_MS.shape), tuple(m.labels_NT.shape),
+                None if layout is None else (layout.evidence_rows, layout.target_rows),
+                None if views is None else (tuple(views["first"].shape), tuple(views["second"].shape)))
+    out["distinct_shapes_50_batches"] = len({signature(p) for p in prepared[:50]})
+    out["denoising_view_rows_padded_over_real"] = float(np.mean([
+        p.parts["denoising_contrastive"]["first"].numel() / real(p.parts["denoising_contrastive"]["first"])
+        for p in prepared[:12]]))
+    return out
+
+
+def run_in(tree: Path, length_buckets: int, smoke: bool) -> dict:
+    code = (f"import sys, json; sys.path[:0] = [{str(tree / 'shared')!r}, {str(tree)!r}, {str(REPO / 'benchmarks')!r}]; "
+            f"import recipe_efficiency; print(json.dumps(recipe_efficiency.measure({length_buckets}, {smoke})))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"measuring {tree} (length_buckets {length_buckets}) failed (exit {done.returncode}):\n"
+                         f"{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--before", default=None, help="the commit to compare with (none: the working tree only)")
+    p.add_argument("--buckets", type=int, default=3, help="trainer.length_buckets of the 'after' arm (default 3)")
+    p.add_argument("--smoke", action="store_true", help="tiny widths and few batches: checks that it runs")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    arms = {}
+    if args.before:
+        arms["before"] = run_in(exported(args.before), 0, args.smoke)
+        print(json.dumps({"before": arms["before"]}), flush=True)
+    arms["after_padded"] = run_in(REPO, 0, args.smoke)
+    print(json.dumps({"after_padded": arms["after_padded"]}), flush=True)
+    arms[f"after_{args.buckets}_buckets"] = run_in(REPO, args.buckets, args.smoke)
+    print(json.dumps({f"after_{args.buckets}_buckets": arms[f"after_{args.buckets}_buckets"]}), flush=True)
+    base = arms.get("before", arms["after_padded"])
+    last = arms[f"after_{args.buckets}_buckets"]
+    result = {"command": "python benchmarks/recipe_efficiency.py " + " ".join(sys.argv[1:]),
+              "machine": "CPU (FLOPs and shapes are the same on any machine; times are this machine's)",
+              "before_commit": args.before, "updates_of": f"{PER_UPDATE} batches of 16,384 budget tokens",
+              **arms,
+              "before_over_after": {key: base[key] / last[key] for key in base
+                                    if isinstance(base[key], (int, float)) and last.get(key)}}
+    print(json.dumps(result["before_over_after"], indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
