@@ -11,14 +11,14 @@ centred, untied encoder embedding), an update is 2 batches (its `grad_accum`), t
 time left would not cover it:
 
   A.env       the card, torch, flash attention
-  B.batches   shapes, padding and host preparation time, padded and in length buckets
+  B.batches   shapes, padding and host preparation time, padded and unpadded
   C.bench     the bench step (benchmarks/trainer_vs_hf_bart.py `base`, 128 targets, bf16): the same-card baseline
-  D.recipe    the recipe's update, eager, padded (`trainer.length_buckets: 0`) and in 3 buckets: seconds, target
+  D.recipe    the recipe's update, eager, padded (`trainer.unpadded: false`) and unpadded: seconds, target
               tokens/s, executed and credited TFLOP (FlopCounterMode on the meta device), MFU, allocator retries
-  E.prefetch  D (buckets) with a thread preparing batches beside it (the single process's and ranks' prefetch)
-  G.profile   torch.profiler over 2 updates (buckets): top kernels, GPU-busy vs wall seconds, runtime call counts,
+  E.prefetch  D (unpadded) with a thread preparing batches without rest beside it (the prefetcher's worst case)
+  G.profile   torch.profiler over 2 updates (unpadded): top kernels, GPU-busy vs wall seconds, runtime call counts,
               a gzipped Chrome trace in OUT
-  F.ablations D (buckets) with dropout 0, without self-evidence, without the denoising loss
+  F.ablations D (unpadded) with dropout 0, without self-evidence, without the denoising loss
   H.compile   in subprocesses, time-boxed: `trainer.compile` (the whole model, dynamic) and each layer compiled
               on its own (regional): first-update and steady seconds
 """
@@ -94,12 +94,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def objectives(corpus_tokens, buckets: int, self_evidence: bool = True, contrastive: bool = True) -> Objectives:
+def objectives(corpus_tokens, unpadded: bool, self_evidence: bool = True, contrastive: bool = True) -> Objectives:
     return Objectives(ObjectivesConfig(
         marge=MargeObjectiveConfig(attend_to="linked"),
         self_evidence=SelfEvidenceConfig(prob=0.5, until=1500, deletion=0.3) if self_evidence else None,
         denoising_contrastive=DenoisingContrastiveConfig(weight=0.3, extra_documents=64) if contrastive else None),
-        SPECIALS, corpus_tokens, length_buckets=buckets)
+        SPECIALS, corpus_tokens, unpadded=unpadded)
 
 
 def prepare_all(obj: Objectives, batches: list) -> tuple[list, float]:
@@ -114,10 +114,8 @@ def shapes(prepared: list) -> dict:
     def real(t) -> int:
         return int((t != 0).sum())
 
-    def run_positions(m) -> int:  # decoder positions the model runs: padded rows, or each bucket's own width
-        if m.layout is None:
-            return m.labels_NT.numel()
-        return sum((end - first) * positions for first, end, positions, _, _ in m.layout.target_rows)
+    def run_positions(m) -> int:  # decoder positions its projections and feed-forward layers run on
+        return m.labels_NT.numel() if m.layout is None else real(m.labels_NT)
     return {"targets": [m.labels_NT.shape[0] for m in marge], "evidence": [m.evidence_MS.shape[0] for m in marge],
             "decoder_run_over_real": sum(map(run_positions, marge)) / sum(real(m.labels_NT) for m in marge)}
 
@@ -137,7 +135,7 @@ def run_updates(model, optimizer, scheduler, obj, batches, prepared, updates, tr
         k = (u * PER_UPDATE) % (len(batches) - PER_UPDATE + 1)
         sync()
         t0 = time.perf_counter()
-        record = train_step(trained or model, optimizer, scheduler, obj, batches[k:k + PER_UPDATE], TRAINER, step0 + u,
+        record = train_step(model if trained is None else trained, optimizer, scheduler, obj, batches[k:k + PER_UPDATE], TRAINER, step0 + u,
                             DEVICE, prepared=pinned[k:k + PER_UPDATE])
         sync()
         times.append(time.perf_counter() - t0)
@@ -200,7 +198,7 @@ def timed_update(name: str, obj, batches, prepared, timed: int, dropout: float |
 def compile_part(kind: str) -> None:
     """One compile probe (run in its own process): the first update (cold compile) and the steady update."""
     made = recipe_batches(8, max_tokens=2048 if ARGS.smoke else 16384)
-    obj = objectives(made.corpus_tokens, 3)
+    obj = objectives(made.corpus_tokens, True)
     prepared, _ = prepare_all(obj, made.batches)
     model, optimizer, scheduler = new_model()
     if kind == "regional":
@@ -227,12 +225,12 @@ def main() -> int:
          model=dict(d_model=MODEL.d_model, vocab=MODEL.vocab_size), per_update=PER_UPDATE)
     made = recipe_batches(4 if ARGS.smoke else 12, max_tokens=2048 if ARGS.smoke else 16384)
     batches = made.batches
-    padded_obj, bucket_obj = objectives(made.corpus_tokens, 0), objectives(made.corpus_tokens, 3)
+    padded_obj, unpadded_obj = objectives(made.corpus_tokens, False), objectives(made.corpus_tokens, True)
     padded, padded_s = prepare_all(padded_obj, batches)
-    bucketed, bucketed_s = prepare_all(bucket_obj, batches)
+    unpadded, unpadded_s = prepare_all(unpadded_obj, batches)
     emit("B.batches", batches=len(batches), planner_ms_per_batch=1e3 * made.plan_seconds_per_batch,
-         prepare_ms_padded=1e3 * padded_s, prepare_ms_buckets=1e3 * bucketed_s, padded=shapes(padded),
-         buckets=shapes(bucketed))
+         prepare_ms_padded=1e3 * padded_s, prepare_ms_unpadded=1e3 * unpadded_s, padded=shapes(padded),
+         unpadded=shapes(unpadded))
     timed = 2 if ARGS.smoke else 6
 
     if "bench" not in ARGS.skip and cuda and left() > 60:
@@ -249,12 +247,12 @@ def main() -> int:
     main_run = None
     if "recipe" not in ARGS.skip:
         for name, obj, prepared in (("D.recipe_update_padded", padded_obj, padded),
-                                    ("D.recipe_update_buckets", bucket_obj, bucketed)):
+                                    ("D.recipe_update_unpadded", unpadded_obj, unpadded)):
             if left() < 45:
                 emit(name, skipped=f"{left():.0f} s left")
                 continue
             run = timed_update(name, obj, batches, prepared, timed)
-            if obj is bucket_obj:
+            if obj is unpadded_obj:
                 main_run = run
             else:
                 del run
@@ -267,12 +265,12 @@ def main() -> int:
         def prefetch():
             k = 0
             while not stop.is_set():
-                bucket_obj.prepare(batches[k % len(batches)], (0, 11, k % PER_UPDATE))
+                unpadded_obj.prepare(batches[k % len(batches)], (0, 11, k % PER_UPDATE))
                 k += 1
         thread = threading.Thread(target=prefetch, daemon=True)
         thread.start()
-        times, tokens = run_updates(main_run["model"], main_run["optimizer"], main_run["scheduler"], bucket_obj,
-                                    batches, bucketed, timed)
+        times, tokens = run_updates(main_run["model"], main_run["optimizer"], main_run["scheduler"], unpadded_obj,
+                                    batches, unpadded, timed)
         stop.set()
         thread.join()
         emit("E.recipe_update_with_prefetch_thread", update_s=float(np.median(times)),
@@ -284,8 +282,8 @@ def main() -> int:
         sync()
         t0 = time.perf_counter()
         with profile(activities=activities) as prof:
-            run_updates(main_run["model"], main_run["optimizer"], main_run["scheduler"], bucket_obj, batches,
-                        bucketed, 2)
+            run_updates(main_run["model"], main_run["optimizer"], main_run["scheduler"], unpadded_obj, batches,
+                        unpadded, 2)
         wall = time.perf_counter() - t0
         events = prof.key_averages()
         key = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -309,7 +307,7 @@ def main() -> int:
             if left() < 40:
                 emit(name, skipped=f"{left():.0f} s left")
                 continue
-            obj = objectives(made.corpus_tokens, 3, **kwargs)
+            obj = objectives(made.corpus_tokens, True, **kwargs)
             prepared, _ = prepare_all(obj, batches)
             timed_update(name, obj, batches, prepared, max(2, timed // 2), dropout)
             if cuda:

@@ -18,12 +18,13 @@ learning-gpu.yaml's self-evidence and denoising loss), the model is learning-gpu
 * launch_ops_per_update: aten operations that compute (views and metadata excluded) in that forward and backward;
 * blocking_h2d_copies_per_update: host-to-device copies without `non_blocking` while an update moves its inputs,
   computes its losses and gathers its statistics (`update_statistics`), with the meta device as the device;
-* decoder_run_over_real: decoder positions run over the real target tokens;
-* distinct_shapes_50_batches: input shape signatures (and bucket plans) over 50 prepared batches: what a static
-  compile would specialise on.
+* decoder_run_over_real, denoising_views_run_over_real: positions the projections and feed-forward layers run on
+  over the real tokens, of the decoder and of g over the denoising loss's views;
+* distinct_shapes_50_batches: input shape signatures over 50 prepared batches: what a static compile would
+  specialise on.
 
 "Before" is a given commit of this repository, exported with `git archive` and measured in a subprocess by this same
-file; "after" is the working tree, padded (`trainer.length_buckets: 0`) and in length buckets.
+file; "after" is the working tree, padded (`trainer.unpadded: false`) and on real tokens only (`true`).
 
     python benchmarks/recipe_efficiency.py --before ced48d1 --out benchmarks/results/recipe-efficiency-cpu-2core.json
     python benchmarks/recipe_efficiency.py --smoke          # seconds: checks that it runs
@@ -87,7 +88,7 @@ def objective(model, objectives, prepared, device):
     return total, tokens
 
 
-def measure(length_buckets: int, smoke: bool) -> dict:
+def measure(unpadded: bool, smoke: bool) -> dict:
     """Every figure for the code importable here (this tree's, or the exported commit's)."""
     import numpy as np
     from torch.utils.flop_counter import FlopCounterMode
@@ -105,10 +106,10 @@ def measure(length_buckets: int, smoke: bool) -> dict:
     made = recipe_batches(8 if smoke else 50, max_tokens=max_tokens)
     batches = made.batches
     kwargs = {}
-    if "length_buckets" in inspect.signature(Objectives).parameters:
-        kwargs["length_buckets"] = length_buckets
-    elif length_buckets:
-        raise SystemExit("this tree has no length buckets")
+    if "unpadded" in inspect.signature(Objectives).parameters:
+        kwargs["unpadded"] = unpadded
+    elif unpadded:
+        raise SystemExit("this tree has no unpadded path")
     objectives = Objectives(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked"),
                                              self_evidence=SelfEvidenceConfig(prob=0.5, until=1500, deletion=0.3),
                                              denoising_contrastive=DenoisingContrastiveConfig(weight=0.3,
@@ -146,11 +147,8 @@ def measure(length_buckets: int, smoke: bool) -> dict:
     marge = [p.parts["marge"] for p in update]
     real = lambda t: int((t != specials.pad_id).sum())  # noqa: E731
 
-    def decoder_positions(m) -> int:  # what the decoder runs: padded rows, or each length bucket at its own width
-        layout = getattr(m, "layout", None)
-        if layout is None:
-            return m.labels_NT.numel()
-        return sum((end - first) * positions for first, end, positions, _, _ in layout.target_rows)
+    def decoder_positions(m) -> int:  # what the decoder's projections and feed-forward layers run on
+        return m.labels_NT.numel() if getattr(m, "layout", None) is None else real(m.labels_NT)
     out["decoder_run_over_real"] = sum(map(decoder_positions, marge)) / sum(real(m.labels_NT) for m in marge)
 
     with Launches() as launches:
@@ -213,24 +211,22 @@ def measure(length_buckets: int, smoke: bool) -> dict:
 
     def signature(p) -> tuple:
         m = p.parts["marge"]
-        layout = getattr(m, "layout", None)
         views = p.parts.get("denoising_contrastive")
-        return (tuple(m.evidence_MS.shape), tuple(m.labels_NT.shape),
-                None if layout is None else (layout.evidence_rows, layout.target_rows),
+        return (tuple(m.evidence_MS.shape), tuple(m.target_enc_NS.shape), tuple(m.labels_NT.shape),
                 None if views is None else (tuple(views["first"].shape), tuple(views["second"].shape)))
     out["distinct_shapes_50_batches"] = len({signature(p) for p in prepared[:50]})
-    out["denoising_view_rows_padded_over_real"] = float(np.mean([
-        p.parts["denoising_contrastive"]["first"].numel() / real(p.parts["denoising_contrastive"]["first"])
-        for p in prepared[:12]]))
+    views = [p.parts["denoising_contrastive"] for p in prepared[:12]]
+    out["denoising_views_run_over_real"] = 1.0 if "first_real" in views[0] else \
+        float(np.mean([v["first"].numel() / real(v["first"]) for v in views]))
     return out
 
 
-def run_in(tree: Path, length_buckets: int, smoke: bool) -> dict:
+def run_in(tree: Path, unpadded: bool, smoke: bool) -> dict:
     code = (f"import sys, json; sys.path[:0] = [{str(tree / 'shared')!r}, {str(tree)!r}, {str(REPO / 'benchmarks')!r}]; "
-            f"import recipe_efficiency; print(json.dumps(recipe_efficiency.measure({length_buckets}, {smoke})))")
+            f"import recipe_efficiency; print(json.dumps(recipe_efficiency.measure({unpadded}, {smoke})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"measuring {tree} (length_buckets {length_buckets}) failed (exit {done.returncode}):\n"
+        raise SystemExit(f"measuring {tree} (unpadded {unpadded}) failed (exit {done.returncode}):\n"
                          f"{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -238,22 +234,20 @@ def run_in(tree: Path, length_buckets: int, smoke: bool) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--before", default=None, help="the commit to compare with (none: the working tree only)")
-    p.add_argument("--buckets", type=int, default=3, help="trainer.length_buckets of the 'after' arm (default 3)")
     p.add_argument("--smoke", action="store_true", help="tiny widths and few batches: checks that it runs")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     arms = {}
     if args.before:
-        arms["before"] = run_in(exported(args.before), 0, args.smoke)
+        arms["before"] = run_in(exported(args.before), False, args.smoke)
         print(json.dumps({"before": arms["before"]}), flush=True)
-    arms["after_padded"] = run_in(REPO, 0, args.smoke)
-    print(json.dumps({"after_padded": arms["after_padded"]}), flush=True)
-    arms[f"after_{args.buckets}_buckets"] = run_in(REPO, args.buckets, args.smoke)
-    print(json.dumps({f"after_{args.buckets}_buckets": arms[f"after_{args.buckets}_buckets"]}), flush=True)
-    base = arms.get("before", arms["after_padded"])
-    last = arms[f"after_{args.buckets}_buckets"]
+    for name, unpadded in (("after_padded", False), ("after_unpadded", True)):
+        arms[name] = run_in(REPO, unpadded, args.smoke)
+        print(json.dumps({name: arms[name]}), flush=True)
+    base, last = arms.get("before", arms["after_padded"]), arms["after_unpadded"]
     result = {"command": "python benchmarks/recipe_efficiency.py " + " ".join(sys.argv[1:]),
-              "machine": "CPU (FLOPs and shapes are the same on any machine; times are this machine's)",
+              "machine": "2-core CPU (FLOPs, operations, copies and shapes are the same on any machine; times are "
+                         "this machine's)",
               "before_commit": args.before, "updates_of": f"{PER_UPDATE} batches of 16,384 budget tokens",
               **arms,
               "before_over_after": {key: base[key] / last[key] for key in base

@@ -285,7 +285,7 @@ class SingleProcessRun:
         cfg, device, t = self.cfg, self.device, self.cfg.trainer
         model, optimizer, scheduler, state = self.build_training_state()
         corpus_tokens = self.corpus.all_tokens() if cfg.objectives.needs_corpus else None
-        objectives = objectives_for(cfg.objectives, self.tokenizer, corpus_tokens, t.length_buckets)
+        objectives = objectives_for(cfg.objectives, self.tokenizer, corpus_tokens, t.unpadded)
 
         def prepare(batch: Batch, step: int, position: int) -> PreparedBatch:
             return objectives.prepare(batch, seed_key(cfg.run.seed, self.slots, step * self.slots.per_step + position))

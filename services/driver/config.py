@@ -306,7 +306,7 @@ RESUMABLE = ("run.max_steps", "run.max_minutes", "run.progress_every_s", "run.te
              "indexer.num_cpus_per_worker", "indexer.num_gpus_per_worker", "indexer.resources", "indexer.use_gpu",
              "indexer.bf16", "indexer.batch_tokens", "trainer.num_cpus_per_worker", "trainer.resources",
              "trainer.torch_threads", "trainer.max_failures", "trainer.keep_checkpoints", "trainer.compile",
-             "trainer.loss_chunk_tokens", "trainer.length_buckets", "trainer.prefetch")
+             "trainer.loss_chunk_tokens", "trainer.unpadded", "trainer.prefetch")
 """What a resumed run may change (keys, or sections ending in '.'): how long it runs, how it reports, where it runs
 and on what, never what it trains (the data, the model, the objectives, the schedule, the batches)."""
 

@@ -42,12 +42,13 @@ class TrainerConfig:
     unchunked loss), so memory holds one chunk x vocabulary of logits, not every target token's: for the 250k
     vocabulary of `paper` the logits are the largest tensor of a step. The loss and gradients are those of the
     unchunked loss (tests/test_model.py). An execution setting: a resumed run may change it."""
-    length_buckets: int = 0
-    """MARGE batches run sorted by length in at most this many length buckets, each padded only to its own longest
-    document, and each target reads only the real keys of its evidence (`marge.model.PackedLayout`); 0: every batch
-    padded to its longest document, as before. The loss and gradients are those of the padded batch
-    (tests/test_packing.py); the FLOPs executed fall towards those credited (benchmarks/recipe_efficiency.py). An
-    execution setting: a resumed run may change it."""
+    unpadded: bool = False
+    """MARGE batches (and the denoising loss's views) run on their real tokens only: every projection, feed-forward
+    layer and norm skips the padding, the attention alone lays the tokens out in rows, and each target reads only
+    its evidence's real keys (`marge.model.UnpaddedLayout`). False: every row padded to its batch's longest
+    document, as before. The loss and gradients are those of the padded batch (tests/test_unpadded.py); the FLOPs
+    executed fall to near those credited (benchmarks/recipe_efficiency.py). An execution setting: a resumed run may
+    change it."""
     compile: bool = False
     """Train through `torch.compile` (dynamic shapes: a few graphs for every batch size, none broken by a device
     read). Worth it on a GPU; on a CPU the first updates pay the compilation."""
@@ -71,7 +72,6 @@ class TrainerConfig:
                  "num_cpus_per_worker", "torch_threads", "adam_eps")
         at_least(self, "warmup_steps", 0)
         at_least(self, "loss_chunk_tokens", 0)
-        within(self, "length_buckets", 0, 16)
         if self.total_steps is not None:
             positive(self, "total_steps")
         at_least(self, "weight_decay", 0)

@@ -56,9 +56,9 @@ from torch import Tensor
 from marge.batch import (ENCODER_SPECIALS, Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels,
                          encoder_rows_flat)
 from marge.config import ConfigError, FieldError, at_least, one_of, positive, within
-from marge.model import Marge, pad_rows
+from marge.model import Marge, RealTokens, pad_rows
 from marge.veco import mlm_mask
-from services.trainer.inputs import ATTEND_TO, ModelInputs, to_model_inputs
+from services.trainer.inputs import ATTEND_TO, ModelInputs, real_tokens, to_model_inputs
 from services.trainer.noising import BartNoise, bart_noise
 
 VECO_PAIRS = ("halves", "index")
@@ -291,10 +291,12 @@ def denoising_views(batch: Batch, cfg: DenoisingContrastiveConfig, specials: Spe
     return first, view()
 
 
-def denoising_loss(model: Marge, views: tuple[Tensor, Tensor], temperature: float) -> Tensor:
-    """Each view must pick its twin among all the others (cross-entropy both ways, temperature-scaled cosines)."""
-    a = F.normalize(model.relevance_vectors(views[0]).float(), dim=-1)
-    b = F.normalize(model.relevance_vectors(views[1]).float(), dim=-1)
+def denoising_loss(model: Marge, views: tuple[Tensor, Tensor], temperature: float,
+                   real: tuple[RealTokens, RealTokens] | None = None) -> Tensor:
+    """Each view must pick its twin among all the others (cross-entropy both ways, temperature-scaled cosines).
+    `real`: the views' real tokens (g then runs on those alone)."""
+    a = F.normalize(model.relevance_vectors(views[0], None if real is None else real[0]).float(), dim=-1)
+    b = F.normalize(model.relevance_vectors(views[1], None if real is None else real[1]).float(), dim=-1)
     logits = a @ b.T / temperature
     labels = torch.arange(len(a), device=a.device)
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
@@ -313,7 +315,8 @@ def first_text_id(specials: SpecialTokens) -> int:
 
 
 class Tensors(dict):
-    """An objective's prepared tensors by name, movable as one (to the device, into pinned memory)."""
+    """An objective's prepared tensors (or `RealTokens`) by name, movable as one (to the device, into pinned
+    memory)."""
 
     def to(self, device: torch.device | str) -> "Tensors":
         return Tensors({k: v.to(device, non_blocking=True) for k, v in self.items()})
@@ -332,11 +335,11 @@ class MargeObjective:
 
     name = "marge"
 
-    def __init__(self, cfg: MargeObjectiveConfig, specials: SpecialTokens, length_buckets: int = 0):
-        self.cfg, self.specials, self.length_buckets = cfg, specials, length_buckets
+    def __init__(self, cfg: MargeObjectiveConfig, specials: SpecialTokens, unpadded: bool = False):
+        self.cfg, self.specials, self.unpadded = cfg, specials, unpadded
 
     def prepare(self, batch: Batch, rng: np.random.Generator) -> ModelInputs:
-        return to_model_inputs(batch, self.specials, self.cfg.attend_to, self.length_buckets)
+        return to_model_inputs(batch, self.specials, self.cfg.attend_to, self.unpadded)
 
     def loss(self, model: torch.nn.Module, inputs: ModelInputs) -> tuple[Tensor, Tensor]:
         # width was checked on the host: no device read in the forward
@@ -434,15 +437,23 @@ class DenoisingContrastiveObjective:
 
     name = "denoising_contrastive"
 
-    def __init__(self, cfg: DenoisingContrastiveConfig, specials: SpecialTokens, corpus_tokens: list | None):
-        self.cfg, self.specials, self.corpus_tokens = cfg, specials, corpus_tokens
+    def __init__(self, cfg: DenoisingContrastiveConfig, specials: SpecialTokens, corpus_tokens: list | None,
+                 unpadded: bool = False):
+        self.cfg, self.specials, self.corpus_tokens, self.unpadded = cfg, specials, corpus_tokens, unpadded
 
     def prepare(self, batch: Batch, rng: np.random.Generator) -> Tensors | None:
         views = denoising_views(batch, self.cfg, self.specials, self.corpus_tokens, rng)
-        return None if views is None else Tensors(first=views[0], second=views[1])
+        if views is None:
+            return None
+        out = Tensors(first=views[0], second=views[1])
+        if self.unpadded:
+            for name, view in tuple(out.items()):
+                out[f"{name}_real"] = real_tokens((view != self.specials.pad_id).sum(1).numpy(), view.shape[1])
+        return out
 
     def loss(self, model: torch.nn.Module, views: Tensors) -> tuple[Tensor, Tensor]:
-        loss = denoising_loss(core_model(model), (views["first"], views["second"]), self.cfg.temperature)
+        real = (views["first_real"], views["second_real"]) if "first_real" in views else None
+        loss = denoising_loss(core_model(model), (views["first"], views["second"]), self.cfg.temperature, real)
         return loss, torch.zeros((), dtype=torch.long)
 
 
@@ -503,9 +514,9 @@ class Objectives:
     """The configured objectives: `prepare` a batch (CPU), then `losses` of the prepared batch on the model."""
 
     def __init__(self, cfg: ObjectivesConfig, specials: SpecialTokens, corpus_tokens: list | None = None,
-                 sentence_ends: np.ndarray | None = None, vocab_size: int | None = None, length_buckets: int = 0):
-        """`length_buckets`: MARGE batches run in at most this many length buckets (`trainer.length_buckets`;
-        0: padded to each batch's longest row)."""
+                 sentence_ends: np.ndarray | None = None, vocab_size: int | None = None, unpadded: bool = False):
+        """`unpadded`: MARGE batches and the denoising loss's views run on their real tokens only
+        (`trainer.unpadded`)."""
         if cfg.needs_corpus and not corpus_tokens:
             raise ValueError("objectives.denoising_contrastive.extra_documents > 0 needs the corpus's documents")
         if (cfg.bart is not None or cfg.veco is not None) and (sentence_ends is None or vocab_size is None):
@@ -514,13 +525,14 @@ class Objectives:
         self.cfg, self.specials, self.primary = cfg, specials, cfg.primary
         self.plugins: list = []
         if cfg.marge is not None:
-            self.plugins.append(MargeObjective(cfg.marge, specials, length_buckets))
+            self.plugins.append(MargeObjective(cfg.marge, specials, unpadded))
         if cfg.bart is not None:
             self.plugins.append(BartObjective(cfg.bart, specials, sentence_ends, vocab_size))
         if cfg.veco is not None:
             self.plugins.append(VecoObjective(cfg.veco, specials, sentence_ends, vocab_size))
         if cfg.denoising_contrastive is not None:
-            self.plugins.append(DenoisingContrastiveObjective(cfg.denoising_contrastive, specials, corpus_tokens))
+            self.plugins.append(DenoisingContrastiveObjective(cfg.denoising_contrastive, specials, corpus_tokens,
+                                                              unpadded))
         self.weights = {p.name: getattr(cfg, p.name).weight for p in self.plugins}
 
     def prepare(self, batch: Batch, seed_key: tuple[int, ...]) -> PreparedBatch:
@@ -558,10 +570,10 @@ def apply_objective_settings(model: torch.nn.Module, cfg: ObjectivesConfig) -> t
 
 
 def objectives_for(cfg: ObjectivesConfig, tokenizer, corpus_tokens: list | None = None,
-                   length_buckets: int = 0) -> Objectives:
+                   unpadded: bool = False) -> Objectives:
     """The run's objectives with what they need from its tokenizer (`marge.tokenizer.MargeTokenizer`)."""
     from services.trainer.noising import sentence_end_ids
 
     pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
     return Objectives(cfg, tokenizer.specials, corpus_tokens, sentence_end_ids(pieces), tokenizer.vocab_size,
-                      length_buckets)
+                      unpadded)

@@ -162,7 +162,7 @@ class Rank:
         if self.writes_log:
             self.train_log.truncate_after(self.step)  # lines of updates the checkpoint does not hold
         corpus_tokens = corpus.all_tokens() if job.objectives.needs_corpus else None
-        self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens, job.trainer.length_buckets)
+        self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens, job.trainer.unpadded)
         self.source = source_for(job, self.rank)
         self.source.progress(self.step)  # a resumed rank: the batcher may write up to `lookahead` past it
         self.committed = [(n, b) for n, b in resumed.trained if self.slots.rank_of(n) == self.rank]

@@ -230,6 +230,13 @@ def embed(tokens_RS: Tensor, token_table: nn.Embedding, position_table: nn.Embed
     return x_RSD if norm is None else norm(x_RSD)
 
 
+def embed_real(ids_T: Tensor, positions_T: Tensor, token_table: nn.Embedding, position_table: nn.Embedding,
+               norm: nn.LayerNorm | None) -> Tensor:
+    """`embed` of real tokens given with their positions (T D)."""
+    x_TD = token_table(ids_T) + position_table(positions_T)
+    return x_TD if norm is None else norm(x_TD)
+
+
 def run_layers(x_RSD: Tensor, layers, key_ok_RS: Tensor) -> Tensor:
     """Encoder layers over embedded rows, padding keys masked: the encoder forward of `Marge` and of g alone."""
     key_ok_R11S = key_ok_RS[:, None, None, :]
@@ -312,6 +319,107 @@ def fold_key_bias(q_BHQE: Tensor, k_BHKE: Tensor, v_BHKE: Tensor,
     return q2, k2, v2, 1.0 / math.sqrt(e)
 
 
+class ScatterRows(torch.autograd.Function):
+    """x (T D) into a zero (size D) block at `index_T`, whose entries are distinct: the backward is a gather (the
+    autograd of `index_copy`/`index_select` would scatter-add, which the CPU runs serially)."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, index_T: Tensor, size: int) -> Tensor:
+        ctx.save_for_backward(index_T)
+        return x_TD.new_zeros(size, x_TD.shape[-1]).index_copy_(0, index_T, x_TD)
+
+    @staticmethod
+    def backward(ctx, grad_XD: Tensor):
+        (index_T,) = ctx.saved_tensors
+        return grad_XD.index_select(0, index_T), None, None
+
+
+class GatherRows(torch.autograd.Function):
+    """Rows `index_T` (distinct) of x (X D): the backward puts the gradient back in place, no scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x_XD: Tensor, index_T: Tensor) -> Tensor:
+        ctx.save_for_backward(index_T)
+        ctx.size = x_XD.shape[0]
+        return x_XD.index_select(0, index_T)
+
+    @staticmethod
+    def backward(ctx, grad_TD: Tensor):
+        (index_T,) = ctx.saved_tensors
+        return grad_TD.new_zeros(ctx.size, grad_TD.shape[-1]).index_copy_(0, index_T, grad_TD), None
+
+
+@dataclass
+class RealTokens:
+    """Where the real (non-padding) tokens of a right-padded (rows, width) block sit. Layers given one run their
+    projections, feed-forward layers and norms on these T tokens alone (no FLOP on padding) and lay them out in
+    rows only for the attention call (`to_rows`, `from_rows`). Made on the host (`services.trainer.inputs`)."""
+
+    index_T: Tensor  # row * width + position of each real token, row by row
+    row_T: Tensor  # its row
+    position_T: Tensor  # its position in the row
+    first_R: Tensor  # where each row's first token sits among the T
+    lengths_R: Tensor  # real tokens of each row (>= 1)
+    rows: int
+    width: int
+
+    def to_rows(self, x_TD: Tensor) -> Tensor:
+        """(rows, width, D) with x's tokens in place and zeros at padding."""
+        return ScatterRows.apply(x_TD, self.index_T, self.rows * self.width).view(self.rows, self.width, -1)
+
+    def from_rows(self, x_RSD: Tensor) -> Tensor:
+        """The real tokens (T D) of a (rows, width, D) block."""
+        return GatherRows.apply(x_RSD.reshape(self.rows * self.width, -1), self.index_T)
+
+    def take(self, tokens_RS: Tensor) -> Tensor:
+        """The real entries (T) of a (rows, width) tensor, e.g. token ids or labels."""
+        return tokens_RS.reshape(-1).index_select(0, self.index_T)
+
+    def pool(self, x_TD: Tensor, pooling: str) -> Tensor:
+        """`pool_relevance` over real tokens: each row's first token, or the mean of its tokens (R D)."""
+        if pooling == "bos":
+            return x_TD.index_select(0, self.first_R)
+        sums = x_TD.new_zeros(self.rows, x_TD.shape[-1]).index_add_(0, self.row_T, x_TD)
+        return sums / self.lengths_R.to(x_TD.dtype)[:, None]
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.index_T, self.row_T, self.position_T, self.first_R, self.lengths_R
+
+    def map(self, fn) -> "RealTokens":
+        return RealTokens(*(fn(t) for t in self.tensors()), self.rows, self.width)
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> "RealTokens":
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "RealTokens":
+        return self.map(lambda t: t.pin_memory())
+
+
+@dataclass
+class UnpaddedLayout:
+    """How a host-prepared batch runs without padding (`trainer.unpadded`): the real tokens of the evidence, of the
+    targets' encoder rows (their g) and of the decoder rows, and the keys each target reads in a memory made of the
+    evidence's real tokens only. The loss and gradients are those of the padded batch (tests/test_unpadded.py):
+    padding keys weigh exactly 0 in every softmax, and nothing else mixes tokens."""
+
+    evidence: RealTokens
+    targets: RealTokens  # the targets' encoder rows (g)
+    decoder: RealTokens  # the decoder's (and the labels') rows
+    key_doc_NK: Tensor  # the evidence document of each key slot a target reads ((1, L) when every target reads all)
+    visible_NK: Tensor  # False on slots a target may not read (its own document, unused slots)
+    key_index_NK: Tensor | None = None  # where each slot's key sits in the memory (None: slot k is memory key k)
+
+    def map(self, fn) -> "UnpaddedLayout":
+        return UnpaddedLayout(self.evidence.map(fn), self.targets.map(fn), self.decoder.map(fn), fn(self.key_doc_NK),
+                              fn(self.visible_NK), None if self.key_index_NK is None else fn(self.key_index_NK))
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> "UnpaddedLayout":
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "UnpaddedLayout":
+        return self.map(lambda t: t.pin_memory())
+
+
 class Attention(nn.Module):
     """Multi-head attention through F.scaled_dot_product_attention (scale = 1/sqrt(head width)).
 
@@ -335,12 +443,18 @@ class Attention(nn.Module):
         b, x, d = x_BXD.shape
         return x_BXD.view(b, x, self.num_heads, d // self.num_heads).transpose(1, 2)  # B H X E
 
-    def project_kv(self, memory_BLD: Tensor) -> tuple[Tensor, Tensor]:
-        return self.split_heads(self.k_proj(memory_BLD)), self.split_heads(self.v_proj(memory_BLD))
+    def project_kv(self, memory_BLD: Tensor, real: RealTokens | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values in heads (B H L E); `real`: projected from the real tokens only, then laid out in rows."""
+        if real is None:
+            return self.split_heads(self.k_proj(memory_BLD)), self.split_heads(self.v_proj(memory_BLD))
+        return self.split_heads(real.to_rows(self.k_proj(memory_BLD))), self.split_heads(real.to_rows(self.v_proj(memory_BLD)))
 
     def forward(self, x_BQD: Tensor, k_BHLE: Tensor, v_BHLE: Tensor, attn_bias: Tensor | None = None,
-                is_causal: bool = False) -> Tensor:
-        q_BHQE = self.split_heads(self.q_proj(x_BQD))
+                is_causal: bool = False, real: RealTokens | None = None) -> Tensor:
+        """`real`: x holds only the real tokens (T D) of the rows `real` describes; the projections run on those
+        alone, the attention on the rows, and the output comes back as real tokens."""
+        q = self.q_proj(x_BQD)
+        q_BHQE = self.split_heads(q if real is None else real.to_rows(q))
         k_BHLE, v_BHLE = k_BHLE.to(q_BHQE.dtype), v_BHLE.to(q_BHQE.dtype)
         dropout_p = self.dropout if self.training else 0.0
         if is_key_bias(attn_bias) and not is_causal:
@@ -353,7 +467,8 @@ class Attention(nn.Module):
             out_BHQE = F.scaled_dot_product_attention(q_BHQE, k_BHLE, v_BHLE, attn_mask=attn_bias, dropout_p=dropout_p,
                                                       is_causal=is_causal)
         b, _, q, _ = out_BHQE.shape
-        return self.out_proj(out_BHQE.transpose(1, 2).reshape(b, q, -1))
+        out = out_BHQE.transpose(1, 2).reshape(b, q, -1)
+        return self.out_proj(out if real is None else real.from_rows(out))
 
 
 class EncoderLayer(nn.Module):
@@ -367,10 +482,11 @@ class EncoderLayer(nn.Module):
         self.ffn = FeedForward(cfg.d_model, cfg.encoder_ffn, cfg.dropout)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x_BSD: Tensor, key_ok_B11S: Tensor) -> Tensor:
+    def forward(self, x_BSD: Tensor, key_ok_B11S: Tensor, real: RealTokens | None = None) -> Tensor:
+        """`real`: x holds only the real tokens (T D) of the rows; every layer but the attention runs on those."""
         h = self.self_attn_norm(x_BSD)
-        k, v = self.self_attn.project_kv(h)
-        x_BSD = x_BSD + self.dropout(self.self_attn(h, k, v, attn_bias=key_ok_B11S))
+        k, v = self.self_attn.project_kv(h, real)
+        x_BSD = x_BSD + self.dropout(self.self_attn(h, k, v, attn_bias=key_ok_B11S, real=real))
         return x_BSD + self.ffn(self.ffn_norm(x_BSD))
 
 
@@ -443,36 +559,6 @@ class CrossMemory:
         return CrossMemory(key_index, self.relevance_NK.index_select(0, index_N), self.visible_NK.index_select(0, index_N))
 
 
-@dataclass
-class PackedLayout:
-    """How one host-prepared batch runs with little padding (`trainer.length_buckets`; `inputs.packed_layout` makes
-    it): evidence and target rows come sorted by length and run in a few length buckets, each padded only to its
-    own longest row (rounded up to a multiple of 8), and the encoder states of all buckets form one memory in which
-    a target reads the real keys of its documents only. The loss and gradients are those of the padded batch
-    (tests/test_model.py): padding keys weigh exactly 0 in every softmax, so only rounding differs.
-
-    Rows are (first row, end row, positions): `evidence_rows` over the evidence, `target_rows` over the targets,
-    with the decoder's positions, the targets' encoder positions (their g) and the keys each of them reads."""
-
-    evidence_rows: tuple[tuple[int, int, int], ...]
-    target_rows: tuple[tuple[int, int, int, int, int], ...]  # first, end, decoder positions, g positions, keys
-    key_doc_NK: Tensor  # the evidence document of each key slot a target reads ((1, L) when every target reads all)
-    visible_NK: Tensor  # False on slots a target may not read (its own document, padding, unused slots)
-    key_index_NK: Tensor | None = None  # where each slot's key sits in the memory (None: slot k is memory key k)
-
-    def tensors(self) -> tuple[Tensor | None, ...]:
-        return self.key_doc_NK, self.visible_NK, self.key_index_NK
-
-    def _map(self, fn) -> "PackedLayout":
-        return PackedLayout(self.evidence_rows, self.target_rows, *(None if t is None else fn(t) for t in self.tensors()))
-
-    def to(self, device: torch.device | str) -> "PackedLayout":
-        return self._map(lambda t: t.to(device, non_blocking=True))
-
-    def pin_memory(self) -> "PackedLayout":
-        return self._map(lambda t: t.pin_memory())
-
-
 class DecoderLayer(nn.Module):
     """Pre-LayerNorm causal self-attention, optional biased cross-attention over the evidence, FFN."""
 
@@ -487,14 +573,17 @@ class DecoderLayer(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_NTD: Tensor, memory_1LD: Tensor | None, cross: CrossMemory | None, beta: Tensor | None,
-                cache: LayerCache | None = None) -> Tensor:
+                cache: LayerCache | None = None, real: RealTokens | None = None) -> Tensor:
+        """`real`: x holds only the real tokens (T D) of the targets' rows (training; no cache)."""
         h = self.self_attn_norm(x_NTD)
-        k, v = self.self_attn.project_kv(h)
+        k, v = self.self_attn.project_kv(h, real)
         if cache is not None:
             if cache.self_k is not None:
                 k, v = torch.cat([cache.self_k, k], dim=2), torch.cat([cache.self_v, v], dim=2)
             cache.self_k, cache.self_v = k, v
-        x_NTD = x_NTD + self.dropout(self.self_attn(h, k, v, **causal_attention(x_NTD.shape[1], k.shape[2], k.device)))
+        positions = x_NTD.shape[1] if real is None else real.width  # rows are right-padded: causal covers padding
+        x_NTD = x_NTD + self.dropout(self.self_attn(h, k, v, **causal_attention(positions, k.shape[2], k.device),
+                                                    real=real))
         if self.cross_attn is not None:
             h = self.cross_attn_norm(x_NTD)
             if cache is not None and cache.cross_k is not None:
@@ -505,7 +594,7 @@ class DecoderLayer(nn.Module):
                 k, v = cross.gather(k_1HLE), cross.gather(v_1HLE)
                 if cache is not None:
                     cache.cross_k, cache.cross_v = k, v
-            x_NTD = x_NTD + self.dropout(self.cross_attn(h, k, v, attn_bias=cross.bias(beta)))
+            x_NTD = x_NTD + self.dropout(self.cross_attn(h, k, v, attn_bias=cross.bias(beta), real=real))
         return x_NTD + self.ffn(self.ffn_norm(x_NTD))
 
 
@@ -583,11 +672,11 @@ class Marge(nn.Module):
         x = run_layers(self._embed_encoder(tokens_RS), layers, tokens_RS != self.cfg.pad_id)
         return self.encoder_norm(x) if num_layers is None else x
 
-    def relevance_vectors(self, tokens_RS: Tensor, rows: list[tuple[int, int, int]] | None = None) -> Tensor:
-        """g(x): the BOS state after the first `relevance_layers` encoder layers (R D), or their mean. `rows`:
-        (first row, end row, positions) buckets covering the rows in order, each run at its own width."""
-        if rows is not None:
-            return torch.cat([self.relevance_vectors(tokens_RS[first:end, :positions]) for first, end, positions in rows])
+    def relevance_vectors(self, tokens_RS: Tensor, real: RealTokens | None = None) -> Tensor:
+        """g(x): the BOS state after the first `relevance_layers` encoder layers (R D), or their mean. `real`: the
+        rows' real tokens (host-made), run without their padding."""
+        if real is not None:
+            return self.encode_real(tokens_RS, real, self.cfg.relevance_layers)[1]
         states = self.encoder_states(tokens_RS, self.cfg.relevance_layers)
         return pool_relevance(states, tokens_RS != self.cfg.pad_id, self.cfg.relevance_pooling)
 
@@ -679,7 +768,7 @@ class Marge(nn.Module):
 
     def forward(self, evidence_MS: Tensor, target_enc_NS: Tensor | None, decoder_in_NT: Tensor, labels_NT: Tensor,
                 allowed_NM: Tensor, return_logits: bool = False, width: int | None = None,
-                detach_relevance: bool = False, layout: PackedLayout | None = None) -> MargeOutput:
+                detach_relevance: bool = False, layout: UnpaddedLayout | None = None) -> MargeOutput:
         """Negative log-likelihood of each target given the evidence and relevance scores (paper Eq. 2).
 
         evidence_MS    evidence documents as encoder input (BOS ... EOS, padded)
@@ -692,8 +781,9 @@ class Marge(nn.Module):
                        here, which reads device values back (the trainer never leaves it None)
         detach_relevance  beta * f still biases the cross-attention, but no gradient reaches g through f (the
                        control that measures what the relevance bias teaches g: `objectives.marge.detach_relevance`)
-        layout         rows sorted by length with the plan that runs them in length buckets (`PackedLayout`): the
-                       same loss, with little padding (the trainer's `length_buckets`); `width` is then not needed
+        layout         where the real tokens are and which keys each target reads (`UnpaddedLayout`, made on the
+                       host): every layer but the attention runs on real tokens only; the same loss (`width` is then
+                       not needed)
         """
         self._check_lengths(decoder_in_NT, "target")
         if decoder_in_NT.shape != labels_NT.shape:
@@ -701,8 +791,8 @@ class Marge(nn.Module):
         if layout is not None:
             if return_logits:
                 raise ValueError("return_logits needs the padded layout (layout=None)")
-            return self._forward_packed(evidence_MS, target_enc_NS, decoder_in_NT, labels_NT, allowed_NM, layout,
-                                        detach_relevance)
+            return self._forward_unpadded(evidence_MS, target_enc_NS, decoder_in_NT, labels_NT, allowed_NM, layout,
+                                          detach_relevance)
         if width is None:
             width = check_inputs(evidence_MS, allowed_NM, self.cfg.pad_id)
         evidence = self.encode_evidence(evidence_MS)
@@ -729,53 +819,60 @@ class Marge(nn.Module):
         return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None)
 
     def _target_relevance(self, target_enc_NS: Tensor | None, relevance_MD: Tensor, shape: torch.Size,
-                          detach: bool, rows: list[tuple[int, int, int]] | None = None) -> Tensor:
+                          detach: bool, real: RealTokens | None = None) -> Tensor:
         """f(x_i, z_j) of the batch: zero without targets' encoder input (no relevance bias); under `detach` the same
         f as a constant to the backward pass (the targets' g pass then needs no graph)."""
         if target_enc_NS is None:
             return torch.zeros(shape, device=relevance_MD.device)
         if detach:
             with torch.no_grad():
-                return self.relevance(self.relevance_vectors(target_enc_NS, rows), relevance_MD.detach())
-        return self.relevance(self.relevance_vectors(target_enc_NS, rows), relevance_MD)
+                return self.relevance(self.relevance_vectors(target_enc_NS, real), relevance_MD.detach())
+        return self.relevance(self.relevance_vectors(target_enc_NS, real), relevance_MD)
 
-    def _forward_packed(self, evidence_MS: Tensor, target_enc_NS: Tensor | None, decoder_in_NT: Tensor,
-                        labels_NT: Tensor, allowed_NM: Tensor, layout: PackedLayout,
-                        detach_relevance: bool) -> MargeOutput:
-        """`forward` in length buckets (`PackedLayout`): each evidence bucket encoded at its own width into one
-        memory of L = sum(rows x positions) keys, each target bucket decoded at its own width over the keys of
-        its documents."""
-        memories, relevance = [], []
-        for first, end, positions in layout.evidence_rows:
-            states_BSD, relevance_BD, _ = self._encode_rows(evidence_MS[first:end, :positions])
-            memories.append(states_BSD.flatten(0, 1))
-            relevance.append(relevance_BD)
-        memory_1LD, relevance_MD = torch.cat(memories)[None], torch.cat(relevance)
-        g_rows = [(first, end, g_positions) for first, end, _, g_positions, _ in layout.target_rows]
-        relevance_NM = self._target_relevance(target_enc_NS, relevance_MD, allowed_NM.shape, detach_relevance, g_rows)
+    def encode_real(self, tokens_RS: Tensor, real: RealTokens,
+                    num_layers: int | None = None) -> tuple[Tensor, Tensor | None]:
+        """`encoder_states` over the real tokens only (T D), and g of each row where the layers reach g's layer."""
+        self._check_lengths(tokens_RS, "document")
+        x = embed_real(real.take(tokens_RS), real.position_T, self.encoder_token_embedding, self.encoder_positions,
+                       self.encoder_embedding_norm)
+        x = self.dropout(x)
+        key_ok_R11S = (tokens_RS != self.cfg.pad_id)[:, None, None, :]
+        relevance_RD = None
+        layers = self.encoder_layers if num_layers is None else self.encoder_layers[:num_layers]
+        for i, layer in enumerate(layers):
+            x = layer(x, key_ok_R11S, real)
+            if i + 1 == self.cfg.relevance_layers:
+                relevance_RD = real.pool(x, self.cfg.relevance_pooling)
+        return (self.encoder_norm(x) if num_layers is None else x), relevance_RD
+
+    def _forward_unpadded(self, evidence_MS: Tensor, target_enc_NS: Tensor | None, decoder_in_NT: Tensor,
+                          labels_NT: Tensor, allowed_NM: Tensor, layout: UnpaddedLayout,
+                          detach_relevance: bool) -> MargeOutput:
+        """`forward` on real tokens (`UnpaddedLayout`): the memory is the evidence's real tokens (L of them), each
+        target reads its documents' keys there, and the loss is taken over the targets' real tokens."""
+        memory_LD, relevance_MD = self.encode_real(evidence_MS, layout.evidence)
+        relevance_NM = self._target_relevance(target_enc_NS, relevance_MD, allowed_NM.shape, detach_relevance,
+                                              layout.targets)
         n = allowed_NM.shape[0]
-        relevance_NK = relevance_NM.gather(1, layout.key_doc_NK.expand(n, -1))
-        states, labels, rows_positions = [], [], []
-        for first, end, positions, _, keys in layout.target_rows:
-            rows = slice(first, end)
-            cross = CrossMemory(None if layout.key_index_NK is None else layout.key_index_NK[rows, :keys],
-                                relevance_NK[rows, :keys], layout.visible_NK[rows, :keys])
-            states.append(self.decode(decoder_in_NT[rows, :positions], memory_1LD, cross).flatten(0, 1))
-            labels.append(labels_NT[rows, :positions].reshape(-1))
-            rows_positions.append((end - first, positions))
-        states_RD, labels_R = torch.cat(states), torch.cat(labels)
+        cross = CrossMemory(layout.key_index_NK, relevance_NM.gather(1, layout.key_doc_NK.expand(n, -1)),
+                            layout.visible_NK)
+        real = layout.decoder
+        x = self.dropout(embed_real(real.take(decoder_in_NT), real.position_T, self.embed_tokens,
+                                    self.decoder_positions, self.decoder_embedding_norm))
+        memory_1LD = memory_LD[None]
+        for layer in [*self.decoder_local_layers, *self.decoder_layers]:
+            x = layer(x, memory_1LD, cross, self.beta, None, real)
+        states_TD, labels_T = self.decoder_norm(x), real.take(labels_NT)
         tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
         chunk = self.loss_chunk_tokens
         nll_sum = None
         if chunk and torch.is_grad_enabled():
-            nll_sum, nll_R = fused_linear_nll(states_RD, self.embed_tokens.weight, labels_R, self.cfg.pad_id, chunk)
+            nll_sum, nll_T = fused_linear_nll(states_TD, self.embed_tokens.weight, labels_T, self.cfg.pad_id, chunk)
         elif chunk:
-            nll_R = chunked_token_nll(states_RD, self.embed_tokens.weight, labels_R, self.cfg.pad_id, chunk)
+            nll_T = chunked_token_nll(states_TD, self.embed_tokens.weight, labels_T, self.cfg.pad_id, chunk)
         else:
-            nll_R = token_nll(self.logits(states_RD), labels_R, self.cfg.pad_id)
-        nll_N = torch.cat([piece.view(rows, positions).sum(1)
-                           for piece, (rows, positions) in zip(nll_R.split([r * p for r, p in rows_positions]),
-                                                               rows_positions)])
+            nll_T = token_nll(self.logits(states_TD), labels_T, self.cfg.pad_id)
+        nll_N = nll_T.new_zeros(n).index_add_(0, real.row_T, nll_T)
         loss = (nll_N.sum() if nll_sum is None else nll_sum) / tokens_N.sum().clamp(min=1)
         return MargeOutput(loss, nll_N, tokens_N, relevance_NM)
 
@@ -969,7 +1066,8 @@ def training_flops_per_token(cfg: MargeConfig, evidence_per_target_tokens: float
 
 
 __all__ = [
-    "PRESETS", "CrossMemory", "EncodedEvidence", "LayerCache", "Marge", "MargeConfig", "MargeOutput", "PackedLayout",
+    "PRESETS", "CrossMemory", "EncodedEvidence", "LayerCache", "Marge", "MargeConfig", "MargeOutput", "RealTokens",
+    "UnpaddedLayout",
     "RelevanceEncoder", "build_on_meta", "count_parameters", "pad_rows", "parameter_breakdown", "preset",
     "relevance_state_dict", "training_flops", "training_flops_per_token", "unit_relevance",
 ]

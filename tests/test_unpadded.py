@@ -1,9 +1,7 @@
-"""Length buckets (`trainer.length_buckets`, `marge.model.PackedLayout`): the same loss and gradients as the padded
+"""Unpadded batches (`trainer.unpadded`, `marge.model.UnpaddedLayout`): the same loss and gradients as the padded
 batch, fewer FLOPs, and the vectorised host preparation equal to the row-by-row one."""
 
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 import pytest
@@ -12,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from marge.batch import Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels
 from marge.model import Marge, preset
-from services.trainer.inputs import length_buckets, to_model_inputs
+from services.trainer.inputs import to_model_inputs
 
 SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 10, "de": 11, "fr": 12})
 
@@ -37,66 +35,66 @@ def loss_and_gradients(model: Marge, inputs, detach: bool = False) -> tuple[floa
     return float(out.loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("attend_to,chunk,detach", [("linked", 0, False), ("all", 0, False), ("linked", 16, False),
-                                                    ("all", 16, False), ("linked", 0, True)])
-def test_length_buckets_give_the_padded_batchs_loss_and_gradients(attend_to, chunk, detach):
+@pytest.mark.parametrize("attend_to,chunk,detach,pooling", [("linked", 0, False, "mean"), ("all", 0, False, "mean"),
+                                                            ("linked", 16, False, "mean"), ("all", 16, False, "bos"),
+                                                            ("linked", 0, True, "bos")])
+def test_unpadded_gives_the_padded_batchs_loss_and_gradients(attend_to, chunk, detach, pooling):
     torch.manual_seed(0)
     model = Marge(preset("tiny", vocab_size=200, dropout=0.0, relevance_centering=True, relevance_layers=1,
-                         relevance_pooling="mean")).train()
+                         relevance_pooling=pooling)).train()
     model.loss_chunk_tokens = chunk
     batch = skewed_batch()
     padded = to_model_inputs(batch, SPECIALS, attend_to)
-    packed = to_model_inputs(batch, SPECIALS, attend_to, max_buckets=3)
-    assert packed.layout is not None and len(packed.layout.evidence_rows) == 3
+    unpadded = to_model_inputs(batch, SPECIALS, attend_to, unpadded=True)
+    assert unpadded.layout is not None and (unpadded.layout.key_index_NK is None) == (attend_to == "all")
     loss_padded, grads_padded = loss_and_gradients(model, padded, detach)
-    loss_packed, grads_packed = loss_and_gradients(model, packed, detach)
-    assert loss_packed == pytest.approx(loss_padded, rel=1e-6)
-    assert grads_packed.keys() == grads_padded.keys() and "beta" in grads_packed
+    loss_unpadded, grads_unpadded = loss_and_gradients(model, unpadded, detach)
+    assert loss_unpadded == pytest.approx(loss_padded, rel=1e-6)
+    assert grads_unpadded.keys() == grads_padded.keys() and "beta" in grads_unpadded
     scale = max(float(g.abs().max()) for g in grads_padded.values())
     for name, g in grads_padded.items():  # to rounding, against the largest gradient (k_proj.bias's is 0 in exact math)
-        assert torch.allclose(grads_packed[name], g, rtol=1e-4, atol=1e-5 * scale), name
+        assert torch.allclose(grads_unpadded[name], g, rtol=1e-4, atol=1e-5 * scale), name
 
 
-def test_length_buckets_follow_the_rows_order_and_mask_consistently():
-    """Rows sorted by length; the masks permuted with them, so a target's links and its own document stay its own."""
+def test_the_denoising_views_unpadded_give_the_same_loss_and_gradients():
+    from services.trainer.objectives import DenoisingContrastiveConfig, DenoisingContrastiveObjective
+
+    torch.manual_seed(0)
+    model = Marge(preset("tiny", vocab_size=200, dropout=0.0, relevance_layers=1, relevance_pooling="mean")).train()
+    cfg = DenoisingContrastiveConfig(weight=0.3, extra_documents=0)
+    figures = []
+    for unpadded in (False, True):
+        views = DenoisingContrastiveObjective(cfg, SPECIALS, None, unpadded).prepare(skewed_batch(), np.random.default_rng(3))
+        assert ("first_real" in views) == unpadded
+        model.zero_grad(set_to_none=True)
+        loss = DenoisingContrastiveObjective(cfg, SPECIALS, None, unpadded).loss(model, views)[0]
+        loss.backward()
+        figures.append((float(loss.detach()), model.encoder_layers[0].ffn.fc_in.weight.grad.clone()))
+    assert figures[1][0] == pytest.approx(figures[0][0], rel=1e-6)
+    assert torch.allclose(figures[1][1], figures[0][1], rtol=1e-4, atol=1e-6)
+
+
+def test_each_target_reads_exactly_the_real_keys_of_its_documents():
     batch = skewed_batch(seed=1)
-    padded = to_model_inputs(batch, SPECIALS, "linked")
-    packed = to_model_inputs(batch, SPECIALS, "linked", max_buckets=4)
-    lengths = (packed.labels_NT != 0).sum(1)
-    assert bool((lengths[1:] >= lengths[:-1]).all())
-    order_N = np.argsort([len(batch.doc_tokens[i]) for i in batch.targets], kind="stable")
-    order_M = np.argsort([len(batch.doc_tokens[i]) for i in batch.evidence], kind="stable")
-    assert torch.equal(packed.linked_NM, padded.linked_NM[order_N][:, order_M])
-    assert torch.equal(packed.evidence_MS[:, :padded.evidence_MS.shape[1]], padded.evidence_MS[order_M])
-    layout = packed.layout
-    # every visible key slot points at a real token of a document the target may read
+    inputs = to_model_inputs(batch, SPECIALS, "linked", unpadded=True)
+    layout = inputs.layout
+    lengths_M = (inputs.evidence_MS != 0).sum(1)
+    assert int(layout.evidence.index_T.numel()) == int(lengths_M.sum())  # the memory: real tokens only
     rows, cols = layout.visible_NK.nonzero(as_tuple=True)
     docs = layout.key_doc_NK[rows, cols]
-    assert bool(packed.allowed_NM[rows, docs].all())
-    assert int(layout.visible_NK.sum()) == int(sum((packed.evidence_MS[packed.allowed_NM[i]] != 0).sum()
-                                                   for i in range(len(lengths))))
+    assert bool(inputs.allowed_NM[rows, docs].all())
+    for i in range(inputs.allowed_NM.shape[0]):  # every key of every document it may read, once, and nothing else
+        seen = layout.key_index_NK[i][layout.visible_NK[i]]
+        wanted = torch.cat([layout.evidence.first_R[j] + torch.arange(int(lengths_M[j]))
+                            for j in inputs.allowed_NM[i].nonzero().flatten().tolist()])
+        assert torch.equal(seen.sort().values, wanted.sort().values)
+    # the real-token index of every block points at its non-padding entries
+    for real, block in ((layout.evidence, inputs.evidence_MS), (layout.targets, inputs.target_enc_NS),
+                        (layout.decoder, inputs.labels_NT)):
+        assert torch.equal(real.take(block), block[block != 0])
 
 
-def test_length_buckets_are_the_least_padding_split():
-    rng = np.random.default_rng(0)
-    for _ in range(30):
-        lengths = np.sort(rng.integers(1, 70, size=rng.integers(1, 12)))
-        for most in (1, 2, 3):
-            buckets = length_buckets(lengths, most)
-            assert 1 <= len(buckets) <= most and buckets[0][0] == 0 and buckets[-1][1] == len(lengths)
-            assert all(a[1] == b[0] for a, b in zip(buckets, buckets[1:]))
-            assert all(int(lengths[end - 1]) <= positions for _, end, positions in buckets)
-            padded = sum((end - first) * positions for first, end, positions in buckets)
-
-            def cost(cut_points):
-                edges = [0, *cut_points, len(lengths)]
-                return sum((b - a) * min(-(-int(lengths[b - 1]) // 8) * 8, int(lengths[-1]))
-                           for a, b in zip(edges, edges[1:]) if b > a)
-            best = min(cost(c) for k in range(most) for c in itertools.combinations(range(1, len(lengths)), k))
-            assert padded == best
-
-
-def test_length_buckets_execute_fewer_flops_on_a_skewed_batch():
+def test_unpadded_executes_fewer_flops_on_a_skewed_batch():
     model = Marge(preset("tiny", vocab_size=200, dropout=0.0)).train()
     batch = skewed_batch(docs=120, targets=40)
 
@@ -104,8 +102,9 @@ def test_length_buckets_execute_fewer_flops_on_a_skewed_batch():
         with FlopCounterMode(display=False) as counter:
             model(**inputs.as_kwargs(), width=inputs.width, layout=inputs.layout).loss.backward()
         return counter.get_total_flops()
-    padded, packed = flops(to_model_inputs(batch, SPECIALS, "linked")), flops(to_model_inputs(batch, SPECIALS, "linked", 3))
-    assert packed < 0.5 * padded, (packed, padded)
+    padded = flops(to_model_inputs(batch, SPECIALS, "linked"))
+    unpadded = flops(to_model_inputs(batch, SPECIALS, "linked", unpadded=True))
+    assert unpadded < 0.5 * padded, (unpadded, padded)
 
 
 def test_vectorised_rows_equal_the_row_by_row_inputs():
@@ -125,9 +124,9 @@ def test_vectorised_rows_equal_the_row_by_row_inputs():
 
 def test_a_layout_does_not_return_logits():
     model = Marge(preset("tiny", vocab_size=200)).eval()
-    packed = to_model_inputs(skewed_batch(), SPECIALS, "linked", 2)
+    unpadded = to_model_inputs(skewed_batch(), SPECIALS, "linked", unpadded=True)
     with pytest.raises(ValueError, match="return_logits"):
-        model(**packed.as_kwargs(), layout=packed.layout, return_logits=True)
+        model(**unpadded.as_kwargs(), layout=unpadded.layout, return_logits=True)
 
 
 def test_ranks_share_one_running_centre_of_g():
