@@ -79,7 +79,7 @@ def test_each_target_reads_exactly_the_real_keys_of_its_documents():
     inputs = to_model_inputs(batch, SPECIALS, "linked", unpadded=True)
     layout = inputs.layout
     lengths_M = (inputs.evidence_MS != 0).sum(1)
-    assert int(layout.evidence.index_T.numel()) == int(lengths_M.sum())  # the memory: real tokens only
+    assert int(layout.evidence.index_U.numel()) == int(lengths_M.sum())  # the memory: real tokens only
     rows, cols = layout.visible_NK.nonzero(as_tuple=True)
     docs = layout.key_doc_NK[rows, cols]
     assert bool(inputs.allowed_NM[rows, docs].all())
@@ -147,3 +147,32 @@ def test_ranks_share_one_running_centre_of_g():
     alone.relevance_center.fill_(0.25)
     share_relevance_center(alone, lambda values: None)  # one process: its own centre
     assert torch.allclose(alone.relevance_center, torch.full_like(alone.relevance_center, 0.25))
+
+
+def test_the_trainers_step_trains_the_same_unpadded():
+    """`train_step` (the single process's and the reference loop's update) with `trainer.unpadded`: the same losses
+    and weights as padded, the recipe's auxiliaries included."""
+    from services.trainer.config import TrainerConfig
+    from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
+                                             ObjectivesConfig, SelfEvidenceConfig)
+    from services.trainer.step import reference_train
+
+    batches = [[skewed_batch(seed=s)] for s in range(3)]
+    corpus = list(batches[0][0].doc_tokens)
+    runs = []
+    for unpadded in (False, True):
+        torch.manual_seed(0)
+        model = Marge(preset("tiny", vocab_size=200, dropout=0.0, relevance_centering=True, relevance_layers=1,
+                             relevance_pooling="mean"))
+        objectives = Objectives(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked"),
+                                                 self_evidence=SelfEvidenceConfig(prob=0.5, until=100),
+                                                 denoising_contrastive=DenoisingContrastiveConfig(weight=0.3,
+                                                                                                  extra_documents=4)),
+                                SPECIALS, corpus, unpadded=unpadded)
+        prepared = objectives.prepare(batches[0][0], (0, 0, 0))
+        assert (prepared.parts["marge"].layout is not None) == unpadded
+        assert ("first_real" in prepared.parts["denoising_contrastive"]) == unpadded
+        records = reference_train(model, batches, objectives, TrainerConfig(lr=1e-3, warmup_steps=0), 3)
+        runs.append(([r.loss for r in records], model.decoder_layers[0].ffn.fc_in.weight.detach().clone()))
+    assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-5)
+    assert torch.allclose(runs[1][1], runs[0][1], rtol=1e-4, atol=1e-6)

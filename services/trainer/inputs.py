@@ -50,23 +50,28 @@ class ModelInputs:
                     labels_NT=self.labels_NT, allowed_NM=self.allowed_NM)
 
 
+def text_lengths(docs) -> np.ndarray:
+    return np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+
+
 def real_tokens(lengths: np.ndarray, width: int) -> RealTokens:
     """The `RealTokens` of right-padded rows of these lengths and width (vectorised; no per-token Python)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     starts = np.cumsum(lengths) - lengths
-    row_T = np.repeat(np.arange(len(lengths)), lengths)
-    position_T = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
-    return RealTokens(torch.from_numpy(row_T * width + position_T), torch.from_numpy(row_T),
-                      torch.from_numpy(position_T), torch.from_numpy(starts), torch.from_numpy(lengths),
+    row_U = np.repeat(np.arange(len(lengths)), lengths)
+    position_U = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
+    return RealTokens(torch.from_numpy(row_U * width + position_U), torch.from_numpy(row_U),
+                      torch.from_numpy(position_U), torch.from_numpy(starts), torch.from_numpy(lengths),
                       len(lengths), width)
 
 
-def unpadded_layout(evidence_MS: Tensor, target_enc_NS: Tensor, labels_NT: Tensor, allowed_NM: np.ndarray,
-                    pad_id: int) -> UnpaddedLayout:
-    """The `UnpaddedLayout` of a batch's padded rows: its real tokens, and for each target the keys of the evidence
-    it may read in a memory of the evidence's real tokens (a target reads only real keys: no padding slot), or, when
-    some target may read every document, the whole memory for each (what `Marge.cross_memory` chooses too)."""
-    evidence_lengths = (evidence_MS != pad_id).sum(1).numpy()
+def unpadded_layout(evidence_text: np.ndarray, target_text: np.ndarray, allowed_NM: np.ndarray, evidence_width: int,
+                    target_width: int, decoder_width: int) -> UnpaddedLayout:
+    """The `UnpaddedLayout` of a batch's padded rows, from the text tokens of each evidence document and target and
+    the rows' widths: its real tokens, and for each target the keys of the evidence it may read in a memory of the
+    evidence's real tokens (a target reads only real keys: no padding slot), or, when some target may read every
+    document, the whole memory for each (what `Marge.cross_memory` chooses too)."""
+    evidence_lengths = encoder_cost(evidence_text)
     offset_M = np.cumsum(evidence_lengths) - evidence_lengths  # where each document's keys start in the memory
     n, m = allowed_NM.shape
     if m and bool(allowed_NM.sum(1).max() == m):  # someone reads every document: one shared memory, masked
@@ -86,9 +91,9 @@ def unpadded_layout(evidence_MS: Tensor, target_enc_NS: Tensor, labels_NT: Tenso
         key_index[rows, cols] = np.repeat(offset_M[docs_P], lengths_P) + within
         key_doc[rows, cols] = np.repeat(docs_P, lengths_P)
         visible_NK[rows, cols] = True
-    return UnpaddedLayout(real_tokens(evidence_lengths, evidence_MS.shape[1]),
-                          real_tokens((target_enc_NS != pad_id).sum(1).numpy(), target_enc_NS.shape[1]),
-                          real_tokens((labels_NT != pad_id).sum(1).numpy(), labels_NT.shape[1]),
+    return UnpaddedLayout(real_tokens(evidence_lengths, evidence_width),
+                          real_tokens(encoder_cost(target_text), target_width),
+                          real_tokens(decoder_cost(target_text), decoder_width),
                           torch.from_numpy(key_doc), torch.from_numpy(visible_NK),
                           None if key_index is None else torch.from_numpy(key_index))
 
@@ -120,8 +125,9 @@ def to_model_inputs(batch: Batch, specials: SpecialTokens, attend_to: str = "all
                        torch.from_numpy(decoder_rows(target_docs, [batch.doc_langs[i] for i in targets], specials)),
                        labels_NT, allowed, torch.from_numpy(linked_NM),
                        width=check_inputs(evidence_MS, allowed, specials.pad_id),
-                       layout=unpadded_layout(evidence_MS, target_enc_NS, labels_NT, allowed_NM, specials.pad_id)
-                       if unpadded else None)
+                       layout=unpadded_layout(text_lengths([batch.doc_tokens[i] for i in evidence]),
+                                              text_lengths(target_docs), allowed_NM, evidence_MS.shape[1],
+                                              target_enc_NS.shape[1], labels_NT.shape[1]) if unpadded else None)
 
 
 def untrainable(batch: Batch, specials: SpecialTokens, vocab_size: int, max_positions: int) -> str | None:

@@ -20,6 +20,7 @@ Tensor-shape legend (suffixes on variable names):
     L  keys of the concatenated evidence memory = M * S
     K  keys one target reads (its visible documents' keys, gathered; = L when it may read all)
     R  rows given to the relevance encoder (any set of documents)
+    U  the real (non-padding) tokens of a padded block, one after another (`RealTokens`, `trainer.unpadded`)
     D  model width    H  attention heads    E  head width = D // H    V  vocabulary
 """
 
@@ -230,11 +231,11 @@ def embed(tokens_RS: Tensor, token_table: nn.Embedding, position_table: nn.Embed
     return x_RSD if norm is None else norm(x_RSD)
 
 
-def embed_real(ids_T: Tensor, positions_T: Tensor, token_table: nn.Embedding, position_table: nn.Embedding,
+def embed_real(ids_U: Tensor, positions_U: Tensor, token_table: nn.Embedding, position_table: nn.Embedding,
                norm: nn.LayerNorm | None) -> Tensor:
-    """`embed` of real tokens given with their positions (T D)."""
-    x_TD = token_table(ids_T) + position_table(positions_T)
-    return x_TD if norm is None else norm(x_TD)
+    """`embed` of real tokens given with their positions (U D)."""
+    x_UD = token_table(ids_U) + position_table(positions_U)
+    return x_UD if norm is None else norm(x_UD)
 
 
 def run_layers(x_RSD: Tensor, layers, key_ok_RS: Tensor) -> Tensor:
@@ -320,70 +321,70 @@ def fold_key_bias(q_BHQE: Tensor, k_BHKE: Tensor, v_BHKE: Tensor,
 
 
 class ScatterRows(torch.autograd.Function):
-    """x (T D) into a zero (size D) block at `index_T`, whose entries are distinct: the backward is a gather (the
+    """x (U D) into a zero (size D) block at `index_U`, whose entries are distinct: the backward is a gather (the
     autograd of `index_copy`/`index_select` would scatter-add, which the CPU runs serially)."""
 
     @staticmethod
-    def forward(ctx, x_TD: Tensor, index_T: Tensor, size: int) -> Tensor:
-        ctx.save_for_backward(index_T)
-        return x_TD.new_zeros(size, x_TD.shape[-1]).index_copy_(0, index_T, x_TD)
+    def forward(ctx, x_UD: Tensor, index_U: Tensor, size: int) -> Tensor:
+        ctx.save_for_backward(index_U)
+        return x_UD.new_zeros(size, x_UD.shape[-1]).index_copy_(0, index_U, x_UD)
 
     @staticmethod
     def backward(ctx, grad_XD: Tensor):
-        (index_T,) = ctx.saved_tensors
-        return grad_XD.index_select(0, index_T), None, None
+        (index_U,) = ctx.saved_tensors
+        return grad_XD.index_select(0, index_U), None, None
 
 
 class GatherRows(torch.autograd.Function):
-    """Rows `index_T` (distinct) of x (X D): the backward puts the gradient back in place, no scatter-add."""
+    """Rows `index_U` (distinct) of x (X D): the backward puts the gradient back in place, no scatter-add."""
 
     @staticmethod
-    def forward(ctx, x_XD: Tensor, index_T: Tensor) -> Tensor:
-        ctx.save_for_backward(index_T)
+    def forward(ctx, x_XD: Tensor, index_U: Tensor) -> Tensor:
+        ctx.save_for_backward(index_U)
         ctx.size = x_XD.shape[0]
-        return x_XD.index_select(0, index_T)
+        return x_XD.index_select(0, index_U)
 
     @staticmethod
-    def backward(ctx, grad_TD: Tensor):
-        (index_T,) = ctx.saved_tensors
-        return grad_TD.new_zeros(ctx.size, grad_TD.shape[-1]).index_copy_(0, index_T, grad_TD), None
+    def backward(ctx, grad_UD: Tensor):
+        (index_U,) = ctx.saved_tensors
+        return grad_UD.new_zeros(ctx.size, grad_UD.shape[-1]).index_copy_(0, index_U, grad_UD), None
 
 
 @dataclass
 class RealTokens:
     """Where the real (non-padding) tokens of a right-padded (rows, width) block sit. Layers given one run their
-    projections, feed-forward layers and norms on these T tokens alone (no FLOP on padding) and lay them out in
+    projections, feed-forward layers and norms on these U tokens alone (no FLOP on padding) and lay them out in
     rows only for the attention call (`to_rows`, `from_rows`). Made on the host (`services.trainer.inputs`)."""
 
-    index_T: Tensor  # row * width + position of each real token, row by row
-    row_T: Tensor  # its row
-    position_T: Tensor  # its position in the row
-    first_R: Tensor  # where each row's first token sits among the T
+    index_U: Tensor  # row * width + position of each real token, row by row
+    row_U: Tensor  # its row
+    position_U: Tensor  # its position in the row
+    first_R: Tensor  # where each row's first token sits among the U
     lengths_R: Tensor  # real tokens of each row (>= 1)
     rows: int
     width: int
 
-    def to_rows(self, x_TD: Tensor) -> Tensor:
+    def to_rows(self, x_UD: Tensor) -> Tensor:
         """(rows, width, D) with x's tokens in place and zeros at padding."""
-        return ScatterRows.apply(x_TD, self.index_T, self.rows * self.width).view(self.rows, self.width, -1)
+        return ScatterRows.apply(x_UD, self.index_U, self.rows * self.width).view(self.rows, self.width, -1)
 
     def from_rows(self, x_RSD: Tensor) -> Tensor:
-        """The real tokens (T D) of a (rows, width, D) block."""
-        return GatherRows.apply(x_RSD.reshape(self.rows * self.width, -1), self.index_T)
+        """The real tokens (U D) of a (rows, width, D) block."""
+        return GatherRows.apply(x_RSD.reshape(self.rows * self.width, -1), self.index_U)
 
     def take(self, tokens_RS: Tensor) -> Tensor:
         """The real entries (T) of a (rows, width) tensor, e.g. token ids or labels."""
-        return tokens_RS.reshape(-1).index_select(0, self.index_T)
+        return tokens_RS.reshape(-1).index_select(0, self.index_U)
 
-    def pool(self, x_TD: Tensor, pooling: str) -> Tensor:
+    def pool(self, x_UD: Tensor, pooling: str) -> Tensor:
         """`pool_relevance` over real tokens: each row's first token, or the mean of its tokens (R D)."""
         if pooling == "bos":
-            return x_TD.index_select(0, self.first_R)
-        sums = x_TD.new_zeros(self.rows, x_TD.shape[-1]).index_add_(0, self.row_T, x_TD)
-        return sums / self.lengths_R.to(x_TD.dtype)[:, None]
+            return x_UD.index_select(0, self.first_R)
+        sums = x_UD.new_zeros(self.rows, x_UD.shape[-1]).index_add_(0, self.row_U, x_UD)
+        return sums / self.lengths_R.to(x_UD.dtype)[:, None]
 
     def tensors(self) -> tuple[Tensor, ...]:
-        return self.index_T, self.row_T, self.position_T, self.first_R, self.lengths_R
+        return self.index_U, self.row_U, self.position_U, self.first_R, self.lengths_R
 
     def map(self, fn) -> "RealTokens":
         return RealTokens(*(fn(t) for t in self.tensors()), self.rows, self.width)
@@ -447,11 +448,12 @@ class Attention(nn.Module):
         """Keys and values in heads (B H L E); `real`: projected from the real tokens only, then laid out in rows."""
         if real is None:
             return self.split_heads(self.k_proj(memory_BLD)), self.split_heads(self.v_proj(memory_BLD))
-        return self.split_heads(real.to_rows(self.k_proj(memory_BLD))), self.split_heads(real.to_rows(self.v_proj(memory_BLD)))
+        return (self.split_heads(real.to_rows(self.k_proj(memory_BLD))),
+                self.split_heads(real.to_rows(self.v_proj(memory_BLD))))
 
     def forward(self, x_BQD: Tensor, k_BHLE: Tensor, v_BHLE: Tensor, attn_bias: Tensor | None = None,
                 is_causal: bool = False, real: RealTokens | None = None) -> Tensor:
-        """`real`: x holds only the real tokens (T D) of the rows `real` describes; the projections run on those
+        """`real`: x holds only the real tokens (U D) of the rows `real` describes; the projections run on those
         alone, the attention on the rows, and the output comes back as real tokens."""
         q = self.q_proj(x_BQD)
         q_BHQE = self.split_heads(q if real is None else real.to_rows(q))
@@ -483,7 +485,7 @@ class EncoderLayer(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BSD: Tensor, key_ok_B11S: Tensor, real: RealTokens | None = None) -> Tensor:
-        """`real`: x holds only the real tokens (T D) of the rows; every layer but the attention runs on those."""
+        """`real`: x holds only the real tokens (U D) of the rows; every layer but the attention runs on those."""
         h = self.self_attn_norm(x_BSD)
         k, v = self.self_attn.project_kv(h, real)
         x_BSD = x_BSD + self.dropout(self.self_attn(h, k, v, attn_bias=key_ok_B11S, real=real))
@@ -574,7 +576,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x_NTD: Tensor, memory_1LD: Tensor | None, cross: CrossMemory | None, beta: Tensor | None,
                 cache: LayerCache | None = None, real: RealTokens | None = None) -> Tensor:
-        """`real`: x holds only the real tokens (T D) of the targets' rows (training; no cache)."""
+        """`real`: x holds only the real tokens (U D) of the targets' rows (training; no cache)."""
         h = self.self_attn_norm(x_NTD)
         k, v = self.self_attn.project_kv(h, real)
         if cache is not None:
@@ -697,8 +699,9 @@ class Marge(nn.Module):
                     self.relevance_center.lerp_(center_D.detach().float(), RELEVANCE_CENTER_MOMENTUM)
         return unit_relevance(targets_ND, center_D) @ unit_relevance(evidence_MD, center_D).T
 
-    def _encode_rows(self, evidence_MS: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The encoder's final states (M S D), g of each row and the key mask: one pass gives g(z) too."""
+    def encode_evidence(self, evidence_MS: Tensor) -> EncodedEvidence:
+        """Encode each evidence document separately, then concatenate (one pass gives g(z) too). Every row starts
+        with BOS (`as_encoder_input`; `check_inputs` checks it where inputs were not prepared on the host)."""
         key_ok_MS = evidence_MS != self.cfg.pad_id
         key_ok_M11S = key_ok_MS[:, None, None, :]
         x = self._embed_encoder(evidence_MS)
@@ -707,15 +710,9 @@ class Marge(nn.Module):
             x = layer(x, key_ok_M11S)
             if i + 1 == self.cfg.relevance_layers:
                 relevance_MD = pool_relevance(x, key_ok_MS, self.cfg.relevance_pooling)
-        return self.encoder_norm(x), relevance_MD, key_ok_MS
-
-    def encode_evidence(self, evidence_MS: Tensor) -> EncodedEvidence:
-        """Encode each evidence document separately, then concatenate (one pass gives g(z) too). Every row starts
-        with BOS (`as_encoder_input`; `check_inputs` checks it where inputs were not prepared on the host)."""
-        states_MSD, relevance_MD, key_ok_MS = self._encode_rows(evidence_MS)
-        m, s, d = states_MSD.shape
-        memory_1LD = states_MSD.reshape(1, m * s, d)
-        key_doc_L = torch.arange(m, device=states_MSD.device).repeat_interleave(s)
+        m, s, d = x.shape
+        memory_1LD = self.encoder_norm(x).reshape(1, m * s, d)
+        key_doc_L = torch.arange(m, device=x.device).repeat_interleave(s)
         return EncodedEvidence(memory_1LD, key_ok_MS.reshape(-1), key_doc_L, relevance_MD)
 
     def cross_memory(self, evidence: EncodedEvidence, relevance_NM: Tensor, allowed_NM: Tensor,
@@ -831,9 +828,9 @@ class Marge(nn.Module):
 
     def encode_real(self, tokens_RS: Tensor, real: RealTokens,
                     num_layers: int | None = None) -> tuple[Tensor, Tensor | None]:
-        """`encoder_states` over the real tokens only (T D), and g of each row where the layers reach g's layer."""
+        """`encoder_states` over the real tokens only (U D), and g of each row where the layers reach g's layer."""
         self._check_lengths(tokens_RS, "document")
-        x = embed_real(real.take(tokens_RS), real.position_T, self.encoder_token_embedding, self.encoder_positions,
+        x = embed_real(real.take(tokens_RS), real.position_U, self.encoder_token_embedding, self.encoder_positions,
                        self.encoder_embedding_norm)
         x = self.dropout(x)
         key_ok_R11S = (tokens_RS != self.cfg.pad_id)[:, None, None, :]
@@ -857,22 +854,22 @@ class Marge(nn.Module):
         cross = CrossMemory(layout.key_index_NK, relevance_NM.gather(1, layout.key_doc_NK.expand(n, -1)),
                             layout.visible_NK)
         real = layout.decoder
-        x = self.dropout(embed_real(real.take(decoder_in_NT), real.position_T, self.embed_tokens,
+        x = self.dropout(embed_real(real.take(decoder_in_NT), real.position_U, self.embed_tokens,
                                     self.decoder_positions, self.decoder_embedding_norm))
         memory_1LD = memory_LD[None]
         for layer in [*self.decoder_local_layers, *self.decoder_layers]:
             x = layer(x, memory_1LD, cross, self.beta, None, real)
-        states_TD, labels_T = self.decoder_norm(x), real.take(labels_NT)
+        states_UD, labels_U = self.decoder_norm(x), real.take(labels_NT)
         tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
         chunk = self.loss_chunk_tokens
         nll_sum = None
         if chunk and torch.is_grad_enabled():
-            nll_sum, nll_T = fused_linear_nll(states_TD, self.embed_tokens.weight, labels_T, self.cfg.pad_id, chunk)
+            nll_sum, nll_U = fused_linear_nll(states_UD, self.embed_tokens.weight, labels_U, self.cfg.pad_id, chunk)
         elif chunk:
-            nll_T = chunked_token_nll(states_TD, self.embed_tokens.weight, labels_T, self.cfg.pad_id, chunk)
+            nll_U = chunked_token_nll(states_UD, self.embed_tokens.weight, labels_U, self.cfg.pad_id, chunk)
         else:
-            nll_T = token_nll(self.logits(states_TD), labels_T, self.cfg.pad_id)
-        nll_N = nll_T.new_zeros(n).index_add_(0, real.row_T, nll_T)
+            nll_U = token_nll(self.logits(states_UD), labels_U, self.cfg.pad_id)
+        nll_N = nll_U.new_zeros(n).index_add_(0, real.row_U, nll_U)
         loss = (nll_N.sum() if nll_sum is None else nll_sum) / tokens_N.sum().clamp(min=1)
         return MargeOutput(loss, nll_N, tokens_N, relevance_NM)
 
@@ -1067,7 +1064,6 @@ def training_flops_per_token(cfg: MargeConfig, evidence_per_target_tokens: float
 
 __all__ = [
     "PRESETS", "CrossMemory", "EncodedEvidence", "LayerCache", "Marge", "MargeConfig", "MargeOutput", "RealTokens",
-    "UnpaddedLayout",
-    "RelevanceEncoder", "build_on_meta", "count_parameters", "pad_rows", "parameter_breakdown", "preset",
+    "RelevanceEncoder", "UnpaddedLayout", "build_on_meta", "count_parameters", "pad_rows", "parameter_breakdown", "preset",
     "relevance_state_dict", "training_flops", "training_flops_per_token", "unit_relevance",
 ]
