@@ -191,6 +191,13 @@ def measure(compile_host: bool) -> dict:
     return out
 
 
+def write_result(out: Path | None, result: dict) -> None:
+    """A benchmark's result as indented JSON at `out` (its folder made), when one is given."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
 def exported(ref: str) -> Path:
     """The repository at `ref`, as files (no .git)."""
     folder = Path(tempfile.mkdtemp(prefix="marge-before-"))
@@ -226,9 +233,7 @@ def main() -> int:
     result = {"command": "python benchmarks/host_overhead.py " + " ".join(sys.argv[1:]), "before_commit": args.before,
               "before": before, "after": after, "before_over_after": ratios}
     print(json.dumps(ratios, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_result(args.out, result)
     return 0
 
 

@@ -46,7 +46,7 @@ from types import SimpleNamespace
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from host_overhead import REPO, Launches, exported
+from host_overhead import REPO, Launches, exported, write_result
 
 PER_UPDATE = 2
 META = torch.device("meta")
@@ -253,9 +253,7 @@ def main() -> int:
               "before_over_after": {key: base[key] / last[key] for key in base
                                     if isinstance(base[key], (int, float)) and last.get(key)}}
     print(json.dumps(result["before_over_after"], indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_result(args.out, result)
     return 0
 
 
