@@ -43,8 +43,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO), str(REPO / "benchmarks")]
 
 from marge.batch import SpecialTokens  # noqa: E402
-from marge.model import Marge, build_on_meta, preset, training_flops  # noqa: E402
+from marge.model import Marge, build_on_meta, preset  # noqa: E402
 from recipe_batches import LANGUAGES, recipe_batches  # noqa: E402
+from recipe_efficiency import executed_and_credited  # noqa: E402
 from services.trainer.config import TrainerConfig  # noqa: E402
 from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,  # noqa: E402
                                          ObjectivesConfig, SelfEvidenceConfig)
@@ -143,28 +144,6 @@ def run_updates(model, optimizer, scheduler, obj, batches, prepared, updates, tr
     return times, tokens
 
 
-def executed_and_credited(obj: Objectives, prepared: list) -> tuple[float, float]:
-    """FLOPs of one update's forward and backward (FlopCounterMode over the meta device: shapes only), and what
-    `training_flops` credits for its tokens."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    model = build_on_meta(MODEL).train()
-    meta = torch.device("meta")
-    with FlopCounterMode(display=False) as counter:
-        for p in prepared[:PER_UPDATE]:
-            total = None
-            for plugin in obj.plugins:
-                if p.parts[plugin.name] is not None:
-                    loss = obj.weights[plugin.name] * plugin.loss(model, p.parts[plugin.name].to(meta))[0]
-                    total = loss if total is None else total + loss
-            total.backward()
-    work = {"target": 0, "evidence": 0, "relevance": 0}
-    for p in prepared[:PER_UPDATE]:
-        for key, value in p.work(0).items():
-            work[key] += value
-    return counter.get_total_flops(), training_flops(MODEL, work["target"], work["evidence"], work["relevance"])
-
-
 def memory() -> dict:
     if DEVICE.type != "cuda":
         return {}
@@ -185,7 +164,7 @@ def timed_update(name: str, obj, batches, prepared, timed: int, dropout: float |
     if DEVICE.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, tokens = run_updates(model, optimizer, scheduler, obj, batches, prepared, timed)
-    executed, credited = executed_and_credited(obj, prepared)
+    executed, credited = executed_and_credited(build_on_meta(MODEL).train(), obj, prepared[:PER_UPDATE], SPECIALS.pad_id)
     seconds = float(np.median(times))
     peak = peak_tflops()
     figures = {"update_s": seconds, "target_tokens_per_s": tokens / sum(times), "executed_tflop": executed / 1e12,

@@ -88,13 +88,28 @@ def objective(model, objectives, prepared, device):
     return total, tokens
 
 
+def executed_and_credited(meta_model, objectives, update: list, pad_id: int) -> tuple[float, float]:
+    """FLOPs of the forward and backward of an update's prepared batches on a model on the meta device (shapes only),
+    and what `marge.model.training_flops` credits for the tokens they hold."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from marge.model import training_flops
+
+    with FlopCounterMode(display=False) as counter:
+        for p in update:
+            objective(meta_model, objectives, p, META)[0].backward()
+    work = {"target": 0, "evidence": 0, "relevance": 0}
+    for p in update:
+        for key, value in p.work(pad_id).items():
+            work[key] += value
+    return counter.get_total_flops(), training_flops(meta_model.cfg, work["target"], work["evidence"], work["relevance"])
+
+
 def measure(unpadded: bool, smoke: bool) -> dict:
     """Every figure for the code importable here (this tree's, or the exported commit's)."""
     import numpy as np
-    from torch.utils.flop_counter import FlopCounterMode
-
     from marge.batch import SpecialTokens
-    from marge.model import build_on_meta, preset, training_flops
+    from marge.model import build_on_meta, preset
     from services.trainer.loop import update_statistics
     from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
                                              ObjectivesConfig, SelfEvidenceConfig)
@@ -133,17 +148,10 @@ def measure(unpadded: bool, smoke: bool) -> dict:
     update = prepared[:PER_UPDATE]
 
     model = build_on_meta(cfg).train()
-    with FlopCounterMode(display=False) as counter:
-        for p in update:
-            objective(model, objectives, p, META)[0].backward()
-    work = {"target": 0, "evidence": 0, "relevance": 0}
-    for p in update:
-        for key, value in p.work(specials.pad_id).items():
-            work[key] += value
-    credited = training_flops(cfg, work["target"], work["evidence"], work["relevance"])
-    out["executed_tflop_per_update"] = counter.get_total_flops() / 1e12
+    executed, credited = executed_and_credited(model, objectives, update, specials.pad_id)
+    out["executed_tflop_per_update"] = executed / 1e12
     out["credited_tflop_per_update"] = credited / 1e12
-    out["executed_over_credited_flops"] = counter.get_total_flops() / credited
+    out["executed_over_credited_flops"] = executed / credited
     marge = [p.parts["marge"] for p in update]
     real = lambda t: int((t != specials.pad_id).sum())  # noqa: E731
 

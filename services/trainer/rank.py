@@ -187,8 +187,8 @@ class Rank:
                                              pin=self.device.type == "cuda") if t.prefetch else None
         self.last_metrics: dict = {}
         """What rank 0 reports to Ray Train with a checkpoint (step, loss, throughput)."""
-        trainee = Trainee(self.model, compiled(ray.train.torch.prepare_model(self.model, parallel_strategy_kwargs=DDP_SETTINGS),
-                                           t.compile), self.optimizer,
+        wrapped = ray.train.torch.prepare_model(self.model, parallel_strategy_kwargs=DDP_SETTINGS)
+        trainee = Trainee(self.model, compiled(wrapped, t.compile), self.optimizer,
                           self.scheduler, self.objectives, t, self.slots, self.device, job.seed,
                           self.tokenizer.specials, job.max_steps, job.faults.nan_loss_slot)
         self.loop = TrainingLoop(trainee, self, self.train_log, self.board,

@@ -227,15 +227,15 @@ def embed(tokens_RS: Tensor, token_table: nn.Embedding, position_table: nn.Embed
     """Token + position embedding of rows whose first token sits at `start_position`, then the embedding
     LayerNorm where the model has one (`MargeConfig.embedding_layernorm`)."""
     positions_S = torch.arange(start_position, start_position + tokens_RS.shape[1], device=tokens_RS.device)
-    x_RSD = token_table(tokens_RS) + position_table(positions_S)
-    return x_RSD if norm is None else norm(x_RSD)
+    return embed_at(tokens_RS, positions_S, token_table, position_table, norm)
 
 
-def embed_real(ids_U: Tensor, positions_U: Tensor, token_table: nn.Embedding, position_table: nn.Embedding,
-               norm: nn.LayerNorm | None) -> Tensor:
-    """`embed` of real tokens given with their positions (U D)."""
-    x_UD = token_table(ids_U) + position_table(positions_U)
-    return x_UD if norm is None else norm(x_UD)
+def embed_at(ids: Tensor, positions: Tensor, token_table: nn.Embedding, position_table: nn.Embedding,
+             norm: nn.LayerNorm | None) -> Tensor:
+    """Token + position embedding of `ids` at `positions` (shapes that broadcast: rows and their positions, or real
+    tokens and each one's position), then the embedding LayerNorm where the model has one."""
+    x = token_table(ids) + position_table(positions)
+    return x if norm is None else norm(x)
 
 
 def run_layers(x_RSD: Tensor, layers, key_ok_RS: Tensor) -> Tensor:
@@ -797,23 +797,27 @@ class Marge(nn.Module):
         cross = self.cross_memory(evidence, relevance_NM, allowed_NM, width)
         states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, cross)
         n, t, d = states_NTD.shape
-        chunk = self.loss_chunk_tokens
-        logits_NTV = None
         tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
-        if chunk and not return_logits and torch.is_grad_enabled():
-            # the loss and its gradients chunk by chunk in one pass (3 matmuls a chunk, no logits kept)
-            nll_sum, nll_R = fused_linear_nll(states_NTD.reshape(n * t, d), self.embed_tokens.weight,
-                                              labels_NT.reshape(n * t), self.cfg.pad_id, chunk)
-            return MargeOutput(nll_sum / tokens_N.sum().clamp(min=1), nll_R.view(n, t).sum(1), tokens_N, relevance_NM)
-        if chunk and not return_logits:
-            nll_NT = chunked_token_nll(states_NTD.reshape(n * t, d), self.embed_tokens.weight,
-                                       labels_NT.reshape(n * t), self.cfg.pad_id, chunk).view(n, t)
-        else:
+        logits_NTV, nll_sum = None, None
+        if return_logits:
             logits_NTV = self.logits(states_NTD)  # scored as (N*T, V) rows: no transposed copy of the largest tensor
-            nll_NT = token_nll(logits_NTV.reshape(n * t, -1), labels_NT.reshape(n * t), self.cfg.pad_id).view(n, t)
-        nll_N = nll_NT.sum(1)
-        loss = nll_N.sum() / tokens_N.sum().clamp(min=1)
-        return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV if return_logits else None)
+            nll_R = token_nll(logits_NTV.reshape(n * t, -1), labels_NT.reshape(n * t), self.cfg.pad_id)
+        else:
+            nll_sum, nll_R = self._row_nll(states_NTD.reshape(n * t, d), labels_NT.reshape(n * t))
+        nll_N = nll_R.view(n, t).sum(1)
+        loss = (nll_N.sum() if nll_sum is None else nll_sum) / tokens_N.sum().clamp(min=1)
+        return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV)
+
+    def _row_nll(self, states_RD: Tensor, labels_R: Tensor) -> tuple[Tensor | None, Tensor]:
+        """Each row's NLL under the tied output projection, as `trainer.loss_chunk_tokens` says: with gradients on and
+        a chunk size, fused (3 matmuls a chunk, no logits kept; its sum, which carries the gradient, comes first),
+        without gradients chunked, else all logits at once (no sum: None)."""
+        chunk = self.loss_chunk_tokens
+        if chunk and torch.is_grad_enabled():
+            return fused_linear_nll(states_RD, self.embed_tokens.weight, labels_R, self.cfg.pad_id, chunk)
+        if chunk:
+            return None, chunked_token_nll(states_RD, self.embed_tokens.weight, labels_R, self.cfg.pad_id, chunk)
+        return None, token_nll(self.logits(states_RD), labels_R, self.cfg.pad_id)
 
     def _target_relevance(self, target_enc_NS: Tensor | None, relevance_MD: Tensor, shape: torch.Size,
                           detach: bool, real: RealTokens | None = None) -> Tensor:
@@ -830,7 +834,7 @@ class Marge(nn.Module):
                     num_layers: int | None = None) -> tuple[Tensor, Tensor | None]:
         """`encoder_states` over the real tokens only (U D), and g of each row where the layers reach g's layer."""
         self._check_lengths(tokens_RS, "document")
-        x = embed_real(real.take(tokens_RS), real.position_U, self.encoder_token_embedding, self.encoder_positions,
+        x = embed_at(real.take(tokens_RS), real.position_U, self.encoder_token_embedding, self.encoder_positions,
                        self.encoder_embedding_norm)
         x = self.dropout(x)
         key_ok_R11S = (tokens_RS != self.cfg.pad_id)[:, None, None, :]
@@ -854,21 +858,14 @@ class Marge(nn.Module):
         cross = CrossMemory(layout.key_index_NK, relevance_NM.gather(1, layout.key_doc_NK.expand(n, -1)),
                             layout.visible_NK)
         real = layout.decoder
-        x = self.dropout(embed_real(real.take(decoder_in_NT), real.position_U, self.embed_tokens,
+        x = self.dropout(embed_at(real.take(decoder_in_NT), real.position_U, self.embed_tokens,
                                     self.decoder_positions, self.decoder_embedding_norm))
         memory_1LD = memory_LD[None]
         for layer in [*self.decoder_local_layers, *self.decoder_layers]:
             x = layer(x, memory_1LD, cross, self.beta, None, real)
         states_UD, labels_U = self.decoder_norm(x), real.take(labels_NT)
         tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
-        chunk = self.loss_chunk_tokens
-        nll_sum = None
-        if chunk and torch.is_grad_enabled():
-            nll_sum, nll_U = fused_linear_nll(states_UD, self.embed_tokens.weight, labels_U, self.cfg.pad_id, chunk)
-        elif chunk:
-            nll_U = chunked_token_nll(states_UD, self.embed_tokens.weight, labels_U, self.cfg.pad_id, chunk)
-        else:
-            nll_U = token_nll(self.logits(states_UD), labels_U, self.cfg.pad_id)
+        nll_sum, nll_U = self._row_nll(states_UD, labels_U)
         nll_N = nll_U.new_zeros(n).index_add_(0, real.row_U, nll_U)
         loss = (nll_N.sum() if nll_sum is None else nll_sum) / tokens_N.sum().clamp(min=1)
         return MargeOutput(loss, nll_N, tokens_N, relevance_NM)
