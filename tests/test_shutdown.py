@@ -35,8 +35,11 @@ def descends_from(pid: int, ancestors: set[int]) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("when", ["importing", "redis-server pid", "[indexer]", "[trainer] step"])
-def test_a_sigterm_during_start_up_leaves_no_process_behind(small_corpus, tmp_path, when):
+@pytest.mark.parametrize(("when", "then_s"), [("importing", 0), ("redis-server pid", 0), ("starting a local Ray", 1.0),
+                                              ("[indexer]", 0), ("[trainer] step", 0)])
+def test_a_sigterm_during_start_up_leaves_no_process_behind(small_corpus, tmp_path, when, then_s):
+    """`then_s` after the line: a second into `ray.init` its raylet has started agents (on a 2-core CPU), which a
+    cut-short start left running for a minute."""
     before = ray_and_redis_processes()  # the test session's own cluster keeps running: not this run's
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -56,6 +59,7 @@ def test_a_sigterm_during_start_up_leaves_no_process_behind(small_corpus, tmp_pa
                 if when in line:
                     break
                 assert time.time() < deadline and proc.poll() is None, "".join(seen[-40:])
+            time.sleep(then_s)
         ours = {pid for pid in ray_and_redis_processes() if pid not in before}
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=240)
@@ -74,6 +78,49 @@ def test_a_sigterm_during_start_up_leaves_no_process_behind(small_corpus, tmp_pa
         time.sleep(0.5)
     assert left == {}, f"left behind after a SIGTERM at {when!r}: {left}"
     assert not (run_dir / "redis" / "redis-server.pid").exists()
+
+
+def test_a_redis_server_the_driver_stopped_is_not_started_again_by_its_watchdog(tmp_path):
+    from services.driver.redis_server import LocalRedis
+    from services.driver.resources import RedisEndpoint
+
+    server = LocalRedis(tmp_path / "redis").start()
+    endpoint = RedisEndpoint(server.url, server)
+    server.stop()
+    endpoint.keep_alive()
+    assert not server.alive() and endpoint.restarts == 0 and not server.pid_file.exists()
+
+
+def test_a_sigterm_while_the_watchdog_starts_stops_the_watchdog(tmp_path, monkeypatch):
+    """The handler's SystemExit raised inside `Thread.start` (which waits for the thread to run) once left the
+    watchdog running after the driver stopped the server: it started a new one that outlived the run."""
+    import threading
+
+    from services.driver.redis_server import LocalRedis
+    from services.driver.resources import RedisEndpoint
+
+    real_start = threading.Thread.start
+    started = []
+
+    def start_then_sigterm(thread):
+        real_start(thread)
+        started.append(thread)
+        raise SystemExit(128 + signal.SIGTERM)
+
+    server = LocalRedis(tmp_path / "redis").start()
+    endpoint = RedisEndpoint(server.url, server)
+    try:
+        monkeypatch.setattr(threading.Thread, "start", start_then_sigterm)
+        with pytest.raises(SystemExit):
+            with endpoint.watched(every_s=0.01):
+                pass
+        monkeypatch.undo()
+        [watchdog] = started
+        watchdog.join(timeout=5)
+        assert watchdog.name == "redis-watchdog" and not watchdog.is_alive()
+    finally:
+        server.stop()
+    assert not server.alive()
 
 
 def test_a_sigterm_that_rays_start_swallows_still_reaches_the_programs_handler():

@@ -79,6 +79,8 @@ class LocalRedis:
         self.process: subprocess.Popen | None = None
         self.adopted_pid: int | None = None
         """The pid of a server a previous driver of this run started and left running."""
+        self.stopped = False
+        """Stopped on purpose (`stop`): a watchdog must not start it again."""
 
     @classmethod
     def reopen(cls, data_dir: Path, conf_dir: Path | None = None, **kwargs) -> "LocalRedis":
@@ -135,6 +137,7 @@ class LocalRedis:
     def start(self, timeout_s: float = 10.0) -> "LocalRedis":
         import redis
 
+        self.stopped = False
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.conf_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self._adopt_orphan():
@@ -184,6 +187,7 @@ class LocalRedis:
 
     def stop(self) -> None:
         """Stop the server this object started or adopted (by its pid), waiting for it to exit."""
+        self.stopped = True
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:

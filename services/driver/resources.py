@@ -32,8 +32,9 @@ class RedisEndpoint:
     restarts: int = 0
 
     def keep_alive(self) -> None:
-        """Start the private server again if it died (same port, password and AOF: clients reconnect)."""
-        if self.server is not None and not self.server.alive():
+        """Start the private server again if it died (same port, password and AOF: clients reconnect); one the
+        driver stopped stays stopped."""
+        if self.server is not None and not self.server.stopped and not self.server.alive():
             log.warning("redis-server (pid %s) died; starting it again on the same port from its AOF", self.server.pid)
             self.server.restart()
             self.restarts += 1
@@ -53,12 +54,13 @@ class RedisEndpoint:
                     log.exception("restarting redis-server failed; trying again")
 
         thread = threading.Thread(target=watch, name="redis-watchdog", daemon=True)
-        thread.start()
-        try:
+        try:  # a SIGTERM handled inside start() must still stop the thread: it would start the server again
+            thread.start()
             yield self
         finally:
             stop.set()
-            thread.join(timeout=5)
+            if thread.is_alive():  # not if the SIGTERM came before it ran: join would raise over the exit
+                thread.join(timeout=5)
 
 
 @contextlib.contextmanager

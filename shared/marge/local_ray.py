@@ -8,10 +8,15 @@ any `import ray` of a program that will start its own cluster.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 LOCAL_RAY_ENV = {
     "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
@@ -73,13 +78,73 @@ def local_ray(num_cpus: int, namespace: str | None = None, include_dashboard: bo
     apply_local_ray_env()
     import ray
 
+    children_before = set(process_tree({os.getpid()}))
+    rays_own: set[int] = set()
     try:
-        with keeping_sigterm_handler():
-            ray.init(address="local", namespace=namespace, num_cpus=num_cpus, include_dashboard=include_dashboard,
-                     dashboard_host="127.0.0.1", object_store_memory=object_store_memory, log_to_driver=log_to_driver,
-                     runtime_env={"worker_process_setup_hook": SETUP_HOOK})
+        try:
+            log.info("starting a local Ray (%d CPUs)", num_cpus)
+            with keeping_sigterm_handler():
+                ray.init(address="local", namespace=namespace, num_cpus=num_cpus, include_dashboard=include_dashboard,
+                         dashboard_host="127.0.0.1", object_store_memory=object_store_memory,
+                         log_to_driver=log_to_driver, runtime_env={"worker_process_setup_hook": SETUP_HOOK})
+        finally:  # what ray.init started (gcs_server, raylet, ...), also when its start was cut short
+            rays_own = set(process_tree({os.getpid()})) - children_before
         if check is not None:
             check()
         yield
     finally:
+        started = process_tree(rays_own, include_roots=True)
         ray.shutdown(wait_for_processes=True)
+        stop_survivors(started)
+
+
+def process_tree(roots: set[int], include_roots: bool = False) -> dict[int, int]:
+    """The live descendants of `roots` (and the roots themselves if asked) as pid -> start time (clock ticks since boot,
+    which tells a process from a later one that reuses its pid). Read from /proc: empty where there is none."""
+    parent_of, start_of = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        found = read_stat(int(stat.parent.name))
+        if found is not None:
+            parent_of[int(stat.parent.name)], start_of[int(stat.parent.name)] = found
+    children: dict[int, list[int]] = {}
+    for pid, parent in parent_of.items():
+        children.setdefault(parent, []).append(pid)
+    tree = {pid: start_of[pid] for pid in roots if include_roots and pid in start_of}
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            tree[child] = start_of[child]
+            todo.append(child)
+    return tree
+
+
+def read_stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of a live process, None for one that exited or is a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()  # the name may hold spaces
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else (int(fields[1]), int(fields[19]))
+
+
+def stop_survivors(started: dict[int, int], grace_s: float = 5.0) -> None:
+    """Stop the processes of `started` (pid -> start time) still running: a Ray whose start a SIGTERM cut short
+    leaves its raylet's agents behind after `ray.shutdown`, orphaned, for a minute until they give up on the GCS
+    (measured on a 2-core CPU). SIGTERM, then SIGKILL after `grace_s`."""
+
+    def alive() -> list[int]:
+        return [pid for pid, start in started.items() if (read_stat(pid) or (0, None))[1] == start]
+
+    left = alive()
+    if not left:
+        return
+    log.warning("Ray left %d of its processes running after shutdown (pids %s): stopping them", len(left), left)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while (left := alive()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not left:
+            return
