@@ -13,19 +13,22 @@ time left would not cover it:
   A.env       the card, torch, flash attention
   B.batches   shapes, padding and host preparation time, padded and unpadded
   C.bench     the bench step (benchmarks/trainer_vs_hf_bart.py `base`, 128 targets, bf16): the same-card baseline
-  D.recipe    the recipe's update, eager, padded (`trainer.unpadded: false`) and unpadded: seconds, target
+  D.recipe    the recipe's update, eager, padded (`trainer.unpadded: false`), unpadded, and unpadded with
+              `trainer.key_bias: mask` (SDPA's mask, heads 64 wide, not folded to 72): seconds, target
               tokens/s, executed and credited TFLOP (FlopCounterMode on the meta device), MFU, allocator retries
   E.prefetch  D (unpadded) with a thread preparing batches without rest beside it (the prefetcher's worst case)
   G.profile   torch.profiler over 2 updates (unpadded): top kernels, GPU-busy vs wall seconds, runtime call counts,
               a gzipped Chrome trace in OUT
   F.ablations D (unpadded) with dropout 0, without self-evidence, without the denoising loss
-  H.compile   in subprocesses, time-boxed: `trainer.compile` (the whole model, dynamic) and each layer compiled
-              on its own (regional): first-update and steady seconds
+  H.compile   in subprocesses, time-boxed: `trainer.compile` by layer (`compile_scope: layers`), by layer with
+              `trainer.key_bias: flex` (beta * f in FlexAttention's score_mod, heads 64 wide), and the whole model
+              (`model`, dynamic): first-update and steady seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -49,7 +52,8 @@ from recipe_efficiency import executed_and_credited  # noqa: E402
 from services.trainer.config import TrainerConfig  # noqa: E402
 from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,  # noqa: E402
                                          ObjectivesConfig, SelfEvidenceConfig)
-from services.trainer.step import build_optimizer, build_scheduler, compiled, train_step  # noqa: E402
+from services.trainer.step import (apply_execution_settings, build_optimizer, build_scheduler, compiled,  # noqa: E402
+                                   train_step)
 
 PARTS = ("bench", "recipe", "prefetch", "profile", "ablations", "compile")
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM
@@ -121,10 +125,10 @@ def shapes(prepared: list) -> dict:
             "decoder_run_over_real": sum(map(run_positions, marge)) / sum(real(m.labels_NT) for m in marge)}
 
 
-def new_model(dropout: float | None = None):
+def new_model(dropout: float | None = None, key_bias: str = "folded"):
     torch.manual_seed(0)
     cfg = MODEL if dropout is None else MODEL.with_overrides(dropout=dropout)
-    model = Marge(cfg).to(DEVICE).train()
+    model = apply_execution_settings(Marge(cfg).to(DEVICE).train(), dataclasses.replace(TRAINER, key_bias=key_bias))
     optimizer = build_optimizer(model, TRAINER)
     return model, optimizer, build_scheduler(optimizer, TRAINER, 5000)
 
@@ -158,8 +162,9 @@ def peak_tflops() -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def timed_update(name: str, obj, batches, prepared, timed: int, dropout: float | None = None, **extra) -> dict:
-    model, optimizer, scheduler = new_model(dropout)
+def timed_update(name: str, obj, batches, prepared, timed: int, dropout: float | None = None,
+                 key_bias: str = "folded", **extra) -> dict:
+    model, optimizer, scheduler = new_model(dropout, key_bias)
     run_updates(model, optimizer, scheduler, obj, batches, prepared, 2)  # warm-up
     if DEVICE.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -179,13 +184,8 @@ def compile_part(kind: str) -> None:
     made = recipe_batches(8, max_tokens=2048 if ARGS.smoke else 16384)
     obj = objectives(made.corpus_tokens, True)
     prepared, _ = prepare_all(obj, made.batches)
-    model, optimizer, scheduler = new_model()
-    if kind == "regional":
-        for layer in [*model.encoder_layers, *model.decoder_local_layers, *model.decoder_layers]:
-            layer.compile()
-        trained = model
-    else:
-        trained = compiled(model, True)
+    model, optimizer, scheduler = new_model(key_bias="flex" if kind == "regional_flex" else "folded")
+    trained = compiled(model, True, "model" if kind == "whole_dynamic" else "layers")
     t0 = time.perf_counter()
     run_updates(model, optimizer, scheduler, obj, made.batches, prepared, 1, trained)
     cold = time.perf_counter() - t0
@@ -196,7 +196,10 @@ def compile_part(kind: str) -> None:
 
 def main() -> int:
     if ARGS.part:
-        compile_part(ARGS.part)
+        try:
+            compile_part(ARGS.part)
+        except Exception as e:  # noqa: BLE001 - one JSON line says why (flex has no CPU backward: the smoke run)
+            emit(f"H.compile_{ARGS.part}", error=f"{type(e).__name__}: {str(e)[:300]}")
         return 0
     cuda = DEVICE.type == "cuda"
     emit("A.env", torch=torch.__version__, device=torch.cuda.get_device_name() if cuda else "cpu",
@@ -225,13 +228,14 @@ def main() -> int:
 
     main_run = None
     if "recipe" not in ARGS.skip:
-        for name, obj, prepared in (("D.recipe_update_padded", padded_obj, padded),
-                                    ("D.recipe_update_unpadded", unpadded_obj, unpadded)):
+        for name, obj, prepared, key_bias in (("D.recipe_update_padded", padded_obj, padded, "folded"),
+                                              ("D.recipe_update_unpadded", unpadded_obj, unpadded, "folded"),
+                                              ("D.recipe_update_unpadded_key_bias_mask", unpadded_obj, unpadded, "mask")):
             if left() < 45:
                 emit(name, skipped=f"{left():.0f} s left")
                 continue
-            run = timed_update(name, obj, batches, prepared, timed)
-            if obj is unpadded_obj:
+            run = timed_update(name, obj, batches, prepared, timed, key_bias=key_bias)
+            if name == "D.recipe_update_unpadded":
                 main_run = run
             else:
                 del run
@@ -293,8 +297,8 @@ def main() -> int:
                 torch.cuda.empty_cache()
 
     if "compile" not in ARGS.skip:
-        for kind in ("regional", "whole_dynamic"):
-            limit = min(180.0, left() - 10)
+        for kind in ("regional", "regional_flex", "whole_dynamic"):
+            limit = min(150.0, left() - 10)
             if limit < 60:
                 emit(f"H.compile_{kind}", skipped=f"{left():.0f} s left")
                 continue

@@ -21,7 +21,12 @@ learning-gpu.yaml's self-evidence and denoising loss), the model is learning-gpu
 * decoder_run_over_real, denoising_views_run_over_real: positions the projections and feed-forward layers run on
   over the real tokens, of the decoder and of g over the denoising loss's views;
 * distinct_shapes_50_batches: input shape signatures over 50 prepared batches: what a static compile would
-  specialise on.
+  specialise on;
+* compile_{eager,layers,model}: `trainer.compile` off, by layer and whole (`trainer.compile_scope`) over 50 recipe
+  batches of 4,096 budget tokens on `base`'s layers at d_model 64 (the graphs depend on layers and shapes, not
+  widths): first update, steady update, graphs compiled (recompilations included), graph breaks;
+  compiled_graphs_50_batches (by layer), cold_compile_s_regional and cold_compile_s_whole (the first update's
+  seconds over eager's).
 
 "Before" is a given commit of this repository, exported with `git archive` and measured in a subprocess by this same
 file; "after" is the working tree, padded (`trainer.unpadded: false`) and on real tokens only (`true`).
@@ -229,6 +234,79 @@ def measure(unpadded: bool, smoke: bool) -> dict:
     return out
 
 
+COMPILE_TOKENS = 4096
+"""Budget tokens of the compile part's batches: the graphs depend on the layers and the shapes' variety, not on the
+widths or the batch size, so a narrow model (`base`'s layers, d_model 64) on small batches shows them in minutes."""
+
+
+def measure_compile(scope: str, smoke: bool) -> dict:
+    """`trainer.compile` over 50 recipe batches (25 updates, unpadded) in a fresh process: the first update's
+    seconds (the cold compile, and one update), the median update after the first three, and what Dynamo counted:
+    graphs compiled (a recompilation is one more), graph breaks. `scope`: eager (no compile), layers or model
+    (`trainer.compile_scope`)."""
+    from torch._dynamo.utils import counters
+
+    from marge.batch import SpecialTokens
+    from marge.model import Marge, preset
+    from recipe_batches import LANGUAGES, recipe_batches
+    from services.trainer.config import TrainerConfig
+    from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
+                                             ObjectivesConfig, SelfEvidenceConfig)
+    from services.trainer.step import build_optimizer, build_scheduler, compiled, train_step
+
+    torch.set_num_threads(1)
+    specials = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={lang: 4 + k for k, lang in enumerate(LANGUAGES)})
+    made = recipe_batches(8 if smoke else 50, max_tokens=2048 if smoke else COMPILE_TOKENS)
+    objectives = Objectives(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked"),
+                                             self_evidence=SelfEvidenceConfig(prob=0.5, until=1500, deletion=0.3),
+                                             denoising_contrastive=DenoisingContrastiveConfig(weight=0.3,
+                                                                                              extra_documents=64)),
+                            specials, made.corpus_tokens, unpadded=True)
+    cfg = preset("base", vocab_size=4000, max_positions=128, relevance_layers=1, relevance_pooling="mean",
+                 relevance_centering=True, tie_encoder_embeddings=False, d_model=64, num_heads=4, encoder_ffn=128,
+                 decoder_local_ffn=128, decoder_ffn=128)
+    torch.manual_seed(0)
+    model = Marge(cfg).train()
+    trainer = TrainerConfig(lr=5e-4, warmup_steps=10, grad_accum=PER_UPDATE, num_workers=1,
+                            compile=scope != "eager", compile_scope="layers" if scope == "eager" else scope)
+    optimizer = build_optimizer(model, trainer)
+    scheduler = build_scheduler(optimizer, trainer, 1000)
+    trained = compiled(model, trainer.compile, trainer.compile_scope)
+    prepared = [objectives.prepare(b, (0, 10, k % PER_UPDATE)) for k, b in enumerate(made.batches)]
+    times = []
+    for u in range(len(made.batches) // PER_UPDATE):
+        window = slice(u * PER_UPDATE, (u + 1) * PER_UPDATE)
+        t0 = time.perf_counter()
+        train_step(trained, optimizer, scheduler, objectives, made.batches[window], trainer, 10 + u, torch.device("cpu"),
+                   prepared=prepared[window])
+        times.append(time.perf_counter() - t0)
+    return {"batches": len(made.batches), "first_update_s": times[0], "steady_update_s": statistics.median(times[3:]),
+            "compiled_graphs": counters["stats"].get("unique_graphs", 0),  # recompilations included
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def compile_arms(smoke: bool) -> dict:
+    """measure_compile for eager, layers and model, each in its own process; the cold compile of a scope is its first
+    update's seconds less eager's."""
+    arms = {}
+    for scope in ("eager", "layers", "model"):
+        code = (f"import sys, json; sys.path[:0] = [{str(REPO / 'shared')!r}, {str(REPO)!r}, {str(REPO / 'benchmarks')!r}]; "
+                f"import recipe_efficiency; print(json.dumps(recipe_efficiency.measure_compile({scope!r}, {smoke})))")
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"compile scope {scope} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        arms[scope] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(json.dumps({f"compile_{scope}": arms[scope]}), flush=True)
+    eager_first = arms["eager"]["first_update_s"]
+    return {"compile_batches": f"{arms['eager']['batches']} recipe batches of {COMPILE_TOKENS} budget tokens, "
+                               "base's layers at d_model 64, unpadded",
+            **{f"compile_{scope}": figures for scope, figures in arms.items()},
+            "compiled_graphs_50_batches": arms["layers"]["compiled_graphs"],
+            "compiled_graphs_50_batches_whole": arms["model"]["compiled_graphs"],
+            "cold_compile_s_regional": arms["layers"]["first_update_s"] - eager_first,
+            "cold_compile_s_whole": arms["model"]["first_update_s"] - eager_first}
+
+
 def run_in(tree: Path, unpadded: bool, smoke: bool) -> dict:
     code = (f"import sys, json; sys.path[:0] = [{str(tree / 'shared')!r}, {str(tree)!r}, {str(REPO / 'benchmarks')!r}]; "
             f"import recipe_efficiency; print(json.dumps(recipe_efficiency.measure({unpadded}, {smoke})))")
@@ -244,6 +322,7 @@ def main() -> int:
     p.add_argument("--before", default=None, help="the commit to compare with (none: the working tree only)")
     p.add_argument("--smoke", action="store_true", help="tiny widths and few batches: checks that it runs")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--no-compile", action="store_true", help="without the compile part (eager, layers, model)")
     args = p.parse_args()
     arms = {}
     if args.before:
@@ -253,11 +332,12 @@ def main() -> int:
         arms[name] = run_in(REPO, unpadded, args.smoke)
         print(json.dumps({name: arms[name]}), flush=True)
     base, last = arms.get("before", arms["after_padded"]), arms["after_unpadded"]
+    compile_figures = {} if args.no_compile else compile_arms(args.smoke)
     result = {"command": "python benchmarks/recipe_efficiency.py " + " ".join(sys.argv[1:]),
               "machine": "2-core CPU (FLOPs, operations, copies and shapes are the same on any machine; times are "
                          "this machine's)",
               "before_commit": args.before, "updates_of": f"{PER_UPDATE} batches of 16,384 budget tokens",
-              **arms,
+              **arms, **compile_figures,
               "before_over_after": {key: base[key] / last[key] for key in base
                                     if isinstance(base[key], (int, float)) and last.get(key)}}
     print(json.dumps(result["before_over_after"], indent=2))

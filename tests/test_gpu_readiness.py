@@ -3,6 +3,8 @@ backends and the cluster's GPUs (no GPU needed; CI never uses one)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -159,17 +161,21 @@ def test_an_update_reads_the_device_back_once_on_the_fused_adamw_path(monkeypatc
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the optimizer stepped
 
 
-def test_folding_a_key_bias_into_the_heads_equals_adding_it_to_the_logits():
-    """fold_key_bias (what lets attention run without a mask) against softmax(q.k / sqrt(E) + bias) v written out:
-    the same values, and the same gradients to q, k, v and the bias (beta * f: gradient to g and beta), with -inf
-    for keys a target may not read."""
-    from marge.model import fold_key_bias
+@pytest.mark.parametrize("path", ["folded", "mask", "flex"])
+def test_every_way_of_adding_a_key_bias_equals_adding_it_to_the_logits(path):
+    """trainer.key_bias's paths (folded into the heads, SDPA's mask, FlexAttention's score_mod) against
+    softmax(q.k / sqrt(E) + bias) v written out: the same values, and the same gradients to q, k, v and the bias
+    (beta * f: gradient to g and beta), with -inf for keys a target may not read; a boolean "may read" mask the
+    same way. FlexAttention has no CPU backward: on a CPU its values alone (gradients where a GPU is)."""
+    from marge.model import key_biased_attention
 
+    trains = path != "flex" or torch.cuda.is_available()
+    device, dtype, tol = (("cuda", torch.float32, 1e-5) if path == "flex" and trains else ("cpu", torch.float64, 1e-12))
     torch.manual_seed(0)
     b, h, nq, nk, e = 3, 2, 5, 7, 16
-    q, k, v = (torch.randn(b, h, n, e, dtype=torch.float64, requires_grad=True) for n in (nq, nk, nk))
-    bias = torch.randn(b, 1, 1, nk, dtype=torch.float64, requires_grad=True)
-    blocked = torch.zeros(b, 1, 1, nk, dtype=torch.bool)
+    q, k, v = (torch.randn(b, h, n, e, dtype=dtype, device=device, requires_grad=trains) for n in (nq, nk, nk))
+    bias = (3 * torch.randn(b, 1, 1, nk, dtype=dtype, device=device)).requires_grad_(trains)
+    blocked = torch.zeros(b, 1, 1, nk, dtype=torch.bool, device=device)
     blocked[0, 0, 0, 3:] = True
     blocked[2, 0, 0, :2] = True
 
@@ -177,21 +183,19 @@ def test_folding_a_key_bias_into_the_heads_equals_adding_it_to_the_logits():
         logits = q @ k.transpose(-1, -2) / e ** 0.5 + bias.masked_fill(blocked, float("-inf"))
         return logits.softmax(-1) @ v
 
-    def folded(q, k, v, bias):
-        q2, k2, v2, scale = fold_key_bias(q, k, v, bias.masked_fill(blocked, float("-inf")))
-        return torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, scale=scale)[..., :e]
-
-    expected, got = written_out(q, k, v, bias), folded(q, k, v, bias)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
-    grad = torch.randn_like(expected)
-    for a, c in zip(torch.autograd.grad(expected, (q, k, v, bias), grad), torch.autograd.grad(got, (q, k, v, bias), grad)):
-        torch.testing.assert_close(c, a, rtol=0, atol=1e-12)
-    mask = torch.ones(b, 1, 1, nk, dtype=torch.bool)  # a boolean "may read" mask folds the same way
+    expected = written_out(q, k, v, bias)
+    got = key_biased_attention(q, k, v, bias.masked_fill(blocked, float("-inf")), path, 0.0)
+    torch.testing.assert_close(got, expected, rtol=0, atol=tol)
+    if trains:
+        grad = torch.randn_like(expected)
+        for a, c in zip(torch.autograd.grad(expected, (q, k, v, bias), grad),
+                        torch.autograd.grad(got, (q, k, v, bias), grad), strict=True):
+            torch.testing.assert_close(c, a, rtol=0, atol=tol)
+    mask = torch.ones(b, 1, 1, nk, dtype=torch.bool, device=device)
     mask[1, 0, 0, -2:] = False
-    q2, k2, v2, scale = fold_key_bias(q, k, v, mask)
-    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, scale=scale)[..., :e],
-                               reference, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        torch.testing.assert_close(key_biased_attention(q, k, v, mask, path, 0.0), reference, rtol=0, atol=tol)
 
 
 @pytest.mark.parametrize("attend_to", ["linked", "all"])
@@ -215,9 +219,14 @@ def test_no_attention_call_of_a_training_forward_carries_a_mask(monkeypatch, att
     assert all(width % 8 == 0 for _, width in calls)  # head widths the fused kernels take
 
 
-def test_varied_batches_compile_into_a_bounded_number_of_graphs():
-    """The trainer's compiled forward (`trainer.compile`: dynamic shapes) over 12 batches of different sizes, as the
-    batcher makes them: the graphs compiled stay bounded (one per key layout) instead of one per batch."""
+@pytest.mark.parametrize("scope,unpadded", [("model", False), ("layers", False), ("layers", True)])
+def test_varied_batches_compile_into_a_bounded_number_of_graphs(scope, unpadded):
+    """The trainer's compiled forward (`trainer.compile`: dynamic shapes) over batches of different sizes, as the
+    batcher makes them: the graphs stop growing after the first 30 batches instead of one per batch. By layer
+    (`trainer.compile_scope: layers`, each fullgraph) the graphs are per layer kind (encoder, local decoder,
+    decoder with cross-attention) and variant (key layout, a batch of one target or row, which dynamic shapes
+    specialise), however many layers, padded or on real tokens only (9 here); in eval mode (probes, generation)
+    the layers run eagerly: nothing more is compiled."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
@@ -226,22 +235,34 @@ def test_varied_batches_compile_into_a_bounded_number_of_graphs():
     torch._dynamo.reset()
     counter = CompileCounter()
     model = tiny_model().train()
-    forward = compiled(model, True, backend=counter)
-    rng = np.random.default_rng(9)
-    shapes = set()
-    for _ in range(12):
-        n_docs = int(rng.integers(5, 9))
-        lengths = rng.integers(3, 20, size=n_docs)
-        tokens = tuple(rng.integers(10, 60, size=int(n)).astype(np.int32) for n in lengths)
-        n_targets = int(rng.integers(1, 3))
-        edges = [[t, e] for t in range(n_targets) for e in range(n_docs - n_targets) if rng.random() < 0.6] or [[0, 0]]
-        batch = Batch("b", 0, 0, np.arange(n_docs, dtype=np.int64), ("en",) * n_docs, tokens,
-                      np.arange(n_targets, dtype=np.int32), np.arange(n_targets, n_docs, dtype=np.int32),
-                      np.array(edges, dtype=np.int32), np.ones(len(edges), dtype=np.float32))
-        inputs = to_model_inputs(batch, SPECIALS, "linked")
-        shapes.add(tuple(tuple(t.shape) for t in inputs.tensors()))
-        forward(**inputs.as_kwargs(), width=inputs.width).loss.backward()
-    assert len(shapes) >= 10 and counter.frame_count <= 3, counter.frame_count
+    forward = compiled(model, True, scope, backend=counter)
+
+    last = []
+
+    def train_on(seed: int, count: int) -> set:
+        rng, shapes = np.random.default_rng(seed), set()
+        for _ in range(count):
+            n_docs = int(rng.integers(5, 9))
+            lengths = rng.integers(3, 20, size=n_docs)
+            tokens = tuple(rng.integers(10, 60, size=int(n)).astype(np.int32) for n in lengths)
+            n_targets = int(rng.integers(1, 3))
+            edges = [[t, e] for t in range(n_targets) for e in range(n_docs - n_targets) if rng.random() < 0.6] or [[0, 0]]
+            batch = Batch("b", 0, 0, np.arange(n_docs, dtype=np.int64), ("en",) * n_docs, tokens,
+                          np.arange(n_targets, dtype=np.int32), np.arange(n_targets, n_docs, dtype=np.int32),
+                          np.array(edges, dtype=np.int32), np.ones(len(edges), dtype=np.float32))
+            inputs = to_model_inputs(batch, SPECIALS, "linked", unpadded=unpadded)
+            shapes.add(tuple(tuple(t.shape) for t in inputs.tensors()))
+            forward(**inputs.as_kwargs(), width=inputs.width, layout=inputs.layout).loss.backward()
+            last[:] = [inputs]
+        return shapes
+
+    assert len(train_on(9, 30)) >= 20
+    warm = counter.frame_count
+    assert len(train_on(10, 12)) >= 10 and counter.frame_count == warm and warm <= 10, (warm, counter.frame_count)
+    if scope == "layers":
+        with torch.no_grad():
+            model.eval()(**last[0].as_kwargs(), width=last[0].width, layout=last[0].layout)
+        assert counter.frame_count == warm
 
 
 def test_the_chunked_loss_makes_its_gradients_with_three_matmuls_a_chunk():
@@ -318,3 +339,13 @@ def test_a_rank_reads_and_prepares_the_next_update_while_this_one_trains():
     broken.start(0)
     with pytest.raises(ConnectionError, match="redis went away"):
         broken.take(0)
+
+
+def test_compiled_kernels_are_cached_under_the_run_folder_unless_the_user_chose_a_place(tmp_path, monkeypatch):
+    from services.trainer.step import compile_cache_env
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere/triton")
+    assert compile_cache_env(tmp_path) == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "compile-cache" / "inductor")}
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile-cache" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == "/elsewhere/triton"

@@ -12,6 +12,8 @@ from marge.batch import Batch, SpecialTokens, as_decoder_input, as_encoder_input
 from marge.model import Marge, preset
 from services.trainer.inputs import to_model_inputs
 
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
 SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 10, "de": 11, "fr": 12})
 
 
@@ -176,3 +178,47 @@ def test_the_trainers_step_trains_the_same_unpadded():
         runs.append(([r.loss for r in records], model.decoder_layers[0].ffn.fc_in.weight.detach().clone()))
     assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-5)
     assert torch.allclose(runs[1][1], runs[0][1], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["mask", "flex"])
+@pytest.mark.parametrize("unpadded,attend_to", [(False, "linked"), (True, "linked"), (True, "all")])
+def test_every_key_bias_path_gives_the_folded_loss_and_gradients(path, unpadded, attend_to):
+    """trainer.key_bias: beta * f (and the encoder's padding) added by SDPA's mask or by FlexAttention's score_mod,
+    heads 64 wide, equals the folded path's loss and every gradient (g's layers and beta included). FlexAttention
+    has no CPU backward: there the loss is compared without gradients, and the gradients on a GPU."""
+    from services.trainer.config import TrainerConfig
+    from services.trainer.step import apply_execution_settings
+
+    torch.manual_seed(0)
+    model = Marge(preset("tiny", vocab_size=200, dropout=0.0, relevance_centering=True, relevance_layers=1)).train()
+    inputs = to_model_inputs(skewed_batch(), SPECIALS, attend_to, unpadded=unpadded)
+    trains = path != "flex" or torch.cuda.is_available()
+    device = "cuda" if path == "flex" and trains else "cpu"
+    model, inputs = model.to(device), inputs.to(device)
+    if not trains:
+        with torch.no_grad():
+            folded = model(**inputs.as_kwargs(), width=inputs.width, layout=inputs.layout).loss
+            apply_execution_settings(model, TrainerConfig(key_bias=path))
+            other = model(**inputs.as_kwargs(), width=inputs.width, layout=inputs.layout).loss
+        assert float(other) == pytest.approx(float(folded), rel=1e-5)
+        return
+    loss_folded, grads_folded = loss_and_gradients(model, inputs)
+    apply_execution_settings(model, TrainerConfig(key_bias=path))
+    loss_other, grads_other = loss_and_gradients(model, inputs)
+    assert loss_other == pytest.approx(loss_folded, rel=1e-5)
+    assert grads_other.keys() == grads_folded.keys() and "beta" in grads_other
+    scale = max(float(g.abs().max()) for g in grads_folded.values())
+    for name, g in grads_folded.items():  # each against its own size (beta's is ~1e-6 at init): a 1% change of
+        # beta * f fails; a key projection's bias gets 0 in exact math, rounding against the largest gradient
+        own = scale if name.endswith("k_proj.bias") else float(g.abs().max())
+        assert torch.allclose(grads_other[name], g, rtol=1e-4, atol=1e-5 * own), name
+
+
+def test_flex_key_bias_refuses_attention_dropout_up_front():
+    from marge.config import ConfigError
+    from services.driver.config import load_config
+
+    with pytest.raises(ConfigError, match="trainer.key_bias=flex has no attention dropout.*model.attention_dropout"):
+        load_config(REPO / "deploy/configs/tiny.yaml", ["trainer.key_bias=flex", "model.attention_dropout=0.1"])
+    with pytest.raises(ValueError, match="key_bias"):
+        load_config(REPO / "deploy/configs/tiny.yaml", ["trainer.key_bias=fused"])

@@ -73,7 +73,8 @@ from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
-from services.trainer.step import Item, apply_execution_settings, build_optimizer, build_scheduler, compiled, device_peak_flops, seed_key
+from services.trainer.step import (Item, apply_execution_settings, build_optimizer, build_scheduler, compile_cache_env,
+                                   compiled, device_peak_flops, seed_key)
 
 log = logging.getLogger("marge.single_process")
 
@@ -295,7 +296,10 @@ class SingleProcessRun:
         prefetcher = Prefetcher(self.schedule, step, prepare, pin=device.type == "cuda")
         host = InProcessHost(self, model, optimizer, scheduler, state, prefetcher, minutes)
         # what the updates run is the model under torch.compile (trainer.compile); probes and snapshots use the model
-        trainee = Trainee(model, compiled(model, t.compile), optimizer, scheduler, objectives, t, self.slots, device,
+        if t.compile:
+            compile_cache_env(Path(cfg.run.dir))
+        trainee = Trainee(model, compiled(model, t.compile, t.compile_scope), optimizer, scheduler, objectives, t,
+                          self.slots, device,
                           cfg.run.seed, self.tokenizer.specials, cfg.run.max_steps)
         meter = UpdateMeter(model.cfg, device_peak_flops(device))
         log.info("training on %s for %.1f min from step %d (%d batches per update, bf16 %s)", device, minutes, step,

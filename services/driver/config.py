@@ -198,7 +198,10 @@ class PipelineConfig:
             self.check_index_schedule()
         if "preset" not in self.model:
             raise ConfigError("model.preset is required: one of ['base', 'paper', 'tiny']")
-        self.model_config(vocab_size=self.model.get("vocab_size", self.data.vocab_size))  # validates model fields
+        model = self.model_config(vocab_size=self.model.get("vocab_size", self.data.vocab_size))  # validates its fields
+        if self.trainer.key_bias == "flex" and model.attention_dropout:
+            raise ConfigError(f"trainer.key_bias=flex has no attention dropout, but model.attention_dropout is "
+                              f"{model.attention_dropout}: set it to 0, or trainer.key_bias to mask or folded")
 
     def check_index_schedule(self) -> None:
         """The indexer's settings against the trainer's (only for objectives that need an index)."""
@@ -306,7 +309,8 @@ RESUMABLE = ("run.max_steps", "run.max_minutes", "run.progress_every_s", "run.te
              "indexer.num_cpus_per_worker", "indexer.num_gpus_per_worker", "indexer.resources", "indexer.use_gpu",
              "indexer.bf16", "indexer.batch_tokens", "trainer.num_cpus_per_worker", "trainer.resources",
              "trainer.torch_threads", "trainer.max_failures", "trainer.keep_checkpoints", "trainer.compile",
-             "trainer.loss_chunk_tokens", "trainer.unpadded", "trainer.prefetch")
+             "trainer.loss_chunk_tokens", "trainer.unpadded", "trainer.key_bias",
+             "trainer.compile_scope", "trainer.prefetch")
 """What a resumed run may change (keys, or sections ending in '.'): how long it runs, how it reports, where it runs
 and on what, never what it trains (the data, the model, the objectives, the schedule, the batches)."""
 

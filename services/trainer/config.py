@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from marge.config import FieldError, at_least, non_negative_mapping, one_of, positive, within
+from marge.model import KEY_BIAS_PATHS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,9 +50,20 @@ class TrainerConfig:
     document, as before. The loss and gradients are those of the padded batch (tests/test_unpadded.py); the FLOPs
     executed fall to near those credited (benchmarks/recipe_efficiency.py). An execution setting: a resumed run may
     change it."""
+    key_bias: str = "folded"
+    """How attention adds beta * f (and the encoder's padding), a bias of the key alone: `folded` into an extra
+    head dimension (heads 64 -> 72 wide, no mask: flash kernels), `mask` (SDPA's additive mask: on a GPU the
+    memory-efficient kernel, heads 64 wide) or `flex` (FlexAttention's score_mod, heads 64 wide: fused under
+    `trainer.compile`; needs model.attention_dropout 0 and, to train, a GPU). The same values and gradients
+    (tests/test_model.py). An execution setting: a resumed run may change it."""
     compile: bool = False
     """Train through `torch.compile` (dynamic shapes: a few graphs for every batch size, none broken by a device
-    read). Worth it on a GPU; on a CPU the first updates pay the compilation."""
+    read; compiled kernels cached under run.dir/compile-cache). Worth it on a GPU; on a CPU the first updates pay
+    the compilation."""
+    compile_scope: str = "layers"
+    """What `trainer.compile` compiles: `layers` (each encoder and decoder layer on its own, fullgraph; layers of
+    one kind share their graphs: the cold compile is one layer of each kind) or `model` (the whole model under
+    DDP: DDP's buckets split its graph). An execution setting: a resumed run may change it."""
     snapshot_every: int = 10000
     """Rank 0 publishes g (and measures retrieval health) every this many updates."""
     checkpoint_every: int = 1000
@@ -80,6 +92,8 @@ class TrainerConfig:
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             raise FieldError("adam_betas", self.adam_betas, "two numbers in [0, 1)")
         non_negative_mapping(self, "resources")
+        one_of(self, "key_bias", KEY_BIAS_PATHS)
+        one_of(self, "compile_scope", ("layers", "model"))
 
     def schedule_steps(self, max_steps: int) -> int:
         """The update at which the learning rate reaches 0."""

@@ -41,7 +41,7 @@ from services.trainer.state import report_checkpoint, resume
 from services.trainer.inputs import untrainable
 from services.trainer.source import BatchSource
 from services.trainer.step import (DDP_SETTINGS, Backward, Item, apply_execution_settings, build_optimizer,
-                                   build_scheduler, compiled, device_peak_flops, seed_key)
+                                   build_scheduler, compile_cache_env, compiled, device_peak_flops, seed_key)
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,9 @@ class Rank:
         self.last_metrics: dict = {}
         """What rank 0 reports to Ray Train with a checkpoint (step, loss, throughput)."""
         wrapped = ray.train.torch.prepare_model(self.model, parallel_strategy_kwargs=DDP_SETTINGS)
-        trainee = Trainee(self.model, compiled(wrapped, t.compile), self.optimizer,
+        if t.compile:
+            compile_cache_env(job.paths.run_dir)
+        trainee = Trainee(self.model, compiled(wrapped, t.compile, t.compile_scope), self.optimizer,
                           self.scheduler, self.objectives, t, self.slots, self.device, job.seed,
                           self.tokenizer.specials, job.max_steps, job.faults.nan_loss_slot)
         self.loop = TrainingLoop(trainee, self, self.train_log, self.board,

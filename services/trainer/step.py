@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -92,9 +94,15 @@ def build_optimizer(model: nn.Module, cfg: OptimizerSettings, fused: bool | None
 
 def apply_execution_settings(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
     """The trainer's settings that change how the model computes, not what: the loss's chunking over the
-    vocabulary (`trainer.loss_chunk_tokens`; a model without a chunked loss, VECO's, ignores it)."""
+    vocabulary (`trainer.loss_chunk_tokens`; a model without a chunked loss, VECO's, ignores it) and how attention
+    adds a key bias (`trainer.key_bias`)."""
+    from marge.model import Attention
+
     if hasattr(model, "loss_chunk_tokens"):
         model.loss_chunk_tokens = cfg.loss_chunk_tokens
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.key_bias = cfg.key_bias
     return model
 
 
@@ -109,12 +117,52 @@ on a multi-GPU node) and `static_graph` (the denoising loss runs g outside DDP's
 is not the whole backward)."""
 
 
-def compiled(model: nn.Module, enabled: bool, backend="inductor") -> nn.Module:
-    """The model (or its DDP wrapper) to train with (`trainer.compile`): under `torch.compile` with dynamic shapes,
-    so that batches of every size share a few graphs (one per key layout) instead of one each; the forward reads
-    nothing back from the device (the inputs are checked on the host), so each is one graph. Parameters, buffers
-    and attributes stay the model's own."""
-    return torch.compile(model, dynamic=True, backend=backend) if enabled else model
+COMPILE_SCOPES = ("layers", "model")
+
+
+def compiled(model: nn.Module, enabled: bool, scope: str = "layers", backend: str = "inductor") -> nn.Module:
+    """The model (or its DDP wrapper) to train with (`trainer.compile`, `trainer.compile_scope`).
+
+    `layers` (regional): each repeated layer (every member of an nn.ModuleList: the encoder's, the decoders') is
+    compiled on its own, in place, with `fullgraph=True` (a graph break is an error, not a silent split) and dynamic
+    shapes (the real-token count and the row widths vary every batch); layers of one kind share their graphs, so a
+    cold compile costs one layer of each kind, not the whole stack, and DDP's hooks stay outside every graph. Only
+    the training forward is compiled: in eval mode (probes, snapshots, generation) a layer runs eagerly. `model`:
+    the whole model or wrapper under `torch.compile` (dynamic; DDP's buckets split its graph). The parameters,
+    buffers and attributes stay the model's own."""
+    if not enabled:
+        return model
+    if scope == "model":
+        return torch.compile(model, dynamic=True, backend=backend)
+    if scope != "layers":
+        raise ValueError(f"trainer.compile_scope {scope!r} is not one of {COMPILE_SCOPES}")
+    for module in list(model.modules()):
+        if isinstance(module, nn.ModuleList):
+            for layer in module:
+                compile_training_forward(layer, backend)
+    return model
+
+
+def compile_training_forward(layer: nn.Module, backend: str = "inductor") -> None:
+    """`layer`'s forward through torch.compile while it trains, eagerly in eval mode."""
+    eager = layer.forward
+    fast = torch.compile(eager, dynamic=True, fullgraph=True, backend=backend)
+
+    def forward(*args, **kwargs):
+        return (fast if layer.training else eager)(*args, **kwargs)
+
+    layer.forward = forward
+
+
+def compile_cache_env(run_dir: Path) -> dict[str, str]:
+    """Where torch.compile keeps what it compiled (Inductor's FX graph and kernel caches, Triton's kernels): under
+    the run's folder, so that a restarted or resumed rank reuses them instead of compiling again. Set in this
+    process's environment unless already set; returns what was set."""
+    chosen = {"TORCHINDUCTOR_CACHE_DIR": str(Path(run_dir) / "compile-cache" / "inductor"),
+              "TRITON_CACHE_DIR": str(Path(run_dir) / "compile-cache" / "triton")}
+    set_now = {key: value for key, value in chosen.items() if key not in os.environ}
+    os.environ.update(set_now)
+    return set_now
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:

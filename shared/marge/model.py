@@ -297,6 +297,15 @@ def is_key_bias(attn_bias: Tensor | None) -> bool:
     return attn_bias is not None and attn_bias.dim() == 4 and attn_bias.shape[1] == 1 and attn_bias.shape[2] == 1
 
 
+def key_bias_logits(bias_B11K: Tensor, dtype: torch.dtype) -> Tensor:
+    """The key bias as what it adds to each key's logits (B K): a boolean "may read" mask as 0 / MASKED_LOGIT, a
+    float bias (beta * f, -inf where a key may not be read) clamped at MASKED_LOGIT."""
+    bias_BK = bias_B11K[:, 0, 0, :]
+    if bias_BK.dtype == torch.bool:
+        return torch.zeros(bias_BK.shape, dtype=dtype, device=bias_BK.device).masked_fill(~bias_BK, MASKED_LOGIT)
+    return torch.clamp(bias_BK.to(dtype), min=MASKED_LOGIT)
+
+
 def fold_key_bias(q_BHQE: Tensor, k_BHKE: Tensor, v_BHKE: Tensor,
                   bias_B11K: Tensor) -> tuple[Tensor, Tensor, Tensor, float]:
     """q', k', v' and the softmax scale whose attention equals attending q, k, v with `bias_B11K` added to every
@@ -308,16 +317,48 @@ def fold_key_bias(q_BHQE: Tensor, k_BHKE: Tensor, v_BHKE: Tensor,
     beta for beta * f) instead of as a dense (rows, heads, queries, keys) tensor."""
     b, h, nq, e = q_BHQE.shape
     nk = k_BHKE.shape[2]
-    bias_BK = bias_B11K[:, 0, 0, :]
-    if bias_BK.dtype == torch.bool:
-        c_BK = torch.zeros(bias_BK.shape, dtype=q_BHQE.dtype, device=q_BHQE.device).masked_fill(~bias_BK, MASKED_LOGIT)
-    else:
-        c_BK = torch.clamp(bias_BK.to(q_BHQE.dtype), min=MASKED_LOGIT)  # -inf (may not read) -> MASKED_LOGIT
+    c_BK = key_bias_logits(bias_B11K, q_BHQE.dtype)
     c_BHK1 = (c_BK * math.sqrt(e))[:, None, :, None].expand(b, h, nk, 1)
     q2 = torch.cat([q_BHQE, q_BHQE.new_ones(b, h, nq, 1), q_BHQE.new_zeros(b, h, nq, FOLD_WIDTH - 1)], dim=-1)
     k2 = torch.cat([k_BHKE.expand(b, h, nk, e), c_BHK1.to(k_BHKE.dtype), k_BHKE.new_zeros(b, h, nk, FOLD_WIDTH - 1)], dim=-1)
     v2 = torch.cat([v_BHKE.expand(b, h, nk, e), v_BHKE.new_zeros(b, h, nk, FOLD_WIDTH)], dim=-1)
     return q2, k2, v2, 1.0 / math.sqrt(e)
+
+
+KEY_BIAS_PATHS = ("folded", "mask", "flex")
+"""How attention adds a bias of the key alone (the encoder's padding, the cross-attention's beta * f):
+folded  into an extra head dimension (`fold_key_bias`): no mask, so SDPA's flash kernels apply, but every head is
+        E + 8 wide (64 -> 72, which flash kernels round up to 96);
+mask    as SDPA's additive float mask of (B 1 1 K), heads E wide: on a GPU the memory-efficient kernel, which takes
+        the bias and returns its gradient (flash kernels take no mask);
+flex    as FlexAttention's `score_mod` (logit + bias[b, key]), heads E wide: fused only under torch.compile
+        (`trainer.compile`), eager it materialises the logits; no attention dropout; its backward needs a GPU.
+All three give the same values and gradients (tests/test_model.py)."""
+
+
+def key_biased_attention(q_BHQE: Tensor, k_BHKE: Tensor, v_BHKE: Tensor, bias_B11K: Tensor, path: str,
+                         dropout_p: float) -> Tensor:
+    """Attention of q over k, v with `bias_B11K` (boolean "may read", or float with -inf for "may not") added to
+    the logits of each key, by `path` (`KEY_BIAS_PATHS`)."""
+    if path == "folded":
+        q2, k2, v2, scale = fold_key_bias(q_BHQE, k_BHKE, v_BHKE, bias_B11K)
+        return F.scaled_dot_product_attention(q2, k2, v2, dropout_p=dropout_p, scale=scale)[..., :q_BHQE.shape[-1]]
+    bias_BK = key_bias_logits(bias_B11K, q_BHQE.dtype)
+    if path == "mask":
+        return F.scaled_dot_product_attention(q_BHQE, k_BHKE, v_BHKE, attn_mask=bias_BK[:, None, None, :],
+                                              dropout_p=dropout_p)
+    if path != "flex":
+        raise ValueError(f"key bias path {path!r} is not one of {KEY_BIAS_PATHS}")
+    if dropout_p:
+        raise ValueError("trainer.key_bias=flex has no attention dropout: set model.attention_dropout=0, or use "
+                         "trainer.key_bias=mask or folded")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def add_key_bias(score, b, h, q_idx, kv_idx):
+        return score + bias_BK[b, kv_idx]
+
+    n = q_BHQE.shape[0]  # keys shared by every row (an expanded view) are given per row, as flex wants them
+    return flex_attention(q_BHQE, k_BHKE.expand(n, -1, -1, -1), v_BHKE.expand(n, -1, -1, -1), score_mod=add_key_bias)
 
 
 class ScatterRows(torch.autograd.Function):
@@ -426,10 +467,13 @@ class Attention(nn.Module):
 
     `attn_bias` is added to the logits; it is either a boolean "may attend" mask or a float tensor
     broadcastable to (batch, H, queries, keys) that may carry gradient (the beta * f path does). A bias of the key
-    alone (the encoder's padding, the cross-attention's beta * f) is folded into the heads (`fold_key_bias`): the
-    attention itself then has no mask. Only a bias that depends on the query (the causal mask of incremental
-    decoding over a cache) is passed to SDPA as a mask.
+    alone (the encoder's padding, the cross-attention's beta * f) goes the way `key_bias` says (`KEY_BIAS_PATHS`,
+    an execution setting: `trainer.key_bias`; by default folded into the heads, so the attention has no mask). Only
+    a bias that depends on the query (the causal mask of incremental decoding over a cache) is passed to SDPA as a
+    mask.
     """
+
+    key_bias = "folded"
 
     def __init__(self, d_model: int, num_heads: int, dropout: float):
         super().__init__()
@@ -460,9 +504,7 @@ class Attention(nn.Module):
         k_BHLE, v_BHLE = k_BHLE.to(q_BHQE.dtype), v_BHLE.to(q_BHQE.dtype)
         dropout_p = self.dropout if self.training else 0.0
         if is_key_bias(attn_bias) and not is_causal:
-            e = q_BHQE.shape[-1]
-            q2, k2, v2, scale = fold_key_bias(q_BHQE, k_BHLE, v_BHLE, attn_bias)
-            out_BHQE = F.scaled_dot_product_attention(q2, k2, v2, dropout_p=dropout_p, scale=scale)[..., :e]
+            out_BHQE = key_biased_attention(q_BHQE, k_BHLE, v_BHLE, attn_bias, self.key_bias, dropout_p)
         else:
             if attn_bias is not None and attn_bias.dtype != torch.bool:
                 attn_bias = attn_bias.to(q_BHQE.dtype)  # SDPA wants a float mask in the query's dtype (bf16 autocast)
