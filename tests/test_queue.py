@@ -86,6 +86,39 @@ def test_each_rank_reads_its_slots_and_batches_count_only_when_committed(redis_s
     assert q.counts()["trained_twice"] == 1
 
 
+def test_a_slot_trimmed_away_is_an_error_at_once_and_an_unwritten_one_is_waited_for_without_spinning(redis_server,
+                                                                                                        monkeypatch):
+    """After a commit trims rank 0's stream below slot 4, slot 2 can never come (entries are written in slot order):
+    reading it fails at once, naming the slot, instead of XREAD answering with slot 4 again and again (a rank
+    resumed from an older checkpoint than the queue's spun at 22k reads a second). A slot not written yet is
+    waited for in blocking reads: a few Redis calls a second."""
+    import redis as redis_lib
+
+    from marge.protocol import SlotGone
+
+    q = BatchQueue.connect(redis_server.url, "t1g", Slots(2, 1))
+    fill(q, range(6))
+    q.commit(0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")])
+    t0 = time.monotonic()
+    with pytest.raises(SlotGone, match="slot 2 is not in rank 0's stream and never will be.*holds slot 4"):
+        q.get(2, block_ms=5000)
+    assert time.monotonic() - t0 < 1.0
+    calls = []
+    real = redis_lib.Redis.execute_command
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[0])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis_lib.Redis, "execute_command", counted)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5:
+        assert q.get(6, block_ms=500) is None
+    per_second = len(calls) / (time.monotonic() - t0)
+    monkeypatch.undo()
+    assert per_second <= 10, (per_second, calls[:10])
+
+
 def test_the_ledger_keeps_two_checkpoint_intervals_and_counts_the_older_updates(redis_server):
     """A commit repeats the previous interval and retires the rank's older entries into per-update counts: the
     ledger's Redis footprint stays two intervals however long the run."""
@@ -116,6 +149,36 @@ def test_the_ledger_keeps_two_checkpoint_intervals_and_counts_the_older_updates(
     assert q.retired_by_update() == {u: 2 for u in range(10)}
     assert q.ledger_entries() == {} and q.counts()["trained"] == 20 and q.counts()["retired"] == 20
     assert q.r.zcard(q.keys.ledger_slots(0)) == 0
+
+
+@pytest.mark.parametrize("newest,resume", [(16, 8), (16, 12), (12, 8), (16, 4)])
+def test_a_run_resumed_from_an_older_checkpoint_counts_every_batch_once(redis_server, newest, resume):
+    """Commits through update `newest` (checkpoints every 4 updates), then a resume from the checkpoint of `resume`:
+    its ranks commit the checkpoint's interval again and train on. The ledger ends where an uninterrupted run's
+    does: every update retired once (the re-committed interval was retired before: it is not recorded again, to be
+    retired a second time)."""
+    q = BatchQueue.connect(redis_server.url, f"t1r{newest}-{resume}", Slots(2, 1))
+    ids = {n: f"v0-e0-s0-{n}" for n in range(40)}
+
+    def own(rank: int, updates: range) -> list[tuple[int, str]]:
+        return [(n, ids[n]) for n in range(2 * updates.start, 2 * updates.stop) if n % 2 == rank]
+
+    def train_through(checkpoints, previous) -> None:
+        for checkpoint in checkpoints:
+            interval = range(checkpoint - 4, checkpoint)
+            for rank in (0, 1):
+                assert q.commit(rank, checkpoint, own(rank, previous) + own(rank, interval)) == []
+            previous = interval
+
+    train_through(range(4, newest + 1, 4), range(0, 0))
+    q.reset_from(resume)
+    for rank in (0, 1):  # what a resumed rank commits first: its checkpoint's batches (a lost commit made good)
+        assert q.commit(rank, resume, own(rank, range(resume - 4, resume))) == []
+    train_through(range(resume + 4, 21, 4), range(resume - 4, resume))
+    assert q.retired_by_update() == {u: 2 for u in range(12)}
+    counts = q.counts()
+    assert counts["trained"] == 40 and counts["retired"] == 24 and counts["ledger"] == 16, counts
+    assert counts.get("trained_twice", 0) == 0
 
 
 def test_the_batcher_waits_for_the_slowest_rank_and_drops_nothing(redis_server):
@@ -306,3 +369,62 @@ def test_an_orphaned_server_is_adopted_not_started_twice(tmp_path):
         again.stop()
     assert not pid_is_redis(orphan_pid)
     first.process.wait(timeout=5)  # reap it (it was this test's child)
+
+
+def test_a_group_resumed_below_the_last_commit_resets_the_queue_to_its_checkpoint(redis_server, caplog):
+    """Rank 0 of a trainer group that resumed from an older checkpoint than the last commit (its newest could not be
+    read) resets the queue to it and says so; at the committed update it changes nothing."""
+    from types import SimpleNamespace
+
+    from services.trainer.source import RedisSource
+
+    job = SimpleNamespace(redis_url=redis_server.url, paths=SimpleNamespace(name="t1a"),
+                          trainer=SimpleNamespace(num_workers=2, grad_accum=1))
+    source = RedisSource(job, 0, resumed_step=2)
+    q = source.queue
+    fill(q, range(8))
+    for rank in (0, 1):
+        q.commit(rank, 2, [(n, f"v0-e0-s0-{n}") for n in range(4) if n % 2 == rank])
+        q.commit(rank, 3, [(n, f"v0-e0-s0-{n}") for n in range(6) if n % 2 == rank])
+    assert q.committed_step() == 3
+    source.agree_with(3)
+    assert q.committed_step() == 3 and q.get(6, block_ms=10) is not None
+    with caplog.at_level("WARNING"):
+        source.agree_with(2)
+    assert "resumed from the checkpoint of update 2, below the last commit (update 3)" in caplog.text
+    assert q.committed_step() == 2 and q.next_slot() == 4 and q.r.xlen(q.keys.slots(0)) == 0
+    assert q.counts()["trained"] == 4  # updates 0-1; update 2 is trained again
+
+
+def test_a_checkpoint_read_that_fails_with_an_io_error_is_tried_again_before_an_older_one_is_taken(caplog):
+    from services.trainer.state import with_io_retries
+
+    attempts = []
+
+    def flaky():
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise OSError(5, "Input/output error")
+        return "loaded"
+
+    with caplog.at_level("WARNING"):
+        assert with_io_retries(flaky, "reading checkpoint step-8", delays_s=(0.01, 0.01, 0.01)) == "loaded"
+    assert len(attempts) == 3 and caplog.text.count("trying again") == 2
+
+    def always():
+        attempts.append(1)
+        raise OSError(5, "Input/output error")
+
+    attempts.clear()
+    with pytest.raises(OSError):
+        with_io_retries(always, "reading", delays_s=(0.01, 0.01))
+    assert len(attempts) == 3
+
+    def missing():
+        attempts.append(1)
+        raise FileNotFoundError("model.safetensors")
+
+    attempts.clear()
+    with pytest.raises(FileNotFoundError):
+        with_io_retries(missing, "reading", delays_s=(0.01,))
+    assert len(attempts) == 1  # a file that is not there will not appear: the checkpoint's own fault

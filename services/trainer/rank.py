@@ -163,7 +163,11 @@ class Rank:
             self.train_log.truncate_after(self.step)  # lines of updates the checkpoint does not hold
         corpus_tokens = corpus.all_tokens() if job.objectives.needs_corpus else None
         self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens, job.trainer.unpadded)
-        self.source = source_for(job, self.rank)
+        self.source = source_for(job, self.rank, self.step)
+        if self.rank == 0:
+            self.source.agree_with(self.step)  # resumed below the last commit: the queue is reset to the checkpoint
+        if dist.is_initialized():
+            dist.barrier()  # no rank reads its stream before the queue agrees with the checkpoint
         self.source.progress(self.step)  # a resumed rank: the batcher may write up to `lookahead` past it
         self.committed = [(n, b) for n, b in resumed.trained if self.slots.rank_of(n) == self.rank]
         """(slot, batch id) of this rank's last commit: committed again with the next one (commits are

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Protocol
 
-from marge.protocol import BatchQueue, Delivery, Slots
+from marge.protocol import BatchQueue, Delivery, SlotGone, Slots
 from services.trainer.job import TrainerJob
+
+log = logging.getLogger(__name__)
 
 
 class BatchSource(Protocol):
@@ -28,14 +31,17 @@ class BatchSource(Protocol):
     def stopping(self) -> bool:
         """The run must stop at this step boundary (stop asked, time up), whatever batches are in hand."""
 
+    def agree_with(self, step: int) -> None:
+        """Rank 0, as a group starts: make the feed agree with the checkpoint of `step` the group resumed from."""
+
 
 class RedisSource:
     """The pipeline's feed: this rank's stream in the run's Redis, read slot by slot."""
 
-    def __init__(self, job: TrainerJob, rank: int):
-        self.job, self.rank = job, rank
-        self.queue = BatchQueue.connect(job.redis_url, job.paths.name, Slots(job.trainer.num_workers,
-                                                                              job.trainer.grad_accum))
+    def __init__(self, job: TrainerJob, rank: int, resumed_step: int = 0):
+        self.job, self.rank, self.resumed_step = job, rank, resumed_step
+        self.slots = Slots(job.trainer.num_workers, job.trainer.grad_accum)
+        self.queue = BatchQueue.connect(job.redis_url, job.paths.name, self.slots)
 
     def stopping(self) -> bool:
         return self.queue.stop_requested() or (self.job.deadline_unix is not None and time.time() > self.job.deadline_unix)
@@ -44,9 +50,29 @@ class RedisSource:
         while True:
             if self.stopping():
                 return None
-            delivery = self.queue.get(slot, block_ms=self.job.queue.block_ms)
+            try:
+                delivery = self.queue.get(slot, block_ms=self.job.queue.block_ms)
+            except SlotGone as gone:
+                raise SlotGone(gone.slot, gone.rank, gone.later_slot, advice=(
+                    f"This rank resumed from the checkpoint of update {self.resumed_step} and needs update "
+                    f"{slot // self.slots.per_step}, which the queue no longer holds: the queue was not reset to "
+                    "that checkpoint (a restart fell back to an older checkpoint than the one it was reset to). "
+                    "Start the run again (`marge pretrain`, same config): the driver resets the queue to the "
+                    "checkpoint it resumes from")) from None
             if delivery is not None:
                 return delivery
+
+    def agree_with(self, step: int) -> None:
+        """A group that resumed below the last commit (its newer checkpoint could not be read, or Ray Train
+        restarted it from the one before) needs the slots since `step` again, which the commits after it trimmed:
+        the queue is reset to `step` (its later ledger entries and retired counts go, the batcher writes the
+        same batches into the same slots again), as the driver does when a run starts. Said in the log."""
+        committed = self.queue.committed_step()
+        if committed > step:
+            log.warning("the trainer group resumed from the checkpoint of update %d, below the last commit (update "
+                        "%d): resetting the queue to update %d (updates %d-%d are trained again, and counted once)",
+                        step, committed, step, step, committed - 1)
+            self.queue.reset_from(step)
 
     def progress(self, step: int) -> None:
         self.queue.progress(self.rank, step)
@@ -70,6 +96,9 @@ class MemorySource:
             self.by_slot[slots.slot(k // slots.grad_accum, rank, k % slots.grad_accum)] = batch
         self.dead: list[tuple[int, str]] = []
 
+    def agree_with(self, step: int) -> None:
+        pass
+
     def get(self, slot: int) -> Delivery | None:
         batch = self.by_slot.get(slot)
         return None if batch is None else Delivery(slot, batch, {})
@@ -90,7 +119,8 @@ class MemorySource:
         return False
 
 
-def source_for(job: TrainerJob, rank: int) -> BatchSource:
+def source_for(job: TrainerJob, rank: int, resumed_step: int = 0) -> BatchSource:
+    """This rank's feed; `resumed_step`: the checkpoint it resumed from (named when a slot it needs is gone)."""
     if job.memory_batches is not None:
         return MemorySource(job.memory_batches[rank], Slots(job.trainer.num_workers, job.trainer.grad_accum), rank)
-    return RedisSource(job, rank)
+    return RedisSource(job, rank, resumed_step)

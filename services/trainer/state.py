@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None,
         # checkpoint, 2.8 TB from the shared filesystem instead of 8.5 TB).
         for step_key, preference, path in candidates:
             try:
-                loaded = restore_training(Path(path), model, optimizer, scheduler, device)
+                loaded = with_io_retries(lambda: restore_training(Path(path), model, optimizer, scheduler, device),
+                                         f"reading checkpoint {path}")
                 chosen = (step_key, preference)
                 break
             except (CheckpointError, OSError, ValueError, KeyError) as e:
@@ -91,6 +93,27 @@ def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None,
                    tuple((int(n), str(b)) for n, b in loaded.get("trained_since_previous", ())),
                    tuple((int(n), dict(f), str(r)) for n, f, r in loaded.get("dead_since_previous", ())),
                    rng_by_rank[rank] if rank < len(rng_by_rank) else None)
+
+
+IO_RETRY_DELAYS_S = (0.5, 2.0, 8.0)
+"""Waits before reading a checkpoint again after an I/O error (a shared filesystem's hiccup): about 10 s in all
+before the checkpoint counts as unusable and an older one is taken."""
+
+
+def with_io_retries(read, what: str, delays_s: tuple[float, ...] = IO_RETRY_DELAYS_S):
+    """`read()`, tried again after each of `delays_s` when it fails with an I/O error that may pass (not a missing
+    file, not a checksum or format error: those are the checkpoint's own and are raised at once)."""
+    for attempt, delay in enumerate((*delays_s, None)):
+        try:
+            return read()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise
+        except OSError as e:
+            if delay is None:
+                raise
+            log.warning("%s failed (%s); trying again in %.1f s (%d of %d)", what, e, delay, attempt + 1,
+                        len(delays_s))
+            time.sleep(delay)
 
 
 def checkpoint_step(path) -> int:

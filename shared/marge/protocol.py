@@ -71,6 +71,16 @@ class ProtocolError(ValueError):
     pass
 
 
+class SlotGone(RuntimeError):
+    """A slot a rank waits for is not in its stream and never will be: the stream already holds a later slot
+    (entries are written in slot order), so it was trimmed by a commit, or never rewritten after a resume."""
+
+    def __init__(self, slot: int, rank: int, later_slot: int, advice: str = ""):
+        super().__init__(f"slot {slot} is not in rank {rank}'s stream and never will be: the stream already holds "
+                         f"slot {later_slot}" + (f". {advice}" if advice else ""))
+        self.slot, self.rank, self.later_slot = slot, rank, later_slot
+
+
 @dataclass(frozen=True, kw_only=True)
 class QueueConfig:
     """The queue's settings (the `queue:` section), read by the batcher (depth) and the trainers (waiting)."""
@@ -198,6 +208,12 @@ class RunKeys:
     def ledger_retired(self) -> str:
         """Batches that left the window, counted per update: update -> batches."""
         return f"{self.prefix}:ledger:retired"
+
+    @property
+    def ledger_retired_below(self) -> str:
+        """Rank -> the slot below which its batches have left the window (retired and counted): a commit that
+        names one of them again (a resumed rank's checkpoint interval) does not record it to be retired twice."""
+        return f"{self.prefix}:ledger:retired_below"
 
     @property
     def counters(self) -> str:
@@ -456,13 +472,19 @@ class BatchQueue:
     # --- consumer ----------------------------------------------------------------------------
 
     def get(self, slot: int, block_ms: int = 1000) -> Delivery | None:
-        """The entry of `slot`, waiting up to `block_ms` for it; None if it has not been written yet."""
-        key = self.keys.slots(self._slots().rank_of(slot))
+        """The entry of `slot`, waiting up to `block_ms` for it; None if it has not been written yet. Raises
+        SlotGone when the stream holds a later slot instead (XREAD would answer at once every time: a reader
+        waiting on would spin)."""
+        rank = self._slots().rank_of(slot)
+        key = self.keys.slots(rank)
         found = self.r.xrange(key, entry_id(slot), entry_id(slot))
         if not found:
             response = self.r.xread({key: f"{slot}-0"}, count=1, block=block_ms)
-            found = [e for e in (response[0][1] if response else []) if e[0].decode() == entry_id(slot)]
+            entries = response[0][1] if response else []
+            found = [e for e in entries if e[0].decode() == entry_id(slot)]
             if not found:
+                if entries:
+                    raise SlotGone(slot, rank, int(entries[0][0].decode().split("-")[0]) - 1)
                 return None
         fields = found[0][1]
         try:
@@ -470,18 +492,25 @@ class BatchQueue:
         except ProtocolError as e:
             return Delivery(slot, None, fields, f"undecodable: {e}")
 
+    def committed_step(self) -> int:
+        """The update of the newest checkpoint rank 0 committed (0 before any)."""
+        return int(self.r.get(self.keys.committed) or 0)
+
     def progress(self, rank: int, step: int) -> None:
         """Rank `rank` has trained every update before `step` (lets the batcher write further ahead)."""
         self.r.set(self.keys.progress(rank), step)
 
     _COMMIT = """
-        local ledger, window, retired, counters = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+        local ledger, window, retired, counters, retired_below = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[7]
         local per_step, n = tonumber(ARGV[3]), tonumber(ARGV[4])
+        local below = tonumber(redis.call('HGET', retired_below, ARGV[1]) or '-1')
         local fresh, doubles, first = 0, {}, nil
         for i = 0, n - 1 do
             local slot, id = tonumber(ARGV[5 + 2 * i]), ARGV[6 + 2 * i]
             local seen = redis.call('HGET', ledger, id)
-            if not seen then
+            if slot < below then
+                -- retired before (a resumed rank commits its checkpoint's interval again): counted already
+            elseif not seen then
                 redis.call('HSET', ledger, id, cjson.encode({step = math.floor(slot / per_step), slot = slot}))
                 redis.call('ZADD', window, slot, id)
                 fresh = fresh + 1
@@ -500,6 +529,7 @@ class BatchQueue:
                 end
             end
             redis.call('ZREMRANGEBYSCORE', window, '-inf', '(' .. first)
+            if first > below then redis.call('HSET', retired_below, ARGV[1], first) end
         end
         redis.call('HINCRBY', counters, 'trained', fresh)
         redis.call('HINCRBY', counters, 'retired', retiring)
@@ -513,14 +543,16 @@ class BatchQueue:
         ledger, retire this rank's entries older than the oldest of them (counted per update), and trim its
         stream below the update. One script, so all or nothing. Idempotent: a batch already recorded for the same
         slot is left as it is (a rank commits its previous batches again with the next ones, and a resumed rank
-        its checkpoint's, so a commit a Redis restart lost is made good). Returns the ids recorded before for a
-        *different* slot: batches trained twice (counted in `trained_twice`)."""
+        its checkpoint's, so a commit a Redis restart lost is made good); a batch below the slot where this rank's
+        entries were retired is counted already and not recorded again (a rank resumed from a checkpoint older
+        than the last commit names it again: recorded, it would be retired, and counted, twice). Returns the ids
+        recorded before for a *different* slot: batches trained twice (counted in `trained_twice`)."""
         slots = self._slots()
         pairs = [x for slot, batch_id in trained for x in (slot, batch_id)]
         doubles = [d.decode() for d in self.r.eval(
-            self._COMMIT, 6, self.ledger, self.keys.ledger_slots(rank), self.keys.ledger_retired, self.counters,
-            self.keys.slots(rank), self.keys.committed, rank, step, slots.per_step, len(trained), *pairs,
-            entry_id(step * slots.per_step))]
+            self._COMMIT, 7, self.ledger, self.keys.ledger_slots(rank), self.keys.ledger_retired, self.counters,
+            self.keys.slots(rank), self.keys.committed, self.keys.ledger_retired_below, rank, step, slots.per_step,
+            len(trained), *pairs, entry_id(step * slots.per_step))]
         if doubles:
             log.error("batches trained twice: %s", doubles)
         return doubles
@@ -566,9 +598,12 @@ class BatchQueue:
         for n, entry in self.replay_placements().items():
             if n >= first and entry in dropped:
                 pipe.hdel(self.keys.replays, str(n))
+        retired_below = {int(k): int(v) for k, v in self.r.hgetall(self.keys.ledger_retired_below).items()}
         for rank in range(slots.world):
             pipe.delete(self.keys.slots(rank))
             pipe.set(self.keys.progress(rank), step)
+            if retired_below.get(rank, -1) > first:  # the later updates' retired counts go (below): trained again
+                pipe.hset(self.keys.ledger_retired_below, str(rank), first)
         pipe.set(self.keys.next_slot, first)
         pipe.hset(self.counters, "produced", first)  # the later slots are written (and counted) again
         pipe.set(self.keys.committed, step)
