@@ -428,3 +428,36 @@ def test_a_checkpoint_read_that_fails_with_an_io_error_is_tried_again_before_an_
     with pytest.raises(FileNotFoundError):
         with_io_retries(missing, "reading", delays_s=(0.01,))
     assert len(attempts) == 1  # a file that is not there will not appear: the checkpoint's own fault
+
+
+def test_a_stale_rank_that_wakes_after_its_replacement_started_can_write_nothing(redis_server, caplog):
+    """Fencing: a rank of the old trainer group (a partitioned node) wakes after a new group started: its commit
+    (which would trim its stream and retire ledger entries), progress, dead letter and step record are refused and
+    logged, and change nothing; the new group's writes go through."""
+    from types import SimpleNamespace
+
+    from marge.protocol import Fenced
+    from services.trainer.source import RedisSource
+
+    job = SimpleNamespace(redis_url=redis_server.url, paths=SimpleNamespace(name="t1f"), deadline_unix=None,
+                          trainer=SimpleNamespace(num_workers=2, grad_accum=1), queue=SimpleNamespace(block_ms=10))
+    stale, replacement = RedisSource(job, 0), RedisSource(job, 0)
+    stale.join_generation(stale.start_generation())
+    fill(stale.queue, range(8))
+    stale.commit(1, [(0, "v0-e0-s0-0")])
+    stale.progress(1)
+    replacement.join_generation(replacement.start_generation())  # the new group starts; the old rank sleeps
+    q = replacement.queue
+    before = (q.counts(), q.r.xlen(q.keys.slots(0)), q.r.get(q.keys.progress(0)), q.r.llen(q.keys.steps))
+    delivery = stale.get(2)
+    with caplog.at_level("ERROR"):
+        for write in (lambda: stale.commit(2, [(2, "v0-e0-s0-2")]), lambda: stale.progress(2),
+                      lambda: stale.dead_letter(delivery, "stale"), lambda: stale.publish({"step": 2})):
+            with pytest.raises(Fenced, match="generation 1, but generation 2 has started"):
+                write()
+    assert caplog.text.count("write refused") == 4
+    assert (q.counts(), q.r.xlen(q.keys.slots(0)), q.r.get(q.keys.progress(0)), q.r.llen(q.keys.steps)) == before
+    replacement.commit(2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")])
+    replacement.progress(2)
+    replacement.publish({"step": 2})
+    assert q.counts()["trained"] == 2 and q.r.get(q.keys.progress(0)) == b"2" and q.last_step() == {"step": 2}

@@ -164,6 +164,10 @@ class Rank:
         corpus_tokens = corpus.all_tokens() if job.objectives.needs_corpus else None
         self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens, job.trainer.unpadded)
         self.source = source_for(job, self.rank, self.step)
+        generation = [self.source.start_generation() if self.rank == 0 else None]  # fences the replaced group's ranks
+        if dist.is_initialized():
+            dist.broadcast_object_list(generation, src=0)
+        self.source.join_generation(generation[0])
         if self.rank == 0:
             self.source.agree_with(self.step)  # resumed below the last commit: the queue is reset to the checkpoint
         if dist.is_initialized():

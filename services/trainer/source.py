@@ -34,6 +34,13 @@ class BatchSource(Protocol):
     def agree_with(self, step: int) -> None:
         """Rank 0, as a group starts: make the feed agree with the checkpoint of `step` the group resumed from."""
 
+    def start_generation(self) -> int:
+        """Rank 0, as a group starts, before any write: the group's generation (every older group's writes are
+        refused from now on)."""
+
+    def join_generation(self, generation: int) -> None:
+        """Every rank: write as a member of `generation` (rank 0's `start_generation`)."""
+
 
 class RedisSource:
     """The pipeline's feed: this rank's stream in the run's Redis, read slot by slot."""
@@ -61,6 +68,12 @@ class RedisSource:
                     "checkpoint it resumes from")) from None
             if delivery is not None:
                 return delivery
+
+    def start_generation(self) -> int:
+        return self.queue.start_generation()
+
+    def join_generation(self, generation: int) -> None:
+        self.queue.join_generation(generation)
 
     def agree_with(self, step: int) -> None:
         """A group that resumed below the last commit (its newer checkpoint could not be read, or Ray Train
@@ -97,6 +110,12 @@ class MemorySource:
         self.dead: list[tuple[int, str]] = []
 
     def agree_with(self, step: int) -> None:
+        pass
+
+    def start_generation(self) -> int:
+        return 0
+
+    def join_generation(self, generation: int) -> None:
         pass
 
     def get(self, slot: int) -> Delivery | None:

@@ -71,6 +71,23 @@ class ProtocolError(ValueError):
     pass
 
 
+class Fenced(RuntimeError):
+    """A write by a rank of a trainer group that a newer group has replaced (a rank of a partitioned node that
+    woke up): refused, so that it cannot trim, commit, advance progress or publish under its successor."""
+
+
+FENCE = """
+        local generation_key, generation = KEYS[#KEYS], ARGV[#ARGV]
+        if generation ~= '' then
+            local current = redis.call('GET', generation_key)
+            if current ~= generation then
+                return redis.error_reply('FENCED ' .. tostring(current))
+            end
+        end"""
+"""The check every trainer write script starts with: its last key is the generation's, its last argument the
+generation of the writing rank ('' for a writer outside any group: tools, tests, the driver)."""
+
+
 class SlotGone(RuntimeError):
     """A slot a rank waits for is not in its stream and never will be: the stream already holds a later slot
     (entries are written in slot order), so it was trimmed by a commit, or never rewritten after a resume."""
@@ -229,6 +246,12 @@ class RunKeys:
         return f"{self.prefix}:trainer"
 
     @property
+    def generation(self) -> str:
+        """The trainer group's generation: raised by each new group's rank 0 as it starts (`start_generation`);
+        a rank's writes carry the generation it joined and are refused once a newer group has started."""
+        return f"{self.prefix}:trainer:generation"
+
+    @property
     def stop(self) -> str:
         """Set by the driver: trainers stop at the next step boundary."""
         return f"{self.prefix}:control:stop"
@@ -338,6 +361,8 @@ class BatchQueue:
         self.dead = self.keys.dead_letter
         self.ledger = self.keys.ledger
         self.counters = self.keys.counters
+        self.generation: int | None = None
+        """The trainer group this client writes for (`start_generation`/`join_generation`); None: unfenced."""
 
     @classmethod
     def connect(cls, url: str, run_id: str, slots: Slots | None = None) -> "BatchQueue":
@@ -496,11 +521,40 @@ class BatchQueue:
         """The update of the newest checkpoint rank 0 committed (0 before any)."""
         return int(self.r.get(self.keys.committed) or 0)
 
+    def start_generation(self) -> int:
+        """A new trainer group starts (its rank 0 calls this first): from now on, writes of every older group's
+        ranks are refused. Returns the new generation, which this client joins."""
+        self.generation = int(self.r.incr(self.keys.generation))
+        return self.generation
+
+    def join_generation(self, generation: int) -> None:
+        self.generation = generation
+
+    def _fenced_eval(self, script: str, keys: list, args: list):
+        """`script` (which begins with FENCE) with the generation key and this client's generation appended."""
+        import redis
+
+        try:
+            return self.r.eval(script, len(keys) + 1, *keys, self.keys.generation, *args,
+                               "" if self.generation is None else str(self.generation))
+        except redis.ResponseError as e:
+            if not str(e).startswith("FENCED"):
+                raise
+            current = str(e).split(" ", 1)[1]
+            log.error("write refused: this rank belongs to trainer generation %s, and generation %s has started",
+                      self.generation, current)
+            raise Fenced(f"this rank belongs to trainer generation {self.generation}, but generation {current} has "
+                         "started (a newer trainer group replaced this one): its writes are refused") from None
+
+    _PROGRESS = FENCE + """
+        redis.call('SET', KEYS[1], ARGV[1])
+        return 1"""
+
     def progress(self, rank: int, step: int) -> None:
         """Rank `rank` has trained every update before `step` (lets the batcher write further ahead)."""
-        self.r.set(self.keys.progress(rank), step)
+        self._fenced_eval(self._PROGRESS, [self.keys.progress(rank)], [step])
 
-    _COMMIT = """
+    _COMMIT = FENCE + """
         local ledger, window, retired, counters, retired_below = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[7]
         local per_step, n = tonumber(ARGV[3]), tonumber(ARGV[4])
         local below = tonumber(redis.call('HGET', retired_below, ARGV[1]) or '-1')
@@ -549,17 +603,17 @@ class BatchQueue:
         recorded before for a *different* slot: batches trained twice (counted in `trained_twice`)."""
         slots = self._slots()
         pairs = [x for slot, batch_id in trained for x in (slot, batch_id)]
-        doubles = [d.decode() for d in self.r.eval(
-            self._COMMIT, 7, self.ledger, self.keys.ledger_slots(rank), self.keys.ledger_retired, self.counters,
-            self.keys.slots(rank), self.keys.committed, self.keys.ledger_retired_below, rank, step, slots.per_step,
-            len(trained), *pairs, entry_id(step * slots.per_step))]
+        doubles = [d.decode() for d in self._fenced_eval(
+            self._COMMIT, [self.ledger, self.keys.ledger_slots(rank), self.keys.ledger_retired, self.counters,
+                           self.keys.slots(rank), self.keys.committed, self.keys.ledger_retired_below],
+            [rank, step, slots.per_step, len(trained), *pairs, entry_id(step * slots.per_step)])]
         if doubles:
             log.error("batches trained twice: %s", doubles)
         return doubles
 
-    _DEAD_LETTER_ONCE = """
+    _DEAD_LETTER_ONCE = FENCE + """
         if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
-            redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+            redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2, #ARGV - 1))
             redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1)
             return 1
         end
@@ -570,7 +624,8 @@ class BatchQueue:
         dead-lettered once (a resumed run meeting the same bad batch again adds nothing). True if it was new."""
         entry = {**fields, b"slot": str(slot).encode(), b"reason": reason.encode(), b"time": str(time.time()).encode()}
         flat = [x for pair in entry.items() for x in pair]
-        added = bool(self.r.eval(self._DEAD_LETTER_ONCE, 3, self.keys.dead_slots, self.dead, self.counters, slot, *flat))
+        added = bool(self._fenced_eval(self._DEAD_LETTER_ONCE, [self.keys.dead_slots, self.dead, self.counters],
+                                       [slot, *flat]))
         if added:
             log.warning("dead-lettered slot %d: %s", slot, reason)
         return added
@@ -691,14 +746,16 @@ class BatchQueue:
     def stop_requested(self) -> bool:
         return self.r.get(self.keys.stop) is not None
 
+    _PUBLISH = FENCE + """
+        redis.call('RPUSH', KEYS[1], ARGV[1])
+        redis.call('LTRIM', KEYS[1], -tonumber(ARGV[2]), -1)
+        redis.call('HSET', KEYS[2], 'last', ARGV[1])
+        return 1"""
+
     def publish_step(self, record: dict) -> None:
         """The trainer's record of one update: the newest `STEP_RECORDS_KEPT` and the last one."""
-        line = json.dumps(record)
-        pipe = self.r.pipeline()
-        pipe.rpush(self.keys.steps, line)
-        pipe.ltrim(self.keys.steps, -STEP_RECORDS_KEPT, -1)
-        pipe.hset(self.keys.trainer_status, mapping={"last": line})
-        pipe.execute()
+        self._fenced_eval(self._PUBLISH, [self.keys.steps, self.keys.trainer_status],
+                          [json.dumps(record), STEP_RECORDS_KEPT])
 
     def last_step(self) -> dict | None:
         line = self.r.hget(self.keys.trainer_status, "last")
