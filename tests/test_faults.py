@@ -208,6 +208,32 @@ def test_faults_inside_a_run_lose_nothing_and_train_nothing_twice(reference_run,
     print("FAULTS " + json.dumps({"after_each_fault": figures, "final_audit": audit}))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("point,rank", [("after_report", 0), ("after_report", 1), ("after_barrier", 0),
+                                        ("after_barrier", 1)])
+def test_a_rank_killed_inside_the_commit_window_loses_nothing_and_trains_nothing_twice(reference_run, small_corpus,
+                                                                                      tmp_path, point, rank):
+    """A trainer rank dies in the checkpoint of update 12 after its report (before the barrier that waits for rank
+    0's upload) or after that barrier (before its commit): Ray Train restarts the group from the newest good
+    checkpoint, the queue agrees with it, and every slot ends with the batch the uninterrupted run trained there.
+    (A rank's commit and its stream's trim are one Redis script: there is no point between them.)"""
+    from services.driver.pipeline import run_pipeline
+
+    cfg = fault_config(tmp_path, small_corpus, f"commit-{point}-{rank}", f"faults.crash_in_commit_window={point}",
+                       "faults.crash_in_commit_window_step=12", f"faults.crash_in_commit_window_rank={rank}")
+    run_dir = Path(cfg.run.dir)
+    t0 = time.monotonic()
+    summary = run_pipeline(cfg)
+    assert (run_dir / "faults" / f"crashed-{point}-12-rank{rank}").exists()
+    assert summary["steps"] == 24
+    code, audit = audit_of(run_dir)
+    assert code == 0 and audit["ok"], audit
+    assert (audit["batches_lost"], audit["trained_twice"]) == (0, 0)
+    assert audit["batches_trained"] == 46 and audit["batches_dead_lettered"] == 2
+    assert slot_batches(run_dir) == slot_batches(reference_run[0])
+    print("COMMIT-WINDOW " + json.dumps({"point": point, "rank": rank, "run_s": round(time.monotonic() - t0, 1)}))
+
+
 DRIVER = [sys.executable, "-m", "services.cli", "pretrain", "--config", str(REPO / "deploy/configs/tiny.yaml")]
 
 

@@ -19,6 +19,7 @@ The loop itself (next batches → update → record → snapshot/health → log 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import torch
@@ -291,6 +292,21 @@ class Rank:
                 m.set(f"marge_{name}", record.health[name])
         self.source.publish(record.to_dict())
 
+    def fault_point(self, point: str, step: int) -> None:
+        """The test-only `faults.crash_in_commit_window`: this rank dies here, once."""
+        faults = self.job.faults
+        if (faults.crash_in_commit_window, faults.crash_in_commit_window_step, faults.crash_in_commit_window_rank) \
+                != (point, step, self.rank):
+            return
+        marker = self.job.paths.run_dir / "faults" / f"crashed-{point}-{step}-rank{self.rank}"
+        if marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("1")
+        log.error("faults.crash_in_commit_window: rank %d dying %s of update %d", self.rank, point.replace("_", " "),
+                  step)
+        os._exit(17)
+
     def checkpoint(self, step: int) -> None:
         """Report the state (every rank's uncommitted batches and RNG), then commit this rank's batches."""
         dead = [(d.slot, d.fields, reason) for d, reason in self.uncommitted_dead]
@@ -299,7 +315,9 @@ class Rank:
                           [item for part in gathered for item in part["trained"]],
                           [item for part in gathered for item in part["dead"]], [part["rng"] for part in gathered],
                           self.tokens_seen, self.last_metrics, self.job)
+        self.fault_point("after_report", step)
         dist.barrier()  # ranks other than 0 return from report before rank 0's upload is done: commit after it
+        self.fault_point("after_barrier", step)
         for delivery, reason in self.uncommitted_dead:  # before the commit, which trims the stream below the update
             self.source.dead_letter(delivery, reason)
         self.source.commit(step, self.committed + self.uncommitted)

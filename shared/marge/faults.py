@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from marge.config import at_least
+from marge.config import FieldError, at_least, one_of
+
+COMMIT_WINDOW_POINTS = ("after_report", "after_barrier")
+"""Where in a checkpoint's commit `faults.crash_in_commit_window` kills a rank."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,17 +25,29 @@ class FaultsConfig:
     """The trainer's loss on this slot's batch is NaN."""
     crash_in_checkpoint_step: int | None = None
     """Trainer rank 0 dies (os._exit) halfway through writing the checkpoint of this update, once."""
+    crash_in_commit_window: str | None = None
+    """Trainer rank `crash_in_commit_window_rank` dies (os._exit), once, at this point of the checkpoint of update
+    `crash_in_commit_window_step`: `after_report` (its report made, before the barrier that waits for rank 0's
+    upload) or `after_barrier` (before its commit). Between its commit and its stream's trim there is no point:
+    one Redis script does both."""
+    crash_in_commit_window_step: int | None = None
+    crash_in_commit_window_rank: int = 0
     trace_collectives: str | None = None
     """Not a fault, a probe of the same kind: every trainer rank appends each collective it calls (its name, the
     devices of its tensors, the process group's backend and the rank's model device) to rank-<r>.jsonl in this
     folder, so a CPU test can check what a GPU run's collectives would carry."""
 
     def __post_init__(self) -> None:
-        for name in ("poison_slot", "nan_loss_slot", "crash_in_checkpoint_step"):
+        for name in ("poison_slot", "nan_loss_slot", "crash_in_checkpoint_step", "crash_in_commit_window_step"):
             if getattr(self, name) is not None:
                 at_least(self, name, 0)
+        at_least(self, "crash_in_commit_window_rank", 0)
+        if self.crash_in_commit_window is not None:
+            one_of(self, "crash_in_commit_window", COMMIT_WINDOW_POINTS)
+            if self.crash_in_commit_window_step is None:
+                raise FieldError("crash_in_commit_window_step", None, "the update whose checkpoint the crash is in")
 
     @property
     def any(self) -> bool:
         return any(v is not None for v in (self.poison_slot, self.nan_loss_slot, self.crash_in_checkpoint_step,
-                                           self.trace_collectives))
+                                           self.crash_in_commit_window, self.trace_collectives))
