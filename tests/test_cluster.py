@@ -79,9 +79,13 @@ def loopback_cluster():
     temp = Path(tempfile.mkdtemp(prefix="mr", dir="/tmp"))  # short: Ray's unix socket paths must fit 107 bytes
     redis = LocalRedis(temp / "redis").start()
     gcs, dashboard, metrics = free_port(), free_port(), free_port()
-    env = {**os.environ, **LOCAL_RAY_ENV, "MARGE_REDIS_URL": redis.url,
+    url_file = temp / "redis-url"  # as a secret mounted on every node: the password is in no runtime_env or argv
+    url_file.touch(mode=0o600)
+    url_file.write_text(redis.url + "\n")
+    env = {**os.environ, **LOCAL_RAY_ENV, "MARGE_REDIS_URL_FILE": str(url_file),
            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
+    env.pop("MARGE_REDIS_URL", None)
     process = subprocess.Popen(
         [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--metrics-export-port={metrics}",
@@ -195,11 +199,14 @@ def test_a_submitted_job_trains_while_the_indexer_is_scaled_and_every_stage_repo
     # the stages were named actors in the run's namespace while it ran
     assert {"marge-indexer-coordinator", "marge-indexer-0", "marge-indexer-1", "marge-batcher"} <= stages_seen
 
-    # the job used the Redis of MARGE_REDIS_URL (the test's server), not a private one in the run folder
+    # the job used the Redis of MARGE_REDIS_URL_FILE (the test's server), not a private one in the run folder, and
+    # its password is nowhere the job API shows (the job's runtime env and entrypoint)
     import redis
 
     assert redis.Redis.from_url(cluster.redis.url).keys(f"*{RUN}*")
     assert not (run_dir / "redis").exists()
+    info = client.get_job_info(job)
+    assert cluster.redis.password not in json.dumps(info.runtime_env or {}) + info.entrypoint
 
     # scaling: the versions built after each change record their pool, every shard is in every version
     index_manifests(run_dir / "index", manifests)

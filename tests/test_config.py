@@ -319,3 +319,24 @@ def test_marge_cli_small_things(capsys):
                                          "echo status ${PIPESTATUS[0]}"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.stdout.strip() == "status 0" and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def test_the_redis_url_comes_from_a_secret_file_and_a_bad_one_is_named(tmp_path, monkeypatch):
+    from services.driver.config import ConfigError, environment_endpoints, load_config, redis_url_from_environment
+
+    secret = tmp_path / "redis-url"
+    secret.write_text("redis://marge:s3cret@10.0.0.5:6379/0\n")
+    monkeypatch.delenv("MARGE_REDIS_URL", raising=False)
+    monkeypatch.setenv("MARGE_REDIS_URL_FILE", str(secret))
+    cfg = environment_endpoints(load_config(REPO / "deploy/configs/tiny.yaml", []))
+    assert cfg.redis.url == "redis://marge:s3cret@10.0.0.5:6379/0"
+    monkeypatch.setenv("MARGE_REDIS_URL", "redis://:other@127.0.0.1:6379/0")  # the variable, where set, wins
+    assert redis_url_from_environment() == "redis://:other@127.0.0.1:6379/0"
+    monkeypatch.delenv("MARGE_REDIS_URL")
+    monkeypatch.setenv("MARGE_REDIS_URL_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="MARGE_REDIS_URL_FILE=.*missing: cannot read a Redis URL"):
+        redis_url_from_environment()
+    secret.write_text("s3cret\n")
+    monkeypatch.setenv("MARGE_REDIS_URL_FILE", str(secret))
+    with pytest.raises(ConfigError, match="is not a redis:// URL"):
+        redis_url_from_environment()

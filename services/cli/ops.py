@@ -7,11 +7,14 @@ import json
 import sys
 from pathlib import Path
 
+REDIS_URL_HELP = ("the run's Redis if it was external; a password given here is visible to every user of the machine "
+                  "(`ps`): prefer MARGE_REDIS_URL_FILE (a file holding the URL) or MARGE_REDIS_URL")
+
 
 def add_audit(sub) -> None:
     p = sub.add_parser("audit", help="was every batch of a run trained exactly once? (exit 1 if one was lost or twice)")
     p.add_argument("--run", required=True, type=Path, help="run directory of `marge pretrain`")
-    p.add_argument("--redis-url", default=None, help="the run's Redis if it was external (or set MARGE_REDIS_URL)")
+    p.add_argument("--redis-url", default=None, help=REDIS_URL_HELP)
     p.add_argument("--json", action="store_true", help="only the JSON object (always printed last, on one line)")
     p.set_defaults(func=cmd_audit)
 
@@ -37,7 +40,7 @@ def add_queue(sub) -> None:
                        ("replay", "requeue dead-lettered batches (entries from list-dead)")):
         q = queue_sub.add_parser(name, help=text)
         q.add_argument("--run", required=True, type=Path, help="run directory of `marge pretrain`")
-        q.add_argument("--redis-url", default=None, help="the run's Redis if it was external (or set MARGE_REDIS_URL)")
+        q.add_argument("--redis-url", default=None, help=REDIS_URL_HELP)
         if name == "replay":
             q.add_argument("entries", nargs="+", metavar="ENTRY", help="dead-letter entry ids")
         else:

@@ -20,14 +20,13 @@ run's private server, started from its AOF for the audit (and stopped again) whe
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 from marge.checkpoint import newest_good_checkpoint, read_manifest
 from marge.protocol import BatchQueue
-from services.driver.config import PipelineConfig, load_config
+from services.driver.config import PipelineConfig, load_config, redis_url_from_environment
 from services.driver.redis_server import LocalRedis, private_conf_dir
 from marge.train_log import read_train_log
 
@@ -43,14 +42,14 @@ def run_config_of(run_dir: Path) -> PipelineConfig:
 def run_queue(run_dir: Path, redis_url: str | None = None) -> Iterator[tuple[PipelineConfig, BatchQueue]]:
     """The run's config and its queue on the run's Redis (see the module docstring)."""
     cfg = run_config_of(run_dir)
-    url = redis_url or os.environ.get("MARGE_REDIS_URL")
+    url = redis_url or redis_url_from_environment()
     if url:
         yield cfg, BatchQueue.connect(url, cfg.run.name, cfg.slots())
         return
     data_dir, conf_dir = Path(run_dir) / "redis", private_conf_dir(Path(run_dir))
     if not (conf_dir / "redis.conf").exists():
-        raise FileNotFoundError(f"{conf_dir}/redis.conf not found: the run used an external Redis (pass --redis-url or "
-                                "set MARGE_REDIS_URL), or its private server ran as another user or with another "
+        raise FileNotFoundError(f"{conf_dir}/redis.conf not found: the run used an external Redis (set "
+                                "MARGE_REDIS_URL_FILE or MARGE_REDIS_URL, or pass --redis-url), or its private server ran as another user or with another "
                                 "MARGE_STATE_DIR")
     server = LocalRedis.reopen(data_dir, conf_dir).start()
     try:

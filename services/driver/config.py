@@ -362,9 +362,29 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def redis_url_from_environment() -> str | None:
+    """The Redis URL the environment gives: MARGE_REDIS_URL, or the first line of the file MARGE_REDIS_URL_FILE
+    names (a Kubernetes Secret or a 0600 file mounted on every node: the password then appears in no job's
+    runtime_env, no process's arguments and no environment a job API lists)."""
+    if os.environ.get("MARGE_REDIS_URL"):
+        return os.environ["MARGE_REDIS_URL"]
+    path = os.environ.get("MARGE_REDIS_URL_FILE")
+    if not path:
+        return None
+    try:
+        url = Path(path).read_text(encoding="utf-8").strip().splitlines()[0].strip()
+    except (OSError, IndexError) as e:
+        raise ConfigError(f"MARGE_REDIS_URL_FILE={path}: cannot read a Redis URL from it ({e}): mount the secret "
+                          "file on every node at that path") from None
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"MARGE_REDIS_URL_FILE={path}: its first line is not a redis:// URL")
+    return url
+
+
 def environment_endpoints(cfg: PipelineConfig) -> PipelineConfig:
-    """Fill unset endpoints from MARGE_REDIS_URL / RAY_ADDRESS (how `ray job submit` passes them)."""
-    redis_url = cfg.redis.url or os.environ.get("MARGE_REDIS_URL")
+    """Fill unset endpoints from MARGE_REDIS_URL (or MARGE_REDIS_URL_FILE) / RAY_ADDRESS (how `ray job submit`
+    passes them)."""
+    redis_url = cfg.redis.url or redis_url_from_environment()
     ray_address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     return dataclasses.replace(cfg, redis=dataclasses.replace(cfg.redis, url=redis_url),
                                ray=dataclasses.replace(cfg.ray, address=ray_address))

@@ -31,7 +31,9 @@ class FaultsConfig:
     upload) or `after_barrier` (before its commit). Between its commit and its stream's trim there is no point:
     one Redis script does both."""
     crash_in_commit_window_step: int | None = None
+    """The update whose checkpoint `crash_in_commit_window` is in."""
     crash_in_commit_window_rank: int = 0
+    """The rank `crash_in_commit_window` kills."""
     trace_collectives: str | None = None
     """Not a fault, a probe of the same kind: every trainer rank appends each collective it calls (its name, the
     devices of its tensors, the process group's backend and the rank's model device) to rank-<r>.jsonl in this
