@@ -80,9 +80,11 @@ def test_health_info_and_openapi(served):
     assert health["status"] == "ok" and health["index_version"] >= 0
     info = httpx.get(f"{served['base']}/v1/index", headers=auth()).json()
     assert info["documents"] > 100 and "de" in info["languages"] and info["limits"]["max_k"] == 20
-    spec = httpx.get(f"{served['base']}/openapi.json").json()
+    spec = httpx.get(f"{served['base']}/openapi.json", headers=auth()).json()
     assert "/v1/search" in spec["paths"]
-    assert httpx.get(f"{served['base']}/docs").status_code == 200
+    assert httpx.get(f"{served['base']}/docs", headers=auth()).status_code == 200
+    for path in ("/openapi.json", "/docs", "/redoc"):  # with a token, the API's description is behind it
+        assert httpx.get(f"{served['base']}{path}").status_code in (401, 404), path
 
 
 def test_search_by_text_by_doc_id_and_by_language(served):

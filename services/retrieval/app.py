@@ -7,7 +7,8 @@
 
 Every search response names the index version and snapshot step that answered it. Limits (k, query
 length, body size, requests in flight) answer with 4xx/503 errors that say what was wrong. With a
-token configured, /v1/* need `Authorization: Bearer <token>`.
+token configured, /v1/*, /docs and /openapi.json need `Authorization: Bearer <token>` (the API's
+description is not shown to whoever reaches the port).
 """
 
 from __future__ import annotations
@@ -114,8 +115,11 @@ def create_app(settings: ServeSettings, holder: IndexHolder | None = None) -> Fa
         yield
         holder.stop()
 
+    public_docs = settings.token is None  # with a token, the API's description is behind it too
     app = FastAPI(title="MARGE retrieval service", version=__version__, lifespan=lifespan,
-                  description="Search the newest committed MARGE index by text or by document id.")
+                  description="Search the newest committed MARGE index by text or by document id.",
+                  docs_url="/docs" if public_docs else None, redoc_url="/redoc" if public_docs else None,
+                  openapi_url="/openapi.json" if public_docs else None)
     app.state.holder = holder
     app.state.in_flight = in_flight
 
@@ -127,6 +131,17 @@ def create_app(settings: ServeSettings, holder: IndexHolder | None = None) -> Fa
                                 headers={"WWW-Authenticate": "Bearer"})
         if not hmac.compare_digest(credentials.credentials.encode(), settings.token.encode()):
             raise HTTPException(401, "wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    if not public_docs:
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(authorize)])
+        def openapi() -> dict:
+            return app.openapi()
+
+        @app.get("/docs", include_in_schema=False, dependencies=[Depends(authorize)])
+        def docs():
+            return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
 
     @app.get("/healthz")
     def healthz() -> dict:
