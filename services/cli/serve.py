@@ -31,6 +31,8 @@ def add_serve(sub) -> None:
     p.add_argument("--hnsw-ef-search", type=int, default=SERVE_DEFAULTS["hnsw_ef_search"])
     p.add_argument("--text-cache-mb", type=float, default=SERVE_DEFAULTS["text_cache_mb"],
                    help="memory for recently read corpus shards' text (hits are described from the Parquet shards)")
+    p.add_argument("--tls-cert", default=None, type=Path, help="serve HTTPS with this certificate (PEM; with --tls-key)")
+    p.add_argument("--tls-key", default=None, type=Path, help="the certificate's private key (PEM)")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
     p.set_defaults(func=cmd_serve)
 
@@ -61,6 +63,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not token and not is_loopback(args.host) and not args.insecure:
         raise ValueError(f"refusing to serve on {args.host} without a token: set MARGE_API_TOKEN or --token-file "
                          "(or pass --insecure if the network is trusted)")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together: give both for HTTPS, or neither")
+    for name, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None and not path.is_file():
+            raise FileNotFoundError(f"{name} {path} does not exist")
     corpus = args.corpus or run_config(Path(args.run))["data"]["corpus"]
     settings = ServeSettings(run_dir=Path(args.run), corpus_dir=Path(corpus), token=token or None, max_k=args.max_k,
                              max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
@@ -68,5 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              flat_max_documents=args.flat_max_documents, hnsw_m=args.hnsw_m,
                              hnsw_ef_search=args.hnsw_ef_search, text_cache_mb=args.text_cache_mb)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info",
-                limit_concurrency=4 * args.max_in_flight)
+                limit_concurrency=4 * args.max_in_flight,
+                ssl_certfile=None if args.tls_cert is None else str(args.tls_cert),
+                ssl_keyfile=None if args.tls_key is None else str(args.tls_key))
     return 0
