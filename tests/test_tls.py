@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import time
@@ -86,15 +87,16 @@ def test_the_service_serves_https_with_its_certificate(certificates, small_corpu
                             text=True)
     try:
         base, deadline = f"https://127.0.0.1:{port}", time.time() + 60
+        trusted = ssl.create_default_context(cafile=str(certificates / "ca.pem"))
         while True:
             try:
-                if httpx.get(f"{base}/healthz", verify=str(certificates / "ca.pem"), timeout=1).status_code == 200:
+                if httpx.get(f"{base}/healthz", verify=trusted, timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:] if proc.poll() else ""
             time.sleep(0.2)
-        r = httpx.post(f"{base}/v1/search", json={"query": "Datei", "k": 2}, verify=str(certificates / "ca.pem"))
+        r = httpx.post(f"{base}/v1/search", json={"query": "Datei", "k": 2}, verify=trusted)
         assert r.status_code == 200 and len(r.json()["results"]) == 2
         with pytest.raises(httpx.ConnectError):  # no CA given: the self-signed chain is not trusted
             httpx.get(f"{base}/healthz", timeout=2)
