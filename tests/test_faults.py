@@ -231,7 +231,13 @@ def test_a_rank_killed_inside_the_commit_window_loses_nothing_and_trains_nothing
     assert (audit["batches_lost"], audit["trained_twice"]) == (0, 0)
     assert audit["batches_trained"] == 46 and audit["batches_dead_lettered"] == 2
     assert slot_batches(run_dir) == slot_batches(reference_run[0])
-    print("COMMIT-WINDOW " + json.dumps({"point": point, "rank": rank, "run_s": round(time.monotonic() - t0, 1)}))
+    # recovery: from the crash to the first update of the final train log trained after it
+    crashed_at = (run_dir / "faults" / f"crashed-{point}-12-rank{rank}").stat().st_mtime
+    records = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines() if line.strip()]
+    first_after = next(r for r in records if r["time"] > crashed_at)
+    print("COMMIT-WINDOW " + json.dumps({"point": point, "rank": rank, "first_update_after": first_after["step"],
+                                         "recovery_s": round(first_after["time"] - crashed_at, 1),
+                                         "run_s": round(time.monotonic() - t0, 1)}))
 
 
 DRIVER = [sys.executable, "-m", "services.cli", "pretrain", "--config", str(REPO / "deploy/configs/tiny.yaml")]
