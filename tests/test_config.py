@@ -191,6 +191,22 @@ def test_nothing_exposes_the_dashboard_job_api_or_redis_beyond_the_cluster():
     assert rayjob["spec"]["submissionMode"] == "SidecarMode"  # the submitter reaches the 127.0.0.1 dashboard
 
 
+def test_no_deploy_file_puts_the_redis_url_where_a_job_api_or_ps_shows_it():
+    """The URL holds the password: the deploy files name a file that holds it (MARGE_REDIS_URL_FILE), never the URL
+    in an environment variable of a job's runtime env or a container, nor in a command line."""
+    runtime_env = yaml.safe_load((DEPLOY / "runtime_env.yaml").read_text())
+    assert "MARGE_REDIS_URL" not in (runtime_env.get("env_vars") or {})
+    rayjob = yaml.safe_load((DEPLOY / "kuberay" / "rayjob.yaml").read_text())
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    containers = [c for pod in pods for c in pod["template"]["spec"]["containers"]]
+    names = [e["name"] for c in containers for e in c.get("env", [])]
+    assert "MARGE_REDIS_URL" not in names and names.count("MARGE_REDIS_URL_FILE") == 2  # the head and the trainers
+    launcher = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
+    options = " ".join(launcher["docker"]["run_options"])
+    assert "-e MARGE_REDIS_URL " not in options + " " and "MARGE_REDIS_URL_FILE=" in options
+
+
 def test_the_shipped_redis_conf_loads_and_limits_the_pipeline_user_to_its_keys(tmp_path):
     """deploy/redis/start.sh with deploy/redis/redis.conf on a real redis-server: the queue works as user marge
     (every command the pipeline uses), other keys and dangerous commands are refused, nobody gets in without a
