@@ -110,21 +110,18 @@ def executed_and_credited(meta_model, objectives, update: list, pad_id: int) -> 
     return counter.get_total_flops(), training_flops(meta_model.cfg, work["target"], work["evidence"], work["relevance"])
 
 
-def measure(unpadded: bool, smoke: bool) -> dict:
-    """Every figure for the code importable here (this tree's, or the exported commit's)."""
-    import numpy as np
+def recipe_setup(unpadded: bool, narrow: bool, count: int, max_tokens: int):
+    """The recipe's special tokens, `count` recipe-shaped batches of `max_tokens`, its objectives (self-evidence and
+    the denoising loss of learning-gpu.yaml; `unpadded` where the tree has it) and its model's config (`base`, 4k
+    vocabulary, 128 positions, g = 1 mean-pooled layer; `narrow`: d_model 64). For this tree or an exported one."""
     from marge.batch import SpecialTokens
-    from marge.model import build_on_meta, preset
-    from services.trainer.loop import update_statistics
+    from marge.model import preset
     from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
                                              ObjectivesConfig, SelfEvidenceConfig)
     from recipe_batches import LANGUAGES, recipe_batches
 
-    torch.set_num_threads(1)
     specials = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={lang: 4 + k for k, lang in enumerate(LANGUAGES)})
-    max_tokens = 2048 if smoke else 16384
-    made = recipe_batches(8 if smoke else 50, max_tokens=max_tokens)
-    batches = made.batches
+    made = recipe_batches(count, max_tokens=max_tokens)
     kwargs = {}
     if "unpadded" in inspect.signature(Objectives).parameters:
         kwargs["unpadded"] = unpadded
@@ -137,7 +134,20 @@ def measure(unpadded: bool, smoke: bool) -> dict:
                             specials, made.corpus_tokens, **kwargs)
     cfg = preset("base", vocab_size=4000, max_positions=128, relevance_layers=1, relevance_pooling="mean",
                  relevance_centering=True, tie_encoder_embeddings=False,
-                 **(dict(d_model=64, num_heads=4, encoder_ffn=128, decoder_local_ffn=128, decoder_ffn=128) if smoke else {}))
+                 **(dict(d_model=64, num_heads=4, encoder_ffn=128, decoder_local_ffn=128, decoder_ffn=128) if narrow
+                    else {}))
+    return specials, made, objectives, cfg
+
+
+def measure(unpadded: bool, smoke: bool) -> dict:
+    """Every figure for the code importable here (this tree's, or the exported commit's)."""
+    import numpy as np
+    from marge.model import build_on_meta
+    from services.trainer.loop import update_statistics
+
+    torch.set_num_threads(1)
+    specials, made, objectives, cfg = recipe_setup(unpadded, smoke, 8 if smoke else 50, 2048 if smoke else 16384)
+    batches = made.batches
 
     def prepare(k: int):
         return objectives.prepare(batches[k % len(batches)], (0, 10, k))
@@ -246,25 +256,12 @@ def measure_compile(scope: str, smoke: bool) -> dict:
     (`trainer.compile_scope`)."""
     from torch._dynamo.utils import counters
 
-    from marge.batch import SpecialTokens
-    from marge.model import Marge, preset
-    from recipe_batches import LANGUAGES, recipe_batches
+    from marge.model import Marge
     from services.trainer.config import TrainerConfig
-    from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
-                                             ObjectivesConfig, SelfEvidenceConfig)
     from services.trainer.step import build_optimizer, build_scheduler, compiled, train_step
 
     torch.set_num_threads(1)
-    specials = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={lang: 4 + k for k, lang in enumerate(LANGUAGES)})
-    made = recipe_batches(8 if smoke else 50, max_tokens=2048 if smoke else COMPILE_TOKENS)
-    objectives = Objectives(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked"),
-                                             self_evidence=SelfEvidenceConfig(prob=0.5, until=1500, deletion=0.3),
-                                             denoising_contrastive=DenoisingContrastiveConfig(weight=0.3,
-                                                                                              extra_documents=64)),
-                            specials, made.corpus_tokens, unpadded=True)
-    cfg = preset("base", vocab_size=4000, max_positions=128, relevance_layers=1, relevance_pooling="mean",
-                 relevance_centering=True, tie_encoder_embeddings=False, d_model=64, num_heads=4, encoder_ffn=128,
-                 decoder_local_ffn=128, decoder_ffn=128)
+    _, made, objectives, cfg = recipe_setup(True, True, 8 if smoke else 50, 2048 if smoke else COMPILE_TOKENS)
     torch.manual_seed(0)
     model = Marge(cfg).train()
     trainer = TrainerConfig(lr=5e-4, warmup_steps=10, grad_accum=PER_UPDATE, num_workers=1,
@@ -290,12 +287,7 @@ def compile_arms(smoke: bool) -> dict:
     update's seconds less eager's."""
     arms = {}
     for scope in ("eager", "layers", "model"):
-        code = (f"import sys, json; sys.path[:0] = [{str(REPO / 'shared')!r}, {str(REPO)!r}, {str(REPO / 'benchmarks')!r}]; "
-                f"import recipe_efficiency; print(json.dumps(recipe_efficiency.measure_compile({scope!r}, {smoke})))")
-        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"compile scope {scope} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-        arms[scope] = json.loads(done.stdout.strip().splitlines()[-1])
+        arms[scope] = run_in(REPO, f"measure_compile({scope!r}, {smoke})")
         print(json.dumps({f"compile_{scope}": arms[scope]}), flush=True)
     eager_first = arms["eager"]["first_update_s"]
     return {"compile_batches": f"{arms['eager']['batches']} recipe batches of {COMPILE_TOKENS} budget tokens, "
@@ -307,13 +299,14 @@ def compile_arms(smoke: bool) -> dict:
             "cold_compile_s_whole": arms["model"]["first_update_s"] - eager_first}
 
 
-def run_in(tree: Path, unpadded: bool, smoke: bool) -> dict:
+def run_in(tree: Path, call: str) -> dict:
+    """`recipe_efficiency.<call>` in a fresh process importing `tree`'s code (this repository's, or an exported
+    commit's): its JSON result."""
     code = (f"import sys, json; sys.path[:0] = [{str(tree / 'shared')!r}, {str(tree)!r}, {str(REPO / 'benchmarks')!r}]; "
-            f"import recipe_efficiency; print(json.dumps(recipe_efficiency.measure({unpadded}, {smoke})))")
+            f"import recipe_efficiency; print(json.dumps(recipe_efficiency.{call}))")
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"measuring {tree} (unpadded {unpadded}) failed (exit {done.returncode}):\n"
-                         f"{done.stderr[-3000:]}")
+        raise SystemExit(f"{call} in {tree} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -326,10 +319,10 @@ def main() -> int:
     args = p.parse_args()
     arms = {}
     if args.before:
-        arms["before"] = run_in(exported(args.before), False, args.smoke)
+        arms["before"] = run_in(exported(args.before), f"measure(False, {args.smoke})")
         print(json.dumps({"before": arms["before"]}), flush=True)
     for name, unpadded in (("after_padded", False), ("after_unpadded", True)):
-        arms[name] = run_in(REPO, unpadded, args.smoke)
+        arms[name] = run_in(REPO, f"measure({unpadded}, {args.smoke})")
         print(json.dumps({name: arms[name]}), flush=True)
     base, last = arms.get("before", arms["after_padded"]), arms["after_unpadded"]
     compile_figures = {} if args.no_compile else compile_arms(args.smoke)
