@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from marge.config import FieldError, at_least, non_negative_mapping, one_of, positive, within
 from marge.model import KEY_BIAS_PATHS
 
+COMPILE_SCOPES = ("layers", "model")
+"""What `trainer.compile` compiles (`services.trainer.step.compiled`)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
@@ -54,8 +57,9 @@ class TrainerConfig:
     """How attention adds beta * f (and the encoder's padding), a bias of the key alone: `folded` into an extra
     head dimension (heads 64 -> 72 wide, no mask: flash kernels), `mask` (SDPA's additive mask: on a GPU the
     memory-efficient kernel, heads 64 wide) or `flex` (FlexAttention's score_mod, heads 64 wide: fused under
-    `trainer.compile`; needs model.attention_dropout 0 and, to train, a GPU). The same values and gradients
-    (tests/test_model.py). An execution setting: a resumed run may change it."""
+    `trainer.compile`; needs model.attention_dropout 0 and, to train, a GPU). `mask` gives folded's values and
+    gradients, `flex` its values (tests/test_gpu_readiness.py, tests/test_unpadded.py; flex's gradients are tested
+    only where a GPU is). An execution setting: a resumed run may change it."""
     compile: bool = False
     """Train through `torch.compile` (dynamic shapes: a few graphs for every batch size, none broken by a device
     read; compiled kernels cached under run.dir/compile-cache). Worth it on a GPU; on a CPU the first updates pay
@@ -93,7 +97,7 @@ class TrainerConfig:
             raise FieldError("adam_betas", self.adam_betas, "two numbers in [0, 1)")
         non_negative_mapping(self, "resources")
         one_of(self, "key_bias", KEY_BIAS_PATHS)
-        one_of(self, "compile_scope", ("layers", "model"))
+        one_of(self, "compile_scope", COMPILE_SCOPES)
 
     def schedule_steps(self, max_steps: int) -> int:
         """The update at which the learning rate reaches 0."""

@@ -333,7 +333,8 @@ mask    as SDPA's additive float mask of (B 1 1 K), heads E wide: on a GPU the m
         the bias and returns its gradient (flash kernels take no mask);
 flex    as FlexAttention's `score_mod` (logit + bias[b, key]), heads E wide: fused only under torch.compile
         (`trainer.compile`), eager it materialises the logits; no attention dropout; its backward needs a GPU.
-All three give the same values and gradients (tests/test_model.py)."""
+`mask` gives the folded path's values and gradients; `flex` its values (tests/test_gpu_readiness.py,
+tests/test_unpadded.py), its gradients tested only where a GPU is."""
 
 
 def key_biased_attention(q_BHQE: Tensor, k_BHKE: Tensor, v_BHKE: Tensor, bias_B11K: Tensor, path: str,
