@@ -49,7 +49,8 @@ def run_queue(run_dir: Path, redis_url: str | None = None) -> Iterator[tuple[Pip
     data_dir, conf_dir = Path(run_dir) / "redis", private_conf_dir(Path(run_dir))
     if not (conf_dir / "redis.conf").exists():
         raise FileNotFoundError(f"{conf_dir}/redis.conf not found: the run used an external Redis (set "
-                                "MARGE_REDIS_URL_FILE or MARGE_REDIS_URL, or pass --redis-url), or its private server ran as another user or with another "
+                                "MARGE_REDIS_URL_FILE or MARGE_REDIS_URL, or pass --redis-url), or its private "
+                                "server ran as another user or with another "
                                 "MARGE_STATE_DIR")
     server = LocalRedis.reopen(data_dir, conf_dir).start()
     try:

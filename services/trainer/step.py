@@ -28,7 +28,7 @@ from torch import nn
 from marge.batch import Batch
 from marge.model import Marge
 from marge.protocol import Slots
-from services.trainer.config import TrainerConfig
+from services.trainer.config import COMPILE_SCOPES, TrainerConfig
 from services.trainer.inputs import substitute_batch, untrainable
 from services.trainer.objectives import Objectives, PreparedBatch, apply_objective_settings
 
@@ -115,9 +115,6 @@ centres on the batch's own mean); the loop averages it over the ranks once per u
 buckets and back, and one gradient-sized buffer less. Left at their defaults: the 25 MB bucket size (not measured
 on a multi-GPU node) and `static_graph` (the denoising loss runs g outside DDP's forward, so the graph DDP sees
 is not the whole backward)."""
-
-
-COMPILE_SCOPES = ("layers", "model")
 
 
 def compiled(model: nn.Module, enabled: bool, scope: str = "layers", backend: str = "inductor") -> nn.Module:

@@ -335,6 +335,11 @@ def entry_id(slot: int) -> str:
     return f"{slot + 1}-0"
 
 
+def slot_of_entry(entry: str) -> int:
+    """The slot whose stream entry id is `entry` (the inverse of `entry_id`)."""
+    return int(entry.split("-")[0]) - 1
+
+
 class Offer:
     """What `BatchQueue.offer` did."""
 
@@ -509,7 +514,7 @@ class BatchQueue:
             found = [e for e in entries if e[0].decode() == entry_id(slot)]
             if not found:
                 if entries:
-                    raise SlotGone(slot, rank, int(entries[0][0].decode().split("-")[0]) - 1)
+                    raise SlotGone(slot, rank, slot_of_entry(entries[0][0].decode()))
                 return None
         fields = found[0][1]
         try:
