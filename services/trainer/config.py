@@ -59,11 +59,13 @@ class TrainerConfig:
     memory-efficient kernel, heads 64 wide) or `flex` (FlexAttention's score_mod, heads 64 wide: fused under
     `trainer.compile`; needs model.attention_dropout 0 and, to train, a GPU). `mask` gives folded's values and
     gradients, `flex` its values (tests/test_gpu_readiness.py, tests/test_unpadded.py; flex's gradients are tested
-    only where a GPU is). An execution setting: a resumed run may change it."""
+    only where a GPU is). On one H200 `folded` was the fastest eager path (the recipe's update 0.37 s, `mask`
+    1.03 s; docs/gpu.md). An execution setting: a resumed run may change it."""
     compile: bool = False
     """Train through `torch.compile` (dynamic shapes: a few graphs for every batch size, none broken by a device
-    read; compiled kernels cached under run.dir/compile-cache). Worth it on a GPU; on a CPU the first updates pay
-    the compilation."""
+    read; compiled kernels cached under run.dir/compile-cache). Off by default: on one H200 it did not speed up
+    the recipe's update (eager 0.37 s; by layer 1.23 s; by layer with `key_bias: flex` 0.39 s; 62 to 81 s of
+    cold compile; docs/gpu.md), and on a CPU the first updates pay the compilation."""
     compile_scope: str = "layers"
     """What `trainer.compile` compiles: `layers` (each encoder and decoder layer on its own, fullgraph; layers of
     one kind share their graphs: the cold compile is one layer of each kind) or `model` (the whole model under

@@ -589,10 +589,16 @@ class CrossMemory:
 
     def gather(self, projected_1HLE: Tensor) -> Tensor:
         """Each target's keys (or values) N H K E from keys projected once over the whole memory."""
-        n = self.relevance_NK.shape[0]
+        n, k = self.relevance_NK.shape
         if self.key_index_NK is None:
             return projected_1HLE.expand(n, -1, -1, -1)
-        return projected_1HLE[0][:, self.key_index_NK].transpose(0, 1)  # H N K E -> N H K E
+        # index_select, not `x[:, key_index_NK]`: both gather, but advanced indexing's backward is a sort-based
+        # index_put that serialises repeated indices, and every key here is read by many targets. On one H200 it
+        # took 93% of the recipe update's GPU time (benchmarks/gpu_probe.py, part G); index_select's backward is an
+        # atomic index_add.
+        h, _, e = projected_1HLE[0].shape
+        gathered_HNKE = projected_1HLE[0].index_select(1, self.key_index_NK.reshape(-1)).view(h, n, k, e)
+        return gathered_HNKE.transpose(0, 1)
 
     def bias(self, beta: Tensor) -> Tensor:
         """beta * f on the keys a target may read, -inf elsewhere (N 1 1 K)."""
