@@ -11,7 +11,7 @@ import pytest
 
 from marge.checkpoint import load_model_weights, read_manifest
 from marge.corpus import Corpus
-from marge.protocol import BatchQueue
+from marge.protocol import BatchId, BatchQueue
 from services.batcher.config import BatcherConfig
 from services.batcher.core import DocumentStore, epoch_batches
 from services.driver.config import load_config
@@ -192,6 +192,7 @@ def test_bart_and_veco_pretrain_through_the_same_pipeline_without_an_index(ray_c
     records = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
     assert all(set(r["objectives"]) == {objective} and r["index_versions"] == [] for r in records)
     assert all(b.startswith("v0-e0-s") for r in records for b in r["batch_ids"])  # document batches, pass 0
+    assert all(BatchId.parse(b).content for r in records for b in r["batch_ids"])  # each names its content
     assert np.mean([r["loss"] for r in records[-4:]]) < np.mean([r["loss"] for r in records[:4]])
     model = load_model(Path(summary["checkpoint"]))
     assert type(model).__name__ == ("Veco" if objective == "veco" else "Marge")

@@ -3,6 +3,7 @@ and replays, a Redis killed and restarted, an orphaned server adopted."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -13,7 +14,7 @@ import pytest
 import redis
 
 from marge.batch import Batch
-from marge.protocol import BatchQueue, ProtocolError, Slots, VersionPlan, decode_batch, encode_batch, entry_id
+from marge.protocol import BatchId, BatchQueue, ProtocolError, Slots, VersionPlan, decode_batch, encode_batch, entry_id
 
 
 def make_batch(i: int, rng=np.random.default_rng(0)) -> Batch:
@@ -236,6 +237,37 @@ def test_an_undecodable_entry_is_delivered_with_the_reason(redis_server):
              id=entry_id(0))
     delivery = q.get(0, block_ms=10)
     assert delivery.batch is None and "sha256" in delivery.problem
+
+
+def test_a_batch_id_names_its_content_and_an_entry_with_other_content_is_refused(redis_server):
+    batch = make_batch(3, np.random.default_rng(7))
+    digest = batch.content_digest()
+    assert digest == make_batch(3, np.random.default_rng(7)).content_digest()  # the same content, the same digest
+    changed = dataclasses.replace(batch, edge_weights=np.array([100.0, 99.0], dtype=np.float32))
+    assert changed.content_digest() != digest
+    named = dataclasses.replace(batch, batch_id=str(dataclasses.replace(BatchId.of(batch), content=digest)))
+    assert named.batch_id == f"v0-e0-s0-3-c{digest}" and BatchId.parse(named.batch_id).position == "v0-e0-s0-3"
+    assert decode_batch(encode_batch(named)).batch_id == named.batch_id
+    # the same id on other content (a builder that is not deterministic): the entry's own sha256 is intact, the id
+    # is not its content's
+    impostor = dataclasses.replace(changed, batch_id=named.batch_id)
+    with pytest.raises(ProtocolError, match=f"holds content {changed.content_digest()}, not the {digest}"):
+        decode_batch(encode_batch(impostor))
+    q = BatchQueue.connect(redis_server.url, "t-content", Slots(1, 1))
+    assert q.put(0, impostor, 10) and q.put(1, named, 10)
+    refused, accepted = q.get(0, block_ms=10), q.get(1, block_ms=10)
+    assert refused.batch is None and "not the" in refused.problem
+    assert accepted.batch is not None and accepted.batch.batch_id == named.batch_id
+
+
+def test_the_audit_finds_a_position_recorded_with_two_contents():
+    from services.driver.audit import content_changed
+
+    ids = ["v1-e0-s2-0-caaaaaaaaaaaa", "v1-e0-s2-0-caaaaaaaaaaaa", "v1-e0-s2-1-cbbbbbbbbbbbb", "v1-e0-s2-1",
+           "probe-3", None]
+    assert content_changed(ids) == []  # the same content twice, an id without a digest, ids from elsewhere
+    assert content_changed([*ids, "v1-e0-s2-1-ccccccccccccc"]) == [
+        {"position": "v1-e0-s2-1", "contents": ["bbbbbbbbbbbb", "cccccccccccc"]}]
 
 
 def counting_round_trips(monkeypatch) -> list[int]:

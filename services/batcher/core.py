@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,12 +109,13 @@ def materialize(plan: BatchPlan, docs: ShardTokens, batch_id: BatchId, index_ver
     doc_ids = list(dict.fromkeys(plan.targets + plan.evidence))  # unique, first-seen order
     pos = {d: i for i, d in enumerate(doc_ids)}
     edges = np.array([(t, e) for t, e, _ in plan.edges], dtype=np.int32).reshape(-1, 2)
-    return Batch(batch_id=str(batch_id), index_version=index_version, snapshot_step=snapshot_step,
+    batch = Batch(batch_id=str(batch_id), index_version=index_version, snapshot_step=snapshot_step,
                  doc_ids=np.array(doc_ids, dtype=np.int64), doc_langs=tuple(docs.lang(d) for d in doc_ids),
                  doc_tokens=tuple(docs.tokens(d) for d in doc_ids),
                  targets=np.array([pos[t] for t in plan.targets], dtype=np.int32),
                  evidence=np.array([pos[e] for e in plan.evidence], dtype=np.int32),
                  edges=edges, edge_weights=np.array([w for _, _, w in plan.edges], dtype=np.float32))
+    return dataclasses.replace(batch, batch_id=str(dataclasses.replace(batch_id, content=batch.content_digest())))
 
 
 def epoch_batches(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig, epoch: int, seed: int = 0,

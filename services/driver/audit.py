@@ -11,6 +11,9 @@ The account of one run (the `marge.protocol` delivery rules), from the newest go
     lost                      such a slot in none of these
     trained twice             a batch id the ledger recorded for two slots (counted at commit), or that
                               train_log.jsonl shows in two updates up to C
+    content changed           a batch position (version, pass, shard, n) that the ledger, train_log.jsonl or the
+                              dead letters name with two content digests (`BatchId`): a builder made it again
+                              with other content, so "the same batch" was not the same
     pending                   written into the streams, not yet covered by a checkpoint
 
 The run's Redis is opened as the run left it: a `redis.url` from --redis-url or MARGE_REDIS_URL, else the
@@ -25,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from marge.checkpoint import newest_good_checkpoint, read_manifest
-from marge.protocol import BatchQueue
+from marge.protocol import BatchId, BatchQueue
 from services.driver.config import PipelineConfig, load_config, redis_url_from_environment
 from services.driver.redis_server import LocalRedis, private_conf_dir
 from marge.train_log import read_train_log
@@ -72,6 +75,16 @@ def checkpoint_deliveries(checkpoint: Path | None) -> tuple[list[tuple[int, str]
             [(int(n), str(r)) for n, _, r in state.get("dead_since_previous", ())])
 
 
+def content_changed(batch_ids) -> list[dict]:
+    """Positions named with more than one content digest among `batch_ids` (ids without a digest are skipped)."""
+    contents: dict[str, set[str]] = {}
+    for text in batch_ids:
+        parsed = BatchId.parse(text) if text else None
+        if parsed is not None and parsed.content:
+            contents.setdefault(parsed.position, set()).add(parsed.content)
+    return [{"position": p, "contents": sorted(c)} for p, c in sorted(contents.items()) if len(c) > 1]
+
+
 def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
     """The run's account (see the module docstring); `ok` is whether nothing was lost or trained twice."""
     slots = cfg.slots()
@@ -102,8 +115,9 @@ def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
     logged_twice = [b for b, k in Counter(b for r in records for b in r.trained_slots().values()).items() if k > 1]
     disagree = sorted(n for n, b in logged.items() if n in trained_slot and trained_slot[n] != b)
     trained_twice = counts.get("trained_twice", 0) + len(logged_twice)
+    changed = content_changed([*ledger, *(b for r in records for b in r.batch_ids), *(d["batch_id"] for d in dead)])
     return {
-        "ok": not lost and trained_twice == 0 and not disagree and not retired_disagree,
+        "ok": not lost and trained_twice == 0 and not disagree and not retired_disagree and not changed,
         "steps": step, "checkpoint": str(checkpoint) if checkpoint else None,
         "committed_step": counts["committed_step"],
         "batches_produced": counts.get("produced", 0),
@@ -111,6 +125,7 @@ def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
         "batches_lost": len(lost), "lost_slots": lost[:100],
         "trained_twice": trained_twice, "trained_twice_ids": logged_twice[:100],
         "ledger_disagrees_with_train_log": disagree[:100],
+        "content_changed": changed[:100],
         "batches_retired_from_ledger": sum(retired.values()),
         "retired_counts_disagree_with_train_log": retired_disagree[:100],
         "batches_pending": counts["pending"],

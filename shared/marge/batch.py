@@ -15,6 +15,7 @@ Framing, defined here once and used by every stage:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +105,23 @@ class Batch:
     def cost_tokens(self) -> int:
         """The budget measure: encoder tokens of the evidence + decoder tokens of the targets (specials included)."""
         return int(sum(encoder_cost(len(self.doc_tokens[i])) for i in self.evidence) + self.target_tokens())
+
+    def content_digest(self) -> str:
+        """12 hex digits of a SHA-256 over what the batch trains on (documents, their tokens and languages, targets,
+        evidence, edges and weights, the index version and snapshot), not its id: the same batch built again gives
+        the same digest, a different one (a builder that is not deterministic) another. Batch ids carry it
+        (`marge.protocol.BatchId.content`)."""
+        h = hashlib.sha256()
+        h.update(np.asarray([self.index_version, self.snapshot_step, len(self.doc_ids)], dtype="<i8").tobytes())
+        h.update(np.asarray(self.doc_ids, dtype="<i8").tobytes())
+        h.update("\0".join(self.doc_langs).encode("utf-8") + b"\0")
+        h.update(np.asarray([len(t) for t in self.doc_tokens], dtype="<i8").tobytes())
+        for tokens in self.doc_tokens:
+            h.update(np.asarray(tokens, dtype="<i4").tobytes())
+        for part in (self.targets, self.evidence, self.edges):
+            h.update(np.asarray(part.shape, dtype="<i8").tobytes() + np.asarray(part, dtype="<i4").tobytes())
+        h.update(np.asarray(self.edge_weights, dtype="<f4").tobytes())
+        return h.hexdigest()[:12]
 
     def cross_lingual_edge_share(self) -> float:
         if len(self.edges) == 0:

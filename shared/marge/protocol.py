@@ -47,6 +47,7 @@ trained twice).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -264,27 +265,45 @@ class RunKeys:
 
 @dataclass(frozen=True)
 class BatchId:
-    """A batch's id: "v<index version>-e<pass over its graph>-s<shard>-<n>", deterministic for a seed, so a
-    ledger recognises a batch seen before. Built and parsed only here."""
+    """A batch's id: "v<index version>-e<pass over its graph>-s<shard>-<n>-c<content digest>", deterministic for a
+    seed, so a ledger recognises a batch seen before. The position (version, pass, shard, n) says where the batch
+    comes from; the content digest (`Batch.content_digest`) what it holds, so a batch built again with other content
+    has another id: the trainer refuses an entry whose content is not its id's, and `marge audit` reports a
+    position trained or recorded with two contents. Built and parsed only here."""
 
     version: int
     epoch: int
     shard: int
     number: int
+    content: str = ""  # empty: an id made before the batch (or outside the batcher) carries no digest
 
     def __str__(self) -> str:
-        return f"v{self.version}-e{self.epoch}-s{self.shard}-{self.number}"
+        position = f"v{self.version}-e{self.epoch}-s{self.shard}-{self.number}"
+        return f"{position}-c{self.content}" if self.content else position
+
+    @property
+    def position(self) -> str:
+        """The id without its content digest."""
+        return str(dataclasses.replace(self, content=""))
 
     @classmethod
     def parse(cls, text: str) -> "BatchId | None":
         """The parts of a batcher-made id; None for ids made elsewhere (probes, benchmarks)."""
         parts = text.split("-")
+        content = ""
+        if len(parts) == 5 and parts[4][:1] == "c" and len(parts[4]) > 1:
+            content = parts.pop()[1:]
         if len(parts) != 4 or [p[:1] for p in parts[:3]] != ["v", "e", "s"]:
             return None
         try:
-            return cls(int(parts[0][1:]), int(parts[1][1:]), int(parts[2][1:]), int(parts[3]))
+            return cls(int(parts[0][1:]), int(parts[1][1:]), int(parts[2][1:]), int(parts[3]), content)
         except ValueError:
             return None
+
+    @classmethod
+    def of(cls, batch: "Batch") -> "BatchId | None":
+        return cls.parse(batch.batch_id)
+
 
 def encode_batch(batch: Batch) -> dict[bytes, bytes]:
     lengths = [len(t) for t in batch.doc_tokens]
@@ -318,7 +337,7 @@ def decode_batch(fields: dict[bytes, bytes]) -> Batch:
             raise ProtocolError(f"token payload has {len(tokens)} bytes, header says {4 * sum(lengths)}")
         flat = np.frombuffer(tokens, dtype="<i4").astype(np.int32)
         bounds = np.cumsum([0, *lengths])
-        return Batch(
+        batch = Batch(
             batch_id=str(h["batch_id"]), index_version=int(h["index_version"]), snapshot_step=int(h["snapshot_step"]),
             doc_ids=np.array(h["doc_ids"], dtype=np.int64), doc_langs=tuple(h["doc_langs"]),
             doc_tokens=tuple(flat[bounds[i]:bounds[i + 1]] for i in range(len(lengths))),
@@ -329,6 +348,11 @@ def decode_batch(fields: dict[bytes, bytes]) -> Batch:
         raise
     except (ValueError, KeyError, TypeError) as e:
         raise ProtocolError(f"malformed header ({e})") from None
+    named = BatchId.of(batch)
+    if named is not None and named.content and named.content != batch.content_digest():
+        raise ProtocolError(f"batch {batch.batch_id} holds content {batch.content_digest()}, not the {named.content} "
+                            "its id names (written by a builder that is not deterministic, or altered)")
+    return batch
 
 
 def entry_id(slot: int) -> str:
