@@ -207,41 +207,58 @@ def test_no_deploy_file_puts_the_redis_url_where_a_job_api_or_ps_shows_it():
     assert "-e MARGE_REDIS_URL " not in options + " " and "MARGE_REDIS_URL_FILE=" in options
 
 
+def start_shipped_redis(tmp_path: Path, port: int, env: dict[str, str]):
+    """deploy/redis/start.sh on loopback, its data and ACL file under tmp_path; returns once `marge` gets in."""
+    import os
+
+    import redis
+
+    proc = subprocess.Popen(["sh", str(DEPLOY / "redis" / "start.sh"), "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", str(tmp_path)],
+                            env={**os.environ, "MARGE_REDIS_ACLFILE": str(tmp_path / "users.acl"), **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"redis://marge:{env['MARGE_REDIS_PASSWORD']}@127.0.0.1:{port}/0"
+    deadline = time.time() + 10
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            return proc
+        except redis.ConnectionError:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline
+            time.sleep(0.05)
+
+
+def stop(proc) -> None:
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def one_batch(batch_id: str = "v0-e0-s0-0"):
+    import numpy as np
+
+    from marge.batch import Batch
+
+    tokens = (np.arange(4, 9, dtype=np.int32), np.arange(9, 14, dtype=np.int32))
+    return Batch(batch_id, 0, 0, np.array([1, 2]), ("en", "de"), tokens, np.array([0], dtype=np.int32),
+                 np.array([1], dtype=np.int32), np.array([[0, 0]], dtype=np.int32), np.ones(1, dtype=np.float32))
+
+
 def test_the_shipped_redis_conf_loads_and_limits_the_pipeline_user_to_its_keys(tmp_path):
     """deploy/redis/start.sh with deploy/redis/redis.conf on a real redis-server: the queue works as user marge
     (every command the pipeline uses), other keys and dangerous commands are refused, nobody gets in without a
     password."""
-    import os
-    import subprocess
-    import time
-
-    import numpy as np
     import redis
 
-    from marge.batch import Batch
     from marge.protocol import BatchQueue, Slots
     from services.driver.redis_server import free_port
 
     port, password = free_port(), "pipeline-password-123"
-    proc = subprocess.Popen(["sh", str(DEPLOY / "redis" / "start.sh"), "--port", str(port), "--bind", "127.0.0.1",
-                             "--dir", str(tmp_path)], env={**os.environ, "MARGE_REDIS_PASSWORD": password},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_shipped_redis(tmp_path, port, {"MARGE_REDIS_PASSWORD": password})
     try:
         url = f"redis://marge:{password}@127.0.0.1:{port}/0"
-        deadline = time.time() + 10
-        while True:
-            try:
-                redis.Redis.from_url(url).ping()
-                break
-            except redis.ConnectionError:
-                assert proc.poll() is None, proc.stdout.read()
-                assert time.time() < deadline
-                time.sleep(0.05)
         q = BatchQueue.connect(url, "acl", Slots(1, 1))
-        tokens = (np.arange(4, 9, dtype=np.int32), np.arange(9, 14, dtype=np.int32))
-        batch = Batch("v0-e0-s0-0", 0, 0, np.array([1, 2]), ("en", "de"), tokens, np.array([0], dtype=np.int32),
-                      np.array([1], dtype=np.int32), np.array([[0, 0]], dtype=np.int32), np.ones(1, dtype=np.float32))
-        assert q.put(0, batch, 10) and q.get(0, block_ms=10).batch.batch_id == "v0-e0-s0-0"
+        assert q.put(0, one_batch(), 10) and q.get(0, block_ms=10).batch.batch_id == "v0-e0-s0-0"
         q.progress(0, 1)
         assert q.commit(0, 1, [(0, "v0-e0-s0-0")]) == []
         assert q.dead_letter(1, {b"header": b"{}"}, "test")  # a Lua script on the run's keys
@@ -259,8 +276,60 @@ def test_the_shipped_redis_conf_loads_and_limits_the_pipeline_user_to_its_keys(t
         with pytest.raises((redis.AuthenticationError, redis.exceptions.NoPermissionError)):
             redis.Redis(host="127.0.0.1", port=port).set("marge:x", 1)
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop(proc)
+
+
+def test_a_run_gets_its_own_redis_user_which_reaches_its_keys_alone_and_outlives_a_restart(tmp_path, capsys):
+    """`marge redis-user create` on the shipped server (an operator's account from a file): the run's URL lands in a
+    0600 file, runs the whole queue protocol on the run's keys, is refused another run's keys, the shared `marge:`
+    keys and dangerous commands, still gets in after redis-server restarts (the ACL file keeps it), and is shut
+    out once `marge redis-user delete` removed it."""
+    import stat
+
+    import redis
+
+    from marge.protocol import BatchQueue, Slots
+    from services.cli import main
+    from services.driver.redis_server import free_port
+    from services.driver.redis_users import PIPELINE_COMMANDS
+
+    assert f'commands="{PIPELINE_COMMANDS}"' in (DEPLOY / "redis" / "start.sh").read_text()  # one set of rights
+    port = free_port()
+    env = {"MARGE_REDIS_PASSWORD": "pipeline-password-123", "MARGE_REDIS_ADMIN_PASSWORD": "operator-password-456"}
+    admin_file = tmp_path / "admin.url"
+    admin_file.write_text(f"redis://default:{env['MARGE_REDIS_ADMIN_PASSWORD']}@127.0.0.1:{port}/0\n")
+    proc = start_shipped_redis(tmp_path, port, env)
+    try:
+        assert main(["redis-user", "create", "--run", "r1", "--admin-url-file", str(admin_file),
+                     "--out", str(tmp_path / "r1.url")]) == 0
+        made = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert made["user"] == "marge-r1" and made["saved_to_aclfile"], made
+        assert stat.S_IMODE((tmp_path / "r1.url").stat().st_mode) == 0o600
+        url = (tmp_path / "r1.url").read_text().strip()
+        assert url.startswith("redis://marge-r1:") and url.endswith(f"@127.0.0.1:{port}/0")
+        q = BatchQueue.connect(url, "r1", Slots(1, 1))
+        assert q.put(0, one_batch(), 10) and q.get(0, block_ms=10).batch.batch_id == "v0-e0-s0-0"
+        assert q.commit(0, 1, [(0, "v0-e0-s0-0")]) == [] and q.counts()["committed_step"] == 1
+        other = BatchQueue.connect(url, "r2", Slots(1, 1))
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            other.put(0, one_batch(), 10)
+        client = redis.Redis.from_url(url)
+        for refused in (lambda: client.set("marge:r1x:k", 1), lambda: client.get("marge:shared"),
+                        client.flushall, lambda: client.config_get("dir")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                refused()
+    finally:
+        stop(proc)
+    proc = start_shipped_redis(tmp_path, port, env)  # a restart: the ACL file and the AOF are read again
+    try:
+        q = BatchQueue.connect(url, "r1", Slots(1, 1))
+        assert q.counts()["committed_step"] == 1
+        assert main(["redis-user", "delete", "--run", "r1", "--admin-url-file", str(admin_file)]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["deleted"]
+        with pytest.raises((redis.AuthenticationError, redis.exceptions.ResponseError)):
+            redis.Redis.from_url(url).ping()
+    finally:
+        stop(proc)
 
 
 def test_every_deviation_from_the_paper_is_off_in_the_paper_preset_and_config():

@@ -30,7 +30,7 @@ log = logging.getLogger("marge")
 # The commands in the order `marge --help` lists them.
 COMMANDS = (data.add_prepare, train.add_pretrain, serve.add_serve, evaluate.add_eval, train.add_finetune,
             ops.add_scale, data.add_prepare_tasks, evaluate.add_translate, train.add_report, experiment.add_experiment,
-            train.add_config, train.add_plan, ops.add_audit, ops.add_queue, data.add_info)
+            train.add_config, train.add_plan, ops.add_audit, ops.add_queue, ops.add_redis_user, data.add_info)
 
 # Commands that start processes (a private redis-server, a local Ray, Ray Train workers) that a SIGTERM must stop.
 STARTS_PROCESSES = ("pretrain", "experiment", "finetune")

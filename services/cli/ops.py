@@ -97,3 +97,42 @@ def cmd_scale(args: argparse.Namespace) -> int:
     result = scale_indexer_pool(args.run, args.indexer_workers, address)
     print(json.dumps({"run": args.run, **result}))
     return 0
+
+
+def add_redis_user(sub) -> None:
+    p = sub.add_parser("redis-user", help="a run's own ACL user on a shared queue Redis: its keys only, its URL in a "
+                                          "0600 file for MARGE_REDIS_URL_FILE")
+    user_sub = p.add_subparsers(dest="redis_user_command", required=True)
+    for name, text in (("create", "make the run's user (or give it a new password) and write its URL to --out"),
+                       ("delete", "remove the run's user")):
+        q = user_sub.add_parser(name, help=text)
+        q.add_argument("--run", required=True, help="the run's run.name (its keys are marge:<run>:*)")
+        q.add_argument("--admin-url-file", type=Path, default=None,
+                       help="a file whose first line is an operator's Redis URL, allowed ACL SETUSER/DELUSER "
+                            "(default: the file MARGE_REDIS_ADMIN_URL_FILE names)")
+        if name == "create":
+            q.add_argument("--out", type=Path, required=True,
+                           help="where to write the run's URL (mode 0600): give it to the run as MARGE_REDIS_URL_FILE")
+        q.set_defaults(func=cmd_redis_user)
+
+
+def cmd_redis_user(args: argparse.Namespace) -> int:
+    import os
+
+    from services.driver.redis_users import create_run_user, delete_run_user, read_url_file
+
+    admin_file = args.admin_url_file or os.environ.get("MARGE_REDIS_ADMIN_URL_FILE")
+    if not admin_file:
+        raise ValueError("marge redis-user needs an operator's Redis URL in a file: --admin-url-file PATH or "
+                         "MARGE_REDIS_ADMIN_URL_FILE (never on the command line, where `ps` shows it)")
+    admin_url = read_url_file(Path(admin_file), "--admin-url-file")
+    if args.redis_user_command == "create":
+        result = create_run_user(admin_url, args.run, args.out)
+        if not result["saved_to_aclfile"]:
+            print(f"warning: the server has no ACL file (`aclfile`), so user {result['user']} lasts until "
+                  "redis-server restarts; start it with deploy/redis/start.sh (which keeps users in an ACL file)",
+                  file=sys.stderr)
+    else:
+        result = delete_run_user(admin_url, args.run)
+    print(json.dumps({"run": args.run, **result}))
+    return 0
