@@ -239,3 +239,37 @@ def test_a_submitted_job_trains_while_the_indexer_is_scaled_and_every_stage_repo
     assert listening
     exposed = [(host, port, owner) for host, port, owner in listening if host not in LOOPBACK]
     assert not exposed, exposed
+
+
+def test_gloo_binds_the_node_address_where_the_host_name_resolves_to_loopback(monkeypatch):
+    """Ranks on other nodes connect to the address gloo advertises: where this host's name resolves to 127.0.0.1,
+    the setup hook names the interface of the node's Ray address; a resolvable name, a loopback node (one
+    machine) or a GLOO_SOCKET_IFNAME already set change nothing."""
+    import socket
+
+    import psutil
+    import ray.util
+
+    from services.trainer import loopback
+
+    interfaces = {name: a.address for name, addrs in psutil.net_if_addrs().items() for a in addrs
+                  if a.family == socket.AF_INET and not a.address.startswith("127.")}
+    if not interfaces:
+        pytest.skip("no non-loopback IPv4 interface on this machine")
+    name, address = next(iter(interfaces.items()))
+
+    def bound(resolves_to: str, node_address: str, preset: str | None = None) -> str | None:
+        monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+        if preset:
+            monkeypatch.setenv("GLOO_SOCKET_IFNAME", preset)
+        monkeypatch.setattr(socket, "gethostbyname", lambda host: resolves_to)
+        monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: node_address)
+        loopback.bind_gloo_to_node_address()
+        return os.environ.get("GLOO_SOCKET_IFNAME")
+
+    assert bound("127.0.0.1", address) == name
+    assert bound("127.0.1.1", address) == name
+    assert bound(address, address) is None  # the name resolves to a reachable address: gloo's default is right
+    assert bound("127.0.0.1", "127.0.0.1") is None  # one machine
+    assert bound("127.0.0.1", address, preset="eth9") == "eth9"  # the operator's choice stands
+    assert loopback.interface_of("127.0.0.1") == "lo"

@@ -161,13 +161,23 @@ def test_pretrain_prints_the_resolved_config_and_dry_runs_without_starting_or_wr
     assert plan["corpus"]["shards"] == Corpus.open(small_corpus).num_shards and plan["resumes_from_step"] == 0
     assert plan["model"]["d_model"] == 64 and "refresh_interval_s" in plan["capacity_plan"]
 
-    unprepared = subprocess.run([*cli, "--dry-run", f"run.dir={run_dir}", f"data.corpus={tmp_path / 'absent'}"],
-                                cwd=REPO, capture_output=True, text=True, timeout=120)
+    # a corpus of one's own: the config file's probe files (its demo corpus's) are not used for it
+    assert plan["probes"] == {"health.documents": None, "data.heldout_pairs": None}, plan["probes"]
+    missing_probe = subprocess.run([*cli, "--dry-run", *on_corpus, f"health.documents={tmp_path / 'probes.jsonl'}"],
+                                   cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert missing_probe.returncode != 0 and "health.documents names" in missing_probe.stderr, missing_probe.stderr[-2000:]
+
+    # a corpus path that does not exist (a typo) is not prepared from the config file's data.raw
+    for extra in ([], ["data.raw=[]"]):
+        typo = subprocess.run([*cli, "--dry-run", f"run.dir={run_dir}", f"data.corpus={tmp_path / 'absent'}", *extra],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert typo.returncode != 0 and "no prepared corpus is there" in typo.stderr, typo.stderr[-2000:]
+        assert "data.raw=[INPUT]" in typo.stderr
+    raw = REPO / "data" / "demo" / "libreoffice-help" / "documents.jsonl.gz"
+    unprepared = subprocess.run([*cli, "--dry-run", f"run.dir={run_dir}", f"data.corpus={tmp_path / 'absent'}",
+                                 f"data.raw=[{raw}]"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert unprepared.returncode == 0, unprepared.stderr[-2000:]
     assert "to be prepared from" in json.loads(unprepared.stdout)["corpus"]
-    typo = subprocess.run([*cli, "--dry-run", f"run.dir={run_dir}", f"data.corpus={tmp_path / 'absent'}", "data.raw=[]"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert typo.returncode != 0 and "is not a prepared corpus" in typo.stderr
     assert not run_dir.exists() and not (tmp_path / "absent").exists()  # nothing was written
 
 

@@ -3,7 +3,10 @@
 The head's namespace holds the Ray head (GCS, dashboard, the job's driver and batcher) and the run's Redis
 (password-protected, bound to the head's address); one worker node holds both trainer ranks (custom resource
 `marge_trainer`), the other the indexer (`marge_indexer`); a fourth namespace joins as a node while the first
-job trains, for the second indexer worker `marge scale` asks for. The tiny run is submitted with `ray job submit`
+job trains, for the second indexer worker `marge scale` asks for; a fifth joins for the test whose ranks run on
+two nodes (`marge_trainer_split`: one on the trainer node, one there). The GCS checks nodes' health every 2 s
+(2 s timeout) and declares a node dead after 5 failed checks (Ray's defaults: 3 s, 10 s, 5), so that a cut the
+GCS must notice and one it must not can both be chosen with a margin. The tiny run is submitted with `ray job submit`
 from inside the head's namespace, as a user on the cluster would; the machine's filesystem plays the shared run
 folder.
 Everything the cluster started is stopped by PID and every namespace and link removed at teardown.
@@ -15,11 +18,13 @@ asks the cluster (job status, actor placement, `marge audit`) through commands r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,8 +40,12 @@ from processes import listening_addresses  # tests/processes.py
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 GCS_PORT, DASHBOARD_PORT, REDIS_PORT = 6380, 8265, 6390
+HEALTH_CHECKS = {"health_check_period_ms": 2000, "health_check_timeout_ms": 2000, "health_check_failure_threshold": 5}
+"""The GCS declares a node dead 10 to 20 s after it stops answering."""
 RUN = "multinode"
 STEPS = 40
+TRAINER_NODE = {"marge_trainer": 2, "marge_trainer_split": 1}
+"""Both ranks of a run that asks for `marge_trainer`, one of a run that asks for `marge_trainer_split`."""
 UNINTERRUPTED: dict[int, list[str]] = {}
 """Update -> batch ids of the uninterrupted run (the first test): every faulted run must train the same."""
 
@@ -49,6 +58,9 @@ class NamespacedCluster:
     temp: Path
     env: dict[str, str]
     redis_url: str
+    redis_argv: list[str]
+    jobs: list[str] = dataclasses.field(default_factory=list)  # submitted; stopped after each test if still running
+    redis_process: subprocess.Popen | None = None
 
     @property
     def head(self) -> NetNode:
@@ -66,6 +78,18 @@ class NamespacedCluster:
     def spare_node(self) -> NetNode:
         """Joins the cluster when `marge scale` asks for a second indexer worker."""
         return self.net.nodes[3]
+
+    @property
+    def second_trainer_node(self) -> NetNode:
+        """Holds one of the two ranks of the run whose ranks are on two nodes."""
+        return self.net.nodes[4]
+
+    def start_redis(self) -> None:
+        self.redis_process = self.net.popen(self.head, self.redis_argv, self.env, self.temp / "redis.log")
+        password = self.redis_url.split(":")[2].split("@")[0]
+        wait_for(lambda: self.net.run(self.head, ["redis-cli", "-h", self.head.address, "-p", str(REDIS_PORT),
+                                                  "--no-auth-warning", "-a", password, "ping"],
+                                      self.env).stdout.strip() == "PONG", 20, "Redis answered")
 
     @property
     def dashboard(self) -> str:
@@ -91,7 +115,7 @@ class NamespacedCluster:
         out = self.python_on_head(
             "import json; from ray.util.state import list_nodes; "
             f"print(json.dumps({{n.node_id: n.node_ip for n in list_nodes(address={self.dashboard!r}, "
-            "filters=[('state', '=', 'ALIVE')])}))")
+            "filters=[('state', '=', 'ALIVE')], raise_on_missing_output=False)}))")  # dead nodes count as "missing"
         return json.loads(out.strip().splitlines()[-1])
 
     def wait_nodes(self, addresses: set[str], timeout_s: float = 120) -> None:
@@ -120,7 +144,8 @@ def wait_for(check, timeout_s: float, what: str, every_s: float = 0.5):
 def cluster():
     try:
         remove_stale()  # a run killed before its teardown (SIGKILL) left these
-        net = NamespacedNetwork(4).create()  # head, trainer node, indexer node, and one more for `marge scale`
+        # head, trainer node, indexer node, one more for `marge scale`, a second trainer node
+        net = NamespacedNetwork(5).create()
     except NamespacesUnavailable as e:
         pytest.skip(f"no network namespaces here: {e}")
 
@@ -134,20 +159,19 @@ def cluster():
     env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}")
     password = secrets.token_urlsafe(16)
     head = net.nodes[0]
-    c = NamespacedCluster(net, temp, env, f"redis://:{password}@{head.address}:{REDIS_PORT}/0")
+    c = NamespacedCluster(net, temp, env, f"redis://:{password}@{head.address}:{REDIS_PORT}/0",
+                          ["redis-server", "--bind", head.address, "--port", str(REDIS_PORT), "--requirepass", password,
+                           "--dir", str(temp / "redis"), "--appendonly", "yes", "--save", "", "--protected-mode", "yes"])
     try:
         (temp / "redis").mkdir()
-        net.popen(head, ["redis-server", "--bind", head.address, "--port", str(REDIS_PORT), "--requirepass", password,
-                         "--dir", str(temp / "redis"), "--appendonly", "yes", "--save", "", "--protected-mode", "yes"],
-                  env, temp / "redis.log")
-        wait_for(lambda: net.run(head, ["redis-cli", "-h", head.address, "-p", str(REDIS_PORT), "--no-auth-warning",
-                                        "-a", password, "ping"], env).stdout.strip() == "PONG", 20, "Redis answered")
+        c.start_redis()
         net.popen(head, [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--node-ip-address={head.address}",
                          f"--port={GCS_PORT}", f"--dashboard-host={head.address}", f"--dashboard-port={DASHBOARD_PORT}",
                          "--num-cpus=2", '--resources={"marge_head": 1}', "--object-store-memory=200000000",
+                         f"--system-config={json.dumps(HEALTH_CHECKS)}",
                          f"--temp-dir={temp / head.name}", "--include-dashboard=true", "--disable-usage-stats"],
                   env, temp / f"{head.name}.log")
-        c.start_worker(c.trainer_node, {"marge_trainer": 2}, cpus=2)
+        c.start_worker(c.trainer_node, TRAINER_NODE, cpus=2)
         c.start_worker(c.indexer_node, {"marge_indexer": 1}, cpus=1)
         c.wait_nodes({n.address for n in net.nodes[:3]})
         yield c
@@ -178,7 +202,24 @@ def submit(c: NamespacedCluster, run_dir: Path, corpus: Path, steps: int, extra:
         time.sleep(2)
     assert done.returncode == 0, f"ray job submit failed ({done.returncode}):\n{done.stderr[-3000:]}"
     out = done.stdout
-    return next(word.strip("'") for line in out.splitlines() for word in line.split() if word.strip("'").startswith("raysubmit_"))
+    job = next(word.strip("'") for line in out.splitlines() for word in line.split() if word.strip("'").startswith("raysubmit_"))
+    c.jobs.append(job)
+    return job
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test(request):
+    """A test that failed mid-run leaves its job running, and the next job of the same run name would meet its
+    actors and Redis keys: stop it."""
+    yield
+    if "cluster" not in request.fixturenames:
+        return
+    c = request.getfixturevalue("cluster")
+    while c.jobs:
+        job = c.jobs.pop()
+        if job_status(c, job) in ("PENDING", "RUNNING"):
+            c.net.run(c.head, [str(VENV_BIN / "ray"), "job", "stop", "--address", c.dashboard, job], c.env, timeout=120)
+            wait_for(lambda: job_status(c, job) in ("STOPPED", "FAILED", "SUCCEEDED"), 120, f"job {job} stopped")
 
 
 def job_status(c: NamespacedCluster, job: str) -> str:
@@ -269,7 +310,7 @@ def test_the_job_runs_across_three_namespaced_nodes(cluster, small_corpus, tmp_p
     assert where.get("marge-batcher") and where.get("marge-indexer-coordinator")  # num_cpus=0: any node
     # a second indexer worker on a node that joins now, while the job trains; the next version records it
     c.start_worker(c.spare_node, {"marge_indexer": 1}, cpus=1)
-    c.wait_nodes({n.address for n in c.net.nodes})
+    c.wait_nodes({n.address for n in c.net.nodes[:4]})
     scaled = json.loads(c.on_head([str(VENV_BIN / "marge"), "scale", "--run", RUN, "--indexer-workers", "2",
                                    "--address", f"{c.head.address}:{GCS_PORT}"]).strip().splitlines()[-1])
     assert scaled["wanted"] == 2, scaled
@@ -303,7 +344,7 @@ def test_a_lost_trainer_node_is_replaced_and_the_run_resumes_with_nothing_lost(c
     victims = c.net.kill(c.trainer_node, signal.SIGKILL)  # the node's raylet, its agents and both trainer ranks
     assert victims
     time.sleep(5)
-    c.start_worker(c.trainer_node, {"marge_trainer": 2}, cpus=2)  # a replacement node at the same address
+    c.start_worker(c.trainer_node, TRAINER_NODE, cpus=2)  # a replacement node at the same address
     wait_for(lambda: (steps := trained_steps(run_dir)) and max(steps) > before and steps, 600,
              "training went on after the node was lost")
     assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
@@ -321,60 +362,164 @@ def node_raylet_alive(c: NamespacedCluster, node: NetNode) -> bool:
                if Path(f"/proc/{pid}/cmdline").exists())
 
 
-def test_a_trainer_node_cut_off_for_30_s_and_restored_loses_nothing(cluster, small_corpus, tmp_path):
-    """Ray's GCS declares a node dead after about 15 s without health checks; once the link is back its raylet is
-    told so and exits, and a node agent (an autoscaler, KubeRay) starts it again: the test plays that part."""
+def trainer_actor_ids(c: NamespacedCluster) -> set[str]:
+    out = c.python_on_head(
+        "import json; from ray.util.state import list_actors\n"
+        f"actors = list_actors(address={c.dashboard!r}, filters=[('state', '=', 'ALIVE'), "
+        "('class_name', '=', 'RayTrainWorker')], limit=1000)\n"
+        "print(json.dumps([a.actor_id for a in actors]))")
+    return set(json.loads(out.strip().splitlines()[-1]))
+
+
+SHORT_CUT_S, LONG_CUT_S = 3, 35
+"""A cut the GCS cannot notice (at most 2 failed checks of 5) and one it must (10 to 20 s: HEALTH_CHECKS)."""
+
+
+def test_a_short_cut_goes_unnoticed_and_a_long_one_loses_the_node_and_nothing_else(cluster, small_corpus, tmp_path):
+    """A trainer node cut off for SHORT_CUT_S keeps its raylet and its ranks, which go on training; cut off for
+    LONG_CUT_S it is declared dead (once the link is back its raylet hears so and exits), a node agent (an
+    autoscaler, KubeRay; the test plays it) starts it again, and the run resumes from its checkpoint."""
+    c = cluster
+    run_dir = tmp_path / "run"
+    # 1 s an update (the same batches), so that the run still trains when the second cut comes
+    job = submit(c, run_dir, small_corpus, steps=STEPS, extra=["faults.slow_update_s=1"])
+    wait_for(lambda: len(trained_steps(run_dir)) >= 12, 600, "12 updates were trained (a checkpoint at 10)")
+    ranks = trainer_actor_ids(c)
+    assert len(ranks) == 2, ranks
+    short_at = max(trained_steps(run_dir))
+    c.net.cut(c.trainer_node)
+    time.sleep(SHORT_CUT_S)
+    c.net.restore(c.trainer_node)
+    wait_for(lambda: max(trained_steps(run_dir)) >= short_at + 3, 300, "training went on after the short cut")
+    assert node_raylet_alive(c, c.trainer_node)
+    assert trainer_actor_ids(c) == ranks  # the same two ranks: nothing was restarted
+    assert c.trainer_node.address in set(c.alive_nodes().values())
+
+    long_at = max(trained_steps(run_dir))
+    fault_at = time.time()
+    c.net.cut(c.trainer_node)
+    time.sleep(LONG_CUT_S)
+    c.net.restore(c.trainer_node)
+    wait_for(lambda: not node_raylet_alive(c, c.trainer_node), 60, "the cut-off node's raylet exited", every_s=1)
+    c.net.kill(c.trainer_node, signal.SIGKILL)  # what the lost node left behind (its workers)
+    c.start_worker(c.trainer_node, TRAINER_NODE, cpus=2)
+    wait_for(lambda: max(trained_steps(run_dir) or [0]) > long_at, 600, "training went on after the node came back")
+    assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
+    assert trained_steps(run_dir) == list(range(1, STEPS + 1))
+    assert not trainer_actor_ids(c) & ranks
+    same_batches_as_uninterrupted(run_dir)
+    result = audit(c, run_dir)
+    assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
+    print(json.dumps({"fault": f"trainer node cut off for {SHORT_CUT_S} s (unnoticed), later for {LONG_CUT_S} s "
+                      "(declared dead, restarted)", "updates_before_short_cut": short_at,
+                      "updates_before_long_cut": long_at, "recovery_s": round(recovery_seconds(run_dir, fault_at), 1),
+                      "audit": result}))
+
+
+def shard_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "faults" / "index-shards.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written
+    return out
+
+
+def shard_in_progress(run_dir: Path, node: NetNode) -> dict | None:
+    """A shard of a version after the bootstrap that a worker on `node` started and has not finished."""
+    records = shard_records(run_dir)
+    done = {(r["version"], r["shard"], r["pid"]) for r in records if r["event"] == "indexed"}
+    return next((r for r in records if r["event"] == "started" and r["node"] == node.address and r["version"] >= 1
+                 and (r["version"], r["shard"], r["pid"]) not in done), None)
+
+
+def test_the_indexer_node_lost_during_an_index_build_loses_nothing(cluster, small_corpus, tmp_path):
+    """The build is slowed (`faults.slow_index_shard_s`: each shard waits 1 s and is recorded) so that the kill
+    lands inside it; the shard the dead worker had started is indexed again by its restarted worker on the
+    replacement node, the version is committed, and the run trains what the uninterrupted one did."""
+    c = cluster
+    run_dir = tmp_path / "run"
+    job = submit(c, run_dir, small_corpus, steps=STEPS, extra=["faults.slow_index_shard_s=1"])
+    interrupted = wait_for(lambda: shard_in_progress(run_dir, c.indexer_node), 600, "a shard was being indexed",
+                           every_s=0.2)
+    before = max(trained_steps(run_dir) or [0])
+    fault_at = time.time()
+    assert c.net.kill(c.indexer_node, signal.SIGKILL)
+    time.sleep(5)
+    c.start_worker(c.indexer_node, {"marge_indexer": 1}, cpus=1)
+    version, shard = interrupted["version"], interrupted["shard"]
+    redone = wait_for(lambda: [r for r in shard_records(run_dir) if (r["version"], r["shard"], r["event"]) ==
+                               (version, shard, "indexed")], 600, f"shard {shard} of v{version} was indexed again")
+    assert all(r["pid"] != interrupted["pid"] and r["time"] > fault_at for r in redone), (interrupted, redone)
+    assert not any(r["pid"] == interrupted["pid"] and r["event"] == "indexed" and r["version"] == version
+                   and r["shard"] == shard for r in shard_records(run_dir))  # the dead worker never finished it
+    wait_for(lambda: any(m["version"] == version for m in index_manifests(run_dir)), 600, f"v{version} was committed")
+    assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
+    assert trained_steps(run_dir) == list(range(1, STEPS + 1))
+    same_batches_as_uninterrupted(run_dir)
+    result = audit(c, run_dir)
+    assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
+    print(json.dumps({"fault": "indexer node lost while a shard was being indexed, replaced after 5 s",
+                      "interrupted": {"version": version, "shard": shard}, "updates_before_fault": before,
+                      "recovery_s": round(recovery_seconds(run_dir, fault_at), 1), "audit": result}))
+
+
+def test_the_queue_redis_restarted_mid_run_loses_nothing(cluster, small_corpus, tmp_path):
+    """The head's redis-server (the batch queue) SIGKILLed and started again 5 s later on its append-only file:
+    every stage's client retries through the gap, and nothing acknowledged is lost."""
     c = cluster
     run_dir = tmp_path / "run"
     job = submit(c, run_dir, small_corpus, steps=STEPS)
     wait_for(lambda: len(trained_steps(run_dir)) >= 15, 600, "15 updates were trained (a checkpoint at 10)")
     before = max(trained_steps(run_dir))
     fault_at = time.time()
-    c.net.cut(c.trainer_node)
-    time.sleep(30)
-    c.net.restore(c.trainer_node)
-    # Ray's GCS declares a node dead after 5 failed health checks (about 15-30 s); once the link is back its raylet
-    # hears so and exits. Give it a minute to do that, then start the node again, as a node agent would.
-    restarted = False
     try:
-        wait_for(lambda: not node_raylet_alive(c, c.trainer_node), 60, "the cut-off node's raylet exited", every_s=1)
-    except TimeoutError:
-        pass  # the node survived the cut: the wait below says whether training goes on with it
-    if not node_raylet_alive(c, c.trainer_node):
-        c.net.kill(c.trainer_node, signal.SIGKILL)  # what the lost node left behind (its workers)
-        c.start_worker(c.trainer_node, {"marge_trainer": 2}, cpus=2)
-        restarted = True
-    wait_for(lambda: max(trained_steps(run_dir) or [0]) > before, 600, "training went on after the link came back")
+        c.redis_process.kill()  # SIGKILL; `ip netns exec` ran redis-server in its own place (exec)
+        c.redis_process.wait(timeout=10)
+        time.sleep(5)
+    finally:
+        c.start_redis()  # also when the test fails here: the next tests need it
+    wait_for(lambda: max(trained_steps(run_dir)) > before + 2, 600, "training went on after Redis came back")
     assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
     assert trained_steps(run_dir) == list(range(1, STEPS + 1))
     same_batches_as_uninterrupted(run_dir)
     result = audit(c, run_dir)
     assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
-    print(json.dumps({"fault": "trainer node cut off for 30 s, then restored", "node_restarted": restarted,
+    print(json.dumps({"fault": "the queue's redis-server SIGKILLed, started again after 5 s",
                       "updates_before_fault": before, "recovery_s": round(recovery_seconds(run_dir, fault_at), 1),
                       "audit": result}))
 
 
-def test_the_indexer_node_lost_during_an_index_build_loses_nothing(cluster, small_corpus, tmp_path):
+def test_ranks_on_two_nodes_lose_one_node_and_the_run_resumes_with_nothing_lost(cluster, small_corpus, tmp_path):
+    """One rank on the trainer node, one on a second trainer node: their gradient all-reduce crosses nodes (gloo
+    over the namespaces' link). The second node is lost (every process killed) and replaced after 5 s."""
     c = cluster
-    run_dir = tmp_path / "run"
-    job = submit(c, run_dir, small_corpus, steps=STEPS)
-    staging = lambda: list((run_dir / "index").glob(".staging-*")) if (run_dir / "index").exists() else []  # noqa: E731
-    wait_for(lambda: max(trained_steps(run_dir) or [0]) >= 8, 600, "8 updates were trained")
-    wait_for(staging, 300, "an index build was in progress", every_s=0.05)
-    building = [p.name for p in staging()]
-    before = max(trained_steps(run_dir) or [0])
-    fault_at = time.time()
-    assert c.net.kill(c.indexer_node, signal.SIGKILL)
-    time.sleep(5)
-    c.start_worker(c.indexer_node, {"marge_indexer": 1}, cpus=1)
-    wait_for(lambda: max(trained_steps(run_dir) or [0]) > max(before, 21), 600,
-             "training went past the version being built when the indexer node was lost")
-    assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
-    assert trained_steps(run_dir) == list(range(1, STEPS + 1))
-    same_batches_as_uninterrupted(run_dir)
-    result = audit(c, run_dir)
-    assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
-    print(json.dumps({"fault": "indexer node lost during an index build, replaced after 5 s", "building": building,
-                      "updates_before_fault": before, "recovery_s": round(recovery_seconds(run_dir, fault_at), 1),
-                      "audit": result}))
+    c.start_worker(c.second_trainer_node, {"marge_trainer_split": 1}, cpus=2)
+    try:
+        c.wait_nodes({c.second_trainer_node.address})
+        run_dir = tmp_path / "run"
+        job = submit(c, run_dir, small_corpus, steps=STEPS, extra=["trainer.resources={marge_trainer_split: 1}",
+                                                                   "faults.slow_update_s=0.5"])
+        wait_for(lambda: len(trained_steps(run_dir)) >= 15, 600, "15 updates were trained (a checkpoint at 10)")
+        assert sorted(placement(c).get("RayTrainWorker", [])) == sorted(
+            [c.trainer_node.address, c.second_trainer_node.address])
+        before = max(trained_steps(run_dir))
+        fault_at = time.time()
+        assert c.net.kill(c.second_trainer_node, signal.SIGKILL)
+        time.sleep(5)
+        c.start_worker(c.second_trainer_node, {"marge_trainer_split": 1}, cpus=2)
+        wait_for(lambda: max(trained_steps(run_dir)) > before, 600, "training went on after the node was lost")
+        assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
+        assert trained_steps(run_dir) == list(range(1, STEPS + 1))
+        same_batches_as_uninterrupted(run_dir)
+        result = audit(c, run_dir)
+        assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
+        print(json.dumps({"fault": "one of two trainer nodes lost (its rank and raylet killed), replaced after 5 s",
+                          "updates_before_fault": before,
+                          "recovery_s": round(recovery_seconds(run_dir, fault_at), 1), "audit": result}))
+    finally:
+        c.net.kill(c.second_trainer_node, signal.SIGKILL)  # no fifth raylet beside the next tests

@@ -10,7 +10,9 @@ from pathlib import Path
 
 def add_experiment(sub) -> None:
     p = sub.add_parser("experiment", help="experiments: `learning` (does the retrieval loop learn?), `objectives` "
-                                          "(MARGE vs BART vs VECO), `finetune` (downstream tasks)")
+                                          "(MARGE vs BART vs VECO), `ceiling` (gold evidence against alignment-built "
+                                          "indexes), `mechanism` (does reconstruction teach g through beta * f?), "
+                                          "`finetune` (downstream tasks)")
     exp_sub = p.add_subparsers(dest="experiment", required=True)
     q = exp_sub.add_parser("learning", help="run the pipeline N minutes and measure what it learned, next to baselines")
     q.add_argument("--minutes", type=float, required=True, help="wall-clock minutes of training")

@@ -24,9 +24,9 @@ def add_pretrain(sub) -> None:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from services.driver.config import load_config
+    from services.driver.config import for_command_line_corpus, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = for_command_line_corpus(load_config(args.config, args.overrides), args.config, args.overrides)
     if args.print_config:
         import yaml
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from services.batcher.config import BatchShape, BatcherConfig
 from services.indexer.config import IndexerConfig
 from services.trainer.config import HealthConfig, TrainerConfig
 from services.trainer.objectives import ObjectivesConfig
+
+log = logging.getLogger("marge.config")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,6 +350,43 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                     or text.startswith(o.split("=", 1)[0].strip() + ".")]
         where = f"command-line override {culprits[-1]!r}" if culprits else str(path or "config")
         raise ConfigError(f"{where}: {e}") from None
+
+
+PROBE_KEYS = ("health.documents", "data.heldout_pairs", "health.pairs")
+"""Config keys naming probe files of one corpus."""
+
+
+def for_command_line_corpus(cfg: PipelineConfig, path: str | Path | None, overrides: list[str]) -> PipelineConfig:
+    """`cfg` for a `data.corpus` given on the command line that is not the config file's own: what the file says
+    about its corpus (the raw inputs it is prepared from, its probe files) is not about this one. A corpus that is
+    not prepared yet needs its inputs on the command line too (a misspelt path would otherwise be prepared from the
+    file's data); probe files the command line does not name are dropped, so the probes use the corpus's own
+    held-out split (`marge prepare --heldout-permille`) or are off, never another corpus's files."""
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    if "data.corpus" not in given or path is None:
+        return cfg
+    own = load_config(path).data
+    if Path(cfg.data.corpus).resolve() == Path(own.corpus).resolve():
+        return cfg
+    raw = cfg.data.raw if "data.raw" in given else []
+    if not (Path(cfg.data.corpus) / "manifest.json").exists() and not raw:
+        raise ConfigError(f"command-line override 'data.corpus={cfg.data.corpus}': no prepared corpus is there "
+                          f"({Path(cfg.data.corpus) / 'manifest.json'} is missing), and the data.raw of {path} is "
+                          f"the input of its own corpus ({own.corpus}), not yours. Check the path; prepare yours "
+                          f"first (`marge prepare INPUT --out {cfg.data.corpus}`), or name its input on the command "
+                          "line as well: data.raw=[INPUT]")
+    dropped = {key: value for key in PROBE_KEYS if key not in given
+               and (value := getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) is not None}
+    if dropped:
+        log.info("data.corpus is given on the command line: the probe files %s of %s belong to its own corpus and "
+                 "are not used (the corpus's held-out split is, if it has one; name them on the command line to "
+                 "choose)", dropped, path)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, raw=raw, heldout_pairs=None
+                                                             if "data.heldout_pairs" in dropped else cfg.data.heldout_pairs),
+                               health=dataclasses.replace(cfg.health,
+                                                          documents=None if "health.documents" in dropped
+                                                          else cfg.health.documents,
+                                                          pairs=None if "health.pairs" in dropped else cfg.health.pairs))
 
 
 def redact_url(url: str) -> str:

@@ -36,7 +36,8 @@ from marge.tensorboard import RunBoard
 from marge.train_log import read_train_log
 from marge.snapshot import drop_snapshots_after, latest_snapshot
 from marge.utils import atomic_write_text
-from services.driver.config import PipelineConfig, config_drift, environment_endpoints, with_absolute_paths
+from services.driver.config import (PROBE_KEYS, PipelineConfig, config_drift, environment_endpoints,
+                                   with_absolute_paths)
 from services.driver.lock import DriverLock
 from services.driver.plan import estimated_throughput, warn_if_behind
 from services.driver.progress import Progress, log_progress
@@ -262,6 +263,11 @@ def with_probes(cfg: PipelineConfig, corpus: Corpus) -> PipelineConfig:
     """`cfg` with its probes' inputs resolved: health.documents and data.heldout_pairs as the config gives them, else
     the corpus's own held-out split (`marge prepare --heldout-permille`); what is left unset turns that probe off, and
     the log says which it is (never another corpus's files in their place)."""
+    for key in PROBE_KEYS:
+        given = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+        if given is not None and not Path(given).exists():
+            raise ConfigError(f"{key} names {given}, which does not exist: point it at this corpus's probe file, or "
+                              f"set it to null to use the corpus's own held-out split ({corpus.root})")
     documents = cfg.health.documents or (str(corpus.heldout_file("documents")) if corpus.heldout_file("documents") else None)
     pairs = cfg.data.heldout_pairs or (str(corpus.heldout_file("pairs")) if corpus.heldout_file("pairs") else None)
     for what, path, given, key in (("evidence-gain probes", documents, cfg.health.documents, "health.documents"),
@@ -325,7 +331,7 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: 
     import ray
 
     from services.batcher.actor import Batcher
-    from services.indexer.actor import IndexCoordinator, worker_options, write_pool_size
+    from services.indexer.actor import IndexCoordinator, start_worker, write_pool_size
 
     namespace = f"marge-{cfg.run.name}"  # actor names are unique per run, also on a shared cluster
     ix = cfg.indexer
@@ -335,9 +341,9 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: 
         # A new driver starts from the config (a resubmission's `indexer.num_workers` is what the cluster was
         # sized for); only a coordinator that Ray restarts within this driver keeps a scaled size.
         write_pool_size(paths, ix.num_workers)
-        workers = [worker_options(ix, i, namespace).remote(ix, paths, cfg.run.seed, i) for i in range(ix.num_workers)]
+        workers = [start_worker(ix, paths, cfg.run.seed, i, namespace, cfg.faults) for i in range(ix.num_workers)]
         coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(
-            ix, paths, cfg.version_plan(), len(workers), floor, cfg.run.seed)
+            ix, paths, cfg.version_plan(), len(workers), floor, cfg.run.seed, cfg.faults)
         runs["indexer"] = coordinator.run.remote()
     batcher = Batcher.options(name="marge-batcher", namespace=namespace).remote(
         cfg.batcher, cfg.queue, paths, cfg.run.seed, redis_url, cfg.slots(), cfg.version_plan(), cfg.faults,

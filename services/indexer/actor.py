@@ -26,6 +26,7 @@ import time
 import ray
 
 from marge.corpus import Corpus
+from marge.faults import FaultsConfig
 from marge.index_store import latest_version, staging_dir, version_dirname
 from marge.metrics import StageMetrics
 from marge.paths import RunPaths
@@ -40,11 +41,12 @@ log = logging.getLogger(__name__)
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class IndexerWorker:
-    def __init__(self, cfg: IndexerConfig, paths: RunPaths, seed: int, worker_index: int):
+    def __init__(self, cfg: IndexerConfig, paths: RunPaths, seed: int, worker_index: int,
+                 faults: FaultsConfig = FaultsConfig()):
         import torch
 
         setup_logging()
-        self.cfg, self.paths, self.seed = cfg, paths, seed
+        self.cfg, self.paths, self.seed, self.faults = cfg, paths, seed, faults
         if cfg.nice:
             os.nice(cfg.nice)  # yield the CPU to trainers that share it
         torch.set_num_threads(max(1, int(cfg.num_cpus_per_worker)))
@@ -62,12 +64,31 @@ class IndexerWorker:
         out.mkdir(parents=True, exist_ok=True)
         entries = []
         for shard in shards:
+            self._slow_down(version, shard)
             result = index_shard(self.corpus.read_shard(shard), encoder, self.specials, out, self.cfg,
                                  device=self.device, seed=self.seed + shard, snapshot_step=snapshot_step)
+            self._record_shard(version, shard, "indexed")
             self.metrics.inc("marge_indexer_docs_embedded", result.num_documents)
             self.metrics.set("marge_indexer_docs_per_second", result.num_documents / max(result.embed_seconds, 1e-9))
             entries.append(result.as_manifest_entry())
         return entries
+
+    def _slow_down(self, version: int, shard: int) -> None:
+        """The test-only `faults.slow_index_shard_s`: record the shard's start, then wait before indexing it."""
+        if self.faults.slow_index_shard_s is None:
+            return
+        self._record_shard(version, shard, "started")
+        time.sleep(self.faults.slow_index_shard_s)
+
+    def _record_shard(self, version: int, shard: int, event: str) -> None:
+        if self.faults.slow_index_shard_s is None:
+            return
+        record = {"version": version, "shard": shard, "event": event, "pid": os.getpid(),
+                  "node": ray.util.get_node_ip_address(), "time": time.time()}
+        path = self.paths.run_dir / "faults" / "index-shards.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:  # one short append: whole lines from every worker
+            f.write(json.dumps(record) + "\n")
 
 
 @ray.remote(num_cpus=0, max_concurrency=4, max_restarts=-1, max_task_retries=-1)
@@ -81,9 +102,9 @@ class IndexCoordinator:
     """
 
     def __init__(self, cfg: IndexerConfig, paths: RunPaths, plan: VersionPlan, workers: int, floor: int = 0,
-                 seed: int = 0):
+                 seed: int = 0, faults: FaultsConfig = FaultsConfig()):
         setup_logging()
-        self.cfg, self.paths, self.plan, self.seed = cfg, paths, plan, seed
+        self.cfg, self.paths, self.plan, self.seed, self.faults = cfg, paths, plan, seed, faults
         # the driver's first `workers`, found by name: actor handles as constructor arguments would be references
         # Ray cannot restore if it restarts this actor (ray-project/ray#53727); `scale` adds and removes from the end
         self.workers = [self._worker(i) for i in range(workers)]
@@ -154,7 +175,7 @@ class IndexCoordinator:
         try:
             return ray.get_actor(f"marge-indexer-{i}", namespace=namespace)
         except ValueError:
-            return worker_options(self.cfg, i, namespace).remote(self.cfg, self.paths, self.seed, i)
+            return start_worker(self.cfg, self.paths, self.seed, i, namespace, self.faults)
 
     def _apply_pool(self) -> None:
         """Grow or shrink the pool to the wanted size; only called between versions."""
@@ -180,7 +201,7 @@ class IndexCoordinator:
             except ray.exceptions.RayActorError:
                 log.warning("marge-indexer-%d is gone; starting a new one for shards %s of v%d", i, shards_of[i], version)
                 namespace = ray.get_runtime_context().namespace
-                self.workers[i] = worker_options(self.cfg, i, namespace).remote(self.cfg, self.paths, self.seed, i)
+                self.workers[i] = start_worker(self.cfg, self.paths, self.seed, i, namespace, self.faults)
                 entries += ray.get(self.workers[i].index_shards.remote(version, snapshot_step, shards_of[i]))
         return entries
 
@@ -233,10 +254,12 @@ class IndexCoordinator:
         return {"version": self.version, "indexed_step": self.indexed_step, "history": list(self.history)}
 
 
-def worker_options(cfg: IndexerConfig, index: int, namespace: str):
+def start_worker(cfg: IndexerConfig, paths: RunPaths, seed: int, index: int, namespace: str,
+                 faults: FaultsConfig = FaultsConfig()):
     """`IndexerWorker` as the run names and sizes it: `marge-indexer-<index>` in the run's namespace."""
     return IndexerWorker.options(name=f"marge-indexer-{index}", namespace=namespace, num_cpus=cfg.num_cpus_per_worker,
-                                 num_gpus=cfg.num_gpus_per_worker if cfg.use_gpu else 0, resources=dict(cfg.resources))
+                                 num_gpus=cfg.num_gpus_per_worker if cfg.use_gpu else 0,
+                                 resources=dict(cfg.resources)).remote(cfg, paths, seed, index, faults)
 
 
 def pool_file(paths: RunPaths):

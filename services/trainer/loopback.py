@@ -7,11 +7,15 @@ its port in the same process. So, in rank 0's process and only when MASTER_ADDR 
 starts that server first, on a socket bound to MASTER_ADDR itself; the store torch then creates is a tenant
 of it. The driver installs it in the local cluster's worker processes (Ray's `worker_process_setup_hook`);
 on a multi-node cluster MASTER_ADDR is not loopback and nothing changes.
+
+The same hook points gloo at the node's Ray address on a host whose name resolves to loopback
+(`bind_gloo_to_node_address`), where ranks on other nodes could not otherwise reach this one.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from datetime import timedelta
 
@@ -59,3 +63,41 @@ def install() -> None:
 
     create_c10d_store.loopback_guarded = True
     rendezvous._create_c10d_store = create_c10d_store
+    bind_gloo_to_node_address()
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds `address`, if any."""
+    import psutil  # a dependency of Ray
+
+    return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == address for a in addrs)),
+                None)
+
+
+def bind_gloo_to_node_address() -> None:
+    """Gloo gives the other ranks the address this host's name resolves to; where it resolves to loopback (an
+    /etc/hosts line `127.0.0.1 <hostname>`, common on bare machines and in containers and network namespaces), a
+    rank on another node would be told to connect to 127.0.0.1 and the process group never forms. Unless
+    GLOO_SOCKET_IFNAME is set, this names the interface holding the node's Ray address instead; on one machine
+    (a loopback node address) or where the name resolves elsewhere it changes nothing."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    try:
+        resolved = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        resolved = None
+    if resolved is not None and not is_loopback(resolved):
+        return
+    try:
+        import ray
+
+        node_address = ray.util.get_node_ip_address()
+    except Exception:  # not in a Ray worker: nothing to bind to
+        return
+    if is_loopback(node_address):
+        return
+    name = interface_of(node_address)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        log.info("this host's name resolves to %s: gloo binds interface %s (the node's address %s) so that ranks on "
+                 "other nodes can reach this one", resolved, name, node_address)

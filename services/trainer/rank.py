@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -265,6 +266,8 @@ class Rank:
             if d.batch is not None and d.batch.snapshot_step >= 0:  # batches without an index have none
                 self.metrics.observe("marge_batch_staleness_steps", step - 1 - d.batch.snapshot_step)
         self.metrics.inc("marge_batches_trained", len(done.trained))
+        if self.job.faults.slow_update_s:  # test-only (marge.faults): a run slow enough to fault mid-way
+            time.sleep(self.job.faults.slow_update_s)
 
     def snapshot(self, step: int) -> dict:
         if self.job.objectives.needs_index:  # the indexer's input

@@ -34,6 +34,13 @@ class FaultsConfig:
     """The update whose checkpoint `crash_in_commit_window` is in."""
     crash_in_commit_window_rank: int = 0
     """The rank `crash_in_commit_window` kills."""
+    slow_update_s: float | None = None
+    """Every trainer rank waits this long after each update (the same batches, only slower): a run long enough for
+    a test to fault it twice."""
+    slow_index_shard_s: float | None = None
+    """Every indexer worker waits this long before indexing each shard, and records each shard's start and end
+    (version, shard, pid, node) in run.dir/faults/index-shards.jsonl: a build slow enough to be interrupted, and
+    the record of which process indexed what, so a test can kill a node mid-build and see the build redone."""
     trace_collectives: str | None = None
     """Not a fault, a probe of the same kind: every trainer rank appends each collective it calls (its name, the
     devices of its tensors, the process group's backend and the rank's model device) to rank-<r>.jsonl in this
@@ -44,6 +51,9 @@ class FaultsConfig:
             if getattr(self, name) is not None:
                 at_least(self, name, 0)
         at_least(self, "crash_in_commit_window_rank", 0)
+        for name in ("slow_update_s", "slow_index_shard_s"):
+            if getattr(self, name) is not None:
+                at_least(self, name, 0)
         if self.crash_in_commit_window is not None:
             one_of(self, "crash_in_commit_window", COMMIT_WINDOW_POINTS)
             if self.crash_in_commit_window_step is None:
@@ -52,4 +62,5 @@ class FaultsConfig:
     @property
     def any(self) -> bool:
         return any(v is not None for v in (self.poison_slot, self.nan_loss_slot, self.crash_in_checkpoint_step,
-                                           self.crash_in_commit_window, self.trace_collectives))
+                                           self.crash_in_commit_window, self.slow_update_s, self.slow_index_shard_s,
+                                           self.trace_collectives))
