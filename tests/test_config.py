@@ -433,5 +433,5 @@ def test_the_redis_url_comes_from_a_secret_file_and_a_bad_one_is_named(tmp_path,
         redis_url_from_environment()
     secret.write_text("s3cret\n")
     monkeypatch.setenv("MARGE_REDIS_URL_FILE", str(secret))
-    with pytest.raises(ConfigError, match="is not a redis:// URL"):
+    with pytest.raises(ConfigError, match="is not a redis://, rediss:// or unix:// URL"):
         redis_url_from_environment()

@@ -295,6 +295,25 @@ def finish(c: NamespacedCluster, job: str, timeout_s: float = 900) -> str:
                     "the job finished", every_s=5)
 
 
+def submitted_and_past_a_checkpoint(c: NamespacedCluster, run_dir: Path, corpus: Path,
+                                    extra: list[str] = ()) -> tuple[str, int]:
+    """The run submitted and trained past its checkpoint at 10: (its job, the newest update trained)."""
+    job = submit(c, run_dir, corpus, steps=STEPS, extra=extra)
+    wait_for(lambda: len(trained_steps(run_dir)) >= 15, 600, "15 updates were trained (a checkpoint at 10)")
+    return job, max(trained_steps(run_dir))
+
+
+def ends_as_uninterrupted(c: NamespacedCluster, job: str, run_dir: Path, fault_at: float, record: dict) -> None:
+    """The faulted run finished, trained every update once with the uninterrupted run's batches, and audits
+    clean; prints `record` with its recovery and audit (docs/cluster.md's table)."""
+    assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
+    assert trained_steps(run_dir) == list(range(1, STEPS + 1))  # updates after the checkpoint: trained again, logged once
+    same_batches_as_uninterrupted(run_dir)
+    result = audit(c, run_dir)
+    assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
+    print(json.dumps({**record, "recovery_s": round(recovery_seconds(run_dir, fault_at), 1), "audit": result}))
+
+
 def test_the_job_runs_across_three_namespaced_nodes(cluster, small_corpus, tmp_path):
     c = cluster
     root_listening = set(listening_addresses([os.getpid()]))
@@ -337,9 +356,7 @@ def test_the_job_runs_across_three_namespaced_nodes(cluster, small_corpus, tmp_p
 def test_a_lost_trainer_node_is_replaced_and_the_run_resumes_with_nothing_lost(cluster, small_corpus, tmp_path):
     c = cluster
     run_dir = tmp_path / "run"
-    job = submit(c, run_dir, small_corpus, steps=STEPS)
-    wait_for(lambda: len(trained_steps(run_dir)) >= 15, 600, "15 updates were trained (a checkpoint at 10)")
-    before = max(trained_steps(run_dir))
+    job, before = submitted_and_past_a_checkpoint(c, run_dir, small_corpus)
     fault_at = time.time()
     victims = c.net.kill(c.trainer_node, signal.SIGKILL)  # the node's raylet, its agents and both trainer ranks
     assert victims
@@ -347,14 +364,8 @@ def test_a_lost_trainer_node_is_replaced_and_the_run_resumes_with_nothing_lost(c
     c.start_worker(c.trainer_node, TRAINER_NODE, cpus=2)  # a replacement node at the same address
     wait_for(lambda: (steps := trained_steps(run_dir)) and max(steps) > before and steps, 600,
              "training went on after the node was lost")
-    assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
-    assert trained_steps(run_dir) == list(range(1, STEPS + 1))  # updates after the checkpoint: trained again, logged once
-    same_batches_as_uninterrupted(run_dir)
-    result = audit(c, run_dir)
-    assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
-    print(json.dumps({"fault": "trainer node lost (raylet and both ranks killed), replaced after 5 s",
-                      "updates_before_fault": before, "recovery_s": round(recovery_seconds(run_dir, fault_at), 1),
-                      "audit": result}))
+    ends_as_uninterrupted(c, job, run_dir, fault_at, {
+        "fault": "trainer node lost (raylet and both ranks killed), replaced after 5 s", "updates_before_fault": before})
 
 
 def node_raylet_alive(c: NamespacedCluster, node: NetNode) -> bool:
@@ -404,16 +415,10 @@ def test_a_short_cut_goes_unnoticed_and_a_long_one_loses_the_node_and_nothing_el
     c.net.kill(c.trainer_node, signal.SIGKILL)  # what the lost node left behind (its workers)
     c.start_worker(c.trainer_node, TRAINER_NODE, cpus=2)
     wait_for(lambda: max(trained_steps(run_dir) or [0]) > long_at, 600, "training went on after the node came back")
-    assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
-    assert trained_steps(run_dir) == list(range(1, STEPS + 1))
+    ends_as_uninterrupted(c, job, run_dir, fault_at, {
+        "fault": f"trainer node cut off for {SHORT_CUT_S} s (unnoticed), later for {LONG_CUT_S} s (declared dead, "
+                 "restarted)", "updates_before_short_cut": short_at, "updates_before_long_cut": long_at})
     assert not trainer_actor_ids(c) & ranks
-    same_batches_as_uninterrupted(run_dir)
-    result = audit(c, run_dir)
-    assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
-    print(json.dumps({"fault": f"trainer node cut off for {SHORT_CUT_S} s (unnoticed), later for {LONG_CUT_S} s "
-                      "(declared dead, restarted)", "updates_before_short_cut": short_at,
-                      "updates_before_long_cut": long_at, "recovery_s": round(recovery_seconds(run_dir, fault_at), 1),
-                      "audit": result}))
 
 
 def shard_records(run_dir: Path) -> list[dict]:
@@ -458,14 +463,9 @@ def test_the_indexer_node_lost_during_an_index_build_loses_nothing(cluster, smal
     assert not any(r["pid"] == interrupted["pid"] and r["event"] == "indexed" and r["version"] == version
                    and r["shard"] == shard for r in shard_records(run_dir))  # the dead worker never finished it
     wait_for(lambda: any(m["version"] == version for m in index_manifests(run_dir)), 600, f"v{version} was committed")
-    assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
-    assert trained_steps(run_dir) == list(range(1, STEPS + 1))
-    same_batches_as_uninterrupted(run_dir)
-    result = audit(c, run_dir)
-    assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
-    print(json.dumps({"fault": "indexer node lost while a shard was being indexed, replaced after 5 s",
-                      "interrupted": {"version": version, "shard": shard}, "updates_before_fault": before,
-                      "recovery_s": round(recovery_seconds(run_dir, fault_at), 1), "audit": result}))
+    ends_as_uninterrupted(c, job, run_dir, fault_at, {
+        "fault": "indexer node lost while a shard was being indexed, replaced after 5 s",
+        "interrupted": {"version": version, "shard": shard}, "updates_before_fault": before})
 
 
 def test_the_queue_redis_restarted_mid_run_loses_nothing(cluster, small_corpus, tmp_path):
@@ -473,9 +473,7 @@ def test_the_queue_redis_restarted_mid_run_loses_nothing(cluster, small_corpus, 
     every stage's client retries through the gap, and nothing acknowledged is lost."""
     c = cluster
     run_dir = tmp_path / "run"
-    job = submit(c, run_dir, small_corpus, steps=STEPS)
-    wait_for(lambda: len(trained_steps(run_dir)) >= 15, 600, "15 updates were trained (a checkpoint at 10)")
-    before = max(trained_steps(run_dir))
+    job, before = submitted_and_past_a_checkpoint(c, run_dir, small_corpus)
     fault_at = time.time()
     try:
         c.redis_process.kill()  # SIGKILL; `ip netns exec` ran redis-server in its own place (exec)
@@ -484,14 +482,8 @@ def test_the_queue_redis_restarted_mid_run_loses_nothing(cluster, small_corpus, 
     finally:
         c.start_redis()  # also when the test fails here: the next tests need it
     wait_for(lambda: max(trained_steps(run_dir)) > before + 2, 600, "training went on after Redis came back")
-    assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
-    assert trained_steps(run_dir) == list(range(1, STEPS + 1))
-    same_batches_as_uninterrupted(run_dir)
-    result = audit(c, run_dir)
-    assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
-    print(json.dumps({"fault": "the queue's redis-server SIGKILLed, started again after 5 s",
-                      "updates_before_fault": before, "recovery_s": round(recovery_seconds(run_dir, fault_at), 1),
-                      "audit": result}))
+    ends_as_uninterrupted(c, job, run_dir, fault_at, {
+        "fault": "the queue's redis-server SIGKILLed, started again after 5 s", "updates_before_fault": before})
 
 
 def test_ranks_on_two_nodes_lose_one_node_and_the_run_resumes_with_nothing_lost(cluster, small_corpus, tmp_path):
@@ -502,24 +494,17 @@ def test_ranks_on_two_nodes_lose_one_node_and_the_run_resumes_with_nothing_lost(
     try:
         c.wait_nodes({c.second_trainer_node.address})
         run_dir = tmp_path / "run"
-        job = submit(c, run_dir, small_corpus, steps=STEPS, extra=["trainer.resources={marge_trainer_split: 1}",
-                                                                   "faults.slow_update_s=0.5"])
-        wait_for(lambda: len(trained_steps(run_dir)) >= 15, 600, "15 updates were trained (a checkpoint at 10)")
+        job, before = submitted_and_past_a_checkpoint(c, run_dir, small_corpus, [
+            "trainer.resources={marge_trainer_split: 1}", "faults.slow_update_s=0.5"])
         assert sorted(placement(c).get("RayTrainWorker", [])) == sorted(
             [c.trainer_node.address, c.second_trainer_node.address])
-        before = max(trained_steps(run_dir))
         fault_at = time.time()
         assert c.net.kill(c.second_trainer_node, signal.SIGKILL)
         time.sleep(5)
         c.start_worker(c.second_trainer_node, {"marge_trainer_split": 1}, cpus=2)
         wait_for(lambda: max(trained_steps(run_dir)) > before, 600, "training went on after the node was lost")
-        assert finish(c, job) == "SUCCEEDED", job_logs(c, job)
-        assert trained_steps(run_dir) == list(range(1, STEPS + 1))
-        same_batches_as_uninterrupted(run_dir)
-        result = audit(c, run_dir)
-        assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
-        print(json.dumps({"fault": "one of two trainer nodes lost (its rank and raylet killed), replaced after 5 s",
-                          "updates_before_fault": before,
-                          "recovery_s": round(recovery_seconds(run_dir, fault_at), 1), "audit": result}))
+        ends_as_uninterrupted(c, job, run_dir, fault_at, {
+            "fault": "one of two trainer nodes lost (its rank and raylet killed), replaced after 5 s",
+            "updates_before_fault": before})
     finally:
         c.net.kill(c.second_trainer_node, signal.SIGKILL)  # no fifth raylet beside the next tests

@@ -119,13 +119,14 @@ def add_redis_user(sub) -> None:
 def cmd_redis_user(args: argparse.Namespace) -> int:
     import os
 
-    from services.driver.redis_users import create_run_user, delete_run_user, read_url_file
+    from services.driver.config import read_redis_url_file
+    from services.driver.redis_users import create_run_user, delete_run_user
 
     admin_file = args.admin_url_file or os.environ.get("MARGE_REDIS_ADMIN_URL_FILE")
     if not admin_file:
         raise ValueError("marge redis-user needs an operator's Redis URL in a file: --admin-url-file PATH or "
                          "MARGE_REDIS_ADMIN_URL_FILE (never on the command line, where `ps` shows it)")
-    admin_url = read_url_file(Path(admin_file), "--admin-url-file")
+    admin_url = read_redis_url_file(Path(admin_file), f"the operator's URL file {admin_file}")
     if args.redis_user_command == "create":
         result = create_run_user(admin_url, args.run, args.out)
         if not result["saved_to_aclfile"]:

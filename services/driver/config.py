@@ -411,13 +411,19 @@ def redis_url_from_environment() -> str | None:
     path = os.environ.get("MARGE_REDIS_URL_FILE")
     if not path:
         return None
+    return read_redis_url_file(Path(path), f"MARGE_REDIS_URL_FILE={path}",
+                               "mount the secret file on every node at that path")
+
+
+def read_redis_url_file(path: Path, what: str, fix: str = "") -> str:
+    """The Redis URL on the first line of `path` (a secret file: never the URL itself on a command line). `what`
+    names the setting that gave the path, in the error."""
     try:
         url = Path(path).read_text(encoding="utf-8").strip().splitlines()[0].strip()
     except (OSError, IndexError) as e:
-        raise ConfigError(f"MARGE_REDIS_URL_FILE={path}: cannot read a Redis URL from it ({e}): mount the secret "
-                          "file on every node at that path") from None
+        raise ConfigError(f"{what}: cannot read a Redis URL from it ({e})" + (f": {fix}" if fix else "")) from None
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"MARGE_REDIS_URL_FILE={path}: its first line is not a redis:// URL")
+        raise ConfigError(f"{what}: its first line is not a redis://, rediss:// or unix:// URL")
     return url
 
 

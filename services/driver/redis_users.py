@@ -38,16 +38,6 @@ def key_pattern(run: str) -> str:
     return "marge:" + re.sub(r"([*?\[\]\\])", r"\\\1", run) + ":*"
 
 
-def read_url_file(path: Path, what: str) -> str:
-    try:
-        url = Path(path).read_text(encoding="utf-8").strip().splitlines()[0].strip()
-    except (OSError, IndexError) as e:
-        raise ValueError(f"{what} {path}: cannot read a Redis URL from it ({e})") from None
-    if not url.startswith(("redis://", "rediss://")):
-        raise ValueError(f"{what} {path}: its first line is not a redis:// or rediss:// URL")
-    return url
-
-
 def with_user(url: str, user: str, password: str) -> str:
     """`url` (host, port, database, TLS options kept) authenticating as `user`."""
     parts = urlsplit(url)
