@@ -198,6 +198,7 @@ def test_the_python_api_example_in_the_docs_runs(trained, capsys):
     import marge
 
     model = marge.load(trained["checkpoint"])
+    assert type(model).__name__ == "PretrainedModel" and model.task is None and "PretrainedModel(" in repr(model)
     pairs = read_pairs(trained["pairs"], model.tokenizer.languages)[0]
     g = model.relevance(pairs.sources[:4])
     assert g.shape == (4, model.model.cfg.d_model) and np.allclose(np.linalg.norm(g, axis=1), 1.0, atol=1e-5)

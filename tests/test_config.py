@@ -66,7 +66,9 @@ def test_every_field_of_every_section_refuses_a_wrong_type_and_names_itself(key)
 
 
 @pytest.mark.parametrize("override, message", [
-    ("run.max_step=7", r"unknown key\(s\) \['max_step'\] in section 'run'"),
+    ("run.max_step=7", r"command-line override 'run.max_step=7': run\.max_step: unknown key\(s\) \['max_step'\] in "
+                       r"section 'run'; did you mean 'max_steps'"),
+    ("traner.lr=1", r"command-line override 'traner.lr=1': traner: unknown key\(s\) .* did you mean 'trainer'\?"),
     ("run.max_steps=0", r"run\.max_steps must be > 0, got 0"),
     ("run.name=a/b", r"run\.name must be a non-empty name"),
     ("run.dir=s3://bucket/runs/x", r"run\.dir must be a path on a POSIX filesystem every node mounts, not an object-store URI"),

@@ -346,8 +346,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return build(PipelineConfig, load_tree(path, overrides or []))
     except ConfigError as e:
         text = str(e)
+        named = text.split(" ", 1)[0].rstrip(":,")  # the dotted key an error starts with
         culprits = [o for o in overrides or [] if text.startswith(o.split("=", 1)[0].strip() + " ")
-                    or text.startswith(o.split("=", 1)[0].strip() + ".")]
+                    or text.startswith(o.split("=", 1)[0].strip() + ".")
+                    or (o.split("=", 1)[0].strip() + ".").startswith(named + ".")]
         where = f"command-line override {culprits[-1]!r}" if culprits else str(path or "config")
         raise ConfigError(f"{where}: {e}") from None
 

@@ -124,6 +124,18 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     return value
 
 
+def unknown_keys_message(prefix: str, unknown: list[str], known: set[str]) -> str:
+    """`<section.key> is not a key of ...; did you mean ...?`: the dotted key first, so that an error from a
+    command-line override is blamed on that override, with the nearest known keys."""
+    import difflib
+
+    where = f"section {prefix!r}" if prefix else "the top level"
+    dotted = [f"{prefix}.{k}" if prefix else k for k in unknown]
+    near = [m for k in unknown for m in difflib.get_close_matches(k, sorted(known), n=2, cutoff=0.6)]
+    hint = f"; did you mean {' or '.join(repr(m) for m in dict.fromkeys(near))}?" if near else "."
+    return f"{', '.join(dotted)}: unknown key(s) {unknown} in {where}{hint} Known keys: {sorted(known)}"
+
+
 def build(cls: type, values: Any, prefix: str = "") -> Any:
     """`cls` from a YAML mapping: every key known, every value of the right type, the class's checks run."""
     if values is None:
@@ -134,8 +146,7 @@ def build(cls: type, values: Any, prefix: str = "") -> Any:
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        where = f"section {prefix!r}" if prefix else "the top level"
-        raise ConfigError(f"unknown key(s) {unknown} in {where}; known keys: {sorted(known)}")
+        raise ConfigError(unknown_keys_message(prefix, unknown, known))
     kwargs = {name: _coerce(f"{prefix}.{name}" if prefix else name, value, hints[name]) for name, value in values.items()}
     try:
         return cls(**kwargs)

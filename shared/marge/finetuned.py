@@ -273,9 +273,21 @@ class FineTunedModel:
         return [{"label": self.labels[int(p.argmax())], "score": float(p.max())} for p in probs]
 
 
+class PretrainedModel(FineTunedModel):
+    """A pre-training checkpoint (`marge pretrain`), ready to use: g (`relevance`), sentence vectors (`embed`) and
+    zero-shot generation (`generate`); `classify` needs `marge finetune --task classification` first."""
+
+    def __init__(self, model: Marge, tokenizer: MargeTokenizer, device: str | torch.device = "cpu",
+                 path: Path | None = None):
+        super().__init__(model, tokenizer, None, device, path)
+
+    def __repr__(self) -> str:
+        return f"PretrainedModel({self.path}, d_model={self.model.cfg.d_model}, languages={self.tokenizer.languages})"
+
+
 def load(directory: Path | str, device: str | torch.device = "cpu") -> FineTunedModel:
-    """A fine-tuned model directory (`marge finetune`'s output) or a pre-training checkpoint, verified
-    against its manifest."""
+    """A fine-tuned model directory (`marge finetune`'s output, a `FineTunedModel`) or a pre-training checkpoint
+    (a `PretrainedModel`), verified against its manifest."""
     directory = Path(directory)
     manifest = read_manifest(directory, formats=(FINETUNED_FORMAT, CHECKPOINT_FORMAT))
     tokenizer = MargeTokenizer.load(directory)
@@ -284,7 +296,7 @@ def load(directory: Path | str, device: str | torch.device = "cpu") -> FineTuned
         if not isinstance(model, Marge):
             raise ValueError(f"{directory} holds a {type(model).__name__} model, an encoder without a MARGE decoder: "
                              "it cannot be used for generation or classification here")
-        return FineTunedModel(model, tokenizer, None, device, directory)
+        return PretrainedModel(model, tokenizer, device, directory)
     finetune_config = json.loads((directory / "finetune_config.json").read_text(encoding="utf-8"))
     cfg = config_from_saved(json.loads((directory / "model_config.json").read_text(encoding="utf-8")))
     if finetune_config["task"] == "classification":
