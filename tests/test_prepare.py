@@ -77,6 +77,25 @@ def test_held_out_pairs_tsv(demo_raw):
     assert "Mozilla Public" in (demo_raw / "ATTRIBUTION.md").read_text()
 
 
+def test_prepare_warns_when_the_tokenizer_or_the_held_out_split_is_far_below_what_was_asked(tmp_path, caplog):
+    rows = [{"id": f"p{g}-{lang}", "group": f"p{g}", "language": lang, "text": f"{text} {g}"}
+            for g in range(40) for lang, text in (("en", ENGLISH), ("de", GERMAN), ("zh", CHINESE))]
+    raw = write_jsonl(tmp_path / "raw.jsonl", rows)
+    with caplog.at_level("WARNING", logger="marge.prepare"):
+        manifest = prepare(opts([raw], tmp_path / "big", vocab_size=32000, heldout_permille=100))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    pieces = manifest["tokenizer"]["vocab_size"]
+    assert pieces < 16000 and any(f"the tokenizer has {pieces} pieces, far below the 32000 asked for" in w
+                                  and f"--vocab-size {pieces}" in w for w in warned), warned
+    held = manifest["heldout"]["groups"]
+    assert 0 < held < 30 and any(f"the held-out split has {held} groups" in w and "--heldout-permille 750" in w
+                                 for w in warned), warned  # 30 of the 40 groups
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="marge.prepare"):
+        prepare(opts([raw], tmp_path / "fits", vocab_size=pieces))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]  # asked what it could give, no split asked
+
+
 def test_duplicates_are_dropped_and_long_documents_chunked(tmp_path):
     long_text = "\n\n".join(f"Paragraph number {i} explains another spreadsheet feature in detail." for i in range(60))
     rows = good_rows() + [{"id": "dup", "group": "p9", "language": "en", "text": "  " + ENGLISH.upper() + " "},

@@ -546,7 +546,7 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
             {"name": "ray", "shard_assignment": "hash", "workers": workers, "document_partitions": partitions,
              "chunk_partitions": chunk_partitions, "shard_groups": shard_groups, "stage_seconds": clock.seconds})
         if heldout:
-            manifest["heldout"] = write_heldout(tmp / HELDOUT_DIR, heldout, opts)
+            manifest["heldout"] = write_heldout(tmp / HELDOUT_DIR, heldout, opts, manifest["num_groups"])
         atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return manifest
 
