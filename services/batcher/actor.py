@@ -9,6 +9,7 @@ Redis restart that lost its last writes) it writes those slots again, identicall
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -23,7 +24,7 @@ from marge.faults import FaultsConfig
 from marge.index_store import IndexVersion
 from marge.metrics import StageMetrics
 from marge.paths import RunPaths
-from marge.protocol import BatchQueue, QueueConfig, Slots, VersionPlan
+from marge.protocol import BatchId, BatchQueue, QueueConfig, Slots, VersionPlan
 from marge.utils import setup_logging
 from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.core import DocumentStore
@@ -34,11 +35,16 @@ log = logging.getLogger(__name__)
 
 
 def poisoned(batch: Batch) -> Batch:
-    """The batch with one token id no vocabulary has (the `faults.poison_slot` switch)."""
+    """The batch with one token id no vocabulary has (the `faults.poison_slot` switch), under an id that names this
+    content: a builder that makes a bad batch, not one whose entry was altered (which the trainer refuses apart)."""
     tokens = list(batch.doc_tokens)
     tokens[int(batch.targets[0])] = np.concatenate([tokens[int(batch.targets[0])], [2**30]]).astype(np.int32)
-    return Batch(batch.batch_id, batch.index_version, batch.snapshot_step, batch.doc_ids, batch.doc_langs,
-                 tuple(tokens), batch.targets, batch.evidence, batch.edges, batch.edge_weights)
+    bad = Batch(batch.batch_id, batch.index_version, batch.snapshot_step, batch.doc_ids, batch.doc_langs,
+                tuple(tokens), batch.targets, batch.evidence, batch.edges, batch.edge_weights)
+    named = BatchId.of(bad)
+    if named is None:
+        return bad
+    return dataclasses.replace(bad, batch_id=str(dataclasses.replace(named, content=bad.content_digest())))
 
 
 @ray.remote(num_cpus=0, max_concurrency=4, max_restarts=-1, max_task_retries=-1)
