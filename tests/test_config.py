@@ -437,3 +437,15 @@ def test_the_redis_url_comes_from_a_secret_file_and_a_bad_one_is_named(tmp_path,
     monkeypatch.setenv("MARGE_REDIS_URL_FILE", str(secret))
     with pytest.raises(ConfigError, match="is not a redis://, rediss:// or unix:// URL"):
         redis_url_from_environment()
+
+
+def test_audit_on_a_single_process_run_says_there_is_no_queue_in_one_line(tmp_path, capsys, monkeypatch):
+    from services.cli import main
+
+    monkeypatch.delenv("MARGE_REDIS_URL", raising=False)
+    monkeypatch.delenv("MARGE_REDIS_URL_FILE", raising=False)
+    (tmp_path / "config.yaml").write_text((DEPLOY / "configs" / "tiny.yaml").read_text())
+    (tmp_path / "checkpoints").mkdir()  # where a single-process run keeps them (a pipeline run: ray_train/)
+    assert main(["audit", "--run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trained in a single process" in err[0] and "nothing to audit" in err[0], err

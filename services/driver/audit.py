@@ -50,6 +50,10 @@ def run_queue(run_dir: Path, redis_url: str | None = None) -> Iterator[tuple[Pip
         yield cfg, BatchQueue.connect(url, cfg.run.name, cfg.slots())
         return
     data_dir, conf_dir = Path(run_dir) / "redis", private_conf_dir(Path(run_dir))
+    if not (conf_dir / "redis.conf").exists() and single_process_run(Path(run_dir)):
+        raise ValueError(f"{run_dir} was trained in a single process (`marge experiment learning --single-process`: "
+                         "its checkpoints are in checkpoints/, not ray_train/): it had no batch queue, so there is "
+                         "nothing to audit; its train_log.jsonl lists the batches of every update")
     if not (conf_dir / "redis.conf").exists():
         raise FileNotFoundError(f"{conf_dir}/redis.conf not found: the run used an external Redis (set "
                                 "MARGE_REDIS_URL_FILE or MARGE_REDIS_URL, or pass --redis-url), or its private "
@@ -61,6 +65,11 @@ def run_queue(run_dir: Path, redis_url: str | None = None) -> Iterator[tuple[Pip
     finally:
         if server.process is not None:  # started here for the audit; a server that a live driver owns stays
             server.stop()
+
+
+def single_process_run(run_dir: Path) -> bool:
+    """Whether `run_dir` is a single-process run's (checkpoints in checkpoints/, none under ray_train/)."""
+    return (run_dir / "checkpoints").is_dir() and not (run_dir / "ray_train").exists()
 
 
 def checkpoint_deliveries(checkpoint: Path | None) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
