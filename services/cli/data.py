@@ -20,6 +20,8 @@ def add_prepare(sub) -> None:
     p.add_argument("--min-document-tokens", type=int, default=1, help="drop documents with fewer text tokens")
     p.add_argument("--heldout-permille", type=int, default=0,
                    help="groups per 1000 held out of training for the runs' probes and P@1 (written to heldout/)")
+    p.add_argument("--max-pairs-per-direction", type=int, default=1000,
+                   help="held-out translation pairs kept per language pair (default 1000)")
     p.add_argument("--docs-per-shard", type=int, default=512, help="target chunks per shard (default 512)")
     p.add_argument("--num-shards", type=int, default=None, help="exact number of shards (overrides --docs-per-shard)")
     p.add_argument("--languages", default=None, help="keep only these comma-separated ISO 639-1 languages")
@@ -47,7 +49,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         inputs=args.inputs, out=args.out, tokenizer_dir=args.tokenizer, vocab_size=args.vocab_size,
         max_chunk_tokens=args.max_chunk_tokens, document_unit=args.document_unit,
         min_document_tokens=args.min_document_tokens, docs_per_shard=args.docs_per_shard, num_shards=args.num_shards,
-        heldout_permille=args.heldout_permille,
+        heldout_permille=args.heldout_permille, max_pairs_per_direction=args.max_pairs_per_direction,
         languages=tuple(args.languages.split(",")) if args.languages else None, lid=not args.no_lid,
         lid_threshold=args.lid_threshold, max_document_chars=args.max_document_chars,
         on_bad_document="skip" if args.skip_bad_documents else "error", seed=args.seed, overwrite=args.overwrite,

@@ -186,7 +186,9 @@ def load_tree(path: str | Path | None, overrides: Iterable[str] = ()) -> dict[st
     if path is not None:
         path = Path(path)
         if not path.exists():
-            raise ConfigError(f"config file {path} not found (the shipped configs are in deploy/configs/)")
+            raise ConfigError(f"config file {path} not found from {Path.cwd()}: a relative --config is read from the "
+                              "current folder, and the shipped configs (deploy/configs/) name their data relative to "
+                              "the repository's root: run marge from there, or give --config an absolute path")
         try:
             tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
