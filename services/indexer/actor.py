@@ -39,6 +39,10 @@ from services.indexer.core import build_version, describe_build, index_shard
 log = logging.getLogger(__name__)
 
 
+class BuildStopped(Exception):
+    """The coordinator was stopped while a build waited on its workers."""
+
+
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class IndexerWorker:
     def __init__(self, cfg: IndexerConfig, paths: RunPaths, seed: int, worker_index: int,
@@ -197,13 +201,23 @@ class IndexCoordinator:
         entries = []
         for i, ref in refs.items():
             try:
-                entries += ray.get(ref)
+                entries += self._unless_stopped(ref)
             except ray.exceptions.RayActorError:
                 log.warning("marge-indexer-%d is gone; starting a new one for shards %s of v%d", i, shards_of[i], version)
                 namespace = ray.get_runtime_context().namespace
                 self.workers[i] = start_worker(self.cfg, self.paths, self.seed, i, namespace, self.faults)
-                entries += ray.get(self.workers[i].index_shards.remote(version, snapshot_step, shards_of[i]))
+                entries += self._unless_stopped(self.workers[i].index_shards.remote(version, snapshot_step, shards_of[i]))
         return entries
+
+    def _unless_stopped(self, ref):
+        """`ray.get(ref)`, or BuildStopped once `stop` is called: the run is over, and a build still waiting on its
+        workers then ends before the driver removes the stage (killed mid-call, Ray would report a failed task)."""
+        while True:
+            ready, _ = ray.wait([ref], timeout=0.5)
+            if ready:
+                return ray.get(ref)
+            if self._stop.is_set():
+                raise BuildStopped()
 
     def build(self, version: int) -> dict:
         with self._pool_lock:
@@ -239,13 +253,20 @@ class IndexCoordinator:
         return record
 
     def run(self, poll_s: float = 0.5) -> None:
-        """Index on every due snapshot until stopped."""
+        """Index on every due snapshot until stopped (a build in progress then ends unfinished: its staging folder
+        is taken up again by the next build of that version)."""
         while not self._stop.is_set():
             todo = self.due()
-            if todo is not None:
-                self.build(todo)
-            else:
+            if todo is None:
                 self._stop.wait(poll_s)
+                continue
+            try:
+                self.build(todo)
+            except BuildStopped:
+                log.info("index v%d: build left unfinished, the run is over", todo)
+                with self._pool_lock:
+                    self.building = None
+                return
 
     def stop(self) -> None:
         self._stop.set()
