@@ -1,0 +1,91 @@
+"""The image and the deploy files: the image's install script run in a fresh virtual environment (no Docker
+daemon needed), and the cluster files checked for what they name (the image the Dockerfile builds, configs and
+scripts that exist, the shape KubeRay's RayJob has)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+IMAGE = "marge:latest"
+
+
+def strings(tree) -> list[str]:
+    """Every string anywhere in a loaded YAML tree."""
+    if isinstance(tree, str):
+        return [tree]
+    if isinstance(tree, dict):
+        return [s for k, v in tree.items() for s in (*strings(k), *strings(v))]
+    if isinstance(tree, list):
+        return [s for v in tree for s in strings(v)]
+    return []
+
+
+def containers(rayjob: dict) -> list[dict]:
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    return [c for pod in pods for c in pod["template"]["spec"]["containers"]]
+
+
+def test_the_deploy_files_name_the_image_the_dockerfile_builds_and_files_that_exist():
+    dockerfile = (DEPLOY / "image" / "Dockerfile").read_text()
+    assert f"-t {IMAGE}" in dockerfile and "deploy/image/install.sh" in dockerfile
+    base = re.search(r"^ARG BASE=(\S+)", dockerfile, re.M).group(1)
+    assert re.fullmatch(r"rayproject/ray:2\.60\.0-py311-(gpu|cpu)", base), base  # Ray and Python as pinned
+
+    cluster = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
+    rayjob = yaml.safe_load((DEPLOY / "kuberay" / "rayjob.yaml").read_text())
+    assert cluster["docker"]["image"] == IMAGE
+    assert {c["image"] for c in containers(rayjob)} == {IMAGE}
+
+    # the RayJob's shape (KubeRay's ray.io/v1 CRD): what the operator reads, under the names it reads them
+    assert (rayjob["apiVersion"], rayjob["kind"]) == ("ray.io/v1", "RayJob")
+    spec = rayjob["spec"]
+    assert isinstance(spec["entrypoint"], str) and set(spec) <= {
+        "entrypoint", "rayClusterSpec", "submissionMode", "shutdownAfterJobFinishes", "ttlSecondsAfterFinished",
+        "runtimeEnvYAML", "activeDeadlineSeconds", "backoffLimit", "suspend", "metadata", "jobId",
+        "submitterPodTemplate", "submitterConfig", "entrypointNumCpus", "entrypointNumGpus", "entrypointResources",
+        "clusterSelector", "managedBy", "deletionStrategy"}, sorted(spec)
+    assert spec["submissionMode"] in ("K8sJobMode", "HTTPMode", "SidecarMode", "InteractiveMode")
+    assert set(spec["rayClusterSpec"]) <= {"headGroupSpec", "workerGroupSpecs", "rayVersion", "enableInTreeAutoscaling",
+                                           "autoscalerOptions", "authOptions", "headServiceAnnotations", "suspend",
+                                           "managedBy", "gcsFaultToleranceOptions"}, sorted(spec["rayClusterSpec"])
+    for group in spec["rayClusterSpec"]["workerGroupSpecs"]:
+        assert {"groupName", "template", "rayStartParams"} <= set(group), group.keys()
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values())  # KubeRay wants strings
+    assert all(isinstance(v, str) for v in spec["rayClusterSpec"]["headGroupSpec"]["rayStartParams"].values())
+
+    # every repository path the deploy files name exists (configs the entrypoints train with, scripts they run)
+    named = {m for path in (DEPLOY / "cluster.yaml", DEPLOY / "kuberay" / "rayjob.yaml", DEPLOY / "runtime_env.yaml",
+                            DEPLOY / "kuberay" / "redis-queue.yaml")
+             for text in strings(list(yaml.safe_load_all(path.read_text())))
+             for m in re.findall(r"(?<![\w/.])((?:deploy|scripts|services|shared)/[\w./-]+\.(?:yaml|sh|py|conf))", text)}
+    assert named, "the deploy files name no repository file"
+    missing = sorted(p for p in named if not (REPO / p).exists())
+    assert not missing, missing
+
+
+@pytest.mark.slow
+def test_the_image_install_script_installs_a_working_marge_into_a_fresh_environment(tmp_path):
+    """deploy/image/install.sh cpu in a new virtual environment (pip's cache makes it minutes, not a download):
+    every stage and the CLI import, and `marge --help` builds every subcommand, from an installed copy (not the
+    checkout: a module missing from pyproject's packages fails here)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(venv)}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(["bash", str(DEPLOY / "image" / "install.sh"), "cpu"], env=env, capture_output=True,
+                          text=True, timeout=1500, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "marge installed:" in done.stdout
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import services, marge; print(services.__file__, "
+                            "marge.__file__)"], env=env, capture_output=True, text=True, cwd=tmp_path, check=True)
+    assert str(venv) in where.stdout and str(REPO) not in where.stdout  # the installed copy, not the checkout
