@@ -259,6 +259,9 @@ def test_gloo_binds_the_node_address_where_the_host_name_resolves_to_loopback(mo
     if not interfaces:
         pytest.skip("no non-loopback IPv4 interface on this machine")
     name, address = next(iter(interfaces.items()))
+    # the hook writes os.environ itself: record the variable's state first, so that the test's end restores it (a
+    # GLOO_SOCKET_IFNAME left behind would reach every later test's Ray workers)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "recorded")
 
     def bound(resolves_to: str, node_address: str, preset: str | None = None) -> str | None:
         monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
@@ -275,3 +278,5 @@ def test_gloo_binds_the_node_address_where_the_host_name_resolves_to_loopback(mo
     assert bound("127.0.0.1", "127.0.0.1") is None  # one machine
     assert bound("127.0.0.1", address, preset="eth9") == "eth9"  # the operator's choice stands
     assert loopback.interface_of("127.0.0.1") == "lo"
+    monkeypatch.undo()
+    assert "GLOO_SOCKET_IFNAME" not in os.environ or os.environ["GLOO_SOCKET_IFNAME"] not in (name, "eth9")

@@ -11,8 +11,8 @@ flavour="${1:-gpu}"
 case "$flavour" in cpu|gpu) ;; *) echo "install.sh: the flavour is cpu or gpu, not '$flavour'" >&2; exit 2 ;; esac
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-python -m pip install --no-cache-dir -q -c constraints.txt "torch==2.13.0"
-python -m pip install --no-cache-dir -q -c constraints.txt ".[$flavour,serve]"
+python -m pip install -q -c constraints.txt "torch==2.13.0"
+python -m pip install -q -c constraints.txt ".[$flavour,serve]"
 # what a cluster job runs: the CLI, every stage, the retrieval service
 python - <<'PY'
 import importlib, shutil, sys
