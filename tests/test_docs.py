@@ -21,9 +21,9 @@ DOCS = [REPO / "README.md", REPO / "deploy" / "README.md", *sorted((REPO / "docs
 REPO_FOLDERS = ("deploy/", "docs/", "services/", "shared/", "tests/", "benchmarks/", "experiments/", "scripts/",
                 "tools/")
 """Paths under these are the repository's own and must exist; data/ and runs/ hold what commands write."""
-OTHER_PROGRAMS = {"--dashboard-host", "--metrics-export-port", "--node-ip-address", "--tls-cert-file", "--tls-key-file",
-                  "--tls-port"}
-"""Flags the docs quote of other programs (`ray start`, `redis-server`)."""
+OTHER_PROGRAMS = {"--build-arg", "--dashboard-host", "--metrics-export-port", "--node-ip-address", "--tls-cert-file",
+                  "--tls-key-file", "--tls-port"}
+"""Flags the docs quote of other programs (`ray start`, `redis-server`, `docker build`)."""
 
 
 def script_flags() -> set[str]:
