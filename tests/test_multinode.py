@@ -318,7 +318,8 @@ def test_the_job_runs_across_three_namespaced_nodes(cluster, small_corpus, tmp_p
     c = cluster
     root_listening = set(listening_addresses([os.getpid()]))
     run_dir = tmp_path / "run"
-    job = submit(c, run_dir, small_corpus, steps=STEPS)
+    # 0.5 s an update (the same batches): versions are left to build when the scaled pool takes effect
+    job = submit(c, run_dir, small_corpus, steps=STEPS, extra=["faults.slow_update_s=0.5"])
     # early, so that index versions are left to build when the scaled pool takes effect (the run builds one every 10)
     wait_for(lambda: len(trained_steps(run_dir)) >= 2, 600, "2 updates were trained")
     where = placement(c)
