@@ -435,28 +435,32 @@ def shard_records(run_dir: Path) -> list[dict]:
     return out
 
 
-def shard_in_progress(run_dir: Path, node: NetNode) -> dict | None:
-    """A shard of a version after the bootstrap that a worker on `node` started and has not finished."""
+def shard_in_progress(run_dir: Path) -> dict | None:
+    """A shard of a version after the bootstrap that a worker started and has not finished (its record names the
+    worker's node)."""
     records = shard_records(run_dir)
     done = {(r["version"], r["shard"], r["pid"]) for r in records if r["event"] == "indexed"}
-    return next((r for r in records if r["event"] == "started" and r["node"] == node.address and r["version"] >= 1
+    return next((r for r in records if r["event"] == "started" and r["version"] >= 1
                  and (r["version"], r["shard"], r["pid"]) not in done), None)
 
 
 def test_the_indexer_node_lost_during_an_index_build_loses_nothing(cluster, small_corpus, tmp_path):
-    """The build is slowed (`faults.slow_index_shard_s`: each shard waits 1 s and is recorded) so that the kill
-    lands inside it; the shard the dead worker had started is indexed again by its restarted worker on the
-    replacement node, the version is committed, and the run trains what the uninterrupted one did."""
+    """The build is slowed (`faults.slow_index_shard_s`: each shard waits 1 s and is recorded) so that the kill of
+    the indexer worker's node lands inside it; the shard the dead worker had started is indexed again by its
+    restarted worker on the replacement node, the version is committed, and the run trains what the uninterrupted
+    one did."""
     c = cluster
     run_dir = tmp_path / "run"
     job = submit(c, run_dir, small_corpus, steps=STEPS, extra=["faults.slow_index_shard_s=1"])
-    interrupted = wait_for(lambda: shard_in_progress(run_dir, c.indexer_node), 600, "a shard was being indexed",
-                           every_s=0.2)
+    interrupted = wait_for(lambda: shard_in_progress(run_dir), 600, "a shard was being indexed", every_s=0.2)
+    # the worker's node: the indexer node, or the node the first test added for `marge scale` (it stays in the
+    # cluster with the same resource, so Ray may place marge-indexer-0 there)
+    node = next(n for n in (c.indexer_node, c.spare_node) if n.address == interrupted["node"])
     before = max(trained_steps(run_dir) or [0])
     fault_at = time.time()
-    assert c.net.kill(c.indexer_node, signal.SIGKILL)
+    assert c.net.kill(node, signal.SIGKILL)
     time.sleep(5)
-    c.start_worker(c.indexer_node, {"marge_indexer": 1}, cpus=1)
+    c.start_worker(node, {"marge_indexer": 1}, cpus=1)
     version, shard = interrupted["version"], interrupted["shard"]
     redone = wait_for(lambda: [r for r in shard_records(run_dir) if (r["version"], r["shard"], r["event"]) ==
                                (version, shard, "indexed")], 600, f"shard {shard} of v{version} was indexed again")
