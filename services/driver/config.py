@@ -358,6 +358,12 @@ PROBE_KEYS = ("health.documents", "data.heldout_pairs", "health.pairs")
 """Config keys naming probe files of one corpus."""
 
 
+def probe_files(cfg: PipelineConfig) -> dict[str, str]:
+    """The probe files `cfg` names, by key (`PROBE_KEYS`; unset ones left out)."""
+    values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in PROBE_KEYS}
+    return {key: value for key, value in values.items() if value is not None}
+
+
 def for_command_line_corpus(cfg: PipelineConfig, path: str | Path | None, overrides: list[str]) -> PipelineConfig:
     """`cfg` for a `data.corpus` given on the command line that is not the config file's own: what the file says
     about its corpus (the raw inputs it is prepared from, its probe files) is not about this one. A corpus that is
@@ -377,18 +383,15 @@ def for_command_line_corpus(cfg: PipelineConfig, path: str | Path | None, overri
                           f"the input of its own corpus ({own.corpus}), not yours. Check the path; prepare yours "
                           f"first (`marge prepare INPUT --out {cfg.data.corpus}`), or name its input on the command "
                           "line as well: data.raw=[INPUT]")
-    dropped = {key: value for key in PROBE_KEYS if key not in given
-               and (value := getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) is not None}
+    dropped = {key: value for key, value in probe_files(cfg).items() if key not in given}
     if dropped:
         log.info("data.corpus is given on the command line: the probe files %s of %s belong to its own corpus and "
                  "are not used (the corpus's held-out split is, if it has one; name them on the command line to "
                  "choose)", dropped, path)
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, raw=raw, heldout_pairs=None
-                                                             if "data.heldout_pairs" in dropped else cfg.data.heldout_pairs),
-                               health=dataclasses.replace(cfg.health,
-                                                          documents=None if "health.documents" in dropped
-                                                          else cfg.health.documents,
-                                                          pairs=None if "health.pairs" in dropped else cfg.health.pairs))
+    unset = {section: {key.split(".")[1]: None for key in dropped if key.startswith(section + ".")}
+             for section in ("data", "health")}
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, raw=raw, **unset["data"]),
+                               health=dataclasses.replace(cfg.health, **unset["health"]))
 
 
 def redact_url(url: str) -> str:

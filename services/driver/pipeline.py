@@ -36,7 +36,7 @@ from marge.tensorboard import RunBoard
 from marge.train_log import read_train_log
 from marge.snapshot import drop_snapshots_after, latest_snapshot
 from marge.utils import atomic_write_text
-from services.driver.config import (PROBE_KEYS, PipelineConfig, config_drift, environment_endpoints,
+from services.driver.config import (PipelineConfig, config_drift, environment_endpoints, probe_files,
                                    with_absolute_paths)
 from services.driver.lock import DriverLock
 from services.driver.plan import estimated_throughput, warn_if_behind
@@ -263,9 +263,8 @@ def with_probes(cfg: PipelineConfig, corpus: Corpus) -> PipelineConfig:
     """`cfg` with its probes' inputs resolved: health.documents and data.heldout_pairs as the config gives them, else
     the corpus's own held-out split (`marge prepare --heldout-permille`); what is left unset turns that probe off, and
     the log says which it is (never another corpus's files in their place)."""
-    for key in PROBE_KEYS:
-        given = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
-        if given is not None and not Path(given).exists():
+    for key, given in probe_files(cfg).items():
+        if not Path(given).exists():
             raise ConfigError(f"{key} names {given}, which does not exist: point it at this corpus's probe file, or "
                               f"set it to null to use the corpus's own held-out split ({corpus.root})")
     documents = cfg.health.documents or (str(corpus.heldout_file("documents")) if corpus.heldout_file("documents") else None)

@@ -13,8 +13,6 @@ server restarts, and the command says so.
 
 from __future__ import annotations
 
-import logging
-import os
 import re
 import secrets
 from pathlib import Path
@@ -22,7 +20,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 
-log = logging.getLogger("marge.redis_users")
+from marge.utils import atomic_write_text
 
 PIPELINE_COMMANDS = ("-@all +@stream +@hash +@list +@string +@set +@sortedset +@transaction +@scripting "
                      "+@connection +del +exists -@dangerous")
@@ -48,23 +46,6 @@ def with_user(url: str, user: str, password: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-def write_secret(path: Path, text: str) -> None:
-    """`text` into `path`, readable by its owner alone from the first byte (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def persist(admin: redis.Redis) -> bool:
     """Save the ACL to the server's ACL file; False when it has none (the change lasts until a restart)."""
     aclfile = admin.config_get("aclfile").get("aclfile", "")
@@ -83,7 +64,7 @@ def create_run_user(admin_url: str, run: str, out: Path) -> dict:
     admin.execute_command("ACL", "SETUSER", name, "reset", "on", f">{password}", f"~{key_pattern(run)}",
                           "resetchannels", *PIPELINE_COMMANDS.split())
     saved = persist(admin)
-    write_secret(out, with_user(admin_url, name, password) + "\n")
+    atomic_write_text(out, with_user(admin_url, name, password) + "\n", mode=0o600)
     return {"user": name, "keys": key_pattern(run), "url_file": str(out), "saved_to_aclfile": saved}
 
 

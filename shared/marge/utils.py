@@ -40,13 +40,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary sibling, fsync, rename over `path`: readers see the old file or the new one."""
+def atomic_write_bytes(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Write to a temporary sibling, fsync, rename over `path`: readers see the old file or the new one. `mode`
+    (e.g. 0o600 for a secret): the file's permissions from its creation, before a byte is written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    opener = None if mode is None else (lambda name, flags: os.open(name, flags, mode))
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", opener=opener) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -56,8 +58,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), mode)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
