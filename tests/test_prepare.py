@@ -96,6 +96,21 @@ def test_prepare_warns_when_the_tokenizer_or_the_held_out_split_is_far_below_wha
     assert not [r for r in caplog.records if r.levelname == "WARNING"]  # asked what it could give, no split asked
 
 
+def test_held_out_pairs_cover_every_language_direction(tmp_path):
+    """Not only from the most common language: a corpus in en/de/zh measures en-de, en-zh and de-zh, and a group
+    missing a language adds only the directions it has."""
+    rows = [{"id": f"p{g}-{lang}", "group": f"p{g}", "language": lang, "text": f"{text} {g}"}
+            for g in range(60) for lang, text in (("en", ENGLISH), ("de", GERMAN), ("zh", CHINESE))
+            if not (lang == "en" and g % 2)]  # odd groups lack English
+    manifest = prepare(opts([write_jsonl(tmp_path / "raw.jsonl", rows)], tmp_path / "out", heldout_permille=500))
+    lines = (tmp_path / "out" / manifest["heldout"]["pairs_file"]).read_text(encoding="utf-8").splitlines()
+    directions = [(cells[0], cells[2]) for cells in (line.split("\t") for line in lines)]
+    assert set(directions) == {("de", "en"), ("de", "zh"), ("en", "zh")}
+    held = {row["group"] for row in map(json.loads, gzip.open(tmp_path / "out" / manifest["heldout"]["documents_file"], "rt"))}
+    with_english = sum(1 for g in held if int(g[1:]) % 2 == 0)
+    assert directions.count(("de", "zh")) == len(held) and directions.count(("de", "en")) == with_english
+
+
 def test_duplicates_are_dropped_and_long_documents_chunked(tmp_path):
     long_text = "\n\n".join(f"Paragraph number {i} explains another spreadsheet feature in detail." for i in range(60))
     rows = good_rows() + [{"id": "dup", "group": "p9", "language": "en", "text": "  " + ENGLISH.upper() + " "},

@@ -635,32 +635,30 @@ def is_heldout_group(group: str, permille: int) -> bool:
 
 
 def heldout_pairs(docs: list[RawDocument], max_per_direction: int) -> list[tuple[str, str, str, str]]:
-    """Translation pairs of the held-out groups, from the language with the most documents to each other one: aligned
-    paragraphs where the input numbers them (paragraph_ids), else the groups' whole documents (cut at 1,000 characters)."""
+    """Translation pairs of the held-out groups in every language direction the groups cover (each unordered pair
+    of languages once, the alphabetically first as the source; P@1 reads both ways): aligned paragraphs where the
+    input numbers them (paragraph_ids), else the groups' whole documents (cut at 1,000 characters). At most
+    `max_per_direction` pairs per pair of languages, groups in name order."""
     by_group: dict[str, dict[str, RawDocument]] = defaultdict(dict)
     for d in docs:
         by_group[d.group].setdefault(d.lang, d)
-    counts = Counter(d.lang for d in docs)
-    if len(counts) < 2:
-        return []
-    pivot = max(sorted(counts), key=counts.get)
-    pairs: dict[str, list[tuple[str, str, str, str]]] = defaultdict(list)
+    pairs: dict[tuple[str, str], list[tuple[str, str, str, str]]] = defaultdict(list)
     for group in sorted(by_group):
-        versions = by_group[group]
-        if pivot not in versions:
-            continue
-        source = versions[pivot]
-        for lang, target in sorted(versions.items()):
-            if lang == pivot:
-                continue
-            if source.paragraph_ids and target.paragraph_ids:
-                theirs = dict(zip(target.paragraph_ids, split_paragraphs(target.text)))
-                for pid, text in zip(source.paragraph_ids, split_paragraphs(source.text)):
-                    if pid in theirs and len(text.split()) >= 3 and text != theirs[pid]:
-                        pairs[lang].append((pivot, text, lang, theirs[pid]))
-            else:
-                pairs[lang].append((pivot, " ".join(source.text.split())[:1000], lang, " ".join(target.text.split())[:1000]))
-    return [pair for lang in sorted(pairs) for pair in pairs[lang][:max_per_direction]]
+        versions = sorted(by_group[group].items())
+        for i, (src_lang, source) in enumerate(versions):
+            for tgt_lang, target in versions[i + 1:]:
+                direction = pairs[(src_lang, tgt_lang)]
+                if len(direction) >= max_per_direction:
+                    continue
+                if source.paragraph_ids and target.paragraph_ids:
+                    theirs = dict(zip(target.paragraph_ids, split_paragraphs(target.text)))
+                    for pid, text in zip(source.paragraph_ids, split_paragraphs(source.text)):
+                        if pid in theirs and len(text.split()) >= 3 and text != theirs[pid]:
+                            direction.append((src_lang, text, tgt_lang, theirs[pid]))
+                else:
+                    direction.append((src_lang, " ".join(source.text.split())[:1000], tgt_lang,
+                                      " ".join(target.text.split())[:1000]))
+    return [pair for key in sorted(pairs) for pair in pairs[key][:max_per_direction]]
 
 
 MIN_HELDOUT_GROUPS = 30
