@@ -65,7 +65,7 @@ def test_the_ceiling_experiment_reports_each_arm_and_the_ratio_and_keeps_finishe
     from experiments.ceiling.harness import run_ceiling
 
     short = [f"data.corpus={paragraph_corpus}", "data.max_chunk_tokens=64", "model.max_positions=64",
-             "batcher.max_tokens=600", f"data.heldout_pairs={few_pairs}", "health.probe_size=4",
+             "batcher.max_tokens=600", f"data.heldout_pairs={few_pairs}", "health.external_probes=true", "health.probe_size=4",
              "health.aligned_probe_size=8", "health.pairs_per_language=4", "health.max_tokens=64",
              "trainer.snapshot_every=2", "indexer.reindex_every=4", "indexer.lexical_until=6",
              "trainer.checkpoint_every=3", "trainer.warmup_steps=2", "trainer.total_steps=100",

@@ -168,6 +168,21 @@ def test_pretrain_prints_the_resolved_config_and_dry_runs_without_starting_or_wr
     missing_probe = subprocess.run([*cli, "--dry-run", *on_corpus, f"health.documents={tmp_path / 'probes.jsonl'}"],
                                    cwd=REPO, capture_output=True, text=True, timeout=120)
     assert missing_probe.returncode != 0 and "health.documents names" in missing_probe.stderr, missing_probe.stderr[-2000:]
+    # a probe file from another corpus is refused unless asked for, and one in none of its languages always
+    elsewhere = tmp_path / "elsewhere" / "pairs.tsv"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text("en\tThe sum of the cells.\tde\tDie Summe der Zellen.\n", encoding="utf-8")
+    foreign = subprocess.run([*cli, "--dry-run", *on_corpus, f"data.heldout_pairs={elsewhere}"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert foreign.returncode != 0 and "neither" in foreign.stderr and "health.external_probes=true" in foreign.stderr
+    allowed = subprocess.run([*cli, "--dry-run", *on_corpus, f"data.heldout_pairs={elsewhere}",
+                              "health.external_probes=true"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+    assert json.loads(allowed.stdout)["probes"]["data.heldout_pairs"] == str(elsewhere)
+    elsewhere.write_text("xx\tone\tyy\ttwo\n", encoding="utf-8")
+    unspoken = subprocess.run([*cli, "--dry-run", *on_corpus, f"data.heldout_pairs={elsewhere}",
+                               "health.external_probes=true"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert unspoken.returncode != 0 and "data.heldout_pairs:" in unspoken.stderr, unspoken.stderr[-2000:]
 
     # a corpus path that does not exist (a typo) is not prepared from the config file's data.raw
     for extra in ([], ["data.raw=[]"]):

@@ -236,7 +236,7 @@ def test_the_study_trains_measures_and_reports_arms_at_equal_updates(paragraph_c
     from experiments.mechanism.report import write_report
 
     short = (f"data.corpus={paragraph_corpus}", "data.max_chunk_tokens=64", "model.max_positions=64",
-             "batcher.max_tokens=600", f"data.heldout_pairs={few_pairs}", "health.probe_size=4",
+             "batcher.max_tokens=600", f"data.heldout_pairs={few_pairs}", "health.external_probes=true", "health.probe_size=4",
              "health.pairs_per_language=4", "health.max_tokens=64", "trainer.warmup_steps=2",
              "trainer.total_steps=100", "indexer.reindex_every=4", "data.docs_per_shard=150",
              "trainer.snapshot_every=2", "trainer.checkpoint_every=2", "indexer.lexical_until=4")

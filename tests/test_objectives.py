@@ -250,7 +250,7 @@ def test_objectives_experiment_reports_the_variants_side_by_side_and_keeps_finis
     from experiments.objectives.harness import run_objectives_experiment
 
     short = [f"data.corpus={small_corpus}", "data.max_chunk_tokens=128", "model.max_positions=128",
-             "batcher.max_tokens=400", f"data.heldout_pairs={few_pairs}", "health.probe_size=4",
+             "batcher.max_tokens=400", f"data.heldout_pairs={few_pairs}", "health.external_probes=true", "health.probe_size=4",
              "health.aligned_probe_size=8",
              "health.pairs_per_language=4", "trainer.snapshot_every=2", "indexer.reindex_every=4",
              "trainer.checkpoint_every=3", "trainer.warmup_steps=2", "trainer.total_steps=100", "run.max_steps=4"]

@@ -27,7 +27,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def overrides(corpus: Path, pairs: Path, *extra: str) -> list[str]:
     return [f"data.corpus={corpus}", "data.max_chunk_tokens=128", "model.max_positions=128", "batcher.max_tokens=400",
-            f"data.heldout_pairs={pairs}", "health.probe_size=4", "health.pairs_per_language=4",
+            f"data.heldout_pairs={pairs}", "health.external_probes=true", "health.probe_size=4",
+            "health.pairs_per_language=4",
             "health.aligned_probe_size=8",
             "trainer.snapshot_every=2", "indexer.reindex_every=4", "trainer.checkpoint_every=3",
             "trainer.warmup_steps=2", "trainer.total_steps=100", "objectives.self_evidence.until=6",

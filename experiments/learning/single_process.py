@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import shutil
 import threading
 import time
@@ -65,7 +66,8 @@ from marge.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_e
 from marge.utils import atomic_directory, atomic_write_text
 from services.batcher.core import DocumentStore
 from services.batcher.schedule import BatchSchedule, wait_for_version
-from services.driver.config import PipelineConfig, load_config, with_absolute_paths
+from marge.config import ConfigError
+from services.driver.config import PipelineConfig, config_drift, load_config, with_absolute_paths
 from experiments.learning.harness import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
 from services.driver.pipeline import ensure_corpus, final_g_health, with_probes
 from services.indexer.core import build_version, describe_build, index_shard
@@ -281,8 +283,8 @@ class SingleProcessRun:
 
     # --- the loop -----------------------------------------------------------------------------------
 
-    def train(self, minutes: float) -> dict:
-        """Train for `minutes` (or to run.max_steps), then checkpoint: one chunk of the run."""
+    def train(self, minutes: float | None) -> dict:
+        """Train for `minutes` (None: no limit) or to run.max_steps, then checkpoint: one chunk of the run."""
         cfg, device, t = self.cfg, self.device, self.cfg.trainer
         model, optimizer, scheduler, state = self.build_training_state()
         corpus_tokens = self.corpus.all_tokens() if cfg.objectives.needs_corpus else None
@@ -302,7 +304,8 @@ class SingleProcessRun:
                           self.slots, device,
                           cfg.run.seed, self.tokenizer.specials, cfg.run.max_steps)
         meter = UpdateMeter(model.cfg, device_peak_flops(device))
-        log.info("training on %s for %.1f min from step %d (%d batches per update, bf16 %s)", device, minutes, step,
+        log.info("training on %s %s from step %d (%d batches per update, bf16 %s)", device,
+                 f"for {minutes:.1f} min" if minutes is not None else f"to update {cfg.run.max_steps}", step,
                  self.slots.per_step, t.bf16)
         try:
             step = TrainingLoop(trainee, host, self.train_log, board, meter).run(step)
@@ -387,11 +390,11 @@ class InProcessHost:
     writes_log = True
 
     def __init__(self, run: SingleProcessRun, model: Marge, optimizer, scheduler, state: dict, prefetcher: Prefetcher,
-                 minutes: float):
+                 minutes: float | None):
         self.run, self.model, self.optimizer, self.scheduler = run, model, optimizer, scheduler
         self.state, self.prefetcher, self.minutes = state, prefetcher, minutes
         self.started = time.perf_counter()
-        self.deadline = self.started + 60 * minutes
+        self.deadline = self.started + 60 * minutes if minutes is not None else math.inf
         self.next_progress = self.started + run.cfg.run.progress_every_s
 
     def elapsed(self) -> float:
@@ -423,13 +426,13 @@ class InProcessHost:
     def logged(self, record: UpdateRecord) -> None:
         if time.perf_counter() < self.next_progress:
             return
-        log.info("step %d | loss %.3f %s| %.0f tok/s (%.0f target)%s%s%s | %.1f/%.1f min",
+        log.info("step %d | loss %.3f %s| %.0f tok/s (%.0f target)%s%s%s | %.1f%s min",
                  record.step, record.loss, record.objectives if len(record.objectives) > 1 else "",
                  record.tokens_per_s, record.target_tokens_per_s,
                  f" | MFU {100 * record.mfu:.1f}%" if record.mfu is not None else "",
                  f" | beta {float(np.mean(record.beta)):.3f}" if record.beta else "",
                  f" | index v{','.join(map(str, record.index_versions))}" if record.index_versions else "",
-                 self.elapsed() / 60, self.minutes)
+                 self.elapsed() / 60, f"/{self.minutes:.1f}" if self.minutes is not None else "")
         self.next_progress = time.perf_counter() + self.run.cfg.run.progress_every_s
 
     def checkpoint(self, step: int) -> None:
@@ -445,7 +448,6 @@ def device_name(device: torch.device) -> str:
 def run_single_process(config: Path | None, overrides: list[str], minutes: float, out_dir: Path, resume: bool = False,
                        device: str = "auto") -> dict:
     """One chunk of a single-process learning experiment: a fresh run, or `resume` of the one in `out_dir`."""
-    started = time.time()
     out_dir = Path(out_dir).resolve()
     meta_path = out_dir / EXPERIMENT_FILE
     if resume:  # `--resume` of a run stopped before its first checkpoint starts it again at step 0
@@ -458,16 +460,46 @@ def run_single_process(config: Path | None, overrides: list[str], minutes: float
                              f"{'--config' if config is not None else ''}{' and ' if config is not None and changed else ''}"
                              f"{', '.join(changed)} (only {', '.join(sorted(RESUMABLE_OVERRIDES))} may change), "
                              "or start a new run in another --out")
-        experiment = json.loads(meta_path.read_text(encoding="utf-8"))
         cfg = load_config(out_dir / "config.yaml", overrides)
-        atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))
     else:
         if meta_path.exists() or (out_dir / "run").exists():
             raise FileExistsError(f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out")
         cfg = load_config(config or Path("deploy/configs/learning.yaml"), overrides)
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(out_dir / "run"), max_minutes=0.0))
-        cfg = with_absolute_paths(cfg)
-        experiment = {"mode": "single-process", "chunks": []}
+        cfg = with_absolute_paths(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(out_dir / "run"),
+                                                                                      max_minutes=0.0)))
+    return train_chunk(cfg, out_dir, resume, minutes, device)
+
+
+def pretrain_single_process(cfg: PipelineConfig, device: str = "auto") -> dict:
+    """`marge pretrain --single-process`: the run in `run.dir` itself (its experiment files beside the run's),
+    trained to `run.max_steps` (or for `run.max_minutes`, when set), started or, when `run.dir` already holds a
+    single-process run, resumed from its newest checkpoint with the settings it was trained with (`config.RESUMABLE`
+    says what may change). Returns the report."""
+    out_dir = Path(cfg.run.dir).resolve()
+    cfg = with_absolute_paths(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(out_dir))))
+    resume = (out_dir / EXPERIMENT_FILE).exists()
+    if resume:
+        saved = yaml.safe_load((out_dir / "config.yaml").read_text(encoding="utf-8"))
+        drift = config_drift(saved, cfg.to_saved_dict())
+        if drift:
+            raise ConfigError(f"{out_dir} holds a single-process run trained with other settings: " + "; ".join(drift)
+                              + ". Put them back, or start a new run (another run.dir)")
+    elif (out_dir / "train_log.jsonl").exists() or (out_dir / "checkpoints").exists():
+        raise ConfigError(f"run.dir {out_dir} holds a pipeline run (`marge pretrain` without --single-process): "
+                          "resume it the way it was started, or choose another run.dir")
+    minutes = cfg.run.max_minutes or None
+    return train_chunk(cfg, out_dir, resume, minutes, device)
+
+
+def train_chunk(cfg: PipelineConfig, out_dir: Path, resume: bool, minutes: float | None, device: str) -> dict:
+    """Train the single-process run whose experiment files are in `out_dir` (its run in `cfg.run.dir`) for
+    `minutes` (None: to run.max_steps) from its newest checkpoint (`resume`) or from step 0, and report."""
+    started = time.time()
+    meta_path = out_dir / EXPERIMENT_FILE
+    experiment = (json.loads(meta_path.read_text(encoding="utf-8")) if resume
+                  else {"mode": "single-process", "chunks": []})
+    if resume:
+        atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))
     torch_device = resolve_device(device)
     if torch_device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 parts outside bf16 autocast (loss, norms)
@@ -475,21 +507,22 @@ def run_single_process(config: Path | None, overrides: list[str], minutes: float
     if cfg.health.pairs or cfg.data.heldout_pairs:
         heldout_pairs_path(cfg)  # a pairs file named but missing: fail before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:  # the config every later chunk resumes with (and `marge report` reads in run/)
-        for path in (out_dir / "config.yaml", Path(cfg.run.dir) / "config.yaml"):
+    if not resume:  # the config every later chunk resumes with (and `marge report` reads in the run)
+        for path in dict.fromkeys((out_dir / "config.yaml", Path(cfg.run.dir) / "config.yaml")):
             atomic_write_text(path, yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))
         atomic_write_text(meta_path, json.dumps(experiment, indent=2) + "\n")
     run = SingleProcessRun(out_dir, cfg, torch_device, resume)
     baselines = run.baselines()
     chunk = run.train(minutes)
-    experiment["chunks"].append({"device": device_name(torch_device), "minutes": minutes, "steps": chunk["steps"],
+    experiment["chunks"].append({"device": device_name(torch_device),
+                                 "minutes": minutes if minutes is not None else round(chunk["chunk_seconds"] / 60, 2),
+                                 "steps": chunk["steps"],
                                  "chunk_steps": chunk["chunk_steps"], "seconds": chunk["chunk_seconds"],
                                  "tokens_per_s": round(chunk["tokens_per_s"], 1), "mfu": chunk["mfu"],
                                  "finished_unix": time.time()})
     atomic_write_text(meta_path, json.dumps(experiment, indent=2) + "\n")
     minutes_total = sum(c["minutes"] for c in experiment["chunks"])
     return run.report(baselines, chunk, minutes_total, started, experiment)
-
 
 
 def trained_minutes(out_dir: Path) -> float:

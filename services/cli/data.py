@@ -6,13 +6,16 @@ import argparse
 import json
 from pathlib import Path
 
+from marge.tokenizer import DEFAULT_VOCAB_SIZE
+
 
 def add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="raw documents -> sharded Parquet corpus + tokenizer")
     p.add_argument("inputs", nargs="+", type=Path, help=".jsonl/.jsonl.gz files or folders laid out as <root>/<lang>/...")
     p.add_argument("--out", type=Path, required=True, help="output folder (written atomically)")
     p.add_argument("--tokenizer", type=Path, default=None, help="reuse the tokenizer in this folder instead of training one")
-    p.add_argument("--vocab-size", type=int, default=16000, help="tokenizer vocabulary (default 16000; the paper: 250k)")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                   help=f"tokenizer vocabulary (default {DEFAULT_VOCAB_SIZE}, as data.vocab_size; the paper: 250k)")
     p.add_argument("--max-chunk-tokens", type=int, default=512, help="tokens per document chunk, specials included (paper: 512)")
     p.add_argument("--document-unit", choices=("chunk", "paragraph"), default="chunk",
                    help="chunk: paragraphs packed into documents of up to --max-chunk-tokens (the paper); paragraph: "

@@ -47,6 +47,18 @@ def run_config(run_dir: Path) -> dict:
     return yaml.safe_load(path.read_text(encoding="utf-8"))
 
 
+def check_servable(run_dir: Path) -> None:
+    """A run whose newest index version has no FAISS files (a single-process run searches in torch and keeps only
+    link graphs) cannot be served: said in one line before the server starts, not from inside it."""
+    from marge.index_store import latest_version
+
+    newest = latest_version(run_dir / "index")
+    if newest is not None and any(entry.get("index_file") is None for entry in newest.shards):
+        raise ValueError(f"{run_dir} was trained single-process (`marge pretrain --single-process`): its index versions "
+                         "hold link graphs but no FAISS index to serve. Serve a run of the pipeline (`marge pretrain` "
+                         "without --single-process), whose index versions the service loads")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
@@ -69,6 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if path is not None and not path.is_file():
             raise FileNotFoundError(f"{name} {path} does not exist")
     corpus = args.corpus or run_config(Path(args.run))["data"]["corpus"]
+    check_servable(Path(args.run))
     settings = ServeSettings(run_dir=Path(args.run), corpus_dir=Path(corpus), token=token or None, max_k=args.max_k,
                              max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
                              max_in_flight=args.max_in_flight, poll_s=args.poll_s, index_type=args.index_type,

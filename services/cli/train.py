@@ -20,6 +20,12 @@ def add_pretrain(sub) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="check everything that can be checked without starting Ray or Redis (config, resources, "
                         "resume, corpus, probes, model, capacity plan), print it as JSON and exit")
+    p.add_argument("--single-process", action="store_true",
+                   help="run the indexer, batcher and trainer cores in this process (no Ray, Redis or FAISS; exact "
+                        "neighbours by a matrix product, batches in memory) to run.max_steps, in run.dir; run again "
+                        "to resume. Needs held-out pairs (the corpus's held-out split or data.heldout_pairs): it "
+                        "reports P@1 against the untrained model")
+    p.add_argument("--device", default="auto", help="--single-process: auto (CUDA when present), cpu or cuda[:N]")
     p.set_defaults(func=cmd_pretrain)
 
 
@@ -37,6 +43,16 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
         print(json.dumps(dry_run(cfg), indent=2, default=str), flush=True)
         return 0
+    if args.single_process:
+        from experiments.learning.single_process import pretrain_single_process
+
+        report = pretrain_single_process(cfg, args.device)
+        print(json.dumps({key: report[key] for key in ("pipeline", "g_health", "checkpoint", "curves") if key in report}
+                         | {"report": str(Path(cfg.run.dir).resolve() / "report.json")}, default=str), flush=True)
+        return 0
+    if args.device != "auto":
+        raise ValueError("--device belongs to --single-process runs (a pipeline run places its stages with "
+                         "trainer.use_gpu and indexer.use_gpu)")
     from services.driver.pipeline import run_pipeline
 
     summary = run_pipeline(cfg)

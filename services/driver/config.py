@@ -38,6 +38,7 @@ from marge.model import EXECUTION_FIELDS, MargeConfig, preset
 from marge.veco import VecoConfig, veco_preset
 from marge.paths import RunPaths
 from marge.protocol import QueueConfig, Slots, VersionPlan
+from marge.tokenizer import DEFAULT_VOCAB_SIZE
 from services.batcher.config import BatchShape, BatcherConfig
 from services.indexer.config import IndexerConfig
 from services.trainer.config import HealthConfig, TrainerConfig
@@ -86,7 +87,7 @@ class DataConfig:
     is an error, never the demo corpus prepared in its place)."""
     corpus: str = "data/prepared/demo"
     """The prepared corpus folder (`marge prepare`); prepared from `raw` with the settings below when missing."""
-    vocab_size: int = 8000
+    vocab_size: int = DEFAULT_VOCAB_SIZE
     """SentencePiece vocabulary of a corpus prepared here (the paper: 250k); the model's vocab_size follows it."""
     max_chunk_tokens: int = 512
     """Longest document chunk in tokens, BOS and EOS included (paper: 512)."""

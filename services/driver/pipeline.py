@@ -267,6 +267,13 @@ def with_probes(cfg: PipelineConfig, corpus: Corpus) -> PipelineConfig:
         if not Path(given).exists():
             raise ConfigError(f"{key} names {given}, which does not exist: point it at this corpus's probe file, or "
                               f"set it to null to use the corpus's own held-out split ({corpus.root})")
+        if not cfg.health.external_probes and corpus.probe_home(given) is None:
+            raise ConfigError(
+                f"{key} names {given}, which is neither {corpus.root}'s held-out split nor beside the inputs it was "
+                f"prepared from ({', '.join(corpus.manifest.get('inputs', [])) or 'none recorded'}): g would be "
+                f"judged on another corpus's text. Set {key} to null to use the corpus's own held-out split "
+                "(`marge prepare --heldout-permille N`), or health.external_probes=true to measure on this file anyway")
+        check_probe_languages(key, Path(given), corpus.languages)
     documents = cfg.health.documents or (str(corpus.heldout_file("documents")) if corpus.heldout_file("documents") else None)
     pairs = cfg.data.heldout_pairs or (str(corpus.heldout_file("pairs")) if corpus.heldout_file("pairs") else None)
     for what, path, given, key in (("evidence-gain probes", documents, cfg.health.documents, "health.documents"),
@@ -281,6 +288,24 @@ def with_probes(cfg: PipelineConfig, corpus: Corpus) -> PipelineConfig:
             log.info("%s: from the corpus's held-out split (%s)", what, path)
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, heldout_pairs=pairs),
                                health=dataclasses.replace(cfg.health, documents=documents))
+
+
+def check_probe_languages(key: str, path: Path, languages: list[str]) -> None:
+    """A probe file must speak the corpus's languages: pairs with at least one direction between two of them,
+    documents with at least two of them (the probes pair a page across languages)."""
+    from marge.evaluation import PairsError, read_pairs
+    from marge.prepare import PrepareError, read_documents
+
+    try:
+        if key == "health.documents":
+            spoken = sorted({lang for page in read_documents(path).values() for lang in page} & set(languages))
+            if len(spoken) < 2:
+                raise ConfigError(f"{key}: {path} has documents in {spoken or 'none'} of the corpus's languages "
+                                  f"{languages}; the probes need a page in two of them")
+        else:
+            read_pairs(path, languages)
+    except (PairsError, PrepareError) as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def trainer_job(cfg: PipelineConfig, redis_url: str | None, deadline_unix: float | None = None,

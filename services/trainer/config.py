@@ -128,6 +128,10 @@ class HealthConfig:
     """Held-out pairs TSV for retrieval P@1 at every snapshot (null: data.heldout_pairs)."""
     pairs_per_language: int = 200
     """Pairs per language pair used for the per-snapshot P@1 (0: skip it)."""
+    external_probes: bool = False
+    """Allow probe files (documents, pairs, data.heldout_pairs) from outside the corpus: a public test set, say.
+    Otherwise a probe file must be the corpus's own held-out split or lie beside the inputs it was prepared from,
+    so that g is never judged on another corpus's text by accident."""
     eval_layer: int | str | None = None
     """Encoder layer mean-pooled for P@1 (null: the paper's 5, or the deepest the model has), or 'g': the relevance
     vectors exactly as the index searches them."""

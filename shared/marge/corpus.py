@@ -148,6 +148,21 @@ class Corpus:
         name = heldout.get(f"{kind}_file")
         return self.root / name if name else None
 
+    def probe_home(self, path: str | Path) -> str | None:
+        """Where a probe file comes from, if it is this corpus's: "held-out split" (inside the corpus folder) or
+        "inputs" (inside, or beside, one of the inputs it was prepared from, the way a dataset ships its held-out
+        files next to its documents; relative inputs are read from the current directory, as `marge prepare`
+        was given them); None for a file from anywhere else."""
+        probe = Path(path).resolve()
+        if probe.is_relative_to(self.root.resolve()):
+            return "held-out split"
+        for given in self.manifest.get("inputs", []):
+            source = Path(given).resolve()
+            folder = source if source.is_dir() else source.parent
+            if probe.is_relative_to(folder):
+                return "inputs"
+        return None
+
     @property
     def num_shards(self) -> int:
         return len(self.shards)

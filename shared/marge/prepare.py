@@ -49,7 +49,7 @@ from marge.corpus import CORPUS_FORMAT, CORPUS_SCHEMA_VERSION, split_paragraphs,
 from marge.html_text import extract_text
 from marge.langid import identify
 from marge.languages import normalize_language
-from marge.tokenizer import MargeTokenizer
+from marge.tokenizer import DEFAULT_VOCAB_SIZE, MargeTokenizer
 from marge.utils import atomic_directory, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class PrepareOptions:
     inputs: list[Path]
     out: Path
     tokenizer_dir: Path | None = None
-    vocab_size: int = 16000
+    vocab_size: int = DEFAULT_VOCAB_SIZE
     max_chunk_tokens: int = 512
     document_unit: str = "chunk"
     """'chunk': whole paragraphs packed into documents of up to `max_chunk_tokens` (the paper's 512-token chunks).

@@ -27,6 +27,9 @@ from marge.utils import atomic_write_bytes, atomic_write_text
 log = logging.getLogger(__name__)
 
 TOKENIZER_FORMAT_VERSION = 1
+DEFAULT_VOCAB_SIZE = 8000
+"""The vocabulary asked for when none is given (`marge prepare --vocab-size`, `data.vocab_size`): one that a corpus
+of a few MB fills (prepare warns when the tokenizer ends far below what was asked). The paper's is 250k."""
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
