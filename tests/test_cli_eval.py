@@ -106,9 +106,13 @@ def test_eval_translate_and_translate(trained, capsys, monkeypatch, tmp_path):
     from marge.evaluation import read_document_pairs
 
     hypotheses = tmp_path / "hyp.txt"
-    result = run_json(["eval", "translate", "--checkpoint", str(trained["checkpoint"]), "--docs", str(trained["docs"]),
-                       "--src", "en", "--tgt", "de", "--beam", "2", "--max-len-a", "0.2", "--max-len-b", "5", "--json",
-                       "--out", str(hypotheses)], capsys)
+    monkeypatch.setenv("MARGE_PROGRESS", "bar")  # as on a terminal: a bar while it translates, not minutes of silence
+    assert main(["eval", "translate", "--checkpoint", str(trained["checkpoint"]), "--docs", str(trained["docs"]),
+                 "--src", "en", "--tgt", "de", "--beam", "2", "--max-len-a", "0.2", "--max-len-b", "5", "--json",
+                 "--out", str(hypotheses)]) == 0
+    printed = capsys.readouterr()
+    result = json.loads(printed.out.strip().splitlines()[-1])
+    assert "translating en->de" in printed.err and "/3 " in printed.err  # the documents to go
     assert result["documents"] == 3 and result["beam"] == 2
     # the scores are sacrebleu's of the translations it wrote against the documents' references
     references = [ref for _, ref in read_document_pairs(Path(trained["docs"]), "en", "de", None)][:3]

@@ -126,6 +126,21 @@ def test_every_repository_path_the_docs_name_exists(doc):
     assert not missing, f"{doc.relative_to(REPO)} names paths that do not exist: {missing}"
 
 
+def misnamed_steps(text: str) -> list[str]:
+    """`step-...` names (checkpoints, snapshots) in a text that the code would never write: a number not formatted
+    as `snapshot_dirname` / `save_checkpoint` format it (`step-N`, `step-0` in prose and `step-*` are placeholders)."""
+    from marge.snapshot import snapshot_dirname
+
+    return [name for name in re.findall(r"step-[0-9]+", text)
+            if name not in ("step-0",) and snapshot_dirname(int(name[5:])) != name]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_checkpoint_and_snapshot_name_the_docs_quote_is_one_the_code_writes(doc):
+    wrong = misnamed_steps(doc.read_text(encoding="utf-8"))
+    assert not wrong, f"{doc.relative_to(REPO)} names checkpoints or snapshots the code never writes: {wrong}"
+
+
 def test_the_checks_find_a_flag_a_subcommand_and_a_path_that_do_not_exist():
     from services.cli import build_parser
 
@@ -140,3 +155,5 @@ def test_the_checks_find_a_flag_a_subcommand_and_a_path_that_do_not_exist():
         "`marge prepare` has no flag --max-pairs-each", "`marge` has no subcommand 'frobnicate'"]
     assert repo_paths(text) == ["docs/data.md", "docs/nowhere.md"]
     assert [f for f in bare_flags(text) if f not in every_flag(root)] == ["--no-such-flag"]
+    assert misnamed_steps("runs/x/checkpoints/step-00000300, step-300, step-0000300 and step-N") == ["step-300",
+                                                                                                  "step-0000300"]

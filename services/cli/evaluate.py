@@ -128,6 +128,7 @@ def cmd_eval_translate(args: argparse.Namespace) -> int:
     from marge.evaluation import read_document_pairs, read_pairs
     from marge.finetuned import generation_scores
     from marge.generate import translate
+    from marge.progress import track
     from services.trainer.finetune import refuse_classifier
 
     refuse_classifier(args.checkpoint)
@@ -140,7 +141,8 @@ def cmd_eval_translate(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.pairs}: no {args.src}->{args.tgt} pairs")
         pairs = list(zip(sets[0].sources, sets[0].targets))[: args.limit or None]
     cfg = generation_config(args)
-    hypotheses = [" ".join(translate(model, tok, " ".join(src.split()), args.tgt, cfg).split()) for src, _ in pairs]
+    hypotheses = [" ".join(translate(model, tok, " ".join(src.split()), args.tgt, cfg).split())
+                  for src, _ in track(pairs, f"translating {args.src}->{args.tgt}", unit="doc")]
     references = [" ".join(ref.split()) for _, ref in pairs]
     scores = generation_scores(hypotheses, references, args.tgt)
     result = {"src": args.src, "tgt": args.tgt, "documents": len(pairs), "bleu": scores["bleu"],
