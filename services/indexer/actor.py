@@ -43,7 +43,12 @@ class BuildStopped(Exception):
     """The coordinator was stopped while a build waited on its workers."""
 
 
-@ray.remote(max_restarts=-1, max_task_retries=-1)
+STOP_GRACE_S = 8.0
+"""How long a stopped coordinator waits for its workers' calls to end at a shard boundary (the driver removes the
+stages 10 s after asking them to stop; a call still running then is killed and Ray logs it as a failed task)."""
+
+
+@ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=2)  # 2: `stop` reaches it during `index_shards`
 class IndexerWorker:
     def __init__(self, cfg: IndexerConfig, paths: RunPaths, seed: int, worker_index: int,
                  faults: FaultsConfig = FaultsConfig()):
@@ -60,14 +65,22 @@ class IndexerWorker:
         self.metrics = StageMetrics("indexer", paths.name, worker=str(worker_index))
         self.metrics.counter("marge_indexer_docs_embedded", "Documents embedded by the indexer")
         self.metrics.gauge("marge_indexer_docs_per_second", "Documents embedded per second (last shard)")
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """The run is over: a call in progress returns at its next shard boundary (what it indexed stays staged)."""
+        self._stop.set()
 
     def index_shards(self, version: int, snapshot_step: int, shards: list[int]) -> list[dict]:
-        """Index `shards` with the snapshot of `snapshot_step` into the staging folder of `version`."""
+        """Index `shards` with the snapshot of `snapshot_step` into the staging folder of `version` (fewer, once
+        stopped: the build it belongs to is left unfinished)."""
         encoder = load_relevance_encoder(read_snapshot(self.paths.snapshots / snapshot_dirname(snapshot_step)), self.device)
         out = staging_dir(self.paths.index, version)
         out.mkdir(parents=True, exist_ok=True)
         entries = []
         for shard in shards:
+            if self._stop.is_set():
+                break
             self._slow_down(version, shard)
             result = index_shard(self.corpus.read_shard(shard), encoder, self.specials, out, self.cfg,
                                  device=self.device, seed=self.seed + shard, snapshot_step=snapshot_step)
@@ -117,6 +130,7 @@ class IndexCoordinator:
         self._pool_lock = threading.Lock()  # `scale` (another thread of this actor) vs a build taking its pool
         self.num_shards = Corpus.open(paths.corpus, verify_checksums=False).num_shards
         self._stop = threading.Event()
+        self._in_flight: list = []  # the workers' calls of the build in progress
         current = latest_version(paths.index)
         self.floor = max(floor, self._oldest_kept(current.version if current else -1))
         self.version = current.version if current else -1
@@ -198,6 +212,7 @@ class IndexCoordinator:
         is gone for good (stopped by an earlier pool change this coordinator no longer knows of, after a
         restart) is replaced and its shards are indexed by the new one."""
         refs = {i: self.workers[i].index_shards.remote(version, snapshot_step, shards) for i, shards in shards_of.items()}
+        self._in_flight = list(refs.values())
         entries = []
         for i, ref in refs.items():
             try:
@@ -263,6 +278,9 @@ class IndexCoordinator:
             try:
                 self.build(todo)
             except BuildStopped:
+                for worker in self.workers:
+                    worker.stop.remote()
+                ray.wait(self._in_flight, num_returns=len(self._in_flight), timeout=STOP_GRACE_S)
                 log.info("index v%d: build left unfinished, the run is over", todo)
                 with self._pool_lock:
                     self.building = None
