@@ -81,6 +81,9 @@ def test_own_corpus_from_the_shell_with_no_demo_file_in_reach(tmp_path):
     assert summary["g_health"]["directions"] == 6  # en, de, fr both ways: the corpus's own held-out split
     assert "held-out retrieval P@1: from the corpus's held-out split" in first.stderr
     assert "demo" not in (work / "run" / "config.yaml").read_text()
+    probes = json.loads(Path(summary["report"]).read_text())["config"]
+    assert probes["data"]["heldout_pairs"] == str(work / "corpus" / "heldout" / "pairs.tsv")
+    assert probes["health"]["documents"] == str(work / "corpus" / "heldout" / "documents.jsonl.gz")
 
     resumed = marge("pretrain", "--config", str(TEMPLATE), "--single-process", "--device", "cpu", *SMALL,
                     "run.max_steps=6", cwd=work)
