@@ -38,7 +38,7 @@ def fault_config(tmp_path: Path, corpus: Path, name: str, *extra: str):
     return load_config(REPO / "deploy/configs/tiny.yaml", [
         f"run.name={name}", f"run.dir={tmp_path / name}", f"data.corpus={corpus}", "data.max_chunk_tokens=128",
         "model.max_positions=128", "batcher.max_tokens=400", "run.progress_every_s=2", "health.aligned_probe_size=8",
-        *SCHEDULE, *extra])
+        "health.external_probes=true", *SCHEDULE, *extra])  # the demo's held-out pages, not beside the corpus's input
 
 
 def slot_batches(run_dir: Path) -> dict[int, str]:

@@ -25,7 +25,8 @@ def small_config(tmp_path: Path, corpus: Path, redis_url: str, name: str, *extra
     return load_config(REPO / "deploy/configs/tiny.yaml", [
         f"run.name={name}", f"run.dir={tmp_path / name}", f"data.corpus={corpus}", "data.max_chunk_tokens=128",
         "model.max_positions=128", "batcher.max_tokens=400", f"redis.url={redis_url}", "run.progress_every_s=2",
-        "trainer.warmup_steps=2", "trainer.lr=2e-3", "health.aligned_probe_size=8", *extra])
+        "trainer.warmup_steps=2", "trainer.lr=2e-3", "health.aligned_probe_size=8",
+        "health.external_probes=true", *extra])  # the demo's held-out pages: not beside the small corpus's input
 
 
 @pytest.mark.slow
