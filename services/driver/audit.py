@@ -16,6 +16,11 @@ The account of one run (the `marge.protocol` delivery rules), from the newest go
                               with other content, so "the same batch" was not the same
     pending                   written into the streams, not yet covered by a checkpoint
 
+The account streams train_log.jsonl (its segments, then the live file) and holds no map over the run's slots or
+batch ids, so its memory does not grow with the run: `account` is that core, from its inputs alone (no Redis, no
+files), `audit` reads them. Beyond the ledger's window and the dead letters it holds only the batches the log shows
+out of their schedule's order (replays), which it counts over the log a second time.
+
 The run's Redis is opened as the run left it: a `redis.url` from --redis-url or MARGE_REDIS_URL, else the
 run's private server, started from its AOF for the audit (and stopped again) when it is not running.
 """
@@ -23,15 +28,15 @@ run's private server, started from its AOF for the audit (and stopped again) whe
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from marge.checkpoint import newest_good_checkpoint, read_manifest
-from marge.protocol import BatchId, BatchQueue
+from marge.protocol import BatchId, BatchQueue, Slots
+from marge.train_log import TrainLog, TrainLogError, UpdateRecord
 from services.driver.config import PipelineConfig, load_config, redis_url_from_environment
 from services.driver.redis_server import LocalRedis, private_conf_dir
-from marge.train_log import read_train_log
 
 
 def run_config_of(run_dir: Path) -> PipelineConfig:
@@ -94,52 +99,290 @@ def content_changed(batch_ids) -> list[dict]:
     return [{"position": p, "contents": sorted(c)} for p, c in sorted(contents.items()) if len(c) > 1]
 
 
+@dataclass
+class QueueState:
+    """What the audit reads from the run's Redis. The ledger is its window of two checkpoint intervals and the dead
+    letters are few; `retired_by_update` holds one count per update that left the window (Redis keeps it so)."""
+
+    counts: dict[str, int]
+    ledger: dict[str, dict]
+    """Batch id -> {"step", "slot"} of the batches in the ledger's window."""
+    retired_by_update: Mapping[int, int]
+    """Update -> how many of its batches left the window."""
+    dead_letters: list[dict]
+
+    @classmethod
+    def of(cls, queue: BatchQueue) -> "QueueState":
+        # the ledger before the retired counts: an entry retired in between is then seen twice (harmless), not
+        # missed
+        counts, ledger = queue.counts(), queue.ledger_entries()
+        return cls(counts, ledger, queue.retired_by_update(), queue.dead_letters())
+
+
+@dataclass
+class CheckpointState:
+    """The newest good checkpoint: the update it holds and what its last interval trained and left out."""
+
+    step: int
+    path: str | None = None
+    trained: list[tuple[int, str]] = field(default_factory=list)
+    """(slot, batch id) trained in its last interval (`checkpoint_deliveries`)."""
+    dead: list[tuple[int, str]] = field(default_factory=list)
+    """(slot, reason) left out in its last interval."""
+
+
 def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
     """The run's account (see the module docstring); `ok` is whether nothing was lost or trained twice."""
-    slots = cfg.slots()
-    checkpoint = newest_good_checkpoint(cfg.paths().checkpoints)
-    step = int(read_manifest(checkpoint, verify=False)["step"]) if checkpoint else 0
-    covered = step * slots.per_step
-    counts = queue.counts()
-    ledger = queue.ledger_entries()
-    trained_slot = {entry["slot"]: batch_id for batch_id, entry in ledger.items() if entry["slot"] < covered}
-    records = read_train_log(cfg.paths().run_dir, through_step=step)
-    logged = {n: b for r in records for n, b in r.trained_slots().items()}
-    # updates whose batches left the ledger's window: their slots are the train log's, as many as the ledger counted
-    retired = {s: k for s, k in queue.retired_by_update().items() if s < step}
-    from_log = {n: b for n, b in logged.items() if n not in trained_slot and slots.step_of(n) in retired}
-    logged_per_update = Counter(slots.step_of(n) for n in from_log)
-    retired_disagree = sorted(s for s in retired if logged_per_update[s] != retired[s])
-    trained_slot.update(from_log)
-    dead = queue.dead_letters()
-    dead_slots = {d["slot"] for d in dead}
-    # the checkpoint is the commit point: its last interval counts even if the driver died before the ranks
-    # recorded it in Redis (the resumed run records it first thing)
-    trained_in_checkpoint, dead_in_checkpoint = checkpoint_deliveries(checkpoint)
-    awaiting = {n: b for n, b in trained_in_checkpoint if n not in trained_slot}
-    awaiting_dead = {n for n, _ in dead_in_checkpoint if n not in dead_slots}
-    trained_slot.update(awaiting)
-    lost = [n for n in range(covered) if n not in trained_slot and n not in dead_slots and n not in awaiting_dead]
+    path = newest_good_checkpoint(cfg.paths().checkpoints)
+    step = int(read_manifest(path, verify=False)["step"]) if path else 0
+    state = QueueState.of(queue)
+    trained, dead = checkpoint_deliveries(path)
+    log = TrainLog.of_run(cfg.paths().run_dir)
+    return account(lambda: log.iter_records(through_step=step), cfg.slots(),
+                   CheckpointState(step, str(path) if path else None, trained, dead), state, source=str(log.path))
 
-    logged_twice = [b for b, k in Counter(b for r in records for b in r.trained_slots().values()).items() if k > 1]
-    disagree = sorted(n for n, b in logged.items() if n in trained_slot and trained_slot[n] != b)
+
+def account(read_records: Callable[[], Iterable[UpdateRecord]], slots: Slots, checkpoint: CheckpointState,
+            queue: QueueState, source: str = "train log") -> dict:
+    """The audit's account from its inputs alone, no Redis, no files: `read_records()` gives the train log's
+    records up to the checkpoint, in update order, and is called once or twice (each call a new pass).
+
+    It holds what the ledger window and the dead letters hold, plus the few batches the log shows out of their
+    schedule's order (replays of dead letters), never a map over the run's slots or batch ids: exactly-once is
+    checked while streaming (`_SlotAccount` for the slots, `_BatchIdAccount` for the batch ids)."""
+    counts = queue.counts
+    slot_account = _SlotAccount(slots, checkpoint, queue)
+    ids = _BatchIdAccount(queue)
+    updates = 0
+    for record in read_records():
+        updates += 1
+        trained = record.trained_slots()
+        if record.slots:
+            slot_account.settle_through(min(record.slots), max(record.slots), trained, record.step, source)
+        ids.first_pass(record)
+    slot_account.finish()
+    if ids.needs_second_pass:
+        ids.start_second_pass()
+        for record in read_records():
+            ids.second_pass(record)
+    logged_twice = ids.trained_twice()
+    changed = ids.content_changed()
     trained_twice = counts.get("trained_twice", 0) + len(logged_twice)
-    changed = content_changed([*ledger, *(b for r in records for b in r.batch_ids), *(d["batch_id"] for d in dead)])
+    awaiting = slot_account.awaiting()
+    awaiting_dead = slot_account.awaiting_dead
+    dead = queue.dead_letters
     return {
-        "ok": not lost and trained_twice == 0 and not disagree and not retired_disagree and not changed,
-        "steps": step, "checkpoint": str(checkpoint) if checkpoint else None,
+        "ok": (not slot_account.lost_count and trained_twice == 0 and not slot_account.disagree_count
+               and not slot_account.retired_disagree and not changed),
+        "steps": checkpoint.step, "checkpoint": checkpoint.path,
         "committed_step": counts["committed_step"],
         "batches_produced": counts.get("produced", 0),
-        "batches_trained": len(trained_slot),
-        "batches_lost": len(lost), "lost_slots": lost[:100],
-        "trained_twice": trained_twice, "trained_twice_ids": logged_twice[:100],
-        "ledger_disagrees_with_train_log": disagree[:100],
-        "content_changed": changed[:100],
-        "batches_retired_from_ledger": sum(retired.values()),
-        "retired_counts_disagree_with_train_log": retired_disagree[:100],
+        "batches_trained": len(slot_account.ledger_slot) + slot_account.from_log_count + len(awaiting),
+        "batches_lost": slot_account.lost_count, "lost_slots": slot_account.lost,
+        "trained_twice": trained_twice, "trained_twice_ids": logged_twice[:REPORTED],
+        "ledger_disagrees_with_train_log": slot_account.disagree,
+        "content_changed": changed[:REPORTED],
+        "batches_retired_from_ledger": slot_account.retired_total,
+        "retired_counts_disagree_with_train_log": slot_account.retired_disagree[:REPORTED],
         "batches_pending": counts["pending"],
         "batches_awaiting_commit": len(awaiting) + len(awaiting_dead),
         "batches_dead_lettered": sum(1 for d in dead if d["replayed_to_slot"] is None) + len(awaiting_dead),
         "batches_replayed": sum(1 for d in dead if d["replayed_to_slot"] is not None),
-        "train_log_updates": len(records),
+        "train_log_updates": updates,
     }
+
+
+REPORTED = 100
+"""Slots, batch ids and updates listed in the account (each list's count is given in full where it has one)."""
+
+
+class _SlotAccount:
+    """Every slot of updates 0..C-1, in slot order as the log streams past: trained (in the ledger's window; for
+    an update retired from it, in the log; or in the checkpoint's last interval), dead-lettered, or lost; and where
+    the ledger and the log name different batches. Holds the ledger's window, the dead letters and the first
+    `REPORTED` slots of each finding."""
+
+    def __init__(self, slots: Slots, checkpoint: CheckpointState, queue: QueueState):
+        self.per_step = slots.per_step
+        self.step = checkpoint.step
+        self.covered = checkpoint.step * slots.per_step
+        self.ledger_slot = {entry["slot"]: batch_id for batch_id, entry in queue.ledger.items()
+                            if entry["slot"] < self.covered}
+        self.retired = queue.retired_by_update  # read in place: one count per update, so not copied
+        self.retired_total = sum(k for s, k in self.retired.items() if s < self.step)
+        self.dead_slots = {d["slot"] for d in queue.dead_letters}
+        # the checkpoint is the commit point: its last interval counts even if the driver died before the ranks
+        # recorded it in Redis (the resumed run records it first thing)
+        self.checkpoint_trained = dict(checkpoint.trained)
+        self.awaiting_dead = {n for n, _ in checkpoint.dead if n not in self.dead_slots}
+        self.from_log_in_checkpoint: set[int] = set()
+        """Slots of the checkpoint's last interval that the log gave already (an update retired from the ledger)."""
+        self.next_slot = 0
+        self.update: int | None = None
+        self.from_log_in_update = 0
+        self.from_log_count = 0
+        self.lost_count, self.lost = 0, []
+        self.disagree_count, self.disagree = 0, []
+        self.retired_disagree: list[int] = []
+
+    def settle_through(self, first: int, last: int, logged: dict[int, str | None], step: int, source: str) -> None:
+        """Settle every slot from the next one up to `last`, `logged` being the trained slots of the record of
+        update `step`, which holds slots `first`..`last`."""
+        if first < self.next_slot:
+            raise TrainLogError(f"{source}: update {step} records slot {first}, which an earlier line already passed: "
+                                "the log's lines are out of update order (two writers?); cut it at the checkpoint "
+                                "with TrainLog.truncate_after, or restore it from a copy, and audit again")
+        for n in range(self.next_slot, last + 1):
+            self._settle(n, n in logged, logged.get(n))
+        self.next_slot = last + 1
+
+    def finish(self) -> None:
+        """Settle the slots up to the checkpoint that no record named."""
+        for n in range(self.next_slot, self.covered):
+            self._settle(n, False, None)
+        self.next_slot = max(self.next_slot, self.covered)
+        self._end_update()
+
+    def _settle(self, n: int, has_log: bool, logged_id: str | None) -> None:
+        update = n // self.per_step
+        if update != self.update:
+            self._end_update()
+            self.update, self.from_log_in_update = update, 0
+        if n in self.ledger_slot:
+            trained_id = self.ledger_slot[n]
+        elif has_log and update < self.step and update in self.retired:
+            self.from_log_count += 1
+            self.from_log_in_update += 1
+            if n in self.checkpoint_trained:
+                self.from_log_in_checkpoint.add(n)
+            return  # the log's batch is the slot's: nothing to disagree with
+        elif n in self.checkpoint_trained:
+            trained_id = self.checkpoint_trained[n]
+        else:
+            if n < self.covered and n not in self.dead_slots and n not in self.awaiting_dead:
+                self.lost_count += 1
+                if len(self.lost) < REPORTED:
+                    self.lost.append(n)
+            return
+        if has_log and trained_id != logged_id:
+            self.disagree_count += 1
+            if len(self.disagree) < REPORTED:
+                self.disagree.append(n)
+
+    def _end_update(self) -> None:
+        """An update's slots are settled: the log holds as many of its batches as the ledger retired."""
+        u = self.update
+        if u is not None and u < self.step and u in self.retired and self.retired[u] != self.from_log_in_update:
+            self.retired_disagree.append(u)
+
+    def awaiting(self) -> dict[int, str]:
+        """The checkpoint's last interval's trained slots that neither the ledger nor the log gave."""
+        return {n: b for n, b in self.checkpoint_trained.items()
+                if n not in self.ledger_slot and n not in self.from_log_in_checkpoint}
+
+
+class _BatchIdAccount:
+    """Batches trained twice (the same id in two trained slots of the log) and positions named with two contents
+    (`content_changed`), over the log, the ledger and the dead letters, without a map over every batch id.
+
+    The batcher's schedule names the batches of consecutive slots in one order: index version, pass, shard (each
+    shard once a pass), number; so ids that follow that order (`_ScheduleOrder`) are all different positions, and
+    only the others, replays of dead letters in a healthy run, are remembered on the first pass. The second pass
+    (only when there were such ids) counts every occurrence of those ids and positions. Ids made elsewhere (not
+    `BatchId`s: probes, tests) are counted as they come."""
+
+    def __init__(self, queue: QueueState):
+        self.order = _ScheduleOrder()
+        self.contents: dict[tuple[int, int, int, int], set[str]] = {}
+        """Position -> content digests, for the positions named out of order, in the ledger or in the dead letters."""
+        for text in [*queue.ledger, *(d["batch_id"] for d in queue.dead_letters)]:
+            parsed = BatchId.parse(text) if text else None
+            if parsed is not None and parsed.content:
+                self.contents.setdefault(_position(parsed), set()).add(parsed.content)
+        self.out_of_order_ids: set[str] = set()
+        """Ids trained out of the schedule's order: each counted over the whole log on the second pass."""
+        self.recounted: dict[str, list[int]] = {}
+        """Id -> [times trained, first trained occurrence]: the second pass's count of `out_of_order_ids`."""
+        self.elsewhere: dict[str | None, list[int]] = {}
+        """Ids that are not `BatchId`s -> [times trained, first trained occurrence]."""
+        self.occurrence = 0
+        self.needs_second_pass = False
+
+    @staticmethod
+    def _occurrences(record: UpdateRecord):
+        """(batch id, trained) of each of the record's batches, in slot order."""
+        dead = set(record.dead_lettered)
+        for i, batch_id in enumerate(record.batch_ids):
+            yield batch_id, i < len(record.slots) and record.slots[i] not in dead
+
+    def first_pass(self, record: UpdateRecord) -> None:
+        for batch_id, trained in self._occurrences(record):
+            parsed = BatchId.parse(batch_id) if batch_id else None
+            if parsed is None:
+                if trained:
+                    count = self.elsewhere.setdefault(batch_id, [0, self.occurrence])
+                    count[0] += 1
+            else:
+                position = _position(parsed)
+                if not self.order.follows(position):
+                    self.needs_second_pass = True
+                    if trained:
+                        self.out_of_order_ids.add(batch_id)
+                    if parsed.content:
+                        self.contents.setdefault(position, set())
+                if parsed.content and position in self.contents:
+                    self.contents[position].add(parsed.content)
+            self.occurrence += trained
+
+    def start_second_pass(self) -> None:
+        self.occurrence = 0  # the same numbering as the first pass's, so first occurrences compare across both
+
+    def second_pass(self, record: UpdateRecord) -> None:
+        for batch_id, trained in self._occurrences(record):
+            if trained and batch_id in self.out_of_order_ids:
+                count = self.recounted.setdefault(batch_id, [0, self.occurrence])
+                count[0] += 1
+            parsed = BatchId.parse(batch_id) if batch_id else None
+            if parsed is not None and parsed.content and _position(parsed) in self.contents:
+                self.contents[_position(parsed)].add(parsed.content)
+            self.occurrence += trained
+
+    def trained_twice(self) -> list[str | None]:
+        """Ids trained in more than one slot, in the order of their first trained occurrence."""
+        counts = [*self.elsewhere.items(), *self.recounted.items()]
+        return [batch_id for batch_id, (times, _) in sorted(counts, key=lambda kv: kv[1][1]) if times > 1]
+
+    def content_changed(self) -> list[dict]:
+        named = sorted((str(BatchId(*position)), contents) for position, contents in self.contents.items()
+                       if len(contents) > 1)
+        return [{"position": p, "contents": sorted(c)} for p, c in named]
+
+
+def _position(parsed: BatchId) -> tuple[int, int, int, int]:
+    return parsed.version, parsed.epoch, parsed.shard, parsed.number
+
+
+class _ScheduleOrder:
+    """Whether each next batch position follows the schedule's order after the ones that did (see
+    `_BatchIdAccount`): a later version or pass; the same shard with a higher number; or a shard of the same pass
+    not visited yet. Holds the shards visited in the current pass: bounded by the corpus, not the run."""
+
+    def __init__(self):
+        self.current: tuple[int, int, int, int] | None = None
+        self.shards_done: set[int] = set()
+
+    def follows(self, position: tuple[int, int, int, int]) -> bool:
+        current = self.current
+        if current is None or position[:2] > current[:2]:
+            self.shards_done = set()
+        elif position[:2] < current[:2]:
+            return False
+        elif position[2] == current[2]:
+            if position[3] <= current[3]:
+                return False
+        elif position[2] in self.shards_done:
+            return False
+        else:
+            self.shards_done.add(current[2])
+        self.current = position
+        return True

@@ -31,9 +31,9 @@ from marge.corpus import Corpus
 from marge.index_store import drop_versions_after, latest_version
 from marge.paths import RunPaths
 from marge.protocol import BatchQueue
-from marge.refresh import refresh_cost
+from marge.refresh import RefreshCost
 from marge.tensorboard import RunBoard
-from marge.train_log import read_train_log
+from marge.train_log import RunFigures, TrainLog, feed
 from marge.snapshot import drop_snapshots_after, latest_snapshot
 from marge.utils import atomic_write_text
 from services.driver.config import (PipelineConfig, config_drift, environment_endpoints, probe_files,
@@ -428,20 +428,22 @@ def supervise(trainer, stages: Stages, queue: BatchQueue, progress: Progress, pr
 def summarize(paths: RunPaths, queue: BatchQueue, stages: Stages, result, started: float, point: ResumePoint,
               redis: RedisEndpoint) -> dict:
     """The run in one JSON object (the driver's last stdout line); figures over the whole run come from
-    train_log.jsonl, which keeps every update (Redis keeps only the newest)."""
+    train_log.jsonl, which keeps every update (Redis keeps only the newest), folded in one pass over it that holds
+    one of its files at a time."""
     import ray
 
     bat = ray.get(stages.batcher.stats.remote(), timeout=60)
     idx = ray.get(stages.coordinator.stats.remote(), timeout=60) if stages.coordinator is not None else {"history": []}
-    records = read_train_log(paths.run_dir)
+    figures, refresh = RunFigures(), RefreshCost(idx["history"])
+    feed(TrainLog.of_run(paths.run_dir).iter_records(), figures, refresh)
     counts = queue.counts()
-    last = records[-1] if records else None
+    first, last = figures.first, figures.last
     snap = latest_snapshot(paths.snapshots)
     index = latest_version(paths.index)
     checkpoint = result.checkpoint.path if result is not None and result.checkpoint is not None else None
     return {
         "steps": last.step if last else 0, "resumed_from_step": point.step,
-        "index_versions": sorted({v for r in records for v in r.index_versions}),
+        "index_versions": sorted(figures.index_versions),
         "index_versions_built": len(idx["history"]), "latest_index_version": index.version if index else None,
         "batches_produced": counts.get("produced", 0), "batches_trained": counts.get("trained", 0),
         "batches_committed_through_step": counts["committed_step"], "batches_pending": counts["pending"],
@@ -450,12 +452,12 @@ def summarize(paths: RunPaths, queue: BatchQueue, stages: Stages, result, starte
         "tokens_per_s": last.tokens_per_s if last else 0.0,
         "target_tokens_per_s": last.target_tokens_per_s if last else 0.0,
         "wait_share": last.wait_share if last else 0.0,
-        "loss_first": records[0].loss if records else None,
+        "loss_first": first.loss if first else None,
         "loss_last": last.loss if last else None, "objective_losses_last": last.objectives if last else {},
-        "beta": last.beta if last else None, "staleness_max": max((r.staleness_max for r in records), default=0),
+        "beta": last.beta if last else None, "staleness_max": figures.staleness_max,
         "batch_crosslingual_share": bat["crosslingual_share"],
         "index_builds": idx["history"],
-        "refresh": refresh_cost(idx["history"], records),
+        "refresh": refresh.result(),
         "checkpoint": checkpoint, "snapshot": str(snap.path) if snap else None,
         "run_dir": str(paths.run_dir), "elapsed_s": round(time.time() - started, 1),
     }
