@@ -24,8 +24,10 @@ def test_refresh_time_scales_with_the_pool_and_staleness_with_the_interval():
     doubled = plan_capacity(paper("indexer.num_workers=16"), model, 10_000_000, 400, 26, rates)
     assert doubled["build_s"] == pytest.approx(base["build_s"] / 2)
     assert base["build_s_one_worker"] == pytest.approx(8 * base["build_s"])
-    # the embedding dominates: documents x 2 x macs x relevance layers x tokens / rate
-    embed_s = 10_000_000 * embed_flops_per_document(model, 400) / 100e12 / 8
+    # the embedding dominates: documents x 2 x macs x relevance layers x tokens / rate, over the version's sample
+    # (paper.yaml: 128 of the 500 shards of 20,000 documents)
+    assert (base["shards"], base["shards_per_build"], base["documents_per_build"]) == (500, 128, 2_560_000)
+    embed_s = 2_560_000 * embed_flops_per_document(model, 400) / 100e12 / 8
     assert embed_s < base["build_s"] < 1.5 * embed_s
     assert base["refresh_interval_s"] == pytest.approx(10_000 * base["seconds_per_update"])
     # the schedule fixes the staleness: batches of version v are trained from L to L + R - 1 updates after its snapshot
@@ -76,3 +78,28 @@ def test_the_gpu_configs_give_a_gpu_sized_update_and_the_plan_says_how_to_get_on
     from services.driver.plan import describe
 
     assert any("set trainer.grad_accum=8" in line for line in describe(plan, one_k))
+
+
+def test_the_paper_scale_figures_builders_redis_restarts_and_shard_coverage():
+    from services.driver.plan import BUILDER_BATCHES_PER_S, CHECKPOINT_BYTES_PER_PARAMETER, INIT_BYTES_PER_PARAMETER
+    from marge.model import build_on_meta, count_parameters
+
+    rates = Throughput(embed_flops_per_s=35e12, train_flops_per_s=9e12, source="test")
+    cfg = paper()
+    model = cfg.model_config()
+    plan = plan_capacity(cfg, model, 100_000_000, 400, 26, rates)
+    assert plan["batches_per_s_needed"] == pytest.approx(64 / plan["seconds_per_update"])
+    assert plan["batches_per_s_builders"] == BUILDER_BATCHES_PER_S and plan["builders_keep_up"]
+    assert plan["redis_peak_bytes"] == plan["redis"]["peak_bytes"]
+    parameters = count_parameters(build_on_meta(model))
+    assert 0.95e9 < parameters < 0.98e9  # the paper's 963M
+    per_rank = parameters * (CHECKPOINT_BYTES_PER_PARAMETER + INIT_BYTES_PER_PARAMETER)
+    assert plan["restart_read_bytes_per_rank"] == per_rank and plan["restart_read_bytes_all_ranks"] == 8 * per_rank
+    # 46 versions of 128 of 5,000 shards: independent draws miss about 30%, a cycle of permutations none
+    assert plan["index_versions"] == 46 and round(plan["shard_coverage_first_phase"], 2) == 0.70
+    cycled = plan_capacity(paper("indexer.shard_sampling=cycle"), model, 100_000_000, 400, 26, rates)
+    assert cycled["shard_coverage_first_phase"] > 0.99
+    # a world 8x larger with the same accumulation: 8x the batches an update, and the streams past 8 GB
+    wide = plan_capacity(paper("trainer.num_workers=64"), model, 100_000_000, 400, 26, rates)
+    assert wide["batches_per_s_needed"] == pytest.approx(8 * plan["batches_per_s_needed"])
+    assert wide["redis_peak_bytes"] > 8 * 2**30

@@ -159,3 +159,17 @@ def test_a_sampled_version_holds_its_sample_and_its_batches_come_only_from_it(sm
     assert record["shards_rebuilt"] == 2 and record["shards_carried"] == 0
     batches = list(epoch_batches(committed, DocumentStore(corpus), BatcherConfig(max_tokens=400), 0, seed=0))
     assert batches and {BatchId.parse(b.batch_id).shard for b in batches} <= set(sample)
+
+
+def test_cycled_shard_samples_cover_every_shard_once_a_cycle_and_the_coverage_formulas_match_the_draws():
+    from services.indexer.core import sampled_shards, shard_coverage
+
+    cycle = [sampled_shards(v, 50, 5, seed=3, sampling="cycle") for v in range(10)]  # one cycle: 10 blocks of 5
+    assert sorted(s for sample in cycle for s in sample) == list(range(50))
+    assert cycle == [sampled_shards(v, 50, 5, seed=3, sampling="cycle") for v in range(10)]  # rebuilt: the same
+    assert sampled_shards(10, 50, 5, seed=3, sampling="cycle") != cycle[0]  # the next cycle, a new permutation
+    assert shard_coverage(50, 5, 10, "cycle") == 1.0 and shard_coverage(50, 5, 4, "cycle") == 0.4
+    # independent draws: the expected coverage, against the draws themselves over 40 seeds
+    drawn = [len({s for v in range(10) for s in sampled_shards(v, 50, 5, seed=seed)}) / 50 for seed in range(40)]
+    assert abs(sum(drawn) / len(drawn) - shard_coverage(50, 5, 10)) < 0.02
+    assert round(shard_coverage(5000, 128, 46), 2) == 0.70  # the paper's 128 of 5,000 over 46 versions: 30% never

@@ -66,6 +66,20 @@ RETIRED_UPDATE_BYTES = 60
 STEP_RECORD_BYTES = 900
 """One trainer step record (JSON) in the capped list."""
 
+BUILDER_BATCHES_PER_S = 1070.0
+"""Batches one batch builder plans a second: 149,489 batches of <= 2,048 tokens in 139.7 s on one core of a 2-core
+CPU (benchmarks/results/batcher-scale-cpu-2core.json, 10M links)."""
+BATCH_BUILDERS = 1
+"""Batch builders a run has: the one batcher actor (no per-group builders yet)."""
+OFFER_REDIS_CPU_US = 28.3
+"""Redis CPU per batch offered, flat in the world size: 23.8-28.3 us from 8 to 2,048 ranks, the largest taken
+(benchmarks/results/offer-scale-cpu-2core.json; the layout before it cost 24 us at 8 ranks and 665 us at 2,048)."""
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+"""A checkpoint's fp32 weights (4 bytes a parameter) and AdamW's two moments (8): model.safetensors and
+training_state.pt of a tiny run's checkpoint are 4.0 and 8.2 bytes a parameter."""
+INIT_BYTES_PER_PARAMETER = 4
+"""The run's init weights (fp32), which every rank reads before it loads a checkpoint."""
+
 
 def message_bytes(max_tokens: int, mean_document_tokens: float) -> float:
     """A queue message for a full batch: 4 bytes a token plus the JSON header's share per document."""
@@ -125,6 +139,9 @@ def link_flops(documents: int, docs_per_shard: float, languages: int, d_model: i
 def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, mean_document_tokens: float,
                   languages: int, rates: Throughput, evidence_per_target_tokens: float = 1.0) -> dict:
     """The refresh loop's figures for `cfg` at this corpus size and these throughputs."""
+    from marge.model import build_on_meta, count_parameters
+    from services.indexer.core import shard_coverage
+
     t = cfg.trainer
     batches_per_update = t.num_workers * t.grad_accum
     target_tokens_per_batch = cfg.batcher.max_tokens / (1 + evidence_per_target_tokens)
@@ -135,14 +152,24 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
     version_plan = cfg.version_plan()
     head_start_s = version_plan.lag * seconds_per_update
     docs_per_shard = min(documents, cfg.data.docs_per_shard)
-    build_flops = (documents * embed_flops_per_document(model_cfg, mean_document_tokens)
-                   + link_flops(documents, docs_per_shard, languages, model_cfg.d_model))
+    num_shards = max(1, math.ceil(documents / cfg.data.docs_per_shard))
+    sampled = cfg.indexer.shards_per_version or cfg.indexer.shards_per_refresh
+    shards_per_build = min(num_shards, sampled) if sampled else num_shards
+    documents_per_build = documents * shards_per_build / num_shards  # a sampled (or rotating) refresh embeds k shards
+    build_flops = (documents_per_build * embed_flops_per_document(model_cfg, mean_document_tokens)
+                   + link_flops(documents_per_build, docs_per_shard, languages, model_cfg.d_model))
     one_worker_build_s = build_flops / rates.embed_flops_per_s
     build_s = one_worker_build_s / cfg.indexer.num_workers
     wait_s = max(0.0, build_s - head_start_s)
     queue_updates = cfg.queue.max_depth / batches_per_update
     per_worker = t.grad_accum * target_tokens_per_batch
     accumulate = max(t.grad_accum, math.ceil(GPU_TARGET_TOKENS_PER_WORKER / max(target_tokens_per_batch, 1)))
+    versions = 1 + cfg.run.max_steps // cfg.indexer.reindex_every
+    parameters = count_parameters(build_on_meta(model_cfg))
+    restart_read = parameters * (CHECKPOINT_BYTES_PER_PARAMETER + INIT_BYTES_PER_PARAMETER)
+    needed = batches_per_update / seconds_per_update
+    builders = min(BUILDER_BATCHES_PER_S * BATCH_BUILDERS, 1e6 / OFFER_REDIS_CPU_US)
+    redis = redis_footprint(cfg, mean_document_tokens)
     return {
         "documents": documents, "mean_document_tokens": round(mean_document_tokens, 1),
         "throughput": asdict(rates),
@@ -165,7 +192,25 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
         "grad_accum_for_gpu": accumulate,
         "queue_depth_updates": queue_updates,
         "redis_queue_bytes": cfg.queue.max_depth * message_bytes(cfg.batcher.max_tokens, mean_document_tokens),
-        "redis": redis_footprint(cfg, mean_document_tokens),
+        "redis": redis,
+        "redis_peak_bytes": redis["peak_bytes"],
+        "shards": num_shards, "shards_per_build": shards_per_build, "documents_per_build": documents_per_build,
+        "index_versions": versions,
+        "shard_sampling": cfg.indexer.shard_sampling if cfg.indexer.shards_per_version else None,
+        "shard_coverage_first_phase": (shard_coverage(num_shards, cfg.indexer.shards_per_version, versions,
+                                                      cfg.indexer.shard_sampling)
+                                       if cfg.indexer.shards_per_version else 1.0),
+        "shard_coverage_first_phase_cycle": (shard_coverage(num_shards, cfg.indexer.shards_per_version, versions,
+                                                            "cycle") if cfg.indexer.shards_per_version else 1.0),
+        "batches_per_s_needed": needed,
+        "batches_per_s_builders": builders,
+        "batch_builders": BATCH_BUILDERS,
+        "builders_keep_up": builders >= needed,
+        "redis_cpu_share_offers": needed * OFFER_REDIS_CPU_US / 1e6,
+        "parameters": parameters,
+        "checkpoint_bytes": parameters * CHECKPOINT_BYTES_PER_PARAMETER,
+        "restart_read_bytes_per_rank": restart_read,
+        "restart_read_bytes_all_ranks": restart_read * t.num_workers,
     }
 
 
@@ -191,7 +236,23 @@ def describe(plan: dict, cfg: PipelineConfig) -> list[str]:
         + ", ".join(f"{name.replace('_', ' ')} {size / 2**20:,.1f}" for name, size in redis["parts"].items())
         + f" MiB (streams: trainer.checkpoint_every={cfg.trainer.checkpoint_every} updates of "
         f"{redis['batches_per_update']} batches; size Redis's maxmemory above it)",
+        f"batches: the trainers need {plan['batches_per_s_needed']:,.0f}/s; {plan['batch_builders']} batch builder "
+        f"plans {BUILDER_BATCHES_PER_S:,.0f}/s and each offer costs Redis {OFFER_REDIS_CPU_US:.0f} us of CPU "
+        f"({100 * plan['redis_cpu_share_offers']:.1f}% of a core at that rate): "
+        + ("keeps up" if plan["builders_keep_up"] else
+           f"does NOT keep up: the trainers wait for batches ({plan['batches_per_s_builders']:,.0f}/s)"),
+        f"a restart: every rank reads the init weights and the whole checkpoint ({plan['parameters'] / 1e6:,.0f}M "
+        f"parameters): {plan['restart_read_bytes_per_rank'] / 1e9:,.2f} GB a rank, "
+        f"{plan['restart_read_bytes_all_ranks'] / 1e9:,.1f} GB over the {cfg.trainer.num_workers} ranks",
     ]
+    if plan["shard_sampling"] is not None:
+        lines.insert(3, f"a refresh embeds {plan['shards_per_build']:,} of {plan['shards']:,} shards "
+                        f"({plan['documents_per_build']:,.0f} documents); over the run's {plan['index_versions']} "
+                        f"versions {100 * plan['shard_coverage_first_phase']:.0f}% of the shards are held at least "
+                        f"once ({plan['shard_sampling']} draws"
+                        + ("" if plan["shard_sampling"] == "cycle" else
+                           f"; indexer.shard_sampling=cycle: {100 * plan['shard_coverage_first_phase_cycle']:.0f}%")
+                        + ")")
     return lines
 
 
@@ -294,22 +355,31 @@ def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps:
         embed_rate = len(documents) * embed_flops_per_document(model_cfg, mean_tokens) / embed_s
 
         torch.set_num_threads(max(1, cfg.trainer.torch_threads))
-        batches = corpus_batches(corpus, cfg.batcher.max_tokens, steps + 1, cfg.run.seed)
-        trainer = TrainerConfig(lr=1e-4, warmup_steps=0, bf16=cfg.trainer.bf16)
+        accumulate = cfg.trainer.grad_accum  # an update as the config makes it: one optimizer step per grad_accum batches
+        batches = corpus_batches(corpus, cfg.batcher.max_tokens, (steps + 1) * accumulate, cfg.run.seed)
+        updates = [batches[i:i + accumulate] for i in range(0, len(batches), accumulate)]
+        trainer = TrainerConfig(lr=1e-4, warmup_steps=0, bf16=cfg.trainer.bf16, grad_accum=accumulate)
         optimizer = build_optimizer(model.train(), trainer)
         scheduler = build_scheduler(optimizer, trainer, 10**6)
         objectives = Objectives(ObjectivesConfig(), tokenizer.specials)  # the paper's objective alone
-        train_step(model, optimizer, scheduler, objectives, batches[:1], trainer, 0, device)  # warm-up
+        train_step(model, optimizer, scheduler, objectives, updates[0], trainer, 0, device)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         flops, t0 = 0.0, time.perf_counter()
-        for i, batch in enumerate(batches[1:], start=1):
-            record = train_step(model, optimizer, scheduler, objectives, [batch], trainer, i, device)
-            ratio = (batch.cost_tokens() - record.target_tokens) / max(1, record.target_tokens)
-            flops += record.target_tokens * training_flops_per_token(model_cfg, ratio)
+        for i, update in enumerate(updates[1:], start=1):
+            train_step(model, optimizer, scheduler, objectives, update, trainer, i, device)
+            for batch in update:
+                targets = batch.target_tokens()
+                ratio = (batch.cost_tokens() - targets) / max(1, targets)
+                flops += targets * training_flops_per_token(model_cfg, ratio)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         train_rate = flops / (time.perf_counter() - t0)
     finally:
         torch.set_num_threads(previous)
     return {"embed_flops_per_s": embed_rate, "train_flops_per_s": train_rate, "embed_docs_per_s": len(documents) / embed_s,
-            "device": str(device), "indexer_threads": int(cfg.indexer.num_cpus_per_worker),
+            "device": str(device) if device.type != "cuda" else f"cuda: {torch.cuda.get_device_name(device)}",
+            "grad_accum": accumulate, "indexer_threads": int(cfg.indexer.num_cpus_per_worker),
             "trainer_threads": cfg.trainer.torch_threads, "model": model_cfg.to_dict()}
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from marge.config import FieldError, at_least, non_negative_mapping, one_of, positive, within
 
 LINK_RULES = ("shard", "document")
+SHARD_SAMPLINGS = ("independent", "cycle")
 LINK_SOURCES = ("g", "tfidf", "aligned")
 ALIGNED_LAYOUTS = ("translations", "budget")
 BOOTSTRAPS = ("none", "tfidf")
@@ -73,6 +74,12 @@ class IndexerConfig:
     batcher trains v's updates on them alone and every link a batch uses comes from the snapshot v was built from.
     A refresh then costs k shards whatever the corpus size. 0: every shard, every version. `marge serve` answers
     from the newest version, that is from its k shards: serve a full index (`marge report --checkpoint`) instead."""
+    shard_sampling: str = "independent"
+    """How `shards_per_version` draws its samples: 'independent' (each version its own draw from every shard; over
+    V versions a share (1 - k/N)^V of the N shards is never drawn: about 31% at the paper's 128 of 5,000 over its
+    45 refreshes) or 'cycle' (versions walk through a seeded permutation of the shards, k at a time, and draw a new
+    permutation once every shard has been drawn: every shard once per N/k versions). `marge plan` prints the
+    coverage of either."""
     shards_per_refresh: int = 0
     """Rotating refresh (not the paper's): each new version re-embeds this many shards, rotating (version v
     rebuilds shards v*k .. v*k+k-1 modulo the shard count), and carries the others over from the previous
@@ -110,6 +117,7 @@ class IndexerConfig:
         at_least(self, "links_crosslingual", 0)
         within(self, "min_score", -1.0, 1.0)
         one_of(self, "link_rule", LINK_RULES)
+        one_of(self, "shard_sampling", SHARD_SAMPLINGS)
         one_of(self, "links", LINK_SOURCES)
         one_of(self, "bootstrap", BOOTSTRAPS)
         at_least(self, "lexical_weight", 0)

@@ -413,13 +413,36 @@ SHARD_SAMPLE_STREAM = 7
 """Keeps a version's shard sample independent of every other seeded draw of the run."""
 
 
-def sampled_shards(version: int, num_shards: int, shards_per_version: int, seed: int) -> list[int]:
+def sampled_shards(version: int, num_shards: int, shards_per_version: int, seed: int,
+                   sampling: str = "independent") -> list[int]:
     """The shards version `version` holds under `indexer.shards_per_version`: a sample drawn from the run's seed and
-    the version alone, so a version rebuilt after a resume, or by the other host, holds the same shards."""
+    the version alone, so a version rebuilt after a resume, or by the other host, holds the same shards.
+    `sampling` (`indexer.shard_sampling`): 'independent' draws each version on its own; 'cycle' takes the
+    version's block of k from a seeded permutation of the shards, a new permutation every N // k versions."""
     if not shards_per_version or shards_per_version >= num_shards:
         return list(range(num_shards))
+    if sampling == "cycle":
+        per_cycle = num_shards // shards_per_version
+        cycle, block = divmod(version, per_cycle)
+        order = np.random.default_rng([seed, cycle, SHARD_SAMPLE_STREAM, 1]).permutation(num_shards)
+        return sorted(int(s) for s in order[block * shards_per_version:(block + 1) * shards_per_version])
     rng = np.random.default_rng([seed, version, SHARD_SAMPLE_STREAM])
     return sorted(int(s) for s in rng.choice(num_shards, size=shards_per_version, replace=False))
+
+
+def shard_coverage(num_shards: int, shards_per_version: int, versions: int, sampling: str = "independent") -> float:
+    """The share of the shards that at least one of `versions` versions holds: expected over the draws for
+    'independent'; for 'cycle' exact within the first cycle (a block of k shards a version, N // k blocks a
+    cycle), after it a lower bound (each cycle leaves out the N mod k shards past its last block, others each time)."""
+    if not shards_per_version or shards_per_version >= num_shards:
+        return 1.0 if versions > 0 else 0.0
+    if sampling == "cycle":
+        per_cycle = num_shards // shards_per_version
+        full_cycles = versions // per_cycle
+        if full_cycles == 0:
+            return versions * shards_per_version / num_shards
+        return 1.0 - ((num_shards - per_cycle * shards_per_version) / num_shards) ** full_cycles
+    return 1.0 - (1.0 - shards_per_version / num_shards) ** versions
 
 
 def shards_to_rebuild(version: int, num_shards: int, shards_per_refresh: int, has_previous: bool) -> list[int]:
@@ -437,7 +460,7 @@ def plan_refresh(root: Path, version: int, num_shards: int, cfg: IndexerConfig, 
     from marge.index_store import latest_version
 
     if cfg.shards_per_version:
-        return None, sampled_shards(version, num_shards, cfg.shards_per_version, seed), []
+        return None, sampled_shards(version, num_shards, cfg.shards_per_version, seed, cfg.shard_sampling), []
     shards_per_refresh = cfg.shards_per_refresh
     previous = latest_version(root)
     previous = previous if previous is not None and previous.version < version else None

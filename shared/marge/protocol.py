@@ -190,6 +190,12 @@ class RunKeys:
         return f"{self.prefix}:progress:{rank}"
 
     @property
+    def progress_by_rank(self) -> str:
+        """The same progress as a sorted set (member: the rank, score: its progress), written with each rank's key:
+        the slowest rank is its first member, so a writer reads it in O(log world), not one key per rank."""
+        return f"{self.prefix}:progress:ranked"
+
+    @property
     def committed(self) -> str:
         """The update of the newest checkpoint whose batches are in the ledger."""
         return f"{self.prefix}:committed"
@@ -417,9 +423,12 @@ class BatchQueue:
         return int(value) if value is not None else 0
 
     def slowest_progress(self) -> int:
-        slots = self._slots()
-        values = self.r.mget([self.keys.progress(r) for r in range(slots.world)])
-        return min(int(v) if v is not None else 0 for v in values)
+        """The first update the slowest rank has not trained (0 while a rank has not reported yet)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zcard(self.keys.progress_by_rank)
+        pipe.zrange(self.keys.progress_by_rank, 0, 0, withscores=True)
+        reported, slowest = pipe.execute()
+        return int(slowest[0][1]) if reported >= self._slots().world and slowest else 0
 
     def position(self) -> tuple[int, str | None, dict[int, str]]:
         """Where the batcher stands, in one round trip: the cursor (the first slot not written), the oldest replay
@@ -475,17 +484,16 @@ class BatchQueue:
             if ARGV[3] == '' and redis.call('LLEN', KEYS[4]) > 0 then return {'replay', cursor} end
             if redis.call('HLEN', KEYS[5]) ~= known then return {'replays', cursor} end
         end
-        local slowest = nil
-        for i = 6, #KEYS do
-            local p = tonumber(redis.call('GET', KEYS[i]) or '0')
-            if slowest == nil or p < slowest then slowest = p end
+        local slowest = 0
+        if redis.call('ZCARD', KEYS[6]) >= tonumber(ARGV[7]) then
+            slowest = tonumber(redis.call('ZRANGE', KEYS[6], 0, 0, 'WITHSCORES')[2])
         end
         if math.floor(slot / per_step) >= slowest + lookahead then return {'ahead', slowest} end
         if #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) > 0 then
             redis.call('SET', KEYS[2], slot + 1)
             return {'already', slot + 1}
         end
-        redis.call('XADD', KEYS[1], ARGV[2], unpack(ARGV, 7))
+        redis.call('XADD', KEYS[1], ARGV[2], unpack(ARGV, 8))
         redis.call('SET', KEYS[2], slot + 1)
         redis.call('HINCRBY', KEYS[3], 'produced', 1)
         if ARGV[3] ~= '' then
@@ -508,11 +516,11 @@ class BatchQueue:
         writes), `replay` (an operator asked for a requeue), `replays` (placements changed)."""
         slots = self._slots()
         flat = [x for pair in {b"slot": str(slot).encode(), **fields}.items() for x in pair]
-        progress = [self.keys.progress(r) for r in range(slots.world)]
         status, value = self.r.eval(
-            self._OFFER, 5 + len(progress), self.keys.slots(slots.rank_of(slot)), self.keys.next_slot, self.counters,
-            self.keys.replay_requests, self.keys.replays, *progress, slot, entry_id(slot), replay_entry or "",
-            slots.per_step, lookahead_steps, -1 if placements_known is None else placements_known, *flat)
+            self._OFFER, 6, self.keys.slots(slots.rank_of(slot)), self.keys.next_slot, self.counters,
+            self.keys.replay_requests, self.keys.replays, self.keys.progress_by_rank, slot, entry_id(slot),
+            replay_entry or "", slots.per_step, lookahead_steps, -1 if placements_known is None else placements_known,
+            slots.world, *flat)
         return status.decode(), int(value)
 
     def replay_placements(self) -> dict[int, str]:
@@ -577,11 +585,12 @@ class BatchQueue:
 
     _PROGRESS = FENCE + """
         redis.call('SET', KEYS[1], ARGV[1])
+        redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
         return 1"""
 
     def progress(self, rank: int, step: int) -> None:
         """Rank `rank` has trained every update before `step` (lets the batcher write further ahead)."""
-        self._fenced_eval(self._PROGRESS, [self.keys.progress(rank)], [step])
+        self._fenced_eval(self._PROGRESS, [self.keys.progress(rank), self.keys.progress_by_rank], [step, rank])
 
     _COMMIT = FENCE + """
         local ledger, window, retired, counters, retired_below = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[7]
@@ -683,9 +692,11 @@ class BatchQueue:
             if n >= first and entry in dropped:
                 pipe.hdel(self.keys.replays, str(n))
         retired_below = {int(k): int(v) for k, v in self.r.hgetall(self.keys.ledger_retired_below).items()}
+        pipe.delete(self.keys.progress_by_rank)  # ranks of another world size must not linger in it
         for rank in range(slots.world):
             pipe.delete(self.keys.slots(rank))
             pipe.set(self.keys.progress(rank), step)
+            pipe.zadd(self.keys.progress_by_rank, {str(rank): step})
             if retired_below.get(rank, -1) > first:  # the later updates' retired counts go (below): trained again
                 pipe.hset(self.keys.ledger_retired_below, str(rank), first)
         pipe.set(self.keys.next_slot, first)
