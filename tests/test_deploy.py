@@ -89,3 +89,32 @@ def test_the_image_install_script_installs_a_working_marge_into_a_fresh_environm
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import services, marge; print(services.__file__, "
                             "marge.__file__)"], env=env, capture_output=True, text=True, cwd=tmp_path, check=True)
     assert str(venv) in where.stdout and str(REPO) not in where.stdout  # the installed copy, not the checkout
+
+
+def test_the_deploy_files_provision_a_shared_file_system_and_keep_redis_off_the_gcs_port():
+    cluster = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
+    assert "-v /mnt/shared:/mnt/shared" in cluster["docker"]["run_options"]  # into the container, on every node
+    setup = " ".join(cluster["initialization_commands"])
+    assert "mount -t nfs4" in setup and "mountpoint -q /mnt/shared ||" in setup  # a node without it fails its setup
+    gcs_port = re.search(r"ray start --head --port=(\d+)", " ".join(cluster["head_start_ray_commands"])).group(1)
+    redis_port = re.search(r"^port (\d+)", (DEPLOY / "redis" / "redis.conf").read_text(), re.M).group(1)
+    assert redis_port != gcs_port, "the head's Redis queue and Ray's GCS on one port"
+
+    kuberay = [doc for path in (DEPLOY / "kuberay").glob("*.yaml") for doc in yaml.safe_load_all(path.read_text())]
+    claims = {d["metadata"]["name"]: d for d in kuberay if d and d.get("kind") == "PersistentVolumeClaim"}
+    rayjob = yaml.safe_load((DEPLOY / "kuberay" / "rayjob.yaml").read_text())
+    used = {v["persistentVolumeClaim"]["claimName"] for text in [rayjob] for v in volumes(text)
+            if "persistentVolumeClaim" in v}
+    assert used and used <= set(claims), (used, sorted(claims))
+    assert all(claims[name]["spec"]["accessModes"] == ["ReadWriteMany"] for name in used)
+
+
+def volumes(node):
+    """Every pod volume in a manifest (any depth)."""
+    if isinstance(node, dict):
+        yield from node.get("volumes", [])
+        for value in node.values():
+            yield from volumes(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from volumes(item)

@@ -2,7 +2,7 @@
 # Start the queue's redis-server: deploy/redis/redis.conf plus the secrets, from the environment.
 #
 #   MARGE_REDIS_PASSWORD        password of the ACL user `marge` the pipeline connects as:
-#                               MARGE_REDIS_URL=redis://marge:<password>@<host>:6379/0
+#                               MARGE_REDIS_URL=redis://marge:<password>@<host>:6380/0
 #   MARGE_REDIS_ADMIN_PASSWORD  optional: password of Redis' `default` user (all commands) for an operator, who
 #                               can then make one user per run (`marge redis-user create`); without it the
 #                               default user is off
