@@ -235,8 +235,8 @@ class TrainLog:
         return found
 
     def iter_records(self, through_step: int | None = None) -> Iterator[UpdateRecord]:
-        """Every record (up to `through_step`), in update order, one file in memory at most: the segments, then
-        the live file, whose torn last line is skipped.
+        """Every record (up to `through_step`), in update order, read a line at a time: the segments, then the
+        live file, whose torn last line is skipped.
 
         The writer may roll the live file while this reads: before the live file is read, the segments are listed
         again and any rolled since are read first, so a reader sees every record once, up to some update."""
