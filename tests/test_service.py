@@ -336,3 +336,33 @@ def test_document_text_is_read_from_its_shard_within_the_cache_budget(one_versio
     assert docs.text.reads == 3  # read again: the budget held one shard
     with pytest.raises(KeyError, match="doc id 1000000000 is not in the corpus"):
         docs.describe(10**9, 10)
+
+
+def test_the_app_carries_no_corpus_until_it_serves_and_the_corpus_is_checked_against_its_manifest(one_version,
+                                                                                                  tmp_path):
+    """An app built in a driver and shipped to a Ray Serve replica (pickled) holds settings, not the document table;
+    at start the shards' document counts are checked against the manifest without hashing them."""
+    import json
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from marge.corpus import CorpusError
+    from services.retrieval.app import ServeSettings, create_app
+    from services.retrieval.index import IndexHolder
+
+    run, corpus, _ = one_version
+    app = create_app(ServeSettings(run_dir=run, corpus_dir=tmp_path / "not-there-yet"))  # opens nothing
+    holder = app.state.holder
+    assert holder.corpus is None and holder.docs is None and holder.tokenizer is None
+
+    copy = tmp_path / "corpus"
+    shutil.copytree(corpus.root, copy)
+    first = copy / corpus.shards[0].file
+    table = pq.read_table(first)
+    pq.write_table(table.slice(0, table.num_rows - 1), first)  # one document fewer than the manifest says
+    holder = IndexHolder(run, copy)
+    with pytest.raises(CorpusError, match=rf"{table.num_rows - 1} documents, but the corpus manifest lists"):
+        holder.start()
+    manifest = json.loads((copy / "manifest.json").read_text())
+    assert manifest["shards"][0]["rows"] == table.num_rows

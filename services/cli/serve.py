@@ -31,6 +31,9 @@ def add_serve(sub) -> None:
     p.add_argument("--hnsw-ef-search", type=int, default=SERVE_DEFAULTS["hnsw_ef_search"])
     p.add_argument("--text-cache-mb", type=float, default=SERVE_DEFAULTS["text_cache_mb"],
                    help="memory for recently read corpus shards' text (hits are described from the Parquet shards)")
+    p.add_argument("--verify-corpus", action="store_true",
+                   help="hash every corpus shard against its manifest at start (by default each shard's document "
+                        "count is checked against the manifest, which reads no document text)")
     p.add_argument("--tls-cert", default=None, type=Path, help="serve HTTPS with this certificate (PEM; with --tls-key)")
     p.add_argument("--tls-key", default=None, type=Path, help="the certificate's private key (PEM)")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
@@ -86,7 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
                              max_in_flight=args.max_in_flight, poll_s=args.poll_s, index_type=args.index_type,
                              flat_max_documents=args.flat_max_documents, hnsw_m=args.hnsw_m,
-                             hnsw_ef_search=args.hnsw_ef_search, text_cache_mb=args.text_cache_mb)
+                             hnsw_ef_search=args.hnsw_ef_search, text_cache_mb=args.text_cache_mb,
+                             verify_corpus=args.verify_corpus)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info",
                 limit_concurrency=4 * args.max_in_flight,
                 ssl_certfile=None if args.tls_cert is None else str(args.tls_cert),

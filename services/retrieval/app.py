@@ -105,7 +105,7 @@ def _replay(messages: list[dict], receive):
 
 def create_app(settings: ServeSettings, holder: IndexHolder | None = None) -> FastAPI:
     holder = holder or IndexHolder(settings.run_dir, settings.corpus_dir, settings.poll_s, settings.index_choice(),
-                                   settings.text_cache_mb)
+                                   settings.text_cache_mb, settings.verify_corpus)
     in_flight = threading.BoundedSemaphore(settings.max_in_flight)
     bearer = HTTPBearer(auto_error=False)
 

@@ -92,11 +92,14 @@ class DocumentTable:
 
     def __init__(self, corpus: Corpus, cache_mb: float = 64.0):
         ids, shards, rows, langs = [], [], [], []
-        if corpus.verify_checksums:  # streamed: checking a shard does not hold it
+        if corpus.verify_checksums:  # streamed: checking a shard does not hold it (`marge serve --verify-corpus`)
             artifacts.verify_checksums(corpus.root, {info.file: info.sha256 for info in corpus.shards},
                                        what="prepared corpus", error=CorpusError)
         for s, info in enumerate(corpus.shards):
             table = pq.read_table(corpus.root / info.file, columns=["doc_id", "lang"])
+            if table.num_rows != info.rows:  # checked against the manifest without hashing the corpus
+                raise CorpusError(f"{corpus.root / info.file}: {table.num_rows} documents, but the corpus manifest "
+                                  f"lists {info.rows}; re-run `marge prepare`, or serve the corpus the run trained on")
             ids.append(table.column("doc_id").to_numpy().astype(np.int64))
             shards.append(np.full(table.num_rows, s, dtype=np.int32))
             rows.append(np.arange(table.num_rows, dtype=np.int32))
@@ -250,13 +253,16 @@ class IndexHolder:
     """The current LoadedIndex, replaced by newer committed versions as they appear."""
 
     def __init__(self, run_dir: Path, corpus_dir: Path, poll_s: float = 2.0, choice: IndexChoice = IndexChoice(),
-                 text_cache_mb: float = 64.0):
+                 text_cache_mb: float = 64.0, verify_corpus: bool = False):
         self.run_dir = Path(run_dir)
         self.index_root = self.run_dir / INDEX
-        self.corpus = Corpus.open(corpus_dir)
-        self.tokenizer = self.corpus.tokenizer()
-        self.docs = DocumentTable(self.corpus, text_cache_mb)
-        self.languages = list(self.docs.lang_names)
+        self.corpus_dir, self.text_cache_mb, self.verify_corpus = Path(corpus_dir), text_cache_mb, verify_corpus
+        # opened by `start` (in the process that serves): an app built here and shipped to a Ray Serve replica
+        # carries these settings, not the document table
+        self.corpus: Corpus | None = None
+        self.tokenizer = None
+        self.docs: DocumentTable | None = None
+        self.languages: list[str] = []
         self.choice = choice
         self.poll_s = poll_s
         self.current: LoadedIndex | None = None
@@ -265,9 +271,20 @@ class IndexHolder:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    def open_corpus(self) -> None:
+        """The corpus, its tokenizer and document table (once): checked against its manifest (row counts), its
+        files hashed only with `verify_corpus`."""
+        if self.corpus is not None:
+            return
+        self.corpus = Corpus.open(self.corpus_dir, verify_checksums=self.verify_corpus)
+        self.tokenizer = self.corpus.tokenizer()
+        self.docs = DocumentTable(self.corpus, self.text_cache_mb)
+        self.languages = list(self.docs.lang_names)
+
     def refresh(self) -> bool:
         """Load a newer committed version if there is one. True when a swap happened."""
         with self._lock:
+            self.open_corpus()
             latest = latest_version(self.index_root)
             if latest is None:
                 if self.current is None:

@@ -24,6 +24,9 @@ class ServeSettings:
     hnsw_ef_search: int = 128
     text_cache_mb: float = 64.0
     """Memory for the text and page columns of recently read corpus shards (hits are described from them)."""
+    verify_corpus: bool = False
+    """Hash every corpus shard against its manifest at start (minutes at 100M documents); without it, each shard's
+    document count is checked against the manifest as its ids are read."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_k <= 2048:  # FAISS GPU indexes cannot return more than 2048 neighbours
