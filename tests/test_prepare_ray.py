@@ -1,17 +1,21 @@
-"""`marge prepare --engine ray`: the single-process engine's documents and tokens, from Ray Data, and the tokenizer's
-language-balanced sample that both engines draw."""
+"""`marge prepare --engine ray`: the single-process engine's documents and tokens, from Ray Data, with a file per
+partition in its work folder, a large plain JSONL read by byte range and a bounded account of the bad lines; and the
+tokenizer's language-balanced sample that both engines draw."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import logging
 import random
 from pathlib import Path
 
 import pytest
 
+from marge import prepare_ray
 from marge.corpus import Corpus
-from marge.prepare import PrepareError, PrepareOptions, RawDocument, TokenizerSample, prepare
+from marge.prepare import PrepareError, PrepareOptions, RawDocument, TokenizerSample, jsonl_lines, prepare
+from marge.prepare_ray import Rejected, first_lines, jsonl_range_lines, line_starts, read_tasks
 from test_prepare import ENGLISH, GERMAN, assert_nothing_written, good_rows, write_jsonl  # tests/test_prepare.py
 
 
@@ -50,6 +54,16 @@ def assert_same_corpus(local: Path, ray: Path) -> None:
     assert ids == list(range(len(ids)))
 
 
+def assert_a_file_per_partition(ray: Path) -> None:
+    """The work folder held at most one file per partition in each of its folders (a file per block and partition
+    would be many more: the inputs of these tests have several blocks per partition)."""
+    engine = Corpus.open(ray).manifest["engine"]
+    files = engine["intermediate_files"]
+    assert 0 < files["clean"] <= engine["document_partitions"], engine
+    assert files["heldout"] <= engine["document_partitions"], engine
+    assert 0 < files["chunks-clean"] <= engine["chunk_partitions"], engine
+
+
 def both(tmp_path: Path, inputs: list[Path], **kw) -> tuple[Path, Path]:
     for engine in ("local", "ray"):
         prepare(PrepareOptions(inputs=inputs, out=tmp_path / engine, engine=engine, workers=2, **kw))
@@ -64,6 +78,7 @@ def test_the_demo_corpus_has_the_same_documents_and_tokens_on_both_engines(ray_c
     assert_same_corpus(local, ray)
     manifest = Corpus.open(ray).manifest
     assert manifest["engine"]["document_partitions"] > 1 and manifest["engine"]["shard_groups"] > 1
+    assert_a_file_per_partition(ray)
     assert manifest["heldout"]["documents"] > 100 and manifest["heldout"]["pairs"] > 100
     assert manifest["num_documents"] > 4000
     assert not list(tmp_path.glob(".*")), "the work folder is removed"
@@ -111,6 +126,86 @@ def test_a_bad_document_stops_the_ray_engine_naming_the_first_one_and_nothing_is
     with pytest.raises(PrepareError, match=r"cut\.jsonl\.gz:\d+: cannot be read"):
         prepare(PrepareOptions(inputs=[truncated], out=out, engine="ray", vocab_size=600))
     assert_nothing_written(out)
+
+
+def test_a_large_plain_jsonl_is_read_by_byte_range_with_a_file_per_partition_and_bad_lines_counted(
+        ray_cluster, demo_raw, tmp_path, monkeypatch, caplog):
+    """A plain JSONL of several MiB: read by several tasks (byte ranges of 256 KiB), checked in several blocks per
+    partition, with more bad lines than the driver keeps the errors of: the corpus, the statistics and the first
+    skipped errors are the single-process engine's, and the driver warns of the first SKIPPED_KEPT and counts the
+    others."""
+    path = tmp_path / "big.jsonl"
+    with gzip.open(demo_raw / "documents.jsonl.gz", "rt", encoding="utf-8") as demo, \
+            open(path, "w", encoding="utf-8") as f:
+        for i, line in enumerate(demo):
+            if i == 1500:
+                break
+            f.write(line)
+            if i % 9 == 0:  # a bad line (no text) every few, 167 in all
+                f.write(json.dumps({"id": f"bad{i}", "language": "en"}) + "\n")
+    assert path.stat().st_size > 3 << 20
+    monkeypatch.setattr(prepare_ray, "READ_SPLIT_BYTES", 256 << 10)  # read in the driver, which plans the reads
+    with caplog.at_level(logging.WARNING, logger="marge.prepare_ray"):
+        local, ray = both(tmp_path, [path], vocab_size=2000, max_chunk_tokens=128, heldout_permille=100,
+                          partition_bytes=1 << 20, on_bad_document="skip")
+    assert_same_corpus(local, ray)
+    manifest = Corpus.open(ray).manifest
+    assert manifest["engine"]["read_tasks"] == -(-path.stat().st_size // (256 << 10))
+    assert manifest["engine"]["document_partitions"] >= 3
+    assert_a_file_per_partition(ray)
+    assert manifest["stats"]["documents_skipped_bad"] >= 167 and len(manifest["skipped_examples"]) == 20
+    warned = [r.getMessage() for r in caplog.records if r.name == "marge.prepare_ray"]
+    assert sum(m.startswith("skipping: ") for m in warned) == prepare_ray.SKIPPED_KEPT
+    assert f"skipping {manifest['stats']['documents_skipped_bad'] - prepare_ray.SKIPPED_KEPT} more bad" in "".join(warned)
+
+
+def test_the_byte_ranges_of_a_file_give_its_lines_and_their_numbers(tmp_path):
+    """Every split of a file (ranges of 1 byte to more than the file) gives what one reader gives: each line once,
+    numbered alike, wherever a range starts (in a line, on its newline, in a multi-byte character, on a blank line,
+    in a final line without a newline)."""
+    lines = [b'{"id": "a", "text": "caf\xc3\xa9 \xe7\x94\xb5\xe5\xad\x90"}\n', b"\n", b"\r\n",
+             b'{"id": "b"}\n', b"\n", b'{"id": "long", "text": "' + b"x" * 300 + b'"}\n', b'{"id": "c"}']
+    for name, content in (("no-final-newline.jsonl", b"".join(lines)), ("final-newline.jsonl", b"".join(lines) + b"\n"),
+                          ("blank-end.jsonl", b"".join(lines) + b"\n\n")):
+        path = tmp_path / name
+        path.write_bytes(content)
+        whole = list(jsonl_lines(path))
+        assert len(whole) == content.count(b"\n") + (not content.endswith(b"\n"))
+        for split in [*range(1, 40), 97, 331, len(content) - 1]:
+            tasks = read_tasks([path], split)
+            assert [t["byte_range"] for t in tasks][-1][1] == len(content)
+            first_lines(tasks, {i: line_starts(path, *t["byte_range"]) for i, t in enumerate(tasks)})
+            pieces = [list(jsonl_range_lines(path, *t["byte_range"], t["first_line"])) for t in tasks]
+            assert [item for piece in pieces for item in piece] == whole, (name, split)
+    gz = tmp_path / "big.jsonl.gz"
+    gz.write_bytes(gzip.compress(b"".join(lines) * 10))
+    assert read_tasks([gz], 10) == [{"kind": "jsonl", "input": 0, "path": str(gz)}]  # a gzip stream is read whole
+
+
+def test_the_reports_of_parts_merge_into_the_report_of_the_whole_and_stay_bounded():
+    """However the input's blocks are split between tasks, the driver gets the counts of all of them and the errors of
+    the first SKIPPED_KEPT bad lines in input order, never more."""
+    rng = random.Random(0)
+    bad = rng.sample(range(10_000), 500)
+    whole = Rejected(read=10_000, skipped_language=7)
+    for order in bad:
+        whole.add_bad(order, f"line {order}: bad")
+    parts = [Rejected() for _ in range(6)]
+    for order in bad:
+        part = rng.choice(parts)
+        part.add_bad(order, f"line {order}: bad")
+        part.read += 1
+    parts[0].read += 10_000 - len(bad)
+    parts[3].skipped_language += 7
+    parts[4].add_fatal(9_000, "late.jsonl: unreadable")
+    parts[2].add_fatal(12, "early.jsonl: unreadable")
+    merged = Rejected()
+    for part in parts:
+        merged.merge(Rejected.from_json(part.to_json()))  # as the reducers and the driver get them
+    assert (merged.read, merged.skipped_language, merged.skipped_bad) == (10_000, 7, 500)
+    assert merged.first_fatal == (12, "early.jsonl: unreadable")
+    assert merged.first_bad == [(o, f"line {o}: bad") for o in sorted(bad)[:prepare_ray.SKIPPED_KEPT]]
+    assert len(json.loads(whole.to_json())["first_bad"]) == prepare_ray.SKIPPED_KEPT
 
 
 def test_auto_picks_the_engine_by_input_size(tmp_path):

@@ -1,34 +1,44 @@
 """`marge prepare --engine ray`: the same corpus as the single-process engine, streamed through Ray Data.
 
-The corpus never sits in one process. Each stage is a Ray Data operator, run by `workers` tasks at a time, and
-hands the next stage files in a work folder beside `--out` (so on a cluster, like the corpus, it must be on a
-filesystem every node sees):
+The corpus never sits in one process. Each stage is a Ray Data pipeline, run by `workers` tasks at a time. Where a
+stage must bring rows together (the duplicates of a document or of a chunk, the chunks of a shard), Ray Data's hash
+shuffle (`Dataset.repartition(keys=...)`, on disk: a file per map task on its node's local disk, removed after the
+shuffle) does it, and one task per partition writes that partition as one file into a work folder beside `--out` (so
+on a cluster, like the corpus, it must be on a filesystem every node sees): the work folder holds a file per
+partition, never one per block (`engine.intermediate_files` in the manifest counts them).
 
-  read -> check -> hash partitions      the input's lines (or files) are read as raw bytes, then parsed and
-                                        checked (UTF-8, fields, fastText language ID, the --languages filter) and
-                                        written partitioned by a hash of (language, normalised text);
-  de-duplicate documents                one task per partition keeps, of each duplicate, the first in input order
-                                        (what the single-process engine keeps), splits off the held-out groups, and
-                                        samples the tokenizer's lines (`TokenizerSample`: merged in the driver,
-                                        it is the sample the single-process engine draws);
+  read -> check                         the input's lines (or files) are read as raw bytes (a plain .jsonl larger
+                                        than READ_SPLIT_BYTES by several tasks, one per byte range), then parsed and
+                                        checked (UTF-8, fields, fastText language ID, the --languages filter); each
+                                        block's rejected lines become one report (`Rejected`: counts and the first
+                                        errors in input order);
+  -> shuffle by (language, text hash)   one task per partition keeps, of each duplicate, the first in input order
+     -> de-duplicate documents          (what the single-process engine keeps) and writes the training and the
+                                        held-out documents apart (clean/, heldout/: a file each);
+  sample the tokenizer's lines          one task per partition (`TokenizerSample`: merged in the driver, it is the
+                                        sample the single-process engine draws);
   train the tokenizer                   in the driver, on the sample alone;
-  tokenize and chunk -> partitions      documents become chunks, tokens as int32 arrays, partitioned by a hash of
-                                        (language, normalised chunk text);
-  de-duplicate chunks                   one task per partition, first in (input order, chunk index) kept;
-  route to shards                       a group's shard is a hash of (seed, group) (every chunk of a page in one
+  tokenize and chunk -> shuffle by      documents become chunks, tokens as int32 arrays; one task per partition
+     (language, chunk text hash)        keeps the first of each duplicate chunk in (input order, chunk index) and
+     -> de-duplicate chunks             writes the partition (chunks-clean/: a file each);
+  count the shards                      a group's shard is a hash of (seed, group) (every chunk of a page in one
                                         shard, as in the single-process engine, whose greedy balance needs every
                                         group's size in one place: shards here are equal in expectation instead);
-  write shards                          one task per group of shards sorts, numbers and writes them.
+                                        one task per partition counts its chunks per shard, to number the shards;
+  -> shuffle by shard -> write shards   one task per group of shards sorts, numbers and writes them.
 
-What a task holds is one partition (`partition_bytes`), one block of lines, or the tokenizer sample: the peak memory
-does not grow with the corpus (measured in `benchmarks/prepare_scale.py`). The documents and their tokens are the
-single-process engine's (tests/test_prepare_ray.py); the shards they are in, and so the doc ids, differ.
+What comes back to the driver is small: per partition its file, its counts, its first rejected lines and its tokenizer
+sample; the held-out documents come through one Ray Data read. What a task holds is one partition (`partition_bytes`),
+one block of lines, or the tokenizer sample: the peak memory does not grow with the corpus (measured in
+`benchmarks/prepare_scale.py`). The documents and their tokens are the single-process engine's
+(tests/test_prepare_ray.py); the shards they are in, and so the doc ids, differ.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import heapq
 import json
 import logging
 import math
@@ -40,6 +50,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -62,24 +73,51 @@ LINES_PER_BLOCK = 1000
 is what one task holds (and at most BLOCK_BYTES of raw input)."""
 BLOCK_BYTES = 2 << 20
 FILES_PER_READ_TASK = 512
+READ_SPLIT_BYTES = 32 << 20
+"""A plain (not gzip) JSONL file larger than this is read by several tasks, one per byte range of this size (a gzip
+stream can only be read from its start: one task per .gz file)."""
+SHUFFLE_MAP_BYTES = 64 << 20
+"""Rows a shuffle's map task partitions at once, into one file on its node's local disk (Ray Data's disk-based hash
+shuffle): Ray Data's default, 1 GiB, would hand one task the whole output of a small cluster's stage; much smaller
+would make more files, each read in (partitions) small ranges."""
 OBJECT_STORE_BYTES = 512 << 20
 """The object store of a local Ray started for a preparation: Ray Data streams through it and spills past it."""
 GZIP_EXPANSION = 4
 """Assumed bytes of text per byte of a .gz input, to size the partitions before anything is read."""
+SKIPPED_KEPT = 100
+"""Bad lines whose errors the driver keeps, the first in input order (as many as the single-process engine keeps;
+the manifest shows the first 20): the others are counted."""
 
 _RAW = pa.schema([("order", pa.int64()), ("input", pa.int32()), ("line", pa.int64()), ("path", pa.string()),
                   ("lang_dir", pa.string()), ("raw", pa.large_binary()), ("fatal", pa.string())])
 _DOCUMENT = pa.schema([("status", pa.string()), ("order", pa.int64()), ("source", pa.string()),
                        ("doc_id", pa.string()), ("group", pa.string()), ("lang", pa.string()),
                        ("text", pa.large_string()), ("paragraph_ids", pa.list_(pa.string())),
-                       ("key", pa.binary()), ("error", pa.string()), ("bucket", pa.int32())])
+                       ("key", pa.binary()), ("report", pa.string())])
+_DOCUMENT_COLUMNS = ["order", "source", "doc_id", "group", "lang", "text", "paragraph_ids"]
+"""What the de-duplicated documents keep (clean/, heldout/): a `RawDocument`."""
 _CHUNK = pa.schema([("status", pa.string()), ("order", pa.int64()), ("chunk_index", pa.int32()),
                     ("num_chunks", pa.int32()), ("group", pa.string()), ("lang", pa.string()),
                     ("doc_key", pa.string()), ("tokens", pa.list_(pa.int32())), ("text", pa.large_string()),
                     ("source", pa.string()), ("paragraph_ids", pa.list_(pa.string())), ("key", pa.binary()),
                     ("paragraphs_cut", pa.int64()), ("too_short", pa.int64()), ("bucket", pa.int32())])
+_SHARD_COLUMNS = ["order", "chunk_index", "num_chunks", "group", "lang", "doc_key", "tokens", "text", "source",
+                  "paragraph_ids"]
+_DEDUPLICATION_KEYS = ["lang", "key"]
+"""The shuffle key of documents and chunks: duplicates (same language, same normalised text) meet in one task. A row
+that carries a report or counts instead of a document has an empty language and a key of its own, so that these rows
+spread over the partitions like the documents."""
 NOT_A_DOCUMENT = -1
-"""The partition of rows that carry counts or errors, not documents."""
+"""The `bucket` of rows that carry counts, not chunks."""
+
+_DOCUMENT_PARTITION = pa.schema([("clean_file", pa.string()), ("row_groups", pa.int64()),
+                                 ("heldout_file", pa.string()), ("duplicates", pa.int64()),
+                                 ("languages", pa.string()), ("all_languages", pa.string()),
+                                 ("text_bytes", pa.int64()), ("report", pa.string())])
+_CHUNK_PARTITION = pa.schema([("file", pa.string()), ("chunks", pa.int64()), ("duplicates", pa.int64()),
+                              ("bytes", pa.int64()), ("paragraphs_cut", pa.int64()), ("too_short", pa.int64())])
+_SHARD_WRITTEN = pa.schema([("info", pa.string()), ("languages", pa.string()), ("groups", pa.int64()),
+                            ("tokens", pa.int64()), ("aligned", pa.int64())])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,17 +153,25 @@ def ray_for_preparation(address: str | None, workers: int | None) -> Iterator[in
 @contextlib.contextmanager
 def _data_context() -> Iterator[None]:
     """For the block: blocks of about BLOCK_BYTES (Ray Data's default, 128 MiB, would hand one task a whole input
-    file's lines), and Ray Data's progress bars on a terminal; elsewhere (a log file, a job's output) the stages' own
-    log lines, not Ray Data's report of every operator every few seconds. The process's settings are put back after
-    (a program that embeds the preparation may use Ray Data itself)."""
+    file's lines); the hash shuffle (SHUFFLE_V2, whatever RAY_DATA_DEFAULT_SHUFFLE_STRATEGY says: under a sort-based
+    strategy `repartition` ignores its keys, and duplicates would not meet), on disk unless RAY_DATA_ENABLE_DISK_SHUFFLE
+    is 0 (in the object store, a shuffle would hold a piece per map task and partition: millions at 100M documents),
+    its map tasks SHUFFLE_MAP_BYTES each; Ray Data's progress bars on a terminal, and elsewhere (a log file, a job's
+    output) the stages' own log lines, not Ray Data's report of every operator every few seconds. The process's
+    settings are put back after (a program that embeds the preparation may use Ray Data itself)."""
     from ray.data import DataContext
+    from ray.data.context import ShuffleStrategy
 
     ctx = DataContext.get_current()
     data_logger = logging.getLogger("ray.data")
-    saved = (ctx.target_max_block_size, ctx.enable_progress_bars, ctx.print_on_execution_start, data_logger.level)
+    saved = (ctx.target_max_block_size, ctx.enable_progress_bars, ctx.print_on_execution_start,
+             ctx.shuffle_strategy, ctx.use_disk_based_hash_shuffle, ctx.shuffle_input_batch_bytes, data_logger.level)
     ctx.target_max_block_size = 2 * BLOCK_BYTES
     ctx.enable_progress_bars = sys.stderr.isatty() and os.environ.get("MARGE_PROGRESS", "1") != "0"
     ctx.print_on_execution_start = False
+    ctx.shuffle_strategy = ShuffleStrategy.SHUFFLE_V2
+    ctx.use_disk_based_hash_shuffle = os.environ.get("RAY_DATA_ENABLE_DISK_SHUFFLE", "1") != "0"
+    ctx.shuffle_input_batch_bytes = SHUFFLE_MAP_BYTES
     if not ctx.enable_progress_bars:
         data_logger.setLevel(logging.WARNING)
     try:
@@ -134,8 +180,9 @@ def _data_context() -> Iterator[None]:
             warnings.filterwarnings("ignore", message="The maximum number of concurrent tasks", category=UserWarning)
             yield
     finally:
-        (ctx.target_max_block_size, ctx.enable_progress_bars, ctx.print_on_execution_start) = saved[:3]
-        data_logger.setLevel(saved[3])
+        (ctx.target_max_block_size, ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.shuffle_strategy,
+         ctx.use_disk_based_hash_shuffle, ctx.shuffle_input_batch_bytes) = saved[:6]
+        data_logger.setLevel(saved[6])
 
 
 def _tasks(workers: int, inputs: int):
@@ -146,12 +193,13 @@ def _tasks(workers: int, inputs: int):
 
 
 # --------------------------------------------------------------------------------------------------
-# Stage 1: read, check, partition the documents
+# Stage 1: read and check
 # --------------------------------------------------------------------------------------------------
 
 
-def read_tasks(inputs: list[Path]) -> list[dict]:
-    """One task per JSONL file, one per FILES_PER_READ_TASK files of a folder, in input order."""
+def read_tasks(inputs: list[Path], split_bytes: int = READ_SPLIT_BYTES) -> list[dict]:
+    """One task per .gz file, one per byte range of `split_bytes` of a plain JSONL file, one per FILES_PER_READ_TASK
+    files of a folder, in input order. A byte range's first line number is not known here: `number_lines` adds it."""
     tasks: list[dict] = []
     for index, path in enumerate(inputs):
         if check_input(path) == "folder":
@@ -159,9 +207,83 @@ def read_tasks(inputs: list[Path]) -> list[dict]:
             for start in range(0, len(files), FILES_PER_READ_TASK):
                 tasks.append({"kind": "folder", "input": index, "start": start,
                               "files": files[start:start + FILES_PER_READ_TASK]})
+        elif path.suffix != ".gz" and path.is_file() and path.stat().st_size > split_bytes:
+            size = path.stat().st_size
+            tasks.extend({"kind": "jsonl", "input": index, "path": str(path),
+                          "byte_range": (start, min(start + split_bytes, size))} for start in range(0, size, split_bytes))
         else:
             tasks.append({"kind": "jsonl", "input": index, "path": str(path)})
     return tasks
+
+
+def line_starts(path: Path, start: int, end: int) -> int:
+    """How many lines of `path` start in the byte range [start, end): the one at offset 0, and one after each newline
+    at an offset in [start - 1, end - 1) (a newline at the file's last byte starts none)."""
+    count = 1 if start == 0 else 0
+    with open(path, "rb") as f:
+        f.seek(max(0, start - 1))
+        left = end - 1 - max(0, start - 1)
+        while left > 0:
+            data = f.read(min(left, 1 << 20))
+            if not data:
+                break
+            count += data.count(b"\n")
+            left -= len(data)
+    return count
+
+
+def jsonl_range_lines(path: Path, start: int, end: int, first_line: int) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) of the lines of a plain JSONL file that start in the byte range [start, end), the first
+    numbered `first_line`: together, the ranges of a file give what `jsonl_lines` gives for the whole of it."""
+    line_no = first_line - 1
+    try:
+        with open(path, "rb") as f:
+            position = 0
+            if start > 0:
+                f.seek(start - 1)
+                position = start - 1 + len(f.readline())  # the end of a line that starts before the range
+            while position < end:
+                raw = f.readline()
+                if not raw:
+                    break
+                line_no += 1
+                yield line_no, raw
+                position += len(raw)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise PrepareError(f"{path}: file not found") from None
+        raise PrepareError(f"{path}:{line_no + 1}: cannot be read after line {line_no} ({e}); is the file still "
+                           "there and readable from every node?") from None
+
+
+def _count_line_starts(batch: pa.Table, tasks: list[dict]) -> pa.Table:
+    out = []
+    for task_index in batch.column("task").to_pylist():
+        task = tasks[task_index]
+        try:
+            lines = line_starts(Path(task["path"]), *task["byte_range"])
+        except OSError:
+            lines = 0  # the read task reports the file, naming the line
+        out.append({"task": task_index, "lines": lines})
+    return pa.Table.from_pylist(out)
+
+
+def number_lines(tasks: list[dict], workers: int) -> None:
+    """Give every byte-range task the number of its first line (`first_line`): the lines that start in the ranges
+    before it, counted by one task per range (a pass over the file that looks for newlines only)."""
+    ranged = [i for i, task in enumerate(tasks) if "byte_range" in task]
+    if ranged:
+        first_lines(tasks, {row["task"]: row["lines"] for row in _run(
+            [{"task": i} for i in ranged], _count_line_starts, workers=workers, tasks=tasks)})
+
+
+def first_lines(tasks: list[dict], lines_per_task: dict[int, int]) -> None:
+    """Number the first line of each byte-range task from the lines that start in each range (`line_starts`)."""
+    next_line: dict[int, int] = {}
+    for i, task in enumerate(tasks):  # a file's ranges are in file order
+        if "byte_range" in task:
+            task["first_line"] = next_line.get(task["input"], 1)
+            next_line[task["input"]] = task["first_line"] + lines_per_task[i]
 
 
 def _raw_blocks(batch: pa.Table, tasks: list[dict]) -> Iterator[pa.Table]:
@@ -172,7 +294,10 @@ def _raw_blocks(batch: pa.Table, tasks: list[dict]) -> Iterator[pa.Table]:
         task = tasks[task_index]
         try:
             if task["kind"] == "jsonl":
-                items = ((line_no, task["path"], None, raw) for line_no, raw in jsonl_lines(Path(task["path"])))
+                path = Path(task["path"])
+                lines = (jsonl_range_lines(path, *task["byte_range"], task["first_line"])
+                         if "byte_range" in task else jsonl_lines(path))
+                items = ((line_no, task["path"], None, raw) for line_no, raw in lines)
             else:
                 items = ((position, file, lang_dir, Path(file).read_bytes())
                          for position, (lang_dir, file) in enumerate(task["files"], start=task["start"]))
@@ -190,25 +315,60 @@ def _raw_blocks(batch: pa.Table, tasks: list[dict]) -> Iterator[pa.Table]:
         yield pa.Table.from_pylist(rows, schema=_RAW)
 
 
-def _released(table: pa.Table) -> pa.Table:
-    """`table`, after handing the memory Arrow freed in this task back to the system: a Ray worker process is reused
-    by the next task, and would otherwise keep the peak of every partition it held (measured: an idle worker kept
-    about 650 MiB after a 16x preparation's partitions)."""
-    pa.default_memory_pool().release_unused()
-    return table
+@dataclass
+class Rejected:
+    """What a stretch of the input held besides documents, in a size that does not grow with it: the lines read, and
+    of them those filtered out by language and the bad ones, counted; the first unreadable input and the first
+    SKIPPED_KEPT bad lines, in input order, with their errors. Merging the reports of parts gives the report of the
+    whole (the first SKIPPED_KEPT of the whole are among the first SKIPPED_KEPT of its parts)."""
+
+    read: int = 0
+    skipped_language: int = 0
+    skipped_bad: int = 0
+    first_fatal: tuple[int, str] | None = None
+    first_bad: list[tuple[int, str]] = field(default_factory=list)
+
+    def add_fatal(self, order: int, error: str) -> None:
+        if self.first_fatal is None or (order, error) < self.first_fatal:
+            self.first_fatal = (order, error)
+
+    def add_bad(self, order: int, error: str) -> None:
+        self.skipped_bad += 1
+        self.first_bad.append((order, error))
+        if len(self.first_bad) >= 2 * SKIPPED_KEPT:
+            self.first_bad = heapq.nsmallest(SKIPPED_KEPT, self.first_bad)
+
+    def merge(self, other: Rejected) -> None:
+        self.read += other.read
+        self.skipped_language += other.skipped_language
+        self.skipped_bad += other.skipped_bad
+        if other.first_fatal is not None:
+            self.add_fatal(*other.first_fatal)
+        self.first_bad = heapq.nsmallest(SKIPPED_KEPT, [*self.first_bad, *other.first_bad])
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "first_bad": heapq.nsmallest(SKIPPED_KEPT, self.first_bad)})
+
+    @classmethod
+    def from_json(cls, text: str) -> Rejected:
+        d = json.loads(text)
+        return cls(d["read"], d["skipped_language"], d["skipped_bad"],
+                   tuple(d["first_fatal"]) if d["first_fatal"] else None, [tuple(b) for b in d["first_bad"]])
 
 
-def _partition(key: bytes, partitions: int) -> int:
-    return int.from_bytes(key[:8], "big") % partitions
+def _spread_key(*what: object) -> bytes:
+    """A shuffle key for a row that carries a report or counts: a hash of where it comes from."""
+    return hashlib.sha1(repr(what).encode()).digest()
 
 
-def _checked_documents(batch: pa.Table, opts: PrepareOptions, partitions: int) -> pa.Table:
-    """Parse and check a block of raw lines (files): documents with their de-duplication key and partition, and
-    rows for the bad, the filtered-out and the unreadable (with NOT_A_DOCUMENT as partition)."""
+def _checked_documents(batch: pa.Table, opts: PrepareOptions) -> pa.Table:
+    """Parse and check a block of raw lines (files): the documents with their de-duplication key, and one row that
+    reports the block's bad, filtered-out and unreadable lines (`Rejected`)."""
     out: list[dict] = []
+    rejected = Rejected()
     for row in batch.to_pylist():
         if row["fatal"] is not None:
-            out.append({"status": "fatal", "order": row["order"], "error": row["fatal"], "bucket": NOT_A_DOCUMENT})
+            rejected.add_fatal(row["order"], row["fatal"])
             continue
         path = Path(row["path"])
         try:
@@ -220,17 +380,26 @@ def _checked_documents(batch: pa.Table, opts: PrepareOptions, partitions: int) -
                 raw_doc = read_folder_file(Path(row["lang_dir"]), path, row["order"], row["raw"])
             doc = check_document(raw_doc, opts)
         except PrepareError as e:
-            out.append({"status": "bad", "order": row["order"], "error": str(e), "bucket": NOT_A_DOCUMENT})
+            rejected.read += 1
+            rejected.add_bad(row["order"], str(e))
             continue
+        rejected.read += 1
         if opts.languages is not None and doc.lang not in opts.languages:
-            out.append({"status": "language", "order": doc.order, "bucket": NOT_A_DOCUMENT})
+            rejected.skipped_language += 1
             continue
-        key = normalized_hash(doc.text)
         out.append({"status": "ok", "order": doc.order, "source": doc.source, "doc_id": doc.doc_id,
                     "group": doc.group, "lang": doc.lang, "text": doc.text,
                     "paragraph_ids": list(doc.paragraph_ids) if doc.paragraph_ids is not None else None,
-                    "key": key, "bucket": _partition(hashlib.sha1(doc.lang.encode() + key).digest(), partitions)})
+                    "key": normalized_hash(doc.text)})
+    first = batch.column("order")[0].as_py() if batch.num_rows else 0
+    out.append({"status": "report", "order": first, "lang": "", "key": _spread_key("report", first),
+                "report": rejected.to_json()})
     return pa.Table.from_pylist(out, schema=_DOCUMENT)
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 2: de-duplicate the documents, sample the tokenizer's lines
+# --------------------------------------------------------------------------------------------------
 
 
 def _raw_document(row: dict) -> RawDocument:
@@ -255,44 +424,58 @@ def _first_of_each(table: pa.Table, sort_keys: list[str], columns: list[str] | N
     return table.take(pa.array(kept, type=pa.int64())), table.num_rows - len(kept)
 
 
-def _partition_files(root: Path, bucket: int) -> list[Path]:
-    return sorted((root / f"bucket={bucket}").glob("*.parquet"))
+def _released(table: pa.Table) -> pa.Table:
+    """`table`, after handing the memory Arrow freed in this task back to the system: a Ray worker process is reused
+    by the next task, and would otherwise keep the peak of every partition it held (measured: an idle worker kept
+    about 650 MiB after a 16x preparation's partitions)."""
+    pa.default_memory_pool().release_unused()
+    return table
 
 
-def _read_partition(root: Path, bucket: int, schema: pa.Schema) -> pa.Table:
-    """The rows of one partition (written by `write_parquet(partition_cols=["bucket"])`: the column is in the
-    folder's name, not in the files)."""
-    schema = schema.remove(schema.get_field_index("bucket"))
-    tables = [pq.read_table(f) for f in _partition_files(root, bucket)]
-    tables = [t if t.schema.equals(schema) else t.cast(schema) for t in tables]
-    return pa.concat_tables(tables) if tables else schema.empty_table()
-
-
-def _deduplicate_documents(batch: pa.Table, work: str, opts: PrepareOptions, share: int) -> pa.Table:
-    """One partition of documents: the first of each duplicate kept, training and held-out groups written apart,
-    the tokenizer's lines sampled from the training documents."""
-    out = []
-    for bucket in batch.column("bucket").to_pylist():
-        table, duplicates = _first_of_each(_read_partition(Path(work) / "documents", bucket, _DOCUMENT), ["order"])
+def _deduplicate_documents(batch: pa.Table, work: str, opts: PrepareOptions) -> pa.Table:
+    """One partition of the shuffled documents (every duplicate of a document is in the same one): the first of each
+    duplicate kept, the training and the held-out groups written apart (a file each, named after the partition's
+    first document), and the partition's reports merged into one."""
+    is_report = pc.equal(batch.column("status"), "report")
+    rejected = Rejected()
+    for text in batch.filter(is_report).column("report").to_pylist():
+        rejected.merge(Rejected.from_json(text))
+    table, duplicates = _first_of_each(batch.filter(pc.invert(is_report)), ["order"], _DOCUMENT_COLUMNS)
+    out = {"clean_file": None, "row_groups": 0, "heldout_file": None, "duplicates": duplicates,
+           "languages": "{}", "all_languages": "[]", "text_bytes": 0, "report": rejected.to_json()}
+    if table.num_rows:
+        name = f"part-{table.column('order')[0].as_py():016x}.parquet"
         heldout = np.array([is_heldout_group(g, opts.heldout_permille) for g in table.column("group").to_pylist()],
                            dtype=bool)
         train = table.filter(pa.array(~heldout))
-        pq.write_table(train, Path(work) / "clean" / f"part-{bucket:05d}.parquet", row_group_size=LINES_PER_BLOCK)
+        if train.num_rows:
+            out["clean_file"] = str(Path(work) / "clean" / name)
+            pq.write_table(train, out["clean_file"], row_group_size=LINES_PER_BLOCK)
+            out["row_groups"] = pq.ParquetFile(out["clean_file"]).num_row_groups
         if heldout.any():
-            pq.write_table(table.filter(pa.array(heldout)), Path(work) / "heldout" / f"part-{bucket:05d}.parquet")
-        sample = TokenizerSample(share, opts.seed)
-        if opts.tokenizer_dir is None:
-            for lang, order, text in zip(train.column("lang").to_pylist(), train.column("order").to_pylist(),
-                                         train.column("text").to_pylist()):
-                sample.add(lang, order, text)
-        out.append({"bucket": bucket, "duplicates": duplicates, "languages": json.dumps(
-                    Counter(train.column("lang").to_pylist())), "text_bytes": int(train.column("text").nbytes),
-                    "sample": pickle.dumps(sample)})
+            out["heldout_file"] = str(Path(work) / "heldout" / name)
+            pq.write_table(table.filter(pa.array(heldout)), out["heldout_file"])
+        out.update(languages=json.dumps(Counter(train.column("lang").to_pylist())),
+                   all_languages=json.dumps(sorted(set(table.column("lang").to_pylist()))),
+                   text_bytes=int(train.column("text").nbytes))
+    return _released(pa.Table.from_pylist([out], schema=_DOCUMENT_PARTITION))
+
+
+def _tokenizer_sample(batch: pa.Table, share: int, seed: int) -> pa.Table:
+    """The tokenizer's sample of one partition's training documents."""
+    out = []
+    for file in batch.column("file").to_pylist():
+        sample = TokenizerSample(share, seed)
+        documents = pq.read_table(file, columns=["lang", "order", "text"])
+        for lang, order, text in zip(documents.column("lang").to_pylist(), documents.column("order").to_pylist(),
+                                     documents.column("text").to_pylist()):
+            sample.add(lang, order, text)
+        out.append({"sample": pickle.dumps(sample)})
     return _released(pa.Table.from_pylist(out))
 
 
 # --------------------------------------------------------------------------------------------------
-# Stage 2: tokenize and chunk, de-duplicate chunks
+# Stage 3: tokenize and chunk, de-duplicate chunks
 # --------------------------------------------------------------------------------------------------
 
 
@@ -310,32 +493,71 @@ def _tokenizer(model_bytes: bytes, languages: list[str]) -> MargeTokenizer:
     return _TOKENIZERS[sha]
 
 
+def _partition(key: bytes, partitions: int) -> int:
+    return int.from_bytes(key[:8], "big") % partitions
+
+
 def _chunked_documents(batch: pa.Table, tokenizer_bytes: bytes, languages: list[str], opts: PrepareOptions,
-                       partitions: int) -> pa.Table:
-    """The documents of a row group of de-duplicated documents (`batch`: its file and index) as chunks with their
-    de-duplication key and partition, and one row counting the paragraphs cut and the chunks too short
-    (NOT_A_DOCUMENT)."""
+                       partitions: int) -> Iterator[pa.Table]:
+    """The documents of a span of row groups (LINES_PER_BLOCK documents each) of a partition of de-duplicated
+    documents (`batch`: its file and span, `chunk_tasks`), a row group at a time, as chunks with their de-duplication
+    key, each row group's with one row counting the paragraphs cut and the chunks too short. A chunk's `bucket`, a hash of (language, normalised chunk text) over
+    `partitions`, is where the engine used to put it: the shards keep the order of chunks that tie
+    (`_write_shards`)."""
     tokenizer = _tokenizer(tokenizer_bytes, languages)
-    (task,) = batch.to_pylist()
-    documents = pq.ParquetFile(task["file"]).read_row_group(task["row_group"])
-    out: list[dict] = []
-    cut = too_short = 0
-    for row in documents.to_pylist():
-        doc = _raw_document(row)
-        pieces, n_cut = document_pieces(doc, tokenizer, opts)
-        cut += n_cut
-        for i, piece in enumerate(pieces):
-            if len(piece.tokens) < opts.min_document_tokens:
-                too_short += 1
-                continue
-            key = normalized_hash(piece.text)
-            out.append({"status": "ok", "order": doc.order, "chunk_index": i, "num_chunks": len(pieces),
-                        "group": doc.group, "lang": doc.lang, "doc_key": f"{doc.doc_id}#{i}",
-                        "tokens": piece.tokens, "text": piece.text, "source": doc.source,
-                        "paragraph_ids": piece.paragraph_ids, "key": key,
-                        "bucket": _partition(hashlib.sha1(doc.lang.encode() + key).digest(), partitions)})
-    out.append({"status": "counts", "paragraphs_cut": cut, "too_short": too_short, "bucket": NOT_A_DOCUMENT})
-    return pa.Table.from_pylist(out, schema=_CHUNK)
+    for task in batch.to_pylist():
+        file, parquet = task["file"], pq.ParquetFile(task["file"])
+        for row_group in range(task["start"], task["stop"]):
+            out: list[dict] = []
+            cut = too_short = 0
+            for row in parquet.read_row_group(row_group).to_pylist():
+                doc = _raw_document(row)
+                pieces, n_cut = document_pieces(doc, tokenizer, opts)
+                cut += n_cut
+                for i, piece in enumerate(pieces):
+                    if len(piece.tokens) < opts.min_document_tokens:
+                        too_short += 1
+                        continue
+                    key = normalized_hash(piece.text)
+                    out.append({"status": "ok", "order": doc.order, "chunk_index": i, "num_chunks": len(pieces),
+                                "group": doc.group, "lang": doc.lang, "doc_key": f"{doc.doc_id}#{i}",
+                                "tokens": piece.tokens, "text": piece.text, "source": doc.source,
+                                "paragraph_ids": piece.paragraph_ids, "key": key,
+                                "bucket": _partition(hashlib.sha1(doc.lang.encode() + key).digest(), partitions)})
+            out.append({"status": "counts", "lang": "", "key": _spread_key("counts", file, row_group),
+                        "paragraphs_cut": cut, "too_short": too_short, "bucket": NOT_A_DOCUMENT})
+            yield pa.Table.from_pylist(out, schema=_CHUNK)
+
+
+def chunk_tasks(files: list[tuple[str, int]], workers: int) -> list[dict]:
+    """The chunking tasks for the clean files (each with its row groups): spans of row groups, about four per worker
+    in all (a task per row group would be a task per LINES_PER_BLOCK documents: 100,000 at 100M documents), never
+    across files."""
+    per_task = max(1, sum(n for _, n in files) // (4 * workers))
+    return [{"file": f, "start": g, "stop": min(g + per_task, n)} for f, n in files for g in range(0, n, per_task)]
+
+
+def _deduplicate_chunks(batch: pa.Table, work: str) -> pa.Table:
+    """One partition of the shuffled chunks: the first of each duplicate in (input order, chunk index) kept and
+    written (one file, named after its first chunk), the partition's counts summed."""
+    is_counts = pc.equal(batch.column("status"), "counts")
+    counts = batch.filter(is_counts)
+    table, duplicates = _first_of_each(batch.filter(pc.invert(is_counts)), ["order", "chunk_index"],
+                                       [*_SHARD_COLUMNS, "bucket"])
+    out = {"file": None, "chunks": table.num_rows, "duplicates": duplicates,
+           "bytes": int(table.select(_SHARD_COLUMNS).nbytes),
+           "paragraphs_cut": int(pc.sum(counts.column("paragraphs_cut")).as_py() or 0),
+           "too_short": int(pc.sum(counts.column("too_short")).as_py() or 0)}
+    if table.num_rows:
+        first = (table.column("order")[0].as_py(), table.column("chunk_index")[0].as_py())
+        out["file"] = str(Path(work) / "chunks-clean" / f"part-{first[0]:016x}-{first[1]:05d}.parquet")
+        pq.write_table(table, out["file"])
+    return _released(pa.Table.from_pylist([out], schema=_CHUNK_PARTITION))
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 4: route to shards, write them
+# --------------------------------------------------------------------------------------------------
 
 
 def shard_of_group(group: str, seed: int, num_shards: int) -> int:
@@ -343,59 +565,44 @@ def shard_of_group(group: str, seed: int, num_shards: int) -> int:
     return int.from_bytes(hashlib.sha1(f"marge-shard:{seed}:{group}".encode()).digest()[:8], "big") % num_shards
 
 
-_SHARD_COLUMNS = ["order", "chunk_index", "num_chunks", "group", "lang", "doc_key", "tokens", "text", "source",
-                  "paragraph_ids"]
+def _shards(groups: list[str], seed: int, num_shards: int) -> np.ndarray:
+    return np.array([shard_of_group(g, seed, num_shards) for g in groups], dtype=np.int64)
 
 
-def _deduplicate_chunks(batch: pa.Table, work: str) -> pa.Table:
+def _count_shards(batch: pa.Table, seed: int, num_shards: int) -> pa.Table:
+    """The chunks per shard of one partition of de-duplicated chunks."""
     out = []
-    for bucket in batch.column("bucket").to_pylist():
-        table, duplicates = _first_of_each(_read_partition(Path(work) / "chunks", bucket, _CHUNK),
-                                           ["order", "chunk_index"], _SHARD_COLUMNS)
-        pq.write_table(table, Path(work) / "chunks-clean" / f"part-{bucket:05d}.parquet")
-        out.append({"bucket": bucket, "chunks": table.num_rows, "duplicates": duplicates,
-                    "bytes": int(table.nbytes)})
-    return _released(pa.Table.from_pylist(out))
+    for file in batch.column("file").to_pylist():
+        shards = _shards(pq.read_table(file, columns=["group"]).column("group").to_pylist(), seed, num_shards)
+        out.append({"counts": np.bincount(shards, minlength=num_shards).tobytes()})
+    return pa.Table.from_pylist(out)
 
 
-def _route_to_shards(batch: pa.Table, work: str, seed: int, num_shards: int, shard_groups: int) -> pa.Table:
-    """Chunks of one partition into the folders of their shard groups (shard % shard_groups); returns the chunks per
-    shard."""
+def _chunks_with_their_shard(batch: pa.Table, seed: int, num_shards: int) -> Iterator[pa.Table]:
+    for file in batch.column("file").to_pylist():
+        table = pq.read_table(file)
+        yield table.append_column("shard", pa.array(_shards(table.column("group").to_pylist(), seed, num_shards)))
+
+
+def _write_shards(batch: pa.Table, corpus: str, per_shard: np.ndarray) -> pa.Table:
+    """The shards of one partition of chunks shuffled by shard (every chunk of a shard is in it), each sorted and
+    numbered and written into the corpus folder: a shard's number is its place among the shards that have chunks
+    (`per_shard`: the chunks of every shard), its first doc id the chunks of the shards before it. Chunks that tie in
+    `shard_columns`'s order (a group's documents in one language) stay in (bucket, input order, chunk index) order."""
+    numbers, first_ids = np.cumsum(per_shard > 0) - 1, np.cumsum(per_shard) - per_shard
+    table = batch.sort_by([("bucket", "ascending"), ("order", "ascending"), ("chunk_index", "ascending")])
+    shard_column = table.column("shard").to_numpy()
     out = []
-    for bucket in batch.column("bucket").to_pylist():
-        table = pq.read_table(Path(work) / "chunks-clean" / f"part-{bucket:05d}.parquet")
-        shards = np.array([shard_of_group(g, seed, num_shards) for g in table.column("group").to_pylist()],
-                          dtype=np.int64)
-        for q in np.unique(shards % shard_groups):
-            folder = Path(work) / "by-shard" / f"q={q}"
-            folder.mkdir(parents=True, exist_ok=True)
-            rows = shards % shard_groups == q
-            part = table.filter(pa.array(rows)).append_column("shard", pa.array(shards[rows]))
-            pq.write_table(part, folder / f"part-{bucket:05d}.parquet")
-        out.append({"bucket": bucket, "counts": np.bincount(shards, minlength=num_shards).tobytes()})
-    return _released(pa.Table.from_pylist(out))
-
-
-def _write_shards(batch: pa.Table, work: str, corpus: str, numbering: dict[int, tuple[int, int]]) -> pa.Table:
-    """The shards of one shard group, each sorted and numbered (`numbering`: shard -> (its number in the corpus, its
-    first doc id)) and written into the corpus folder."""
-    out = []
-    for q in batch.column("q").to_pylist():
-        files = sorted((Path(work) / "by-shard" / f"q={q}").glob("*.parquet"))
-        if not files:
-            continue
-        table = pa.concat_tables(pq.read_table(f) for f in files)
-        shard_column = table.column("shard").to_numpy()
-        for shard in sorted(set(shard_column.tolist())):
-            rows = table.filter(pa.array(shard_column == shard)).to_pylist()
-            chunks = [_Chunk(r["group"], r["lang"], r["doc_key"], r["chunk_index"], r["num_chunks"], r["tokens"],
-                             r["text"], r["source"], r["paragraph_ids"]) for r in rows]
-            number, first_id = numbering[shard]
-            info = write_corpus_shard(Path(corpus), number, shard_columns(chunks, number, first_id))
-            out.append({"info": json.dumps(info), "languages": json.dumps(Counter(c.lang for c in chunks)),
-                        "groups": len({c.group for c in chunks}), "tokens": sum(len(c.tokens) for c in chunks),
-                        "aligned": sum(bool(c.paragraph_ids) for c in chunks)})
-    return _released(pa.Table.from_pylist(out))
+    for shard in sorted(set(shard_column.tolist())):
+        rows = table.filter(pa.array(shard_column == shard)).to_pylist()
+        chunks = [_Chunk(r["group"], r["lang"], r["doc_key"], r["chunk_index"], r["num_chunks"], r["tokens"],
+                         r["text"], r["source"], r["paragraph_ids"]) for r in rows]
+        number = int(numbers[shard])
+        info = write_corpus_shard(Path(corpus), number, shard_columns(chunks, number, int(first_ids[shard])))
+        out.append({"info": json.dumps(info), "languages": json.dumps(Counter(c.lang for c in chunks)),
+                    "groups": len({c.group for c in chunks}), "tokens": sum(len(c.tokens) for c in chunks),
+                    "aligned": sum(bool(c.paragraph_ids) for c in chunks)})
+    return _released(pa.Table.from_pylist(out, schema=_SHARD_WRITTEN))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -407,6 +614,14 @@ def _run(rows: list[dict], fn, *, workers: int, **kwargs) -> Iterator[dict]:
     """Apply `fn` to each of `rows` (one call per row), `workers` at once; its small results, as they come."""
     yield from _items(rows).map_batches(fn, batch_size=1, batch_format="pyarrow", compute=_tasks(workers, len(rows)),
                                         fn_kwargs=kwargs).iter_rows()
+
+
+def _shuffled(dataset, keys: list[str], partitions: int, fn, *, workers: int, **kwargs) -> Iterator[dict]:
+    """Hash-shuffle `dataset` by `keys` into `partitions` partitions and apply `fn` to each partition whole (a keyed
+    repartition gives each partition as one block, which `batch_size=None` hands to `fn` as one batch: what
+    `GroupedData.map_groups` relies on); `fn`'s small results, as they come."""
+    yield from dataset.repartition(partitions, keys=keys).map_batches(
+        fn, batch_size=None, batch_format="pyarrow", compute=_tasks(workers, partitions), fn_kwargs=kwargs).iter_rows()
 
 
 def _items(rows: list[dict]):
@@ -427,7 +642,7 @@ def prepare_on_ray(opts: PrepareOptions, ray_address: str | None = None) -> dict
         work = opts.out.parent / f".{opts.out.name}.work"
         shutil.rmtree(work, ignore_errors=True)  # a killed run's
         try:
-            for sub in ("clean", "heldout", "chunks-clean"):
+            for sub in INTERMEDIATE_FOLDERS:
                 (work / sub).mkdir(parents=True)
             manifest = _prepare(opts, work, workers)
         finally:
@@ -435,6 +650,11 @@ def prepare_on_ray(opts: PrepareOptions, ray_address: str | None = None) -> dict
     log.info("wrote %d chunks in %d shards to %s in %.1f s on Ray Data (%d workers)", manifest["num_documents"],
              manifest["num_shards"], opts.out, time.time() - started, workers)
     return manifest
+
+
+INTERMEDIATE_FOLDERS = ("clean", "heldout", "chunks-clean")
+"""The work folder's: the training and the held-out documents, de-duplicated; the chunks, de-duplicated. A file per
+partition in each."""
 
 
 class _StageClock:
@@ -454,87 +674,94 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
     stats = _Stats()
     clock = _StageClock()
     partitions = max(1, math.ceil(input_bytes(opts.inputs, GZIP_EXPANSION) / opts.partition_bytes))
-    tasks = read_tasks(opts.inputs)
-    log.info("reading, checking and partitioning %d input task(s) into %d partition(s), %d workers", len(tasks),
+    tasks = read_tasks(opts.inputs, READ_SPLIT_BYTES)
+    number_lines(tasks, workers)
+    log.info("reading, checking and de-duplicating %d input task(s) in %d partition(s), %d workers", len(tasks),
              partitions, workers)
-    (_items([{"task": i} for i in range(len(tasks))])
-     .map_batches(_raw_blocks, batch_size=1, batch_format="pyarrow", compute=_tasks(workers, len(tasks)),
-                  fn_kwargs={"tasks": tasks})
-     .map_batches(_checked_documents, batch_size=None, batch_format="pyarrow", compute=_tasks(workers, workers),
-                  fn_kwargs={"opts": opts, "partitions": partitions})
-     .write_parquet(str(work / "documents"), partition_cols=["bucket"]))
-    ok_languages = _check_rejected(opts, work, stats)
-    clock.lap("read_and_check")
-
-    log.info("de-duplicating the documents of %d partition(s)", partitions)
-    per_language = Counter()
-    if not ok_languages:
-        raise PrepareError(f"no usable documents in {', '.join(map(str, opts.inputs))}")
-    share = TokenizerSample.per_language_share(opts.tokenizer_sample_lines, len(ok_languages))
-    sample = TokenizerSample(share, opts.seed)
+    documents = (_items([{"task": i} for i in range(len(tasks))])
+                 .map_batches(_raw_blocks, batch_size=1, batch_format="pyarrow", compute=_tasks(workers, len(tasks)),
+                              fn_kwargs={"tasks": tasks})
+                 .map_batches(_checked_documents, batch_size=None, batch_format="pyarrow",
+                              compute=_tasks(workers, workers), fn_kwargs={"opts": opts}))
+    rejected = Rejected()
+    per_language, languages = Counter(), set()
+    clean_files, heldout_files = [], []  # the clean files with their row groups
     clean_bytes = 0
-    for row in _run([{"bucket": b} for b in range(partitions)], _deduplicate_documents, workers=workers,
-                    work=str(work), opts=opts, share=share):
+    for row in _shuffled(documents, _DEDUPLICATION_KEYS, partitions, _deduplicate_documents, workers=workers,
+                         work=str(work), opts=opts):
+        rejected.merge(Rejected.from_json(row["report"]))
         stats.counts["documents_duplicate"] += row["duplicates"]
         per_language.update(json.loads(row["languages"]))
+        languages.update(json.loads(row["all_languages"]))
         clean_bytes += row["text_bytes"]
-        sample.merge(pickle.loads(row["sample"]))
+        if row["clean_file"]:
+            clean_files.append((row["clean_file"], row["row_groups"]))
+        if row["heldout_file"]:
+            heldout_files.append(row["heldout_file"])
+    account_rejected(rejected, opts, stats)
+    if not languages:
+        raise PrepareError(f"no usable documents in {', '.join(map(str, opts.inputs))}")
     if not per_language:
         raise PrepareError(f"--heldout-permille {opts.heldout_permille} held out every group: nothing left to train on")
-    languages = sorted(per_language)
+    clock.lap("read_check_deduplicate")
+    trained_languages = sorted(per_language)
     log.info("%d documents in %d languages after checks and de-duplication", sum(per_language.values()),
-             len(languages))
-    clock.lap("deduplicate_documents")
+             len(trained_languages))
+
     if opts.tokenizer_dir is not None:
-        tokenizer, sample_summary = load_tokenizer(opts, languages), None
+        tokenizer, sample_summary = load_tokenizer(opts, trained_languages), None
     else:
-        tokenizer, sample_summary = train_tokenizer(sample, languages, opts), sample.summary()
-    del sample
+        share = TokenizerSample.per_language_share(opts.tokenizer_sample_lines, len(languages))
+        sample = TokenizerSample(share, opts.seed)
+        for row in _run([{"file": f} for f, _ in clean_files], _tokenizer_sample, workers=workers, share=share,
+                        seed=opts.seed):
+            sample.merge(pickle.loads(row["sample"]))
+        clock.lap("tokenizer_sample")
+        tokenizer, sample_summary = train_tokenizer(sample, trained_languages, opts), sample.summary()
+        del sample
     clock.lap("tokenizer")
 
     chunk_partitions = max(1, math.ceil(2 * clean_bytes / opts.partition_bytes))
-    log.info("tokenizing and chunking into %d partition(s)", chunk_partitions)
-    row_groups = [{"file": str(f), "row_group": g} for f in sorted((work / "clean").glob("*.parquet"))
-                  for g in range(pq.ParquetFile(f).num_row_groups)]
-    (_items(row_groups)
-     .map_batches(_chunked_documents, batch_size=1, batch_format="pyarrow", compute=_tasks(workers, len(row_groups)),
-                  fn_kwargs={"tokenizer_bytes": tokenizer.model_bytes, "languages": tokenizer.languages,
-                             "opts": opts, "partitions": chunk_partitions})
-     .write_parquet(str(work / "chunks"), partition_cols=["bucket"]))
-    counts = pq.read_table(work / "chunks" / f"bucket={NOT_A_DOCUMENT}", columns=["paragraphs_cut", "too_short"])
-    stats.counts["paragraphs_cut"] += int(pc.sum(counts.column("paragraphs_cut")).as_py() or 0)
-    stats.counts["documents_too_short"] += int(pc.sum(counts.column("too_short")).as_py() or 0)
-    clock.lap("tokenize_and_chunk")
-
-    log.info("de-duplicating the chunks of %d partition(s)", chunk_partitions)
+    log.info("tokenizing, chunking and de-duplicating in %d partition(s)", chunk_partitions)
+    spans = chunk_tasks(clean_files, workers)
+    chunks = _items(spans).map_batches(
+        _chunked_documents, batch_size=1, batch_format="pyarrow", compute=_tasks(workers, len(spans)),
+        fn_kwargs={"tokenizer_bytes": tokenizer.model_bytes, "languages": tokenizer.languages, "opts": opts,
+                   "partitions": chunk_partitions})
+    chunk_files = []
     total = chunk_bytes = 0
-    for row in _run([{"bucket": b} for b in range(chunk_partitions)], _deduplicate_chunks, workers=workers,
-                    work=str(work)):
+    for row in _shuffled(chunks, _DEDUPLICATION_KEYS, chunk_partitions, _deduplicate_chunks, workers=workers,
+                         work=str(work)):
         stats.counts["chunks_duplicate"] += row["duplicates"]
+        stats.counts["paragraphs_cut"] += row["paragraphs_cut"]
+        stats.counts["documents_too_short"] += row["too_short"]
         total += row["chunks"]
         chunk_bytes += row["bytes"]
+        if row["file"]:
+            chunk_files.append(row["file"])
     if not total:
         raise PrepareError("every chunk was a duplicate or empty; nothing to write")
-    clock.lap("deduplicate_chunks")
+    clock.lap("tokenize_chunk_deduplicate")
+
     num_shards = opts.num_shards or max(1, math.ceil(total / opts.docs_per_shard))
     shard_groups = max(1, min(num_shards, math.ceil(chunk_bytes / opts.partition_bytes)))
     per_shard = np.zeros(num_shards, dtype=np.int64)
-    for row in _run([{"bucket": b} for b in range(chunk_partitions)], _route_to_shards, workers=workers,
-                    work=str(work), seed=opts.seed, num_shards=num_shards, shard_groups=shard_groups):
+    for row in _run([{"file": f} for f in chunk_files], _count_shards, workers=workers, seed=opts.seed,
+                    num_shards=num_shards):
         per_shard += np.frombuffer(row["counts"], dtype=np.int64)
-    numbering, next_id = {}, 0
-    for shard in np.flatnonzero(per_shard):  # a shard no group hashed to is left out, the others renumbered
-        numbering[int(shard)] = (len(numbering), next_id)
-        next_id += int(per_shard[shard])
-    clock.lap("route_to_shards")
+    clock.lap("count_shards")
 
-    log.info("writing %d shards", len(numbering))
-    heldout = _heldout_documents(work)
+    log.info("writing %d shards", int(np.count_nonzero(per_shard)))  # a shard no group hashed to is left out
+    heldout = _heldout_documents(heldout_files)
+    intermediate_files = {sub: sum(1 for _ in os.scandir(work / sub)) for sub in INTERMEDIATE_FOLDERS}
     with atomic_directory(opts.out, overwrite=opts.overwrite) as tmp:
         (tmp / "shards").mkdir()
         tokenizer.save(tmp)
-        written = list(_run([{"q": q} for q in range(shard_groups)], _write_shards, workers=workers,
-                       work=str(work), corpus=str(tmp), numbering=numbering))
+        by_shard = _items([{"file": f} for f in chunk_files]).map_batches(
+            _chunks_with_their_shard, batch_size=1, batch_format="pyarrow", compute=_tasks(workers, len(chunk_files)),
+            fn_kwargs={"seed": opts.seed, "num_shards": num_shards})
+        written = list(_shuffled(by_shard, ["shard"], shard_groups, _write_shards, workers=workers, corpus=str(tmp),
+                                 per_shard=per_shard))
         infos = sorted((json.loads(r["info"]) for r in written), key=lambda i: i["shard"])
         clock.lap("write_shards")
         lang_counts = Counter()
@@ -543,48 +770,43 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
         manifest = corpus_manifest(
             opts, tokenizer, infos, sum(r["groups"] for r in written), lang_counts, sum(r["tokens"] for r in written),
             sum(r["aligned"] for r in written), stats, sample_summary,
-            {"name": "ray", "shard_assignment": "hash", "workers": workers, "document_partitions": partitions,
-             "chunk_partitions": chunk_partitions, "shard_groups": shard_groups, "stage_seconds": clock.seconds})
+            {"name": "ray", "shard_assignment": "hash", "workers": workers, "read_tasks": len(tasks),
+             "document_partitions": partitions, "chunk_partitions": chunk_partitions, "shard_groups": shard_groups,
+             "intermediate_files": intermediate_files, "stage_seconds": clock.seconds})
         if heldout:
             manifest["heldout"] = write_heldout(tmp / HELDOUT_DIR, heldout, opts, manifest["num_groups"])
         atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return manifest
 
 
-def _check_rejected(opts: PrepareOptions, work: Path, stats: _Stats) -> set[str]:
-    """Count the documents read and the rejected ones; stop at the first unreadable input, and (unless bad ones are
-    to be skipped) at the first bad document in input order, as the single-process engine does. Returns the
-    languages of the documents kept (one read of the status and language columns serves both)."""
-    table = pa.concat_tables(pq.read_table(f, columns=["status", "lang"]) for f in
-                             (work / "documents").glob("bucket=*/*.parquet"))
-    stats.counts["documents_read"] += int(table.num_rows - pc.sum(
-        pc.equal(table.column("status"), "fatal")).as_py() or 0)
-    languages = set(pc.unique(table.filter(pc.equal(table.column("status"), "ok")).column("lang")).to_pylist())
-    rejected_files = _partition_files(work / "documents", NOT_A_DOCUMENT)
-    if not rejected_files:
-        return languages
-    rejected = pa.concat_tables(pq.read_table(f, columns=["status", "order", "error"]) for f in rejected_files)
-    rejected = rejected.sort_by([("order", "ascending")]).to_pylist()
-    for row in rejected:
-        if row["status"] == "fatal":
-            raise PrepareError(row["error"])
-    for row in rejected:
-        if row["status"] == "language":
-            stats.counts["documents_skipped_language"] += 1
-        elif row["status"] == "bad":
-            if opts.on_bad_document == "error":
-                raise PrepareError(f"{row['error']} (or pass --skip-bad-documents to drop such documents)")
-            stats.counts["documents_skipped_bad"] += 1
-            if len(stats.skipped) < 100:
-                stats.skipped.append(row["error"])
-            log.warning("skipping: %s", row["error"])
-    return languages
+def account_rejected(rejected: Rejected, opts: PrepareOptions, stats: _Stats) -> None:
+    """Count the documents read and the rejected ones; stop at the first unreadable input, and (unless bad ones are to
+    be skipped) at the first bad document in input order, as the single-process engine does. The bad documents'
+    warnings name the first SKIPPED_KEPT of them and count the rest."""
+    if rejected.first_fatal is not None:
+        raise PrepareError(rejected.first_fatal[1])
+    stats.counts["documents_read"] += rejected.read
+    stats.counts["documents_skipped_language"] += rejected.skipped_language
+    if not rejected.skipped_bad:
+        return
+    if opts.on_bad_document == "error":
+        raise PrepareError(f"{rejected.first_bad[0][1]} (or pass --skip-bad-documents to drop such documents)")
+    stats.counts["documents_skipped_bad"] += rejected.skipped_bad
+    for _, error in rejected.first_bad:
+        stats.skipped.append(error)
+        log.warning("skipping: %s", error)
+    if rejected.skipped_bad > len(rejected.first_bad):
+        log.warning("skipping %d more bad documents (%d in all: the manifest's stats.documents_skipped_bad)",
+                    rejected.skipped_bad - len(rejected.first_bad), rejected.skipped_bad)
 
 
-def _heldout_documents(work: Path) -> list[RawDocument]:
-    files = sorted((work / "heldout").glob("*.parquet"))
+def _heldout_documents(files: list[str]) -> list[RawDocument]:
+    """The held-out documents in input order, through one Ray Data read of their partitions' files."""
+    import ray.data
+
     if not files:
         return []
-    table = pa.concat_tables(pq.read_table(f) for f in files).sort_by([("order", "ascending")])
-    return [_raw_document(row) for row in table.to_pylist()]
-
+    documents = [_raw_document(row) for batch in ray.data.read_parquet(files).iter_batches(batch_format="pyarrow",
+                                                                                           batch_size=None)
+                 for row in batch.to_pylist()]
+    return sorted(documents, key=lambda d: d.order)
