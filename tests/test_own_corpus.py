@@ -58,7 +58,7 @@ SMALL = ["data.corpus=corpus", "run.dir=run", "model.max_positions=128", "batche
          "trainer.num_workers=1", "trainer.snapshot_every=2", "indexer.reindex_every=2", "trainer.checkpoint_every=2",
          "trainer.warmup_steps=2", "trainer.total_steps=100", "objectives.self_evidence.until=4",
          "objectives.denoising_contrastive.extra_documents=8", "health.probe_size=4", "health.pairs_per_language=8",
-         "run.progress_every_s=1"]
+         "run.progress_every_s=1", "indexer.keep_snapshots=1", "indexer.keep_versions=2", "trainer.keep_checkpoints=1"]
 
 
 @pytest.mark.slow
@@ -86,11 +86,16 @@ def test_own_corpus_from_the_shell_with_no_demo_file_in_reach(tmp_path):
     assert probes["health"]["documents"] == str(work / "corpus" / "heldout" / "documents.jsonl.gz")
 
     resumed = marge("pretrain", "--config", str(TEMPLATE), "--single-process", "--device", "cpu", *SMALL,
-                    "run.max_steps=6", cwd=work)
+                    "run.max_steps=8", cwd=work)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed at step 4" in resumed.stderr and json.loads(resumed.stdout.strip().splitlines()[-1])["pipeline"]["steps"] == 6
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert "resumed at step 4" in resumed.stderr and summary["pipeline"]["steps"] == 8
+    # snapshots no one needs again are gone: kept are step 0 (the verdict's baseline), the kept index versions' (6, 8)
+    # and those from the version the oldest kept checkpoint (6) resumes with; step 2's version is gone and older
+    snapshots = {int(p.name[5:]) for p in (work / "run" / "snapshots").glob("step-*")}
+    assert {0, 6, 8} <= snapshots and 2 not in snapshots, snapshots
     changed = marge("pretrain", "--config", str(TEMPLATE), "--single-process", "--device", "cpu", *SMALL,
-                    "run.max_steps=6", "trainer.lr=0.01", cwd=work)
+                    "run.max_steps=8", "trainer.lr=0.01", cwd=work)
     assert changed.returncode != 0 and "trainer.lr: 0.001 -> 0.01" in changed.stderr, changed.stderr[-3000:]
 
     audit = marge("audit", "--run", "run", cwd=work, timeout=120)
@@ -98,6 +103,11 @@ def test_own_corpus_from_the_shell_with_no_demo_file_in_reach(tmp_path):
     for answer in (audit, serve):
         lines = [line for line in answer.stderr.splitlines() + answer.stdout.splitlines() if line.strip()]
         assert len(lines) == 1 and "single-process" in lines[0] and "Traceback" not in answer.stderr, lines
+
+    # what serves a single-process run: a serving index of the whole corpus (`marge serve --full-corpus` loads it)
+    built = marge("index", "build", "--run", "run", "--target-recall", "0.5", cwd=work, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert json.loads(built.stdout.strip().splitlines()[-1])["documents"] == manifest["num_documents"]
 
     checkpoint = summary["checkpoint"]
     retrieval = marge("eval", "retrieval", "--pairs", str(work / "corpus" / manifest["heldout"]["pairs_file"]), "--checkpoint", checkpoint, "--layer", "g", "--json", cwd=work, timeout=300)

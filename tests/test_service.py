@@ -253,6 +253,30 @@ def test_loopback_is_an_address_not_a_name_that_starts_with_127():
 # --- the index layer: one copy of the vectors, index type by size, text read on demand --------------------------
 
 
+def centred_run(run: Path, corpus_dir: Path, seed: int) -> None:
+    """`build_run` with a model whose g is centred (`model.relevance_centering`) on the corpus's own mean, as a
+    trained model's running centre would be: documents spread over the sphere instead of sharing one direction, so
+    that nearest neighbours mean something (an uncentred untrained g puts every document within 0.01 degree)."""
+    from marge.batch import as_encoder_input
+    from marge.corpus import Corpus
+    from marge.model import Marge, pad_rows, preset
+    from marge.snapshot import load_relevance_encoder, publish_snapshot
+    from services.indexer.config import IndexerConfig
+    from services.indexer.core import index_corpus
+
+    corpus = Corpus.open(corpus_dir)
+    tok = corpus.tokenizer()
+    torch.manual_seed(seed)
+    model = Marge(preset("tiny", vocab_size=tok.vocab_size, max_positions=128, relevance_centering=True)).eval()
+    tokens = [t[:100] for t in corpus.read_shard(0).tokens[:256]]
+    with torch.no_grad():
+        model.relevance_center.copy_(model.relevance_vectors(
+            pad_rows([as_encoder_input(t, tok.specials) for t in tokens], tok.specials.pad_id)).mean(0))
+    snap = publish_snapshot(run / "snapshots", model, 10, tok.sha256)
+    index_corpus(corpus, load_relevance_encoder(snap), tok.specials, run / "index", 0, 10, IndexerConfig())
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"corpus": str(corpus_dir)}}))
+
+
 @pytest.fixture(scope="module")
 def one_version(small_corpus, tmp_path_factory):
     from marge.corpus import Corpus
@@ -366,3 +390,66 @@ def test_the_app_carries_no_corpus_until_it_serves_and_the_corpus_is_checked_aga
         holder.start()
     manifest = json.loads((copy / "manifest.json").read_text())
     assert manifest["shards"][0]["rows"] == table.num_rows
+
+
+def test_a_serving_index_of_the_whole_corpus_is_compressed_finds_what_exact_search_finds_and_is_served(
+        one_version, tmp_path):
+    """`marge index build`: every corpus document in an IVF index with 8-bit codes, its recall measured at build;
+    `marge serve --full-corpus` answers from it (text, doc id and language searches)."""
+    import json
+
+    import numpy as np
+
+    from marge.snapshot import latest_snapshot
+    from services.retrieval.full_index import FullCorpusIndex, read_build
+    from services.retrieval.index import DocumentTable
+
+
+    corpus = one_version[1]
+    run = tmp_path / "run"
+    centred_run(run, corpus.root, seed=5)
+    built = subprocess.run([sys.executable, "-m", "services.cli", "index", "build", "--run", str(run),
+                            "--target-recall", "0.9"], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    result = json.loads(built.stdout.strip().splitlines()[-1])
+    manifest = read_build(Path(result["path"]))  # checksums verified
+    assert manifest["documents"] == corpus.manifest["num_documents"] and manifest["recall_at_10"] >= 0.9
+    assert manifest["index_bytes"] < 0.5 * manifest["vector_bytes"]
+    assert manifest["snapshot_step"] == latest_snapshot(run / "snapshots").step
+
+    docs = DocumentTable(corpus)
+    full = FullCorpusIndex(Path(result["path"]), run, corpus, corpus.tokenizer(), docs)
+    rng = np.random.default_rng(0)
+    assert full.documents == len(docs.ids)
+    picked = rng.choice(docs.ids, size=40, replace=False)
+    found = 0
+    for doc_id in picked:  # a document's own vector finds it first, as exact search would
+        hits = full.search(full.vector_of(int(doc_id)), 10)
+        found += int(hits[0][0] == doc_id)
+        lang = docs.lang_names[docs.langs_of(np.array([doc_id]))[0]]
+        in_lang = full.search(full.vector_of(int(doc_id)), 5, lang=lang, exclude=int(doc_id))
+        assert in_lang and all(docs.lang_names[docs.langs_of(np.array([d]))[0]] == lang and d != doc_id
+                               for d, _ in in_lang)
+    assert found >= 36
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--run", str(run), "--port", str(port),
+                             "--full-corpus", "--poll-s", "0.2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={k: v for k, v in os.environ.items() if k != "MARGE_API_TOKEN"})
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                info = httpx.get(f"http://127.0.0.1:{port}/v1/index", timeout=1)
+                if info.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, "marge serve --full-corpus did not answer"
+            time.sleep(0.2)
+        assert info.json()["index_type"].startswith("full corpus") and info.json()["documents"] == manifest["documents"]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/search", json={"query": "cells", "k": 3, "lang": "de"}, timeout=30)
+        assert r.status_code == 200 and [h["lang"] for h in r.json()["results"]] == ["de"] * 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -28,7 +28,7 @@ from services.driver.lock import RunLocked
 log = logging.getLogger("marge")
 
 # The commands in the order `marge --help` lists them.
-COMMANDS = (data.add_prepare, train.add_pretrain, serve.add_serve, evaluate.add_eval, train.add_finetune,
+COMMANDS = (data.add_prepare, train.add_pretrain, serve.add_serve, serve.add_index, evaluate.add_eval, train.add_finetune,
             ops.add_scale, data.add_prepare_tasks, evaluate.add_translate, train.add_report, experiment.add_experiment,
             train.add_config, train.add_plan, ops.add_audit, ops.add_queue, ops.add_redis_user, data.add_info)
 

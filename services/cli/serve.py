@@ -31,6 +31,9 @@ def add_serve(sub) -> None:
     p.add_argument("--hnsw-ef-search", type=int, default=SERVE_DEFAULTS["hnsw_ef_search"])
     p.add_argument("--text-cache-mb", type=float, default=SERVE_DEFAULTS["text_cache_mb"],
                    help="memory for recently read corpus shards' text (hits are described from the Parquet shards)")
+    p.add_argument("--full-corpus", action="store_true",
+                   help="serve the newest serving index of the whole corpus (`marge index build`: RUN/serving) "
+                        "instead of the run's newest training index version (which may hold a sample of the shards)")
     p.add_argument("--verify-corpus", action="store_true",
                    help="hash every corpus shard against its manifest at start (by default each shard's document "
                         "count is checked against the manifest, which reads no document text)")
@@ -58,8 +61,8 @@ def check_servable(run_dir: Path) -> None:
     newest = latest_version(run_dir / "index")
     if newest is not None and any(entry.get("index_file") is None for entry in newest.shards):
         raise ValueError(f"{run_dir} was trained single-process (`marge pretrain --single-process`): its index versions "
-                         "hold link graphs but no FAISS index to serve. Serve a run of the pipeline (`marge pretrain` "
-                         "without --single-process), whose index versions the service loads")
+                         "hold link graphs but no FAISS index to serve. Build a serving index of the whole corpus "
+                         f"(`marge index build --run {run_dir}`) and serve it with --full-corpus")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -84,15 +87,55 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if path is not None and not path.is_file():
             raise FileNotFoundError(f"{name} {path} does not exist")
     corpus = args.corpus or run_config(Path(args.run))["data"]["corpus"]
-    check_servable(Path(args.run))
+    if not args.full_corpus:
+        check_servable(Path(args.run))
     settings = ServeSettings(run_dir=Path(args.run), corpus_dir=Path(corpus), token=token or None, max_k=args.max_k,
                              max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
                              max_in_flight=args.max_in_flight, poll_s=args.poll_s, index_type=args.index_type,
                              flat_max_documents=args.flat_max_documents, hnsw_m=args.hnsw_m,
                              hnsw_ef_search=args.hnsw_ef_search, text_cache_mb=args.text_cache_mb,
-                             verify_corpus=args.verify_corpus)
+                             verify_corpus=args.verify_corpus, full_corpus=args.full_corpus)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info",
                 limit_concurrency=4 * args.max_in_flight,
                 ssl_certfile=None if args.tls_cert is None else str(args.tls_cert),
                 ssl_keyfile=None if args.tls_key is None else str(args.tls_key))
+    return 0
+
+
+def add_index(sub) -> None:
+    p = sub.add_parser("index", help="serving indexes of the whole corpus (`marge serve --full-corpus` serves them)")
+    index_sub = p.add_subparsers(dest="index_command", required=True)
+    q = index_sub.add_parser("build", help="embed every corpus document with a run's snapshot into a compressed "
+                                           "FAISS index (IVF, 8-bit scalar or product quantisation) under RUN/serving")
+    q.add_argument("--run", required=True, type=Path, help="run directory of `marge pretrain` (its snapshots/)")
+    q.add_argument("--corpus", default=None, help="prepared corpus (default: the run's data.corpus)")
+    q.add_argument("--snapshot-step", type=int, default=None, help="the snapshot to embed with (default: the newest)")
+    q.add_argument("--codec", choices=("sq8", "pq"), default="sq8",
+                   help="sq8: d bytes a document, recall close to exact; pq: d/4 bytes, lower recall")
+    q.add_argument("--nlist", type=int, default=None, help="inverted lists (default about 4 x sqrt(documents))")
+    q.add_argument("--target-recall", type=float, default=0.95,
+                   help="recall@10 against exact search the chosen nprobe must reach (measured at build)")
+    q.add_argument("--device", default="cpu", help="cpu or cuda, for embedding")
+    q.set_defaults(func=cmd_index_build)
+
+
+def cmd_index_build(args: argparse.Namespace) -> int:
+    import json
+
+    from marge.corpus import Corpus
+    from marge.snapshot import latest_snapshot, read_snapshot, snapshot_dirname
+    from services.retrieval.full_index import BuildOptions, build_serving_index, read_build
+
+    corpus = Corpus.open(args.corpus or run_config(args.run)["data"]["corpus"], verify_checksums=False)
+    if args.snapshot_step is None:
+        snapshot = latest_snapshot(args.run / "snapshots")
+        if snapshot is None:
+            raise FileNotFoundError(f"{args.run / 'snapshots'} holds no snapshot: train first (`marge pretrain`)")
+    else:
+        snapshot = read_snapshot(args.run / "snapshots" / snapshot_dirname(args.snapshot_step))
+    path = build_serving_index(args.run, corpus, snapshot, BuildOptions(
+        codec=args.codec, nlist=args.nlist, target_recall=args.target_recall, device=args.device))
+    manifest = read_build(path, verify=False)
+    print(json.dumps({"path": str(path), **{k: manifest[k] for k in (
+        "build", "snapshot_step", "factory", "nprobe", "documents", "recall_at_10", "index_bytes", "vector_bytes")}}))
     return 0

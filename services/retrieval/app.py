@@ -105,7 +105,7 @@ def _replay(messages: list[dict], receive):
 
 def create_app(settings: ServeSettings, holder: IndexHolder | None = None) -> FastAPI:
     holder = holder or IndexHolder(settings.run_dir, settings.corpus_dir, settings.poll_s, settings.index_choice(),
-                                   settings.text_cache_mb, settings.verify_corpus)
+                                   settings.text_cache_mb, settings.verify_corpus, settings.full_corpus)
     in_flight = threading.BoundedSemaphore(settings.max_in_flight)
     bearer = HTTPBearer(auto_error=False)
 
@@ -154,7 +154,7 @@ def create_app(settings: ServeSettings, holder: IndexHolder | None = None) -> Fa
     def index_info() -> dict:
         current = holder.current
         return {"index_version": current.version, "snapshot_step": current.snapshot_step,
-                "created_unix": current.created_unix, "documents": len(current.ids), "dim": current.dim,
+                "created_unix": current.created_unix, "documents": current.documents, "dim": current.dim,
                 "index_type": current.kind, "recall_at_10": current.recall_at_10,
                 "languages": holder.languages, "swaps": holder.swaps, "metric": "cosine",
                 "limits": {"max_k": settings.max_k, "max_query_chars": settings.max_query_chars,

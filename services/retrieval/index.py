@@ -115,6 +115,7 @@ class DocumentTable:
         self.row = (np.concatenate(rows) if rows else np.zeros(0, np.int32))[order]
         self.lang = (np.concatenate(lang_codes) if lang_codes else np.zeros(0, np.int16))[order]
         self.text = shard_text_cache(corpus, cache_mb)
+        self.corpus_root, self.shard_files = corpus.root, [info.file for info in corpus.shards]
 
     @property
     def nbytes(self) -> int:
@@ -131,6 +132,12 @@ class DocumentTable:
 
     def langs_of(self, doc_ids: np.ndarray) -> np.ndarray:
         return self.lang[self.positions(doc_ids)]
+
+    def tokens_of(self, doc_id: int) -> np.ndarray:
+        """A document's token ids, read from its shard (KeyError for an unknown id)."""
+        i = int(self.positions(np.array([doc_id]))[0])
+        column = pq.read_table(self.corpus_root / self.shard_files[int(self.shard[i])], columns=["tokens"]).column(0)
+        return np.asarray(column[int(self.row[i])].as_py(), dtype=np.int64)
 
     def describe(self, doc_id: int, snippet_chars: int) -> dict:
         i = int(self.positions(np.array([doc_id]))[0])
@@ -181,6 +188,10 @@ class LoadedIndex:
                 min(choice.recall_queries, len(self.ids)),
                 "; raise --hnsw-ef-search or use --index-type flat" if self.recall_at_10 < 0.9 else "")
         self._ef_search = choice.hnsw_ef_search
+
+    @property
+    def documents(self) -> int:
+        return len(self.ids)
 
     def _empty(self, dim: int, choice: IndexChoice) -> faiss.Index:
         if self.kind == "flat":
@@ -253,9 +264,11 @@ class IndexHolder:
     """The current LoadedIndex, replaced by newer committed versions as they appear."""
 
     def __init__(self, run_dir: Path, corpus_dir: Path, poll_s: float = 2.0, choice: IndexChoice = IndexChoice(),
-                 text_cache_mb: float = 64.0, verify_corpus: bool = False):
+                 text_cache_mb: float = 64.0, verify_corpus: bool = False, full_corpus: bool = False):
         self.run_dir = Path(run_dir)
         self.index_root = self.run_dir / INDEX
+        self.full_corpus = full_corpus
+        """Serve RUN/serving's newest build (services.retrieval.full_index) instead of the newest index version."""
         self.corpus_dir, self.text_cache_mb, self.verify_corpus = Path(corpus_dir), text_cache_mb, verify_corpus
         # opened by `start` (in the process that serves): an app built here and shipped to a Ray Serve replica
         # carries these settings, not the document table
@@ -285,6 +298,8 @@ class IndexHolder:
         """Load a newer committed version if there is one. True when a swap happened."""
         with self._lock:
             self.open_corpus()
+            if self.full_corpus:
+                return self._refresh_full_corpus()
             latest = latest_version(self.index_root)
             if latest is None:
                 if self.current is None:
@@ -298,8 +313,27 @@ class IndexHolder:
             self.current = loaded  # one reference assignment: requests see the old or the new, never a mix
             self.swaps += 1
             log.info("serving index v%d (snapshot step %d, %d documents, %s), loaded in %.2fs",
-                     loaded.version, loaded.snapshot_step, len(loaded.ids), loaded.kind, time.perf_counter() - started)
+                     loaded.version, loaded.snapshot_step, loaded.documents, loaded.kind, time.perf_counter() - started)
             return True
+
+    def _refresh_full_corpus(self) -> bool:
+        from services.retrieval.full_index import BUILDS, FullCorpusIndex, latest_build
+
+        path = latest_build(self.run_dir)
+        if path is None:
+            if self.current is None:
+                raise FileNotFoundError(f"{self.run_dir / 'serving'} has no serving index yet: build one with "
+                                        f"`marge index build --run {self.run_dir}`, or serve without --full-corpus")
+            return False
+        if self.current is not None and BUILDS.order(path.name) <= self.current.version:
+            return False
+        started = time.perf_counter()
+        self.current = FullCorpusIndex(path, self.run_dir, self.corpus, self.tokenizer, self.docs)
+        self.swaps += 1
+        log.info("serving the whole corpus: serving index b%d (snapshot step %d, %d documents, %s, recall@10 %.3f "
+                 "at build), loaded in %.2fs", self.current.version, self.current.snapshot_step, self.current.documents,
+                 self.current.kind, self.current.recall_at_10, time.perf_counter() - started)
+        return True
 
     def start(self) -> None:
         """Load the newest version and watch for newer ones (a second call does nothing)."""

@@ -24,6 +24,9 @@ class ServeSettings:
     hnsw_ef_search: int = 128
     text_cache_mb: float = 64.0
     """Memory for the text and page columns of recently read corpus shards (hits are described from them)."""
+    full_corpus: bool = False
+    """Serve the newest serving index of the whole corpus (`marge index build`, RUN/serving) instead of the
+    training run's newest index version."""
     verify_corpus: bool = False
     """Hash every corpus shard against its manifest at start (minutes at 100M documents); without it, each shard's
     document count is checked against the manifest as its ids are read."""
