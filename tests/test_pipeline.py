@@ -182,7 +182,7 @@ def test_bart_and_veco_pretrain_through_the_same_pipeline_without_an_index(ray_c
         f"run.name={objective}", f"run.dir={tmp_path / objective}", f"data.corpus={small_corpus}",
         "data.max_chunk_tokens=128", "model.max_positions=128", "batcher.max_tokens=400", f"redis.url={redis_server.url}",
         "run.progress_every_s=2", "run.max_steps=16", "trainer.checkpoint_every=8", "trainer.warmup_steps=2",
-        "trainer.lr=2e-3"])
+        "trainer.lr=2e-3", "health.external_probes=true"])  # the demo's held-out pages, not beside the corpus's input
     summary = run_pipeline(cfg)
 
     assert summary["steps"] == 16 and summary["objectives"] == [objective]

@@ -70,7 +70,7 @@ from marge.config import ConfigError
 from services.driver.config import PipelineConfig, config_drift, load_config, with_absolute_paths
 from experiments.learning.harness import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
 from services.driver.pipeline import ensure_corpus, final_g_health, with_probes
-from services.indexer.core import build_version, describe_build, index_shard
+from services.indexer.core import build_version, describe_build, index_shard, prune_unneeded_snapshots
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
@@ -337,6 +337,9 @@ class SingleProcessRun:
             snapshot = publish_snapshot(self.paths.snapshots, model, step, self.tokenizer.sha256)
             if self.plan.builds_at(step):
                 self.indexer.index_snapshot(snapshot, self.plan.newest_version_at(step))
+                if self.cfg.indexer.keep_snapshots:
+                    prune_unneeded_snapshots(self.paths, self.plan, checkpoint_root(self.cfg),
+                                             self.cfg.indexer.keep_snapshots)
         return health
 
     def checkpoint(self, model: Marge, optimizer, scheduler, step: int, state: dict, chunk_seconds: float) -> Path:

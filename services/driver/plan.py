@@ -76,9 +76,8 @@ OFFER_REDIS_CPU_US = 28.3
 (benchmarks/results/offer-scale-cpu-2core.json; the layout before it cost 24 us at 8 ranks and 665 us at 2,048)."""
 CHECKPOINT_BYTES_PER_PARAMETER = 12
 """A checkpoint's fp32 weights (4 bytes a parameter) and AdamW's two moments (8): model.safetensors and
-training_state.pt of a tiny run's checkpoint are 4.0 and 8.2 bytes a parameter."""
-INIT_BYTES_PER_PARAMETER = 4
-"""The run's init weights (fp32), which every rank reads before it loads a checkpoint."""
+training_state.pt of a tiny run's checkpoint are 4.0 and 8.2 bytes a parameter. A resuming rank reads it once
+(rank 0 twice: it verifies the checksums first), and not the init weights."""
 
 
 def message_bytes(max_tokens: int, mean_document_tokens: float) -> float:
@@ -166,7 +165,7 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
     accumulate = max(t.grad_accum, math.ceil(GPU_TARGET_TOKENS_PER_WORKER / max(target_tokens_per_batch, 1)))
     versions = 1 + cfg.run.max_steps // cfg.indexer.reindex_every
     parameters = count_parameters(build_on_meta(model_cfg))
-    restart_read = parameters * (CHECKPOINT_BYTES_PER_PARAMETER + INIT_BYTES_PER_PARAMETER)
+    restart_read = parameters * CHECKPOINT_BYTES_PER_PARAMETER
     needed = batches_per_update / seconds_per_update
     builders = min(BUILDER_BATCHES_PER_S * BATCH_BUILDERS, 1e6 / OFFER_REDIS_CPU_US)
     redis = redis_footprint(cfg, mean_document_tokens)
@@ -210,7 +209,7 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
         "parameters": parameters,
         "checkpoint_bytes": parameters * CHECKPOINT_BYTES_PER_PARAMETER,
         "restart_read_bytes_per_rank": restart_read,
-        "restart_read_bytes_all_ranks": restart_read * t.num_workers,
+        "restart_read_bytes_all_ranks": restart_read * (t.num_workers + 1),  # rank 0 verifies, then loads
     }
 
 
@@ -241,8 +240,8 @@ def describe(plan: dict, cfg: PipelineConfig) -> list[str]:
         f"({100 * plan['redis_cpu_share_offers']:.1f}% of a core at that rate): "
         + ("keeps up" if plan["builders_keep_up"] else
            f"does NOT keep up: the trainers wait for batches ({plan['batches_per_s_builders']:,.0f}/s)"),
-        f"a restart: every rank reads the init weights and the whole checkpoint ({plan['parameters'] / 1e6:,.0f}M "
-        f"parameters): {plan['restart_read_bytes_per_rank'] / 1e9:,.2f} GB a rank, "
+        f"a restart: every rank reads the whole checkpoint ({plan['parameters'] / 1e6:,.0f}M parameters): "
+        f"{plan['restart_read_bytes_per_rank'] / 1e9:,.2f} GB a rank (rank 0 twice: it verifies first), "
         f"{plan['restart_read_bytes_all_ranks'] / 1e9:,.1f} GB over the {cfg.trainer.num_workers} ranks",
     ]
     if plan["shard_sampling"] is not None:

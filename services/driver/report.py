@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from marge.refresh import read_builds, refresh_cost
+from marge.refresh import RefreshCost, read_builds
 from marge.paths import INDEX, SNAPSHOTS
 from marge.progress import track
-from marge.train_log import read_train_log
+from marge.train_log import TrainLog
 
 log = logging.getLogger(__name__)
 
@@ -165,10 +165,14 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
     langs, shares = link_matrix(t_langs, e_langs, corpus.languages)
     files = {k: str(v) for k, v in write_link_matrix(langs, shares, out_dir, f"retrieved links by language: {source}").items()}
 
-    log_records = read_train_log(run_dir)
-    steps = [r.step for r in log_records]
-    losses = [r.loss for r in log_records]
-    betas = [float(np.mean(r.beta)) if r.beta else None for r in log_records]  # a VECO model has no beta
+    builds = read_builds(run_dir)
+    cost = RefreshCost(builds)
+    steps, losses, betas = [], [], []  # three numbers an update, the records themselves streamed past
+    for record in TrainLog.of_run(run_dir).iter_records():
+        cost.add(record)
+        steps.append(record.step)
+        losses.append(record.loss)
+        betas.append(float(np.mean(record.beta)) if record.beta else None)  # a VECO model has no beta
     pairs_path = pairs or cfg.data.heldout_pairs or corpus.heldout_file("pairs")  # the corpus's own held-out split
     curve = snapshot_curve(run_dir, Path(pairs_path), Path(cfg.data.corpus), max_snapshots) if pairs_path else []
     panels = [
@@ -180,8 +184,7 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
          "series": [{"label": "snapshot g", "x": [c["step"] for c in curve], "y": [c["p_at_1_mean"] for c in curve],
                      "style": "o-"}]},
     ]
-    builds = read_builds(run_dir)
-    refresh = refresh_cost(builds, log_records)
+    refresh = cost.result()
     versions = refresh["per_version"]
     link_precision = [{"version": b["version"], "same_page": b.get("crosslingual_link_precision"),
                        "aligned": b.get("crosslingual_parallel_precision"), "link_sources": b.get("link_sources")}

@@ -34,7 +34,7 @@ from marge.protocol import VersionPlan
 from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
 from marge.utils import atomic_write_text, setup_logging
 from services.indexer.config import IndexerConfig
-from services.indexer.core import build_version, describe_build, index_shard
+from services.indexer.core import build_version, describe_build, index_shard, prune_unneeded_snapshots
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,10 @@ class IndexCoordinator:
         with self._pool_lock:
             self.version, self.indexed_step, self.building = max(self.version, version), snapshot_step, None
         self.floor = max(self.floor, self._oldest_kept(self.version))
+        pruned = (prune_unneeded_snapshots(self.paths, self.plan, self.paths.checkpoints, self.cfg.keep_snapshots)
+                  if self.cfg.keep_snapshots else [])
+        if pruned:
+            log.info("snapshots no longer needed, deleted: steps %s", pruned)
         self.history.append(record)
         m = self.metrics
         m.set("marge_index_version", version)

@@ -57,6 +57,11 @@ class IndexerConfig:
     `links_crosslingual` cross-lingual slots filled with the aligned translations first, then random
     cross-lingual documents of the shard; the random ones are drawn again at every rebuild."""
     keep_versions: int = 3
+    keep_snapshots: int = 0
+    """0: every snapshot stays (`marge report` draws g's P@1 over them). N > 0: after each index version, the
+    snapshots the run no longer needs are deleted, keeping step 0 (which g's verdict compares with), those the kept
+    index versions were built from, every one from the index version the oldest kept checkpoint resumes with on,
+    and the newest N (a 963M model's g is 1.2 GB a snapshot: 54 GB over the paper's first phase otherwise)."""
     """Committed index versions kept on disk (the newest always)."""
     use_gpu: bool = False
     """Embed (and search, with faiss-gpu) on a GPU; the run is refused where the cluster has none."""
@@ -106,6 +111,7 @@ class IndexerConfig:
 
     def __post_init__(self) -> None:
         at_least(self, "keep_versions", 2)  # the version being trained on and the next one
+        at_least(self, "keep_snapshots", 0)
         positive(self, "num_workers", "reindex_every", "batch_tokens", "candidates_per_language",
                  "num_cpus_per_worker")
         at_least(self, "shards_per_refresh", 0)

@@ -369,6 +369,24 @@ def index_build_record(committed, entries: list[dict], started_unix: float) -> d
             "lexical_weight": max((e.get("lexical_weight", 0.0) for e in entries), default=0.0)}
 
 
+def prune_unneeded_snapshots(paths, plan, checkpoints: Path, keep_last: int) -> list[int]:
+    """Delete the snapshots no one will read again (`indexer.keep_snapshots`): kept are step 0 (the initial g the
+    run's verdict compares with), those of the index versions on disk (the service encodes queries with a version's
+    own snapshot), every one from the snapshot of the index version the oldest kept checkpoint resumes with on (a
+    resume rebuilds the versions it needs from them), and the newest `keep_last`. Returns the steps deleted."""
+    from marge.checkpoint import checkpoint_order, complete_checkpoints
+    from marge.index_store import VERSIONS, read_version
+    from marge.snapshot import SNAPSHOTS, prune_snapshots
+
+    kept_checkpoints = complete_checkpoints(checkpoints)
+    resume_from = checkpoint_order(kept_checkpoints[0])[0] if kept_checkpoints else 0
+    needed_from = plan.snapshot_step(plan.version_for_step(resume_from))
+    keep = {0} | {read_version(p).snapshot_step for p in VERSIONS.versions(paths.index)}
+    keep |= {SNAPSHOTS.order(p.name) for p in SNAPSHOTS.versions(paths.snapshots)
+             if SNAPSHOTS.order(p.name) >= needed_from}
+    return prune_snapshots(paths.snapshots, keep, keep_last)
+
+
 def build_version(root: Path, run_dir: Path, version: int, snapshot_step: int, num_shards: int, cfg: IndexerConfig,
                   index_shards, workers: int = 1, extra: dict | None = None, seed: int = 0):
     """Build index version `version` from the snapshot of `snapshot_step`, the one way both hosts do it: the shards

@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from marge.checkpoint import load_model_weights, rng_state, set_rng_state
+from marge.checkpoint import complete_checkpoints, load_model_shell, load_model_weights, rng_state, set_rng_state
 from marge.corpus import Corpus
 from marge.metrics import StageMetrics
 from marge.protocol import Delivery, Slots
@@ -150,12 +150,13 @@ class Rank:
             trace_collectives(job.faults.trace_collectives, self.rank, self.device)
         corpus = Corpus.open(job.paths.corpus, verify_checksums=False)
         self.corpus_root, self.tokenizer = corpus.root, corpus.tokenizer()
-        self.model = apply_objective_settings(
-            apply_execution_settings(load_model_weights(job.paths.init_weights).to(self.device), t), job.objectives)
-        self.optimizer = build_optimizer(self.model, t)
-        self.scheduler = build_scheduler(self.optimizer, t, job.max_steps)
+        # a rank that resumes reads the checkpoint, not the init weights as well (at 963M parameters, 3.9 GB a rank)
+        resumable = bool(ray.train.get_checkpoint() or job.resume_from or complete_checkpoints(job.paths.checkpoints))
+        self.model, self.optimizer, self.scheduler = self.training_state(job, from_init_weights=not resumable)
         resumed = resume(self.model, self.optimizer, self.scheduler, self.device, self.rank, job.resume_from,
                          job.paths.checkpoints)
+        if resumable and resumed.step == 0:  # no checkpoint could be read after all: start from the init weights
+            self.model, self.optimizer, self.scheduler = self.training_state(job, from_init_weights=True)
         self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
         if self.step:
             log.info("rank %d resumed at update %d", self.rank, self.step)
@@ -207,6 +208,15 @@ class Rank:
                                  UpdateMeter(self.model.cfg, device_peak_flops(self.device)))
         if resumed.rng is not None:  # last: a resumed rank draws what the uninterrupted run would have drawn
             set_rng_state(resumed.rng)
+
+    def training_state(self, job: TrainerJob, from_init_weights: bool):
+        """(model, optimizer, scheduler) on this rank's device: the run's init weights, or only their model's shape
+        (`load_model_shell`) for a checkpoint to be loaded over."""
+        t = job.trainer
+        base = (load_model_weights if from_init_weights else load_model_shell)(job.paths.init_weights)
+        model = apply_objective_settings(apply_execution_settings(base.to(self.device), t), job.objectives)
+        optimizer = build_optimizer(model, t)
+        return model, optimizer, build_scheduler(optimizer, t, job.max_steps)
 
     def run(self) -> None:
         try:

@@ -210,6 +210,12 @@ def save_model_weights(path: Path, model: nn.Module) -> None:
 
 def load_model_weights(path: Path) -> nn.Module:
     path = Path(path)
-    model = build_model(config_from_saved(json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))))
+    model = load_model_shell(path)
     model.load_state_dict(load_file(str(path), device="cpu"))
     return model
+
+
+def load_model_shell(path: Path) -> nn.Module:
+    """The model `path` (a `model.safetensors` beside its `model.json`) holds, built from its config with freshly
+    initialised weights and without reading the weights file: for a rank that loads a checkpoint over it."""
+    return build_model(config_from_saved(json.loads(Path(path).with_suffix(".json").read_text(encoding="utf-8"))))

@@ -87,6 +87,19 @@ def latest_snapshot(root: Path) -> SnapshotInfo | None:
     return None if path is None else read_snapshot(path, verify=False)
 
 
+def prune_snapshots(root: Path, keep_steps: set[int], keep_last: int) -> list[int]:
+    """Delete the committed snapshots that are neither in `keep_steps` nor among the newest `keep_last` (nor the one
+    LATEST names). Returns the steps deleted."""
+    committed = SNAPSHOTS.versions(root)
+    newest = {_step_of(p.name) for p in committed[-keep_last:]} if keep_last > 0 else set()
+    pointed = SNAPSHOTS.latest(root)
+    doomed = [p for p in committed if _step_of(p.name) not in keep_steps | newest
+              and (pointed is None or p.name != pointed.name)]
+    for path in doomed:
+        artifacts.remove(path, ignore_errors=True)  # a reader still holding it may keep its files busy
+    return [_step_of(p.name) for p in doomed]
+
+
 def drop_snapshots_after(root: Path, step: int) -> list[int]:
     """Delete snapshots of updates after `step` (a resumed run's discarded lineage) and point LATEST at the newest
     one left. Returns the steps deleted."""
