@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run the `marge` command from this checkout without installing it.
 
-For a machine where nothing can be installed (a lent GPU machine with torch but no registry). Import paths
+For a machine where nothing can be installed (a GPU machine with torch and no package index to install from). Import paths
 match folders: the library `marge` is shared/marge, the stages are services/<stage> (`services.indexer`,
 ...), the command line services/cli and the demo-data programs tools/, so putting shared/ and the checkout itself
 on the import path is all an install would do.

@@ -18,7 +18,7 @@ and the differences one process implies, each on purpose:
   training and its batches lag by up to a queue's depth, here the first batch after a rebuild comes from it.
 
 It needs torch, numpy, pyarrow, sentencepiece, safetensors, PyYAML, scikit-learn and matplotlib, and no Ray,
-Redis, FAISS or FastAPI, so it runs on a GPU machine that can install nothing (`scripts/marge_from_tree.py`
+Redis, FAISS or FastAPI, so it runs on a GPU machine where only torch is installed (`scripts/marge_from_tree.py`
 runs the CLI from a checkout without installing it).
 
 A run folder is resumable: `--resume` continues it for `--minutes` more of training from its newest

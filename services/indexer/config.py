@@ -78,7 +78,8 @@ class IndexerConfig:
     embeds and links a sample of this many shards, drawn from the run's seed and v, and holds only those, so the
     batcher trains v's updates on them alone and every link a batch uses comes from the snapshot v was built from.
     A refresh then costs k shards whatever the corpus size. 0: every shard, every version. `marge serve` answers
-    from the newest version, that is from its k shards: serve a full index (`marge report --checkpoint`) instead."""
+    from the newest version, that is from its k shards: `marge index build` and `marge serve --full-corpus` serve
+    every document instead."""
     shard_sampling: str = "independent"
     """How `shards_per_version` draws its samples: 'independent' (each version its own draw from every shard; over
     V versions a share (1 - k/N)^V of the N shards is never drawn: about 31% at the paper's 128 of 5,000 over its

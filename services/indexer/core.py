@@ -78,7 +78,7 @@ def nearest_neighbours(database: np.ndarray, queries: np.ndarray, k: int, backen
     """Exact top-k inner products of every query against `database` (scores, row indices into `database`).
 
     'faiss' is the pipeline's search (IndexFlatIP). 'torch' is the same exact search as one matrix product
-    and `topk` on `device`, for a single process with no FAISS (a GPU machine that cannot install it): both
+    and `topk` on `device`, for a single process without FAISS (a machine where only torch is installed): both
     return the k largest inner products; rows tied on score may come in another order.
     """
     if backend == "faiss":
