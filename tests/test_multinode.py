@@ -361,7 +361,7 @@ def test_a_lost_trainer_node_is_replaced_and_the_run_resumes_with_nothing_lost(c
     fault_at = time.time()
     victims = c.net.kill(c.trainer_node, signal.SIGKILL)  # the node's raylet, its agents and both trainer ranks
     assert victims
-    time.sleep(5)
+    time.sleep(DOWN_S)
     c.start_worker(c.trainer_node, TRAINER_NODE, cpus=2)  # a replacement node at the same address
     wait_for(lambda: (steps := trained_steps(run_dir)) and max(steps) > before and steps, 600,
              "training went on after the node was lost")
@@ -383,6 +383,9 @@ def trainer_actor_ids(c: NamespacedCluster) -> set[str]:
     return set(json.loads(out.strip().splitlines()[-1]))
 
 
+DOWN_S = 5
+"""How long a lost node (or the queue's Redis) stays down before its replacement starts: the fault's length,
+not a wait for something to happen (what follows waits on conditions)."""
 SHORT_CUT_S, LONG_CUT_S = 3, 35
 """A cut the GCS cannot notice (at most 2 failed checks of 5) and one it must (10 to 20 s: HEALTH_CHECKS)."""
 
@@ -459,7 +462,7 @@ def test_the_indexer_node_lost_during_an_index_build_loses_nothing(cluster, smal
     before = max(trained_steps(run_dir) or [0])
     fault_at = time.time()
     assert c.net.kill(node, signal.SIGKILL)
-    time.sleep(5)
+    time.sleep(DOWN_S)
     c.start_worker(node, {"marge_indexer": 1}, cpus=1)
     version, shard = interrupted["version"], interrupted["shard"]
     redone = wait_for(lambda: [r for r in shard_records(run_dir) if (r["version"], r["shard"], r["event"]) ==
@@ -483,7 +486,7 @@ def test_the_queue_redis_restarted_mid_run_loses_nothing(cluster, small_corpus, 
     try:
         c.redis_process.kill()  # SIGKILL; `ip netns exec` ran redis-server in its own place (exec)
         c.redis_process.wait(timeout=10)
-        time.sleep(5)
+        time.sleep(DOWN_S)
     finally:
         c.start_redis()  # also when the test fails here: the next tests need it
     wait_for(lambda: max(trained_steps(run_dir)) > before + 2, 600, "training went on after Redis came back")
@@ -505,7 +508,7 @@ def test_ranks_on_two_nodes_lose_one_node_and_the_run_resumes_with_nothing_lost(
             [c.trainer_node.address, c.second_trainer_node.address])
         fault_at = time.time()
         assert c.net.kill(c.second_trainer_node, signal.SIGKILL)
-        time.sleep(5)
+        time.sleep(DOWN_S)
         c.start_worker(c.second_trainer_node, {"marge_trainer_split": 1}, cpus=2)
         wait_for(lambda: max(trained_steps(run_dir)) > before, 600, "training went on after the node was lost")
         ends_as_uninterrupted(c, job, run_dir, fault_at, {

@@ -191,16 +191,29 @@ def test_the_batcher_waits_for_the_slowest_rank_and_drops_nothing(redis_server):
             q.put(n, make_batch(n), lookahead_steps=2, poll_s=0.01)
             written.append(n)
 
+    looks = []  # the producer's reads of the slowest rank: "it saw the change and still waits" is a count, not a time
+    slowest = q.slowest_progress
+    q.slowest_progress = lambda: looks.append(1) or slowest()
+
+    def waits_at(expected: list[int]) -> None:
+        """`written` reaches `expected` and stays there while the producer reads the ranks' progress 3 more times."""
+        deadline = time.time() + 10
+        while written != expected:
+            assert time.time() < deadline and len(written) <= len(expected), (written, expected)
+            time.sleep(0.01)
+        seen = len(looks)
+        while len(looks) < seen + 3:
+            assert time.time() < deadline, "the producer stopped reading the ranks' progress"
+            time.sleep(0.01)
+        assert written == expected
+
     thread = threading.Thread(target=produce)
     thread.start()
-    time.sleep(0.3)
-    assert written == [0, 1, 2, 3]  # updates 0 and 1 written; update 2 waits for both ranks to pass update 0
+    waits_at([0, 1, 2, 3])  # updates 0 and 1 written; update 2 waits for both ranks to pass update 0
     q.progress(0, 1)
-    time.sleep(0.2)
-    assert written == [0, 1, 2, 3]  # rank 1 is still at update 0
+    waits_at([0, 1, 2, 3])  # rank 1 is still at update 0
     q.progress(1, 1)
-    time.sleep(0.2)
-    assert written == [0, 1, 2, 3, 4, 5]
+    waits_at([0, 1, 2, 3, 4, 5])
     q.progress(0, 3)
     q.progress(1, 3)
     thread.join(timeout=5)
@@ -380,6 +393,7 @@ def test_a_killed_redis_is_restarted_on_its_port_and_clients_carry_on(tmp_path):
         reader = threading.Thread(target=lambda: result.setdefault("batch", q.get(2, block_ms=10)))
         reader.start()  # retries while the server is down
         time.sleep(0.3)
+        assert reader.is_alive() and not result  # still retrying: nothing to read until the server is back
         server.restart()
         reader.join(timeout=30)
         assert server.url == url and server.pid != pid and server.alive()

@@ -42,8 +42,11 @@ def test_a_sigterm_during_start_up_leaves_no_process_behind(small_corpus, tmp_pa
     cut-short start left running for a minute."""
     before = ray_and_redis_processes()  # the test session's own cluster keeps running: not this run's
     run_dir = tmp_path / "run"
+    # "importing": python's own report of each import (-X importtime) says when the CLI is half-way through its
+    # imports, whatever the machine's speed
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "pretrain", "--config", str(REPO / "deploy/configs/tiny.yaml"),
+        [sys.executable, *(["-X", "importtime"] if when == "importing" else []), "-m", "services.cli", "pretrain",
+         "--config", str(REPO / "deploy/configs/tiny.yaml"),
          f"run.dir={run_dir}", "run.name=sigterm", f"data.corpus={small_corpus}", "data.max_chunk_tokens=128",
          "model.max_positions=128", "batcher.max_tokens=400", "health.aligned_probe_size=8", "run.progress_every_s=1",
          "run.max_steps=1000"],
@@ -51,7 +54,11 @@ def test_a_sigterm_during_start_up_leaves_no_process_behind(small_corpus, tmp_pa
     seen = []
     try:
         if when == "importing":
-            time.sleep(1.0)
+            for line in proc.stdout:  # the first module of the command line imported, the rest still to come
+                seen.append(line)
+                if line.startswith("import time:") and "services.cli." in line:
+                    break
+            assert proc.poll() is None, "".join(seen[-40:])
         else:
             deadline = time.time() + 240
             for line in proc.stdout:
