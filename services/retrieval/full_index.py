@@ -37,6 +37,7 @@ import torch
 from marge import artifacts
 from marge.batch import as_encoder_input, max_text_tokens
 from marge.corpus import Corpus
+from marge.embedding import embed_documents
 from marge.model import pad_rows
 from marge.progress import track
 from marge.snapshot import SnapshotInfo, load_relevance_encoder
@@ -105,8 +106,6 @@ def factory_string(dim: int, nlist: int, codec: str) -> str:
 
 
 def _embed_shard(corpus: Corpus, shard: int, encoder, specials, opts: BuildOptions) -> tuple[np.ndarray, np.ndarray]:
-    from services.indexer.core import embed_documents
-
     docs = corpus.read_shard(shard)
     return docs.doc_ids.astype(np.int64), embed_documents(encoder, list(docs.tokens), specials, opts.batch_tokens,
                                                          opts.device)
