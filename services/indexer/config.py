@@ -57,12 +57,12 @@ class IndexerConfig:
     `links_crosslingual` cross-lingual slots filled with the aligned translations first, then random
     cross-lingual documents of the shard; the random ones are drawn again at every rebuild."""
     keep_versions: int = 3
+    """Committed index versions kept on disk (the newest always)."""
     keep_snapshots: int = 0
     """0: every snapshot stays (`marge report` draws g's P@1 over them). N > 0: after each index version, the
     snapshots the run no longer needs are deleted, keeping step 0 (which g's verdict compares with), those the kept
     index versions were built from, every one from the index version the oldest kept checkpoint resumes with on,
     and the newest N (a 963M model's g is 1.2 GB a snapshot: 54 GB over the paper's first phase otherwise)."""
-    """Committed index versions kept on disk (the newest always)."""
     use_gpu: bool = False
     """Embed (and search, with faiss-gpu) on a GPU; the run is refused where the cluster has none."""
     bf16: bool = False
