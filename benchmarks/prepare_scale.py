@@ -1,5 +1,5 @@
-"""`marge prepare` at 1x, 4x, 16x and 64x the demo corpus: peak memory and documents per second, on Ray Data against the
-single-process engine.
+"""`marge prepare` at 1x, 4x, 16x and 64x the demo corpus: peak memory, documents per second and the Ray engine's
+intermediate files, on Ray Data against the single-process engine and against the Ray engine of an earlier commit.
 
 The inputs are the demo's raw documents (data/demo/libreoffice-help/documents.jsonl.gz) and replicas of them in the
 same format: replica r shuffles the words of every paragraph (the characters of a paragraph without spaces, as in
@@ -14,17 +14,26 @@ sampled every 0.2 s. Measured:
   * the Ray Data engine (`--engine ray`) with 2 workers at every size, and with 1 worker at `--one-worker-sizes`;
   * where the Ray engine's time went, stage by stage (the manifest's `engine.stage_seconds`);
   * documents per second: documents read over the process's wall time (start-up included: a local Ray's start is
-    part of what a user waits for).
+    part of what a user waits for);
+  * the Ray engine's intermediate files: the files under each folder of its work folder (`.<out>.work/`, on the
+    filesystem `--out` is on), counted with the memory while it runs (a stage's folder only grows until the work
+    folder is removed at the end; a folder that lives less than 0.2 s, at 1x, can be missed), with the partitions
+    each stage writes (the manifest's `engine`);
+  * with `--before REF`: the same Ray runs with the code of git commit REF (its shared/ and services/, extracted
+    into a temporary folder), one after the other on the same input: the engine before a change, against after.
 
 The tokenizer's sample is capped (`--tokenizer-sample-lines`, the same for both engines) below the 1x corpus's lines,
 so that what the tokenizer holds is fixed as the corpus grows, as it is at the default cap on a corpus past 2M lines.
 
     python benchmarks/prepare_scale.py --out benchmarks/results/prepare-scale-cpu-2core.json
+    python benchmarks/prepare_scale.py --before 183e6e0 --local-sizes "" --one-worker-sizes "" \
+        --previous benchmarks/results/prepare-scale-cpu-2core.json --out benchmarks/results/prepare-scale-cpu-2core.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -90,18 +99,52 @@ def tree_pss(root: psutil.Process) -> dict[str, int]:
     return out
 
 
-def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_lines: int, work: Path) -> dict:
+FOLDER_STAGES = {
+    "documents": "read and check: documents by partition",
+    "clean": "de-duplicate documents: training documents",
+    "heldout": "de-duplicate documents: held-out documents",
+    "chunks": "tokenize and chunk: chunks by partition",
+    "chunks-clean": "de-duplicate chunks: chunks",
+    "by-shard": "route to shards: chunks by shard group",
+}
+"""The folders of the Ray engine's work folder (before and after the shuffles replaced the per-block partitioned
+writes: the engine now writes only clean, heldout and chunks-clean), and the stage that writes each."""
+
+
+def files_under(folder: Path) -> int:
+    count = 0
+    try:
+        for entry in os.scandir(folder):
+            count += files_under(Path(entry.path)) if entry.is_dir(follow_symlinks=False) else 1
+    except FileNotFoundError:  # removed while counted
+        pass
+    return count
+
+
+def source_tree(ref: str, into: Path) -> Path:
+    """The code that `marge prepare` runs (shared/, services/) at git commit `ref`, extracted into `into`."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", ref, "shared", "services"], cwd=REPO, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_lines: int, work: Path,
+            code: Path = REPO) -> dict:
     out = work / f"out-{engine}-{workers}"
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "services.cli", "prepare", str(raw), "--out", str(out), "--vocab-size", "8000",
            "--tokenizer-sample-lines", str(sample_lines), "--engine", engine, "--skip-bad-documents"]
     if workers:
         cmd += ["--workers", str(workers)]
-    env = {**os.environ, "MARGE_PROGRESS": "0", "PYTHONPATH": f"{REPO}:{REPO / 'shared'}"}
+    env = {**os.environ, "MARGE_PROGRESS": "0", "PYTHONPATH": f"{code}:{code / 'shared'}"}
     started = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     peak = {"total": 0, "driver": 0, "at_peak": {}}
+    files: dict[str, int] = {}
+    work_folder = out.parent / f".{out.name}.work"
     done = threading.Event()
 
     def sample() -> None:
@@ -115,6 +158,9 @@ def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_
             if total > peak["total"]:
                 peak["total"], peak["at_peak"] = total, by_name
             peak["driver"] = max(peak["driver"], by_name.get("driver", 0))
+            with contextlib.suppress(FileNotFoundError):  # the work folder comes and goes
+                for folder in (f for f in work_folder.iterdir() if f.is_dir()):
+                    files[folder.name] = max(files.get(folder.name, 0), files_under(folder))
             time.sleep(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -128,6 +174,8 @@ def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_
     summary = json.loads(stdout.strip().splitlines()[-1])
     manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
     shutil.rmtree(out)
+    partitions = {k: manifest["engine"][k] for k in ("document_partitions", "chunk_partitions", "shard_groups")
+                  if k in manifest["engine"]}
     return {"engine": engine, "workers": workers, "documents_read": manifest["stats"]["documents_read"],
             "documents_skipped_bad": manifest["stats"].get("documents_skipped_bad", 0),
             "chunks_written": summary["num_documents"], "shards": summary["num_shards"], "wall_s": round(wall, 1),
@@ -135,7 +183,17 @@ def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_
             "peak_pss_mib": round(peak["total"] / 2**20, 1), "peak_driver_pss_mib": round(peak["driver"] / 2**20, 1),
             "pss_at_peak_mib": {name: round(b / 2**20, 1) for name, b in sorted(peak["at_peak"].items(),
                                                                               key=lambda kv: -kv[1])},
-            "input_documents": documents, "stage_seconds": manifest["engine"].get("stage_seconds")}
+            "input_documents": documents, "stage_seconds": manifest["engine"].get("stage_seconds"),
+            **({"partitions": partitions, "intermediate_files": dict(sorted(files.items())),
+                "intermediate_files_total": sum(files.values())} if engine == "ray" else {})}
+
+
+def files_per_partition(row: dict) -> dict[str, float]:
+    """Each work folder's files over the partitions of the stage that writes it (`FOLDER_STAGES`)."""
+    per = {"documents": "document_partitions", "clean": "document_partitions", "heldout": "document_partitions",
+           "chunks": "chunk_partitions", "chunks-clean": "chunk_partitions", "by-shard": "shard_groups"}
+    return {folder: round(n / row["partitions"][per[folder]], 2) for folder, n in row["intermediate_files"].items()
+            if folder in per}
 
 
 def main() -> int:
@@ -145,43 +203,65 @@ def main() -> int:
     parser.add_argument("--one-worker-sizes", default="4,16", help="sizes the Ray engine also runs at with 1 worker")
     parser.add_argument("--tokenizer-sample-lines", type=int, default=40_000,
                         help="the tokenizer's sample cap for both engines (the 1x corpus has about 75k lines)")
+    parser.add_argument("--before", metavar="REF", default=None,
+                        help="also run the Ray engine (2 workers) of git commit REF at every size, before this one's")
+    parser.add_argument("--previous", type=Path, default=None,
+                        help="a results file of an earlier run, kept in this one's under `previous_run`")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     one_worker = {int(s) for s in args.one_worker_sizes.split(",") if s}
     local = {int(s) for s in args.local_sizes.split(",") if s}
+    previous = json.loads(args.previous.read_text(encoding="utf-8")) if args.previous else None
     work = Path(tempfile.mkdtemp(prefix="marge-prepare-scale-"))
+    before = source_tree(args.before, work / "before") if args.before else None
     rows = []
     try:
         for times in sizes:
             raw, documents = replicated_input(work, times)
-            runs = ([("local", None)] if times in local else []) + [("ray", 2)] + (
-                [("ray", 1)] if times in one_worker else [])
-            for engine, workers in runs:
-                row = {"size": f"{times}x", "input_mib": round(raw.stat().st_size / 2**20, 2),
-                       **measure(raw, documents, engine, workers, args.tokenizer_sample_lines, work)}
+            runs = ([("local", None, "current")] if times in local else []) + (
+                [("ray", 2, "before")] if before else []) + [("ray", 2, "current")] + (
+                [("ray", 1, "current")] if times in one_worker else [])
+            for engine, workers, code in runs:
+                row = {"size": f"{times}x", "input_mib": round(raw.stat().st_size / 2**20, 2), "code": code,
+                       **measure(raw, documents, engine, workers, args.tokenizer_sample_lines, work,
+                                 before if code == "before" else REPO)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             raw.unlink()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    def peak(engine: str, workers: int | None, size: int) -> float | None:
+    def peak(engine: str, workers: int | None, size: int, code: str = "current") -> float | None:
         return next((r["peak_pss_mib"] for r in rows if r["engine"] == engine and r["workers"] == workers
-                     and r["size"] == f"{size}x"), None)
+                     and r["size"] == f"{size}x" and r["code"] == code), None)
 
     growth = {f"{engine}{'' if workers is None else f'-{workers}'}": {
         f"{lo}x_to_{hi}x": round(peak(engine, workers, hi) / peak(engine, workers, lo), 2)
         for lo in sizes for hi in sizes if lo < hi and peak(engine, workers, lo) and peak(engine, workers, hi)}
         for engine, workers in (("local", None), ("ray", 2))}
     speed = {r["size"]: r["documents_per_s"] for r in rows if r["engine"] == "ray" and r["workers"] == 1}
-    two = {r["size"]: r["documents_per_s"] for r in rows if r["engine"] == "ray" and r["workers"] == 2}
+    two = {r["size"]: r["documents_per_s"] for r in rows if r["engine"] == "ray" and r["workers"] == 2
+           and r["code"] == "current"}
     result = {"machine": f"{os.cpu_count()}-core CPU", "python": platform.python_version(),
               "command": "python benchmarks/prepare_scale.py " + " ".join(sys.argv[1:]),
-              "tokenizer_sample_lines": args.tokenizer_sample_lines, "runs": rows,
+              "tokenizer_sample_lines": args.tokenizer_sample_lines,
+              "before": ({"ref": args.before, "commit": subprocess.run(
+                  ["git", "rev-parse", args.before], cwd=REPO, capture_output=True, text=True).stdout.strip()}
+                  if args.before else None),
+              "folder_stages": FOLDER_STAGES, "runs": rows,
+              "intermediate_files": {r["size"]: {**{r2["code"]: {
+                  "files": r2["intermediate_files"], "total": r2["intermediate_files_total"],
+                  "partitions": r2["partitions"], "files_per_partition": files_per_partition(r2),
+                  "peak_driver_pss_mib": r2["peak_driver_pss_mib"], "peak_pss_mib": r2["peak_pss_mib"],
+                  "wall_s": r2["wall_s"]}
+                  for r2 in rows if r2["size"] == r["size"] and r2["engine"] == "ray" and r2["workers"] == 2}}
+                  for r in rows if r["engine"] == "ray"},
               "peak_growth": growth,
               "two_workers_over_one": {size: round(two[size] / speed[size], 2) for size in speed if size in two}}
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    if previous is not None:
+        result["previous_run"] = previous
+    print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "previous_run")}, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return 0

@@ -29,8 +29,8 @@ partition, never one per block (`engine.intermediate_files` in the manifest coun
 
 What comes back to the driver is small: per partition its file, its counts, its first rejected lines and its tokenizer
 sample; the held-out documents come through one Ray Data read. What a task holds is one partition (`partition_bytes`),
-one block of lines, or the tokenizer sample: the peak memory does not grow with the corpus (measured in
-`benchmarks/prepare_scale.py`). The documents and their tokens are the single-process engine's
+one block of lines, a shuffle's map batch (SHUFFLE_MAP_BYTES) or the tokenizer sample: the peak memory does not grow
+with the corpus (measured in `benchmarks/prepare_scale.py`). The documents and their tokens are the single-process engine's
 (tests/test_prepare_ray.py); the shards they are in, and so the doc ids, differ.
 """
 
