@@ -32,13 +32,10 @@ from pathlib import Path
 
 import faiss
 import numpy as np
-import torch
 
 from marge import artifacts
-from marge.batch import as_encoder_input, max_text_tokens
 from marge.corpus import Corpus
 from marge.embedding import embed_documents
-from marge.model import pad_rows
 from marge.progress import track
 from marge.snapshot import SnapshotInfo, load_relevance_encoder
 from marge.utils import sha256_file
@@ -245,23 +242,21 @@ class FullCorpusIndex:
                 self.by_lang[name] = faiss.IDSelectorBitmap(bits, faiss.swig_ptr(bitmap))
             del ids, codes
 
-    @torch.no_grad()
     def embed(self, text: str) -> np.ndarray:
-        ids = self.tokenizer.encode(text)[: max_text_tokens(self.encoder.cfg.max_positions)]
-        tokens = pad_rows([as_encoder_input(ids, self.tokenizer.specials)], self.tokenizer.specials.pad_id)
-        return self.encoder.unit_vectors(tokens)[0].numpy()
+        from services.retrieval.index import unit_vector
 
-    @torch.no_grad()
+        return unit_vector(self.encoder, self.tokenizer, self.tokenizer.encode(text))
+
     def vector_of(self, doc_id: int) -> np.ndarray | None:
+        from services.retrieval.index import unit_vector
+
         if self.docs is None:
             return None
         try:
             tokens = self.docs.tokens_of(int(doc_id))
         except KeyError:  # not in the corpus
             return None
-        rows = pad_rows([as_encoder_input(tokens[: max_text_tokens(self.encoder.cfg.max_positions)],
-                                          self.tokenizer.specials)], self.tokenizer.specials.pad_id)
-        return self.encoder.unit_vectors(rows)[0].numpy()
+        return unit_vector(self.encoder, self.tokenizer, tokens.tolist())
 
     def search(self, vector: np.ndarray, k: int, lang: str | None = None,
                exclude: int | None = None) -> list[tuple[int, float]]:

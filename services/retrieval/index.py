@@ -147,6 +147,14 @@ class DocumentTable:
                 "text": text if len(text) <= snippet_chars else text[:snippet_chars] + "…"}
 
 
+@torch.no_grad()
+def unit_vector(encoder, tokenizer, token_ids) -> np.ndarray:
+    """One text's g as the indexer stores documents and the service searches them (cut to the encoder's length)."""
+    ids = list(token_ids)[: max_text_tokens(encoder.cfg.max_positions)]
+    rows = pad_rows([as_encoder_input(ids, tokenizer.specials)], tokenizer.specials.pad_id)
+    return encoder.unit_vectors(rows)[0].numpy()
+
+
 class LoadedIndex:
     def __init__(self, version: IndexVersion, run_dir: Path, corpus: Corpus, tokenizer, docs: DocumentTable | None = None,
                  choice: IndexChoice = IndexChoice()):
@@ -228,11 +236,8 @@ class LoadedIndex:
         _, found = self.index.search(q, k)
         return float(np.mean([len(set(a[a >= 0]) & set(b[b >= 0])) / k for a, b in zip(found, best_ids)]))
 
-    @torch.no_grad()
     def embed(self, text: str) -> np.ndarray:
-        ids = self.tokenizer.encode(text)[: max_text_tokens(self.encoder.cfg.max_positions)]
-        tokens = pad_rows([as_encoder_input(ids, self.tokenizer.specials)], self.tokenizer.specials.pad_id)
-        return self.encoder.unit_vectors(tokens)[0].numpy()  # as the indexer stored the documents
+        return unit_vector(self.encoder, self.tokenizer, self.tokenizer.encode(text))
 
     def vector_of(self, doc_id: int) -> np.ndarray | None:
         try:
