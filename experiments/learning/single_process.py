@@ -66,7 +66,7 @@ from marge.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_e
 from marge.utils import atomic_directory, atomic_write_text
 from services.batcher.core import DocumentStore
 from services.batcher.schedule import BatchSchedule, wait_for_version
-from marge.config import ConfigError
+from marge.config import ConfigError, resumable_keys
 from services.driver.config import PipelineConfig, config_drift, load_config, with_absolute_paths
 from experiments.learning.harness import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
 from services.driver.pipeline import ensure_corpus, final_g_health, with_probes
@@ -81,9 +81,11 @@ from services.trainer.step import (Item, apply_execution_settings, build_optimiz
 log = logging.getLogger("marge.single_process")
 
 EXPERIMENT_FILE = "experiment.json"
-RESUMABLE_OVERRIDES = {"run.max_steps", "run.progress_every_s"}
-"""What a resumed chunk may change: extend the run, or report more or less often. (With trainer.total_steps
-unset the schedule anneals to run.max_steps, so extending the run stretches the rest of the schedule.)"""
+RESUMABLE_OVERRIDES = set(resumable_keys(PipelineConfig, comparable=True))
+"""What a resumed chunk may change: the settings marked comparable (`marge.config.resumable`), which extend the run
+or report more or less often. (With trainer.total_steps unset the schedule anneals to run.max_steps, so extending
+the run stretches the rest of the schedule.)"""
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":

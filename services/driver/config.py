@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from marge.batch import encoder_cost, max_text_tokens
-from marge.config import ConfigError, FieldError, at_least, build, load_tree, one_of, positive, within
+from marge.config import (ConfigError, FieldError, at_least, build, load_tree, may_change_on_resume, one_of, positive,
+                          resumable, resumable_keys, within)
 from marge.faults import FaultsConfig
 from marge.model import EXECUTION_FIELDS, MargeConfig, preset
 from marge.veco import VecoConfig, veco_preset
@@ -56,13 +57,13 @@ class RunConfig:
     seed: int = 0
     """Seeds the initial weights, the shard order of batches, every batch's preparation and the probes: the same
     seed, data and config give the same run."""
-    max_steps: int = 100
+    max_steps: int = resumable(100, comparable=True)
     """Optimizer updates to train for (the paper: 1M)."""
-    max_minutes: float = 0.0
+    max_minutes: float = resumable(0.0)
     """Stop training after this many minutes (0: no limit)."""
-    progress_every_s: float = 10.0
+    progress_every_s: float = resumable(10.0, comparable=True)
     """Seconds between the driver's progress lines (one per stage)."""
-    tensorboard: bool = True
+    tensorboard: bool = resumable(True)
     """TensorBoard event files under run.dir/tb (`tensorboard --logdir RUN_DIR/tb`): every update's figures by
     trainer rank 0, every index version's by the driver."""
 
@@ -82,7 +83,7 @@ class RunConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    raw: list[str] = field(default_factory=list)
+    raw: list[str] = resumable(default_factory=list)
     """Raw input for `marge prepare`, used when `corpus` does not exist yet (a missing corpus with no input named here
     is an error, never the demo corpus prepared in its place)."""
     corpus: str = "data/prepared/demo"
@@ -105,14 +106,14 @@ class DataConfig:
     --heldout-permille`); the probes then use them unless health.documents / data.heldout_pairs say otherwise."""
     num_shards: int | None = None
     """Exact number of shards of a corpus prepared here (null: from docs_per_shard)."""
-    heldout_pairs: str | None = None
+    heldout_pairs: str | None = resumable(None)
     """Held-out translation pairs (TSV) for retrieval P@1 in the probes, the reports and g's health at the end (null:
     the corpus's own held-out pairs when it has them, else no P@1)."""
-    prepare_engine: str = "auto"
+    prepare_engine: str = resumable("auto")
     """How a missing corpus is prepared from `raw` (`marge prepare --engine`): 'ray' streams it through Ray Data on the
     run's Ray cluster (`ray.address`, else a local Ray for the preparation), with memory bounded by the partition, not
     the corpus; 'local' in the driver's process, the corpus in memory; 'auto': 'local' up to 256 MiB of input."""
-    prepare_workers: int | None = None
+    prepare_workers: int | None = resumable(None)
     """Ray Data tasks per stage of a preparation on Ray (null: the cluster's CPUs)."""
     tokenizer_sample_lines: int = 2_000_000
     """Lines the tokenizer of a corpus prepared here is trained on, at most: an equal share per language, drawn at
@@ -179,13 +180,14 @@ class PipelineConfig:
     """`preset` plus any MargeConfig field to override; vocab_size defaults to the tokenizer's."""
     indexer: IndexerConfig = field(default_factory=IndexerConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
-    queue: QueueConfig = field(default_factory=QueueConfig)
+    # QueueConfig (marge.protocol) does not mark its own fields: how long a read waits may change, not the depth
+    queue: QueueConfig = resumable(default_factory=QueueConfig, keys=("block_ms",))
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     objectives: ObjectivesConfig = field(default_factory=ObjectivesConfig)
-    health: HealthConfig = field(default_factory=HealthConfig)
-    redis: RedisConfig = field(default_factory=RedisConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
-    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    health: HealthConfig = resumable(default_factory=HealthConfig)
+    redis: RedisConfig = resumable(default_factory=RedisConfig)
+    ray: RayConfig = resumable(default_factory=RayConfig)
+    faults: FaultsConfig = resumable(default_factory=FaultsConfig)
     """Test-only fault injection (marge.faults); null in every shipped config."""
 
     def __post_init__(self) -> None:
@@ -307,16 +309,10 @@ class PipelineConfig:
         return out
 
 
-RESUMABLE = ("run.max_steps", "run.max_minutes", "run.progress_every_s", "run.tensorboard", "redis.", "ray.",
-             "faults.", "health.", "queue.block_ms", "data.raw", "data.heldout_pairs", "data.prepare_engine",
-             "data.prepare_workers", "indexer.num_workers", "indexer.nice",
-             "indexer.num_cpus_per_worker", "indexer.num_gpus_per_worker", "indexer.resources", "indexer.use_gpu",
-             "indexer.bf16", "indexer.batch_tokens", "trainer.num_cpus_per_worker", "trainer.resources",
-             "trainer.torch_threads", "trainer.max_failures", "trainer.keep_checkpoints", "trainer.compile",
-             "trainer.loss_chunk_tokens", "trainer.unpadded", "trainer.key_bias",
-             "trainer.compile_scope", "trainer.prefetch")
+RESUMABLE = resumable_keys(PipelineConfig)
 """What a resumed run may change (keys, or sections ending in '.'): how long it runs, how it reports, where it runs
-and on what, never what it trains (the data, the model, the objectives, the schedule, the batches)."""
+and on what, never what it trains (the data, the model, the objectives, the schedule, the batches). Each section's
+dataclass marks its own fields (`marge.config.resumable`); this is what the marks add up to."""
 
 
 def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -334,8 +330,7 @@ def config_drift(saved: dict, new: dict) -> list[str]:
     before, after = flat(saved), flat(new)
     changed = []
     for key in sorted(set(before) | set(after)):
-        if before.get(key) != after.get(key) and not any(key == r or (r.endswith(".") and key.startswith(r))
-                                                         for r in RESUMABLE):
+        if before.get(key) != after.get(key) and not may_change_on_resume(key, RESUMABLE):
             changed.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
     return changed
 

@@ -5,7 +5,8 @@ regenerates and compares it).
 For each field: its YAML type, the default (what a config that leaves it out gets), the value in
 `deploy/configs/paper.yaml` (the paper's setting; for `model`, the `paper` preset) and in the learning recipe
 (`deploy/configs/learning.yaml`), and its documentation: the string literal written under the field in the
-dataclass (the project's convention for field docs).
+dataclass (the project's convention for field docs), followed by whether a resumed run may change it (the field's
+`marge.config.resumable` mark).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def model_rows(paper_cfg, learning_cfg) -> list[tuple[str, str, str, str, str, s
 
 def reference() -> str:
     """The whole reference as Markdown."""
-    from services.driver.config import PipelineConfig, load_config
+    from marge.config import may_change_on_resume
+    from services.driver.config import RESUMABLE, PipelineConfig, load_config
 
     paper = load_config(CONFIGS / "paper.yaml")
     learning = load_config(CONFIGS / "learning.yaml")
@@ -119,10 +121,14 @@ def reference() -> str:
         section_rows = model_rows(paper, learning) if f.name == "model" else rows(
             typing.get_type_hints(PipelineConfig)[f.name], f.name, getattr(paper, f.name), getattr(learning, f.name))
         doc = field_docs(PipelineConfig).get(f.name)
-        if doc:
-            lines += [doc, ""]
+        whole = f"{f.name}." in RESUMABLE
+        if doc or whole:
+            lines += [" ".join(filter(None, [doc, "A resumed run may change any key of this section." if whole
+                                             else ""])), ""]
         lines += ["| key | type | default | paper.yaml | learning.yaml | what it does |", "|---|---|---|---|---|---|"]
         for key, typ, default, paper_value, learning_value, text in section_rows:
+            if not whole and may_change_on_resume(key, RESUMABLE):
+                text = f"{text} A resumed run may change it." if text else "A resumed run may change it."
             text = text.replace("|", "\\|")
             lines.append(f"| `{key}` | {typ} | {default} | {paper_value} | {learning_value} | {text} |")
         lines.append("")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from marge.config import FieldError, at_least, non_negative_mapping, one_of, positive, within
+from marge.config import FieldError, at_least, non_negative_mapping, one_of, positive, resumable, within
 
 LINK_RULES = ("shard", "document")
 SHARD_SAMPLINGS = ("independent", "cycle")
@@ -15,11 +15,11 @@ BOOTSTRAPS = ("none", "tfidf")
 
 @dataclass(frozen=True, kw_only=True)
 class IndexerConfig:
-    num_workers: int = 1
+    num_workers: int = resumable(1)
     """Indexer actors; scale independently of the trainers."""
     reindex_every: int = 10000
     """Re-index when the newest snapshot is this many updates past the indexed one (paper: 10k)."""
-    batch_tokens: int = 4096
+    batch_tokens: int = resumable(4096)
     """Padded tokens per embedding batch (documents are sorted by length first)."""
     links_monolingual: float = 4.0
     """Same-language links kept per document on average (paper §3: 4)."""
@@ -63,15 +63,15 @@ class IndexerConfig:
     snapshots the run no longer needs are deleted, keeping step 0 (which g's verdict compares with), those the kept
     index versions were built from, every one from the index version the oldest kept checkpoint resumes with on,
     and the newest N (a 963M model's g is 1.2 GB a snapshot: 54 GB over the paper's first phase otherwise)."""
-    use_gpu: bool = False
+    use_gpu: bool = resumable(False)
     """Embed (and search, with faiss-gpu) on a GPU; the run is refused where the cluster has none."""
-    bf16: bool = False
+    bf16: bool= resumable(False)
     """Embed under bf16 autocast (on a GPU)."""
-    num_cpus_per_worker: float = 1.0
+    num_cpus_per_worker: float = resumable(1.0)
     """Logical CPUs Ray gives each indexer worker (also its torch and FAISS threads)."""
-    num_gpus_per_worker: float = 0.0
+    num_gpus_per_worker: float = resumable(0.0)
     """GPUs (or a share of one) Ray gives each indexer worker with use_gpu."""
-    resources: dict[str, float] = field(default_factory=dict)
+    resources: dict[str, float] = resumable(default_factory=dict)
     """Custom Ray resources per worker, e.g. {marge_indexer: 1} to place indexers on their own node group."""
     shards_per_version: int = 0
     """The paper's refresh (§2.4: "every 10k model updates, we sample a set of shards of documents"): version v
@@ -91,7 +91,7 @@ class IndexerConfig:
     rebuilds shards v*k .. v*k+k-1 modulo the shard count), and carries the others over from the previous
     version with the older snapshot step they were built from (per shard in the manifest), so batches mostly
     come from stale shards. 0: off. Exclusive with `shards_per_version`."""
-    nice: int = 0
+    nice: int = resumable(0)
     """OS niceness of indexer workers (0-19). Where indexers share CPUs with trainers, a positive value
     lets re-indexing use the trainers' slack instead of their time (at the cost of staler indexes)."""
 

@@ -3,9 +3,9 @@ settings live with the objectives, `services.trainer.objectives`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from marge.config import FieldError, at_least, non_negative_mapping, one_of, positive, within
+from marge.config import FieldError, at_least, non_negative_mapping, one_of, positive, resumable, within
 from marge.model import KEY_BIAS_PATHS
 
 COMPILE_SCOPES = ("layers", "model")
@@ -36,53 +36,52 @@ class TrainerConfig:
     """Batches each rank accumulates per update (DDP all-reduces once, after the last)."""
     bf16: bool = False
     """bf16 autocast with fp32 master weights."""
-    prefetch: bool = True
+    prefetch: bool = resumable(True)
     """Each rank reads and prepares the next update's batches (augmentation, tensors; pinned on a GPU) in a thread
     while the device trains on this one, as the single process does. Reading a slot is not consuming it (batches
     count when a checkpoint commits them), and a stop still takes effect at the next update."""
-    loss_chunk_tokens: int = 0
+    loss_chunk_tokens: int = resumable(0)
     """Target tokens whose output logits the training loss computes at a time (0: all at once). The loss and its
     gradients are made chunk by chunk in one pass (`marge.model.fused_linear_nll`: 3 matmuls a chunk, as the
     unchunked loss), so memory holds one chunk x vocabulary of logits, not every target token's: for the 250k
     vocabulary of `paper` the logits are the largest tensor of a step. The loss and gradients are those of the
-    unchunked loss (tests/test_model.py). An execution setting: a resumed run may change it."""
-    unpadded: bool = False
+    unchunked loss (tests/test_model.py). An execution setting."""
+    unpadded: bool = resumable(False)
     """MARGE batches (and the denoising loss's views) run on their real tokens only: every projection, feed-forward
     layer and norm skips the padding, the attention alone lays the tokens out in rows, and each target reads only
     its evidence's real keys (`marge.model.UnpaddedLayout`). False: every row padded to its batch's longest
     document, as before. The loss and gradients are those of the padded batch (tests/test_unpadded.py); the FLOPs
-    executed fall to near those credited (benchmarks/recipe_efficiency.py). An execution setting: a resumed run may
-    change it."""
-    key_bias: str = "folded"
+    executed fall to near those credited (benchmarks/recipe_efficiency.py). An execution setting."""
+    key_bias: str = resumable("folded")
     """How attention adds beta * f (and the encoder's padding), a bias of the key alone: `folded` into an extra
     head dimension (heads 64 -> 72 wide, no mask: flash kernels), `mask` (SDPA's additive mask: on a GPU the
     memory-efficient kernel, heads 64 wide) or `flex` (FlexAttention's score_mod, heads 64 wide: fused under
     `trainer.compile`; needs model.attention_dropout 0 and, to train, a GPU). `mask` gives folded's values and
     gradients, `flex` its values (tests/test_gpu_readiness.py, tests/test_unpadded.py; flex's gradients are tested
     only where a GPU is). On one H200 `folded` was the fastest eager path (the recipe's update 0.37 s, `mask`
-    1.03 s; docs/gpu.md). An execution setting: a resumed run may change it."""
-    compile: bool = False
+    1.03 s; docs/gpu.md). An execution setting."""
+    compile: bool = resumable(False)
     """Train through `torch.compile` (dynamic shapes: a few graphs for every batch size, none broken by a device
     read; compiled kernels cached under run.dir/compile-cache). Off by default: on one H200 it did not speed up
     the recipe's update (eager 0.37 s; by layer 1.23 s; by layer with `key_bias: flex` 0.39 s; 62 to 81 s of
     cold compile; docs/gpu.md), and on a CPU the first updates pay the compilation."""
-    compile_scope: str = "layers"
+    compile_scope: str = resumable("layers")
     """What `trainer.compile` compiles: `layers` (each encoder and decoder layer on its own, fullgraph; layers of
     one kind share their graphs: the cold compile is one layer of each kind) or `model` (the whole model under
-    DDP: DDP's buckets split its graph). An execution setting: a resumed run may change it."""
+    DDP: DDP's buckets split its graph). An execution setting."""
     snapshot_every: int = 10000
     """Rank 0 publishes g (and measures retrieval health) every this many updates."""
     checkpoint_every: int = 1000
     """Updates between checkpoints; a batch counts as trained once the checkpoint covering it is durable."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = resumable(2)
     """Checkpoints kept on disk (the newest always)."""
-    num_cpus_per_worker: float = 1.0
+    num_cpus_per_worker: float = resumable(1.0)
     """Logical CPUs Ray gives each DDP rank."""
-    resources: dict[str, float] = field(default_factory=dict)
+    resources: dict[str, float] = resumable(default_factory=dict)
     """Custom Ray resources per worker, e.g. {marge_trainer: 1}."""
-    torch_threads: int = 1
+    torch_threads: int = resumable(1)
     """torch's intra-op threads per rank (Ray actors get one unless told)."""
-    max_failures: int = 3
+    max_failures: int = resumable(3)
     """Times Ray Train restarts the trainer group from its newest checkpoint after a worker dies (-1: always)."""
 
     def __post_init__(self) -> None:

@@ -5,7 +5,8 @@ A stage owns one frozen dataclass for its section (`services.indexer.config.Inde
 dataclass (nested sections, optional sections, lists and mappings included): unknown keys, wrong types and
 bad values are `ConfigError`s that name the key (`indexer.link_rule`), the value and what is allowed, raised
 when the file is loaded, before anything starts. `load_tree` reads a file plus `section.key=value`
-overrides (values parsed as YAML).
+overrides (values parsed as YAML). A field a resumed run may change says so where it is declared (`resumable`),
+and `resumable_keys` collects them for a whole config.
 """
 
 from __future__ import annotations
@@ -67,6 +68,52 @@ def non_negative_mapping(obj: Any, name: str) -> None:
     for key, value in getattr(obj, name).items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise FieldError(f"{name}.{key}", value, "a number >= 0")
+
+
+# --- what a resumed run may change ------------------------------------------------------------------
+
+RESUMABLE = "resumable"
+"""The field metadata key `resumable` sets: True, "comparable", or (on a section) the names of its keys."""
+
+
+def resumable(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+              comparable: bool = False, keys: tuple[str, ...] = ()) -> Any:
+    """A config field a resumed run may change: how long the run goes on, how it reports, where it runs and on
+    what, never what it trains (the data, the model, the objectives, the schedule, the batches). On a section, every
+    key of it, or only `keys` (for a section whose dataclass does not mark its own fields). `comparable`: changing
+    it leaves what the run measures comparable with what it measured before (it extends the run or paces its
+    progress lines), the narrower set a resumed experiment keeps its curves under. `resumable_keys` collects them."""
+    mark: Any = keys or ("comparable" if comparable else True)
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={RESUMABLE: mark})
+
+
+def section_type(typ: Any) -> type | None:
+    """The config dataclass a field's annotated type holds (`X`, `X | None`), or None for a plain value."""
+    return next((t for t in (typ, *get_args(typ)) if dataclasses.is_dataclass(t)), None)
+
+
+def resumable_keys(cls: type, prefix: str = "", comparable: bool = False) -> tuple[str, ...]:
+    """The dotted keys of config dataclass `cls` (and the sections in it) that a resumed run may change, read
+    from the fields' `resumable` marks: a key as 'section.key', a whole section as 'section.'. `comparable`: only
+    those marked comparable."""
+    hints = get_type_hints(cls)
+    out: list[str] = []
+    for f in fields(cls):
+        key, mark, section = f"{prefix}{f.name}", f.metadata.get(RESUMABLE), section_type(hints[f.name])
+        if mark is True or mark == "comparable":
+            if mark == "comparable" or not comparable:
+                out.append(f"{key}." if section is not None else key)
+            continue
+        if isinstance(mark, tuple) and not comparable:
+            out += [f"{key}.{name}" for name in mark]
+        if section is not None:
+            out += [k for k in resumable_keys(section, f"{key}.", comparable) if k not in out]
+    return tuple(out)
+
+
+def may_change_on_resume(key: str, keys: Iterable[str]) -> bool:
+    """Whether dotted `key` is one of `keys` (`resumable_keys`) or lies in a section they name whole."""
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys)
 
 
 # --- building dataclasses from YAML -----------------------------------------------------------------
