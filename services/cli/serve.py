@@ -116,7 +116,25 @@ def add_index(sub) -> None:
     q.add_argument("--target-recall", type=float, default=0.95,
                    help="recall@10 against exact search the chosen nprobe must reach (measured at build)")
     q.add_argument("--device", default="cpu", help="cpu or cuda, for embedding")
+    q.add_argument("--engine", choices=("auto", "local", "ray"), default="auto",
+                   help="local: this process embeds every shard; ray: Ray tasks embed groups of shards in parallel "
+                        "(the cluster at --address or RAY_ADDRESS, else a local Ray with --workers CPUs) and the parts "
+                        "are merged into the same index; auto (default): ray when --address or RAY_ADDRESS names a "
+                        "cluster, else local")
+    q.add_argument("--workers", type=int, default=None,
+                   help="Ray tasks at once (default: the cluster's CPUs; a local Ray's: this machine's cores)")
+    q.add_argument("--address", default=None, help="the Ray cluster (HOST:PORT) for --engine ray/auto; the run folder "
+                                                   "must be on storage every node reaches")
     q.set_defaults(func=cmd_index_build)
+
+
+def index_engine(engine: str, address: str | None) -> str:
+    """`marge index build --engine auto`: Ray where a cluster is named, this process otherwise."""
+    import os
+
+    if engine != "auto":
+        return engine
+    return "ray" if address or os.environ.get("RAY_ADDRESS") else "local"
 
 
 def cmd_index_build(args: argparse.Namespace) -> int:
@@ -124,7 +142,13 @@ def cmd_index_build(args: argparse.Namespace) -> int:
 
     from marge.corpus import Corpus
     from marge.snapshot import latest_snapshot, read_snapshot, snapshot_dirname
-    from services.retrieval.full_index import BuildOptions, build_serving_index, read_build
+    from services.retrieval.full_index import (
+        BuildOptions,
+        build_serving_index,
+        build_serving_index_ray,
+        ray_for_index_build,
+        read_build,
+    )
 
     corpus = Corpus.open(args.corpus or run_config(args.run)["data"]["corpus"], verify_checksums=False)
     if args.snapshot_step is None:
@@ -133,9 +157,19 @@ def cmd_index_build(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{args.run / 'snapshots'} holds no snapshot: train first (`marge pretrain`)")
     else:
         snapshot = read_snapshot(args.run / "snapshots" / snapshot_dirname(args.snapshot_step))
-    path = build_serving_index(args.run, corpus, snapshot, BuildOptions(
-        codec=args.codec, nlist=args.nlist, target_recall=args.target_recall, device=args.device))
+    from services.cli import exit_cleanly_on_sigterm
+
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be positive, got {args.workers}")
+    exit_cleanly_on_sigterm()  # a SIGTERM runs the `finally` blocks: the scratch folders go, a local Ray stops
+    opts = BuildOptions(codec=args.codec, nlist=args.nlist, target_recall=args.target_recall, device=args.device)
+    if index_engine(args.engine, args.address) == "ray":
+        with ray_for_index_build(args.address, args.workers) as workers:
+            path = build_serving_index_ray(args.run, corpus, snapshot, opts, workers=workers)
+    else:
+        path = build_serving_index(args.run, corpus, snapshot, opts)
     manifest = read_build(path, verify=False)
     print(json.dumps({"path": str(path), **{k: manifest[k] for k in (
-        "build", "snapshot_step", "factory", "nprobe", "documents", "recall_at_10", "index_bytes", "vector_bytes")}}))
+        "build", "snapshot_step", "factory", "nprobe", "documents", "recall_at_10", "index_bytes", "vector_bytes",
+        "engine", "build_seconds")}}))
     return 0

@@ -24,9 +24,15 @@ computed shard by shard as the shards stream past; `nprobe` is the smallest powe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+import shutil
+import socket
 import time
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +42,7 @@ import numpy as np
 from marge import artifacts
 from marge.corpus import Corpus
 from marge.embedding import embed_documents
-from marge.progress import track
+from marge.progress import Progress, track
 from marge.snapshot import SnapshotInfo, load_relevance_encoder
 from marge.utils import sha256_file
 
@@ -108,45 +114,92 @@ def _embed_shard(corpus: Corpus, shard: int, encoder, specials, opts: BuildOptio
                                                          opts.device)
 
 
-def build_serving_index(run_dir: Path, corpus: Corpus, snapshot: SnapshotInfo, opts: BuildOptions = BuildOptions()) -> Path:
-    """Embed every corpus document with `snapshot`'s g into a new serving index under RUN/serving, measure its
-    recall, choose its nprobe, commit it (manifest last) and point LATEST at it. Returns its folder."""
+@dataclass
+class _Plan:
+    """What both builds decide before embedding anything: the lists, the training sample's shards (a seeded
+    permutation's prefix holding `wanted` documents by the manifest's shard sizes) and the generator the training
+    draws from next."""
+
+    documents: int
+    nlist: int
+    wanted: int
+    sample_shards: list[int]
+    rng: np.random.Generator
+
+
+def _plan(corpus: Corpus, snapshot: SnapshotInfo, opts: BuildOptions) -> _Plan:
     tokenizer = corpus.tokenizer()
     if snapshot.manifest["tokenizer_sha256"] != tokenizer.sha256:
         raise ServingIndexError(f"snapshot {snapshot.path} was trained with another tokenizer than corpus {corpus.root}")
-    started = time.time()
-    encoder = load_relevance_encoder(snapshot).to(opts.device)
     documents = int(corpus.manifest["num_documents"])
     nlist = opts.nlist or default_nlist(documents)
     wanted = opts.train_documents or max(MIN_POINTS_PER_LIST * nlist, 10_000)
     rng = np.random.default_rng(opts.seed)
-
-    # pass 1: the quantisers, trained on the vectors of a seeded sample of shards (kept for pass 2)
-    sample: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    sample, held = [], 0
     for shard in rng.permutation(corpus.num_shards):
-        sample[int(shard)] = _embed_shard(corpus, int(shard), encoder, tokenizer.specials, opts)
-        if sum(len(ids) for ids, _ in sample.values()) >= wanted:
+        sample.append(int(shard))
+        held += int(corpus.shards[int(shard)].rows)
+        if held >= wanted:
             break
-    training = np.concatenate([vectors for _, vectors in sample.values()])
+    return _Plan(documents, nlist, wanted, sample, rng)
+
+
+def _train(plan: _Plan, training: np.ndarray, opts: BuildOptions) -> tuple[faiss.Index, np.ndarray, np.ndarray]:
+    """The empty index with its quantisers trained, the mean the vectors are stored from, and the recall queries
+    (documents' own vectors), from the sample's vectors in the sample's order."""
     dim = training.shape[1]
     mean = training.mean(axis=0).astype(np.float32)
-    queries = training[rng.choice(len(training), size=min(opts.recall_queries, len(training)), replace=False)]
-    index = faiss.index_factory(dim, factory_string(dim, nlist, opts.codec), faiss.METRIC_INNER_PRODUCT)
-    index.train(np.ascontiguousarray(training[rng.permutation(len(training))[:wanted]] - mean))
-    del training  # no direct map (about 50 bytes a document): a search by doc id embeds the document again
+    queries = training[plan.rng.choice(len(training), size=min(opts.recall_queries, len(training)), replace=False)]
+    index = faiss.index_factory(dim, factory_string(dim, plan.nlist, opts.codec), faiss.METRIC_INNER_PRODUCT)
+    index.train(np.ascontiguousarray(training[plan.rng.permutation(len(training))[:plan.wanted]] - mean))
+    return index, mean, queries
+
+
+RECALL_K = 10
+
+
+def _empty_top(queries: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.full((queries, RECALL_K), -np.inf, dtype=np.float32), np.full((queries, RECALL_K), -1, dtype=np.int64)
+
+
+def _merge_top(best_scores: np.ndarray, best_ids: np.ndarray, scores: np.ndarray,
+               ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The top RECALL_K of the best so far and `scores` (queries x candidates, `ids` per column or per cell), ties
+    to the earlier: merging shard after shard, or groups' tops in shard order, gives the same top."""
+    scores = np.concatenate([best_scores, scores], axis=1)
+    both = np.concatenate([best_ids, np.broadcast_to(ids, scores[:, best_ids.shape[1]:].shape)], axis=1)
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :RECALL_K]
+    return np.take_along_axis(scores, top, 1), np.take_along_axis(both, top, 1)
+
+
+def build_serving_index(run_dir: Path, corpus: Corpus, snapshot: SnapshotInfo, opts: BuildOptions = BuildOptions()) -> Path:
+    """Embed every corpus document with `snapshot`'s g into a new serving index under RUN/serving, in this process,
+    measure its recall, choose its nprobe, commit it (manifest last) and point LATEST at it. Returns its folder."""
+    started = time.time()
+    plan = _plan(corpus, snapshot, opts)
+    specials = corpus.tokenizer().specials
+    encoder = load_relevance_encoder(snapshot).to(opts.device)
+
+    # pass 1: the quantisers, trained on the vectors of a seeded sample of shards (kept for pass 2)
+    sample = {shard: _embed_shard(corpus, shard, encoder, specials, opts)
+              for shard in track(plan.sample_shards, "serving index: embedding the training sample", unit="shard")}
+    index, mean, queries = _train(plan, np.concatenate([vectors for _, vectors in sample.values()]), opts)
+    # no direct map (about 50 bytes a document): a search by doc id embeds the document again
 
     # pass 2: every shard added, the exact top 10 of the queries kept as the shards stream past
-    k = 10
-    best_scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
-    best_ids = np.full((len(queries), k), -1, dtype=np.int64)
+    best_scores, best_ids = _empty_top(len(queries))
     for shard in track(range(corpus.num_shards), "serving index: embedding shards", unit="shard"):
-        ids, vectors = sample.pop(shard, None) or _embed_shard(corpus, shard, encoder, tokenizer.specials, opts)
+        ids, vectors = sample.pop(shard, None) or _embed_shard(corpus, shard, encoder, specials, opts)
         index.add_with_ids(np.ascontiguousarray(vectors - mean), ids)
-        scores = np.concatenate([best_scores, queries @ vectors.T], axis=1)
-        both = np.concatenate([best_ids, np.broadcast_to(ids, (len(queries), len(ids)))], axis=1)
-        top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-        best_scores, best_ids = np.take_along_axis(scores, top, 1), np.take_along_axis(both, top, 1)
+        best_scores, best_ids = _merge_top(best_scores, best_ids, queries @ vectors.T, ids)
+    return _commit(run_dir, snapshot, opts, plan, index, mean, queries, best_ids, started, {"name": "local"})
 
+
+def _commit(run_dir: Path, snapshot: SnapshotInfo, opts: BuildOptions, plan: _Plan, index: faiss.Index,
+            mean: np.ndarray, queries: np.ndarray, best_ids: np.ndarray, started: float, engine: dict) -> Path:
+    """Choose nprobe on the queries' exact top 10, then write the build under RUN/serving (manifest last) and move
+    LATEST to it."""
+    dim, nlist, k = index.d, plan.nlist, RECALL_K
     curve, nprobe = {}, index.nlist
     for probe in [2 ** i for i in range(int(math.log2(index.nlist)) + 1)] + [index.nlist]:
         index.nprobe = probe
@@ -171,18 +224,235 @@ def build_serving_index(run_dir: Path, corpus: Corpus, snapshot: SnapshotInfo, o
         artifacts.write_manifest(tmp, {
             "format": FORMAT, "version": FORMAT_VERSION, "build": build, "snapshot_step": snapshot.step,
             "codec": opts.codec, "factory": factory_string(dim, nlist, opts.codec), "nlist": int(index.nlist),
-            "nprobe": int(nprobe), "dim": dim, "documents": int(index.ntotal), "corpus_documents": documents,
+            "nprobe": int(nprobe), "dim": dim, "documents": int(index.ntotal), "corpus_documents": plan.documents,
             "recall_at_10": recall, "recall_by_nprobe": {str(p): r for p, r in curve.items()},
             "recall_queries": len(queries), "vector_bytes": int(index.ntotal) * dim * 4,
             "index_bytes": (tmp / INDEX_FILE).stat().st_size, "index_sha256": sha256_file(tmp / INDEX_FILE),
             "mean_sha256": sha256_file(tmp / MEAN_FILE),
-            "build_seconds": round(time.time() - started, 1), "created_unix": time.time()})
+            "engine": engine, "build_seconds": round(time.time() - started, 1), "created_unix": time.time()})
     BUILDS.set_latest(root, target.name)
     log.info("serving index b%d: %d documents from snapshot step %d, %s, nprobe %d: recall@10 %.3f, %.0f MiB "
              "(%.2f of the vectors' bytes)", build, index.ntotal, snapshot.step, factory_string(dim, nlist, opts.codec),
              nprobe, recall, (target / INDEX_FILE).stat().st_size / 2**20,
              (target / INDEX_FILE).stat().st_size / max(1, index.ntotal * dim * 4))
     return target
+
+
+# --- the same build on Ray ------------------------------------------------------------------------------------------
+
+WORK_PREFIX = ".work-"
+"""Scratch folders of Ray builds under RUN/serving (`.work-<host>-<pid>-<hex>`): the training sample's vectors and
+the tasks' partial indexes, written by the tasks, read by the driver, removed when the build ends. No `b*` name, so
+no reader ever takes one for a build."""
+TRAINED_FILE = "trained.faiss"
+QUERIES_FILE = "queries.npy"
+
+
+def _write_atomic(path: Path, write) -> None:
+    """`write(file object)` into a temporary name beside `path`, then one rename: a reader (or a retried task) sees
+    the whole file or none."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _new_work_dir(root: Path) -> Path:
+    work = root / f"{WORK_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    work.mkdir(parents=True)
+    return work
+
+
+def clear_stale_work(root: Path) -> list[Path]:
+    """Remove the scratch folders of Ray builds started on this host by processes that are gone (a build killed
+    before its own cleanup ran). Returns what it removed."""
+    removed = []
+    for path in Path(root).glob(f"{WORK_PREFIX}*"):
+        host, _, rest = path.name[len(WORK_PREFIX):].rpartition("-")[0].rpartition("-")
+        if host != socket.gethostname() or not rest.isdigit():
+            continue
+        try:
+            os.kill(int(rest), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except PermissionError:  # alive, someone else's
+            pass
+    return removed
+
+
+def _task_inputs(corpus_root: str, snapshot_path: str, opts: BuildOptions):
+    from marge.snapshot import read_snapshot
+
+    corpus = Corpus.open(corpus_root, verify_checksums=False)
+    encoder = load_relevance_encoder(read_snapshot(Path(snapshot_path))).to(opts.device)
+    return corpus, encoder, corpus.tokenizer().specials
+
+
+def _sample_file(work: Path, shard: int) -> Path:
+    return work / f"sample-{shard:06d}.npz"
+
+
+def _part_file(work: Path, group: int) -> Path:
+    return work / f"part-{group:06d}.faiss"
+
+
+def embed_sample_task(corpus_root: str, snapshot_path: str, shards: list[int], work: str,
+                      opts: BuildOptions) -> int:
+    """A Ray task: the training sample's shards of one group embedded, each shard's ids and vectors written to the
+    work folder (pass 2 adds them from there instead of embedding them again). Returns the shards done."""
+    corpus, encoder, specials = _task_inputs(corpus_root, snapshot_path, opts)
+    for shard in shards:
+        ids, vectors = _embed_shard(corpus, shard, encoder, specials, opts)
+        _write_atomic(_sample_file(Path(work), shard), lambda f: np.savez(f, ids=ids, vectors=vectors))
+    return len(shards)
+
+
+def add_shards_task(corpus_root: str, snapshot_path: str, group: int, shards: list[int], work: str,
+                    opts: BuildOptions) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """A Ray task: a group of consecutive shards embedded (or read back from the training sample) and added to a
+    copy of the trained, empty index, written to the work folder as the group's part; returns the group, its
+    documents and the exact top 10 of the recall queries among them (queries x 10: the only arrays that travel
+    through Ray)."""
+    work_dir = Path(work)
+    corpus, encoder, specials = _task_inputs(corpus_root, snapshot_path, opts)
+    index = faiss.read_index(str(work_dir / TRAINED_FILE))
+    mean, queries = np.load(work_dir / MEAN_FILE), np.load(work_dir / QUERIES_FILE)
+    best_scores, best_ids = _empty_top(len(queries))
+    for shard in shards:
+        if _sample_file(work_dir, shard).exists():
+            with np.load(_sample_file(work_dir, shard)) as saved:
+                ids, vectors = saved["ids"], saved["vectors"]
+        else:
+            ids, vectors = _embed_shard(corpus, shard, encoder, specials, opts)
+        index.add_with_ids(np.ascontiguousarray(vectors - mean), ids)
+        best_scores, best_ids = _merge_top(best_scores, best_ids, queries @ vectors.T, ids)
+    _write_atomic(_part_file(work_dir, group), lambda f: f.write(faiss.serialize_index(index).tobytes()))
+    return group, int(index.ntotal), best_scores, best_ids
+
+
+def _groups(shards: list[int], count: int) -> list[list[int]]:
+    """`shards` cut into at most `count` runs of consecutive items, of sizes differing by at most one."""
+    count = max(1, min(count, len(shards)))
+    bounds = np.linspace(0, len(shards), count + 1).round().astype(int)
+    return [shards[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _run_tasks(task, calls: list[tuple], workers: int, description: str, shards_of) -> list:
+    """Each of `calls` as a Ray task of `task` (1 CPU), at most `workers` at once; progress in shards as tasks end.
+    Returns the results in the order of `calls`. On any error or interruption, cancels what is still running."""
+    import ray
+
+    remote = ray.remote(num_cpus=1, max_retries=1)(task)
+    results: list = [None] * len(calls)
+    running: dict = {}
+    todo = list(enumerate(calls))
+    try:
+        with Progress(description, sum(shards_of(call) for call in calls), "shard") as progress:
+            while todo or running:
+                while todo and len(running) < workers:
+                    i, call = todo.pop(0)
+                    running[remote.remote(*call)] = i
+                done, _ = ray.wait(list(running), num_returns=1)
+                for ref in done:
+                    i = running.pop(ref)
+                    results[i] = ray.get(ref)
+                    progress.update(shards_of(calls[i]))
+    finally:
+        for ref in running:
+            ray.cancel(ref, force=True)
+    return results
+
+
+def build_serving_index_ray(run_dir: Path, corpus: Corpus, snapshot: SnapshotInfo, opts: BuildOptions = BuildOptions(),
+                            workers: int | None = None, groups_per_worker: int = 8) -> Path:
+    """`build_serving_index` on the Ray cluster this process is connected to (`ray_for_index_build`), giving the
+    same index: Ray tasks embed the training sample's shards (vectors written to a scratch folder under RUN/serving,
+    which the tasks and the driver must both reach), the driver trains the quantisers on them as the one-process
+    build does, then `workers` tasks at a time each add a group of consecutive shards to a copy of the trained index
+    and write it as a part; the driver merges the parts in shard order (FAISS `merge_from`: each list's entries in
+    the order the one-process build adds them), one part in memory at a time, and commits the build as the
+    one-process build does. A build that stops half-way leaves no build and no LATEST change; its scratch folder is
+    removed (or, after a kill, by the next build on the host)."""
+    import ray
+
+    if not ray.is_initialized():
+        raise ServingIndexError("build_serving_index_ray runs on a Ray cluster: connect first (ray_for_index_build)")
+    started = time.time()
+    plan = _plan(corpus, snapshot, opts)
+    workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    root = (Path(run_dir) / SERVING).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in clear_stale_work(root):
+        log.info("serving index: removed %s, left by a build that was stopped", stale)
+    work = _new_work_dir(root)
+    common = (str(corpus.root.absolute()), str(snapshot.path.absolute()))
+    try:
+        # pass 1: the training sample embedded by the tasks, the quantisers trained here
+        calls = [(*common, shards, str(work), opts) for shards in _groups(plan.sample_shards, workers)]
+        _run_tasks(embed_sample_task, calls, workers, "serving index: embedding the training sample",
+                   lambda call: len(call[2]))
+        training = []
+        for shard in plan.sample_shards:
+            with np.load(_sample_file(work, shard)) as saved:
+                training.append(saved["vectors"])
+        index, mean, queries = _train(plan, np.concatenate(training), opts)
+        del training
+        _write_atomic(work / TRAINED_FILE, lambda f: f.write(faiss.serialize_index(index).tobytes()))
+        _write_atomic(work / MEAN_FILE, lambda f: np.save(f, mean))
+        _write_atomic(work / QUERIES_FILE, lambda f: np.save(f, queries))
+
+        # pass 2: every shard added by the tasks, in groups of consecutive shards; the parts merged in shard order
+        groups = _groups(list(range(corpus.num_shards)), workers * groups_per_worker)
+        calls = [(*common, g, shards, str(work), opts) for g, shards in enumerate(groups)]
+        results = _run_tasks(add_shards_task, calls, workers, "serving index: embedding shards",
+                             lambda call: len(call[3]))
+        best_scores, best_ids = _empty_top(len(queries))
+        for group, documents, scores, ids in track(results, "serving index: merging the parts", unit="part"):
+            part = faiss.read_index(str(_part_file(work, group)))
+            if part.ntotal != documents:
+                raise ServingIndexError(f"{_part_file(work, group)}: {part.ntotal} documents, its task added {documents}")
+            index.merge_from(part, 0)  # appends each list's entries: the order of adding shard after shard
+            del part
+            _part_file(work, group).unlink()
+            best_scores, best_ids = _merge_top(best_scores, best_ids, scores, ids)
+        return _commit(run_dir, snapshot, opts, plan, index, mean, queries, best_ids, started,
+                       {"name": "ray", "workers": workers, "tasks": len(groups)})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def ray_for_index_build(address: str | None = None, workers: int | None = None) -> Iterator[int]:
+    """Ray for `build_serving_index_ray`: the one this process is already connected to, the cluster at `address`
+    (or RAY_ADDRESS), or a private local Ray on loopback with `workers` CPUs (default: this machine's), stopped
+    afterwards. Yields the tasks to run at once."""
+    import ray
+
+    from marge.local_ray import apply_local_ray_env, keeping_sigterm_handler, local_ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        yield workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    elif address:
+        apply_local_ray_env()
+        with keeping_sigterm_handler():
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            yield workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        finally:
+            ray.shutdown()  # this process's connection only: the cluster keeps running
+    else:
+        cpus = workers or os.cpu_count() or 1
+        with local_ray(cpus, object_store_memory=OBJECT_STORE_BYTES):
+            yield cpus
+
+
+OBJECT_STORE_BYTES = 256 * 2**20
+"""A local Ray's object store for the build: only the tasks' arguments and the queries' top 10 travel through it."""
 
 
 def read_build(path: Path, verify: bool = True) -> dict:

@@ -90,7 +90,7 @@ class DocumentTable:
     """Every corpus document's shard, row and language, by doc id, as arrays (about 18 bytes a document); text
     and page are read on demand (`shard_text_cache`). The corpus does not change between index versions."""
 
-    def __init__(self, corpus: Corpus, cache_mb: float = 64.0):
+    def __init__(self, corpus: Corpus, cache_mb: float = 64.0, tokens_cache_mb: float = 16.0):
         ids, shards, rows, langs = [], [], [], []
         if corpus.verify_checksums:  # streamed: checking a shard does not hold it (`marge serve --verify-corpus`)
             artifacts.verify_checksums(corpus.root, {info.file: info.sha256 for info in corpus.shards},
@@ -116,6 +116,9 @@ class DocumentTable:
         self.lang = (np.concatenate(lang_codes) if lang_codes else np.zeros(0, np.int16))[order]
         self.text = shard_text_cache(corpus, cache_mb)
         self.corpus_root, self.shard_files = corpus.root, [info.file for info in corpus.shards]
+        # the tokens columns of the shards searched by doc id most recently (the full-corpus index embeds the
+        # document again): a shard read once for its documents, not once a request
+        self.tokens = BudgetCache(int(tokens_cache_mb * 2**20), self._read_tokens, lambda column: column.nbytes)
 
     @property
     def nbytes(self) -> int:
@@ -133,11 +136,15 @@ class DocumentTable:
     def langs_of(self, doc_ids: np.ndarray) -> np.ndarray:
         return self.lang[self.positions(doc_ids)]
 
+    def _read_tokens(self, shard: int) -> pa.ListArray:
+        return pq.read_table(self.corpus_root / self.shard_files[shard], columns=["tokens"]).column(0).combine_chunks()
+
     def tokens_of(self, doc_id: int) -> np.ndarray:
-        """A document's token ids, read from its shard (KeyError for an unknown id)."""
+        """A document's token ids, from its shard's tokens column (read through `self.tokens`, a cache bounded by
+        `tokens_cache_mb`; KeyError for an unknown id)."""
         i = int(self.positions(np.array([doc_id]))[0])
-        column = pq.read_table(self.corpus_root / self.shard_files[int(self.shard[i])], columns=["tokens"]).column(0)
-        return np.asarray(column[int(self.row[i])].as_py(), dtype=np.int64)
+        column = self.tokens.get(int(self.shard[i]))
+        return column[int(self.row[i])].values.to_numpy(zero_copy_only=False).astype(np.int64)
 
     def describe(self, doc_id: int, snippet_chars: int) -> dict:
         i = int(self.positions(np.array([doc_id]))[0])
