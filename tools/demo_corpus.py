@@ -37,7 +37,8 @@ from tqdm import tqdm
 
 from marge.html_text import extract_paragraphs
 from marge.langid import identify
-from marge.utils import atomic_directory, setup_logging
+from marge.artifacts import atomic_directory
+from marge.utils import setup_logging
 
 log = logging.getLogger(__name__)
 

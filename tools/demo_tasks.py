@@ -47,7 +47,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from marge.prepare import read_documents
-from marge.utils import atomic_directory, setup_logging, sha256_file
+from marge.artifacts import atomic_directory
+from marge.utils import setup_logging, sha256_file
 
 log = logging.getLogger(__name__)
 

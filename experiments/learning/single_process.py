@@ -63,7 +63,8 @@ from marge.train_log import TrainLog, UpdateRecord
 from marge.protocol import Slots
 from marge.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_encoder, publish_snapshot, read_snapshot,
                             snapshot_dirname)
-from marge.utils import atomic_directory, atomic_write_text
+from marge.artifacts import atomic_directory
+from marge.utils import atomic_write_text
 from services.batcher.core import DocumentStore
 from services.batcher.schedule import BatchSchedule, wait_for_version
 from marge.config import ConfigError, resumable_keys

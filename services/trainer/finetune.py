@@ -39,7 +39,7 @@ from marge.finetuned import (FineTunedModel, MargeForClassification, TaskTensors
 from marge.model import Marge
 from marge.tasks import PAIR_INPUTS, TASKS, Example, label_counts, label_set, read_task_file
 from marge.tokenizer import MargeTokenizer
-from marge.utils import atomic_directory
+from marge.artifacts import atomic_directory
 from services.trainer.step import build_optimizer, lr_factor
 
 log = logging.getLogger("marge.finetune")

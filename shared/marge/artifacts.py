@@ -4,7 +4,8 @@ versions, checkpoints and prepared corpora, each of which keeps only its own sch
 The contract (CONTRIBUTING.md, "Artifacts"):
 
 * **A folder is built under a temporary name and renamed into place** (`publish_dir`, or `commit_staged` for a
-  folder that several workers fill under a fixed staging name), so no reader ever sees half of it.
+  folder that several workers fill under a fixed staging name; both swap it in with `swap_into_place`, as
+  `atomic_directory` does for a folder without a manifest), so no reader ever sees half of it.
 * **Its manifest is written last and commits it**: `manifest.json`, written atomically, names the format and
   its version and holds the sha256 of the files (where, the artifact's schema says). A folder without a
   manifest does not exist: `Series.versions` does not list it, `read_manifest` refuses it, `set_latest` does
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from marge.utils import atomic_directory, atomic_write_text, fsync_dir, sha256_file
+from marge.utils import atomic_write_text, fsync_dir, sha256_file
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
@@ -128,6 +129,46 @@ def verify_checksums(directory: Path, digests: Mapping[str, str], what: str = "a
 # --- publishing a folder ---------------------------------------------------------------------------------
 
 
+def swap_into_place(source: Path, target: Path) -> Path:
+    """Rename the complete folder `source` to `target`, replacing a folder there: the old one is moved aside, not
+    deleted in place, so a reader sees the old folder whole or the new one, never a torn one; then it is removed."""
+    source, target = Path(source), Path(target)
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(target, old)
+    os.replace(source, target)
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Build a folder under a temporary name and move it into place only if the block succeeds.
+
+    Nothing half-written is ever visible at `target`; on error the temporary folder is removed and an
+    existing `target` is left untouched. With `overwrite`, an existing `target` is replaced.
+    """
+    target = Path(target)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} already exists; remove it or pass --overwrite to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        swap_into_place(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def publish_dir(target: Path, overwrite: bool = False, error: type[ArtifactError] = ArtifactError) -> Iterator[Path]:
     """Yield a temporary folder to build an artifact in (its manifest last); when the block ends, move it to
@@ -148,16 +189,7 @@ def commit_staged(staging: Path, target: Path, error: type[ArtifactError] = Arti
     staging, target = Path(staging), Path(target)
     if not (staging / MANIFEST).is_file():
         raise error(f"{staging}: has no {MANIFEST}; write the manifest before committing it as {target}")
-    old = None
-    if target.exists():  # a re-run of the same version, after a crash before LATEST moved
-        # moved aside, not deleted in place: a reader sees the old folder whole or the new one, never a torn one
-        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(target, old)
-    os.replace(staging, target)
-    fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return target
+    return swap_into_place(staging, target)  # a folder there: a re-run of the version, after a crash before LATEST moved
 
 
 def remove(path: Path, ignore_errors: bool = False) -> None:

@@ -50,7 +50,8 @@ from marge.html_text import extract_text
 from marge.langid import identify
 from marge.languages import normalize_language
 from marge.tokenizer import DEFAULT_VOCAB_SIZE, MargeTokenizer
-from marge.utils import atomic_directory, atomic_write_text
+from marge.artifacts import atomic_directory
+from marge.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 

@@ -64,7 +64,8 @@ from marge.prepare import (HELDOUT_DIR, PrepareError, PrepareOptions, RawDocumen
                            parse_jsonl_line, read_folder_file, shard_columns, train_tokenizer, write_corpus_shard,
                            write_heldout)
 from marge.tokenizer import MargeTokenizer
-from marge.utils import atomic_directory, atomic_write_text
+from marge.artifacts import atomic_directory
+from marge.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,15 @@
-"""Small helpers every stage uses: atomic publication of files and folders, logging set-up."""
+"""Small helpers every stage uses: atomic publication of files (folders: `marge.artifacts`), logging set-up."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
-import shutil
 import sys
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -68,38 +66,6 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-@contextlib.contextmanager
-def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Build a folder under a temporary name and move it into place only if the block succeeds.
-
-    Nothing half-written is ever visible at `target`; on error the temporary folder is removed and an
-    existing `target` is left untouched. With `overwrite`, an existing `target` is replaced.
-    """
-    target = Path(target)
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists; remove it or pass --overwrite to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
-        yield tmp
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        old = None
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-            os.replace(target, old)
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 class BudgetCache:
