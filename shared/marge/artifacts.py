@@ -61,14 +61,14 @@ def file_sha256s(directory: Path, names: Iterable[str], what: str = "artifact",
     return digests
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def write_manifest(directory: Path, manifest: dict[str, Any], ascii: bool = True) -> dict[str, Any]:
     """Write `manifest` as `directory/manifest.json`, atomically: the last write of an artifact, which commits it.
 
-    The dict is written as given (json, indent 2, ASCII), so each artifact keeps the field order its readers and
-    older files know."""
+    The dict is written as given (json, indent 2, ASCII unless `ascii` is False: a prepared corpus keeps the text of
+    the examples it skipped as it was), so each artifact keeps the field order its readers and older files know."""
     if "format" not in manifest:
         raise ValueError(f"{Path(directory) / MANIFEST}: a manifest names its format (field 'format' is missing)")
-    atomic_write_text(Path(directory) / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    atomic_write_text(Path(directory) / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=ascii) + "\n")
     return manifest
 
 

@@ -36,7 +36,7 @@ import time
 import unicodedata
 import zlib
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,8 +50,7 @@ from marge.html_text import extract_text
 from marge.langid import identify
 from marge.languages import normalize_language
 from marge.tokenizer import DEFAULT_VOCAB_SIZE, MargeTokenizer
-from marge.artifacts import atomic_directory
-from marge.utils import atomic_write_text
+from marge.artifacts import publish_dir, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -564,6 +563,21 @@ def corpus_manifest(opts: PrepareOptions, tokenizer: MargeTokenizer, shard_infos
     }
 
 
+def publish_corpus(opts: PrepareOptions, tokenizer: MargeTokenizer, heldout: list[RawDocument],
+                   write_shards: Callable[[Path], dict]) -> dict:
+    """Write the corpus folder `opts.out` the way every artifact is written (`marge.artifacts`): in a temporary
+    folder renamed into place, the tokenizer, the shards `write_shards(folder)` writes under `shards/` (it returns
+    the manifest, `corpus_manifest`), the held-out split, and the manifest last. Returns the manifest."""
+    with publish_dir(opts.out, overwrite=opts.overwrite) as tmp:
+        (tmp / "shards").mkdir()
+        tokenizer.save(tmp)
+        manifest = write_shards(tmp)
+        if heldout:
+            manifest["heldout"] = write_heldout(tmp / HELDOUT_DIR, heldout, opts, manifest["num_groups"])
+        write_manifest(tmp, manifest, ascii=False)
+    return manifest
+
+
 def assign_shards(group_sizes: dict[str, int], num_shards: int, seed: int) -> dict[str, int]:
     """Groups in random (seeded) order, each to the currently smallest shard: related documents stay
     together, unrelated ones are spread at random, shards stay about the same size."""
@@ -783,20 +797,18 @@ def prepare_locally(opts: PrepareOptions) -> dict:
     for c in chunks:
         by_shard[shard_of[c.group]].append(c)
 
-    next_id = 0
-    shard_infos = []
-    with atomic_directory(opts.out, overwrite=opts.overwrite) as tmp:
-        (tmp / "shards").mkdir()
-        tokenizer.save(tmp)
+    def write_shards(folder: Path) -> dict:
+        next_id = 0
+        shard_infos = []
         for s in track(range(num_shards), "writing shards", unit="shard"):
-            shard_infos.append(write_corpus_shard(tmp, s, shard_columns(by_shard[s], s, next_id)))
+            shard_infos.append(write_corpus_shard(folder, s, shard_columns(by_shard[s], s, next_id)))
             next_id += len(by_shard[s])
-        manifest = corpus_manifest(
+        return corpus_manifest(
             opts, tokenizer, shard_infos, len(group_sizes), Counter(c.lang for c in chunks),
             sum(len(c.tokens) for c in chunks), sum(bool(c.paragraph_ids) for c in chunks), stats, sample_summary,
             {"name": "local", "shard_assignment": "balanced"})
-        if heldout:
-            manifest["heldout"] = write_heldout(tmp / HELDOUT_DIR, heldout, opts, manifest["num_groups"])
-        atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    log.info("wrote %d chunks in %d shards to %s in %.1f s", next_id, num_shards, opts.out, time.time() - started)
+
+    manifest = publish_corpus(opts, tokenizer, heldout, write_shards)
+    log.info("wrote %d chunks in %d shards to %s in %.1f s", manifest["num_documents"], num_shards, opts.out,
+             time.time() - started)
     return manifest

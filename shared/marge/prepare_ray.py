@@ -58,14 +58,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from marge.prepare import (HELDOUT_DIR, PrepareError, PrepareOptions, RawDocument, TokenizerSample, _Chunk,
-                           _Stats, check_document, check_input, corpus_manifest, document_pieces, folder_files,
-                           input_bytes, input_order, is_heldout_group, jsonl_lines, load_tokenizer, normalized_hash,
-                           parse_jsonl_line, read_folder_file, shard_columns, train_tokenizer, write_corpus_shard,
-                           write_heldout)
+from marge.prepare import (PrepareError, PrepareOptions, RawDocument, TokenizerSample, _Chunk, _Stats, check_document,
+                           check_input, corpus_manifest, document_pieces, folder_files, input_bytes, input_order,
+                           is_heldout_group, jsonl_lines, load_tokenizer, normalized_hash, parse_jsonl_line,
+                           publish_corpus, read_folder_file, shard_columns, train_tokenizer, write_corpus_shard)
 from marge.tokenizer import MargeTokenizer
-from marge.artifacts import atomic_directory
-from marge.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -755,29 +752,26 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
     log.info("writing %d shards", int(np.count_nonzero(per_shard)))  # a shard no group hashed to is left out
     heldout = _heldout_documents(heldout_files)
     intermediate_files = {sub: sum(1 for _ in os.scandir(work / sub)) for sub in INTERMEDIATE_FOLDERS}
-    with atomic_directory(opts.out, overwrite=opts.overwrite) as tmp:
-        (tmp / "shards").mkdir()
-        tokenizer.save(tmp)
+
+    def write_shards(folder: Path) -> dict:
         by_shard = _items([{"file": f} for f in chunk_files]).map_batches(
             _chunks_with_their_shard, batch_size=1, batch_format="pyarrow", compute=_tasks(workers, len(chunk_files)),
             fn_kwargs={"seed": opts.seed, "num_shards": num_shards})
-        written = list(_shuffled(by_shard, ["shard"], shard_groups, _write_shards, workers=workers, corpus=str(tmp),
+        written = list(_shuffled(by_shard, ["shard"], shard_groups, _write_shards, workers=workers, corpus=str(folder),
                                  per_shard=per_shard))
         infos = sorted((json.loads(r["info"]) for r in written), key=lambda i: i["shard"])
         clock.lap("write_shards")
         lang_counts = Counter()
         for r in written:
             lang_counts.update(json.loads(r["languages"]))
-        manifest = corpus_manifest(
+        return corpus_manifest(
             opts, tokenizer, infos, sum(r["groups"] for r in written), lang_counts, sum(r["tokens"] for r in written),
             sum(r["aligned"] for r in written), stats, sample_summary,
             {"name": "ray", "shard_assignment": "hash", "workers": workers, "read_tasks": len(tasks),
              "document_partitions": partitions, "chunk_partitions": chunk_partitions, "shard_groups": shard_groups,
              "intermediate_files": intermediate_files, "stage_seconds": clock.seconds})
-        if heldout:
-            manifest["heldout"] = write_heldout(tmp / HELDOUT_DIR, heldout, opts, manifest["num_groups"])
-        atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    return manifest
+
+    return publish_corpus(opts, tokenizer, heldout, write_shards)
 
 
 def account_rejected(rejected: Rejected, opts: PrepareOptions, stats: _Stats) -> None:
