@@ -12,6 +12,7 @@ from services.batcher.config import BatcherConfig
 from services.batcher.core import DocumentStore, epoch_batches
 from marge.corpus import Corpus
 from marge.index_store import IndexStoreError, latest_version
+from marge.protocol import BatchId
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +174,49 @@ def test_the_schedule_is_a_function_of_the_slot_and_switches_versions_at_fixed_s
                           versions.get)
     with pytest.raises(RuntimeError, match="built from snapshot 4, not 5"):
         wrong.batch(14)
+
+
+def test_builders_share_no_shard_and_a_resumed_builder_passes_over_shards_by_their_counts(small_index, small_corpus,
+                                                                                          tmp_path):
+    """With two builders each takes every other shard of a pass, so their batches never overlap and together
+    they are the one builder's; a builder started deep inside a version (a resume) gives its slots the same
+    batches as one that ran from the start, and with the shard counts on the run's storage it reads only the
+    shard it resumes in."""
+    from marge.protocol import Slots, VersionPlan
+    from services.batcher.schedule import BatchSchedule
+
+    corpus, cfg = Corpus.open(small_corpus), BatcherConfig(max_tokens=400, plan_ahead=False)  # reads counted exactly
+    plan, versions = VersionPlan(reindex_every=1000, lag=0), {0: small_index}
+    one_pass = batches(small_index, DocumentStore(corpus))
+    two = Slots(world=4, grad_accum=1, builders=2)
+
+    def schedule(group, store, counts_root=None):
+        return BatchSchedule(store, cfg, 0, two, plan, versions.get, group=group, counts_root=counts_root)
+
+    per_group = {}
+    for group in (0, 1):
+        sequence = schedule(group, DocumentStore(corpus), tmp_path / "counts").batches(0)
+        per_group[group] = [next(sequence) for _ in range(len(one_pass) + 4)]
+        assert all(two.group_of(slot) == group for slot, _ in per_group[group])
+    shards = {g: {BatchId.parse(b.batch_id).shard for _, b in pairs if BatchId.parse(b.batch_id).epoch == 0}
+              for g, pairs in per_group.items()}
+    assert shards[0] and shards[1] and not shards[0] & shards[1]
+    first_pass = sorted(b.batch_id for pairs in per_group.values() for _, b in pairs if b.batch_id.split("-")[1] == "e0")
+    assert first_pass == sorted(b.batch_id for b in one_pass)  # between them, the one builder's pass, once
+    with pytest.raises(ValueError, match="belongs to builder 1"):
+        schedule(0, DocumentStore(corpus)).batch(2)
+
+    late = len(per_group[0]) - 3  # past the end of the first pass: a resume inside the second
+    start = per_group[0][late][0]
+    for counts_root in (tmp_path / "counts", None):
+        store = DocumentStore(corpus, cache_mb=0)
+        resumed = schedule(0, store, counts_root).batches(start)
+        assert [next(resumed)[1].batch_id for _ in range(3)] == [b.batch_id for _, b in per_group[0][late:]]
+        needed = len({BatchId.parse(b.batch_id).position.rsplit("-", 1)[0] for _, b in per_group[0][late:]})
+        if counts_root is not None:  # known counts: only the shards of the batches it builds were read
+            assert store.reads == needed and list(counts_root.glob("v000000-g0-*.jsonl"))
+        else:  # planned its way there: the shards before it as well
+            assert store.reads > len(shards[0]) + needed
 
 
 # --- the document store: one shard at a time ------------------------------------------------------------

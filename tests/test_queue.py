@@ -14,7 +14,8 @@ import pytest
 import redis
 
 from marge.batch import Batch
-from marge.protocol import BatchId, BatchQueue, ProtocolError, Slots, VersionPlan, decode_batch, encode_batch, entry_id
+from marge.protocol import (BatchId, BatchQueue, ProtocolError, Slots, VersionPlan, decode_batch, encode_batch, entry_id,
+                           slot_of_entry)
 
 
 def make_batch(i: int, rng=np.random.default_rng(0)) -> Batch:
@@ -311,6 +312,47 @@ def test_the_batcher_writes_one_round_trip_per_batch(redis_server, monkeypatch):
     assert [q.get(n, block_ms=10).batch.batch_id for n in (0, 1, 39)] == ["v0-e0-s0-0", "v0-e0-s0-1", "v0-e0-s0-39"]
 
 
+def test_builders_write_their_own_ranks_slots_side_by_side_each_once_behind_its_own_cursor(redis_server):
+    """Three builders over five ranks x 2 micro-batches: each writes only its group's slots, in order, with one
+    round trip a batch, while the others write theirs; a replay request is builder 0's alone; a reset moves
+    every cursor back to its group's first slot of the update, and a builder restarted there writes nothing twice."""
+    from services.batcher.writer import write_slots
+
+    slots = Slots(world=5, grad_accum=2, builders=3)
+    q = BatchQueue.connect(redis_server.url, "t-builders", slots)
+    last = 4 * slots.per_step  # four updates
+    written: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def run(group: int) -> None:
+        write_slots(q, lambda slot, _: make_batch(slot) if slot < last else None, lambda slot, placed: 0, 100,
+                    threading.Event(), lambda batch, slot: written[group].append(slot), group)
+
+    threads = [threading.Thread(target=run, args=(g,)) for g in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for group in range(3):
+        assert written[group] == [n for n in range(last) if slots.group_of(n) == group]
+        assert q.next_slot(group) == slots.first_slot_of_group(group, 4)
+    assert sorted(n for w in written.values() for n in w) == list(range(last))
+    assert q.counts()["produced"] == last and q.next_slot() == slots.first_slot_of_group(0, 4)
+    for n in range(last):
+        assert q.get(n, block_ms=10).batch.batch_id == f"v0-e0-s0-{n}"
+
+    q.r.rpush(q.keys.replay_requests, "9-0")
+    assert q.position(1) == (slots.first_slot_of_group(1, 4), None, {})  # other builders never see a request
+    assert q.position(0)[1] == "9-0"
+    q.r.delete(q.keys.replay_requests)
+    q.reset_from(2)
+    assert [q.next_slot(g) for g in range(3)] == [slots.first_slot_of_group(g, 2) for g in range(3)] == [20, 22, 26]
+    for group in range(3):
+        written[group].clear()
+    run(1)  # a restarted builder from its cursor: slots of updates 2-3 again, the same batches
+    assert written[1] == [n for n in range(20, last) if slots.group_of(n) == 1]
+    assert q.get(23, block_ms=10).batch.batch_id == "v0-e0-s0-23"
+
+
 def test_the_batcher_follows_a_moved_cursor_and_places_a_requested_replay(redis_server):
     from services.batcher.writer import write_slots
 
@@ -425,7 +467,7 @@ def test_a_group_resumed_below_the_last_commit_resets_the_queue_to_its_checkpoin
     from services.trainer.source import RedisSource
 
     job = SimpleNamespace(redis_url=redis_server.url, paths=SimpleNamespace(name="t1a"),
-                          trainer=SimpleNamespace(num_workers=2, grad_accum=1))
+                          trainer=SimpleNamespace(num_workers=2, grad_accum=1), batch_builders=1)
     source = RedisSource(job, 0, resumed_step=2)
     q = source.queue
     fill(q, range(8))
@@ -437,9 +479,36 @@ def test_a_group_resumed_below_the_last_commit_resets_the_queue_to_its_checkpoin
     assert q.committed_step() == 3 and q.get(6, block_ms=10) is not None
     with caplog.at_level("WARNING"):
         source.agree_with(2)
-    assert "resumed from the checkpoint of update 2, below the last commit (update 3)" in caplog.text
+    assert "resumed from the checkpoint of update 2 (last commit: update 3)" in caplog.text
     assert q.committed_step() == 2 and q.next_slot() == 4 and q.r.xlen(q.keys.slots(0)) == 0
     assert q.counts()["trained"] == 4  # updates 0-1; update 2 is trained again
+
+
+def test_a_stream_holds_the_look_ahead_and_a_group_restarted_past_its_progress_resets_the_queue(redis_server, caplog):
+    """A rank's progress drops its trained updates from its stream (the stream holds the look-ahead, not a
+    checkpoint interval); a group that Ray Train restarts from the last commit after its ranks went past it finds
+    those slots gone and resets the queue, so the builders write them again; a group starting where the ranks
+    stand changes nothing."""
+    from types import SimpleNamespace
+
+    from services.trainer.source import RedisSource
+
+    job = SimpleNamespace(redis_url=redis_server.url, paths=SimpleNamespace(name="t1p"),
+                          trainer=SimpleNamespace(num_workers=2, grad_accum=1), batch_builders=1)
+    source = RedisSource(job, 0)
+    q = source.queue
+    fill(q, range(8))
+    for rank in (0, 1):
+        q.commit(rank, 1, [(rank, f"v0-e0-s0-{rank}")])
+    q.progress(0, 3)
+    q.progress(1, 2)
+    assert [slot_of_entry(e.decode()) for e, _ in q.r.xrange(q.keys.slots(0))] == [6]  # updates 0-2 dropped
+    assert [slot_of_entry(e.decode()) for e, _ in q.r.xrange(q.keys.slots(1))] == [5, 7]
+    assert q.pending() == 3 and not q.needs_reset(3) and q.needs_reset(1)
+    with caplog.at_level("WARNING"):
+        source.agree_with(1)  # restarted from the checkpoint of update 1, the last commit
+    assert "resetting the queue to update 1" in caplog.text and "trained again" not in caplog.text
+    assert q.next_slot() == 2 and q.pending() == 0 and q.counts()["trained"] == 2 and not q.needs_reset(1)
 
 
 def test_a_checkpoint_read_that_fails_with_an_io_error_is_tried_again_before_an_older_one_is_taken(caplog):
@@ -486,7 +555,7 @@ def test_a_stale_rank_that_wakes_after_its_replacement_started_can_write_nothing
     from services.trainer.source import RedisSource
 
     job = SimpleNamespace(redis_url=redis_server.url, paths=SimpleNamespace(name="t1f"), deadline_unix=None,
-                          trainer=SimpleNamespace(num_workers=2, grad_accum=1), queue=SimpleNamespace(block_ms=10))
+                          trainer=SimpleNamespace(num_workers=2, grad_accum=1), queue=SimpleNamespace(block_ms=10), batch_builders=1)
     stale, replacement = RedisSource(job, 0), RedisSource(job, 0)
     stale.join_generation(stale.start_generation())
     fill(stale.queue, range(8))

@@ -1,10 +1,12 @@
-"""The batcher stage on Ray: writes every slot's batch into the trainers' Redis streams, in slot order.
+"""The batcher stage on Ray: `batcher.builders` batch builders, each writing its group of ranks' slots into their
+Redis streams, in slot order.
 
-Shown on the Ray dashboard as `marge-batcher`. Which batch a slot holds is decided by the deterministic
-schedule (`services.batcher.schedule`); the actor only follows the queue's cursor (`next_slot`), waits for
-the index version a slot needs, and waits while it is `lookahead` updates ahead of the slowest rank. Killed,
-Ray restarts it (and its `run`) and it carries on from the cursor; if the cursor moves back (a resumed run, a
-Redis restart that lost its last writes) it writes those slots again, identically.
+Shown on the Ray dashboard as `marge-batcher-<n>`. Which batch a slot holds is decided by the deterministic
+schedule (`services.batcher.schedule`); a builder only follows its cursor in the queue (`next_slot:<n>`), waits
+for the index version a slot needs, and waits while it is `lookahead` updates ahead of the slowest rank. The
+builders share nothing but the queue. Killed, Ray restarts one (and its `run`) and it carries on from its cursor;
+if the cursor moves back (a resumed run, a Redis restart that lost its last writes) it writes those slots again,
+identically.
 """
 
 from __future__ import annotations
@@ -49,12 +51,15 @@ def poisoned(batch: Batch) -> Batch:
 
 @ray.remote(num_cpus=0, max_concurrency=4, max_restarts=-1, max_task_retries=-1)
 class Batcher:
-    """Gets its section, the queue's, the run's paths, seed, slot layout and version plan, and the queue's address."""
+    """One batch builder. Gets its section, the queue's, the run's paths, seed, slot layout and version plan, the
+    queue's address, and which builder it is (`group`, of `slots.builders`)."""
 
     def __init__(self, cfg: BatcherConfig, queue: QueueConfig, paths: RunPaths, seed: int, redis_url: str,
-                 slots: Slots, plan: VersionPlan, faults: FaultsConfig | None = None, shape: BatchShape = BatchShape()):
+                 slots: Slots, plan: VersionPlan, faults: FaultsConfig | None = None, shape: BatchShape = BatchShape(),
+                 group: int = 0):
         setup_logging()
         self.cfg, self.paths, self.seed, self.slots, self.plan, self.shape = cfg, paths, seed, slots, plan, shape
+        self.group = group
         self.faults = faults or FaultsConfig()
         self.lookahead_steps = max(1, math.ceil(queue.max_depth / slots.per_step))
         self.docs = DocumentStore(Corpus.open(paths.corpus), cfg.shard_cache_mb)
@@ -65,7 +70,7 @@ class Batcher:
         self.cross_share_sum = 0.0
         self.tokens_sum = 0
         self.waiting_for_version: int | None = None
-        m = self.metrics = StageMetrics("batcher", paths.name, worker="0")
+        m = self.metrics = StageMetrics("batcher", paths.name, worker=str(group))
         m.counter("marge_batches_produced", "Batches written to the queue")
         m.gauge("marge_batcher_next_slot", "The first slot not written yet")
         m.gauge("marge_batcher_index_version", "Index version batches are built from")
@@ -81,14 +86,16 @@ class Batcher:
         return index
 
     def run(self) -> None:
-        """Write slots from the queue's cursor on, until stopped (`services.batcher.writer.write_slots`)."""
-        schedule = BatchSchedule(self.docs, self.cfg, self.seed, self.slots, self.plan, self._version, self.shape)
+        """Write this builder's slots from its cursor on, until stopped (`services.batcher.writer.write_slots`)."""
+        schedule = BatchSchedule(self.docs, self.cfg, self.seed, self.slots, self.plan, self._version, self.shape,
+                                 self.group, self.paths.batch_counts)
 
         def scheduled(slot: int, replays_before: int) -> Batch | None:
             batch = schedule.batch(slot, replays_before)
             return poisoned(batch) if batch is not None and slot == self.faults.poison_slot else batch
 
-        write_slots(self.queue, scheduled, schedule.replays_before, self.lookahead_steps, self._stop, self._count)
+        write_slots(self.queue, scheduled, schedule.replays_before, self.lookahead_steps, self._stop, self._count,
+                    self.group)
 
     def _count(self, batch: Batch, slot: int) -> None:
         self.produced += 1
@@ -105,5 +112,5 @@ class Batcher:
     def stats(self) -> dict:
         return {"produced": self.produced, "produced_by_version": dict(self.produced_by_version),
                 "crosslingual_share": self.cross_share_sum / max(1, self.produced),
-                "mean_batch_tokens": self.tokens_sum / max(1, self.produced), "next_slot": self.queue.next_slot(),
+                "mean_batch_tokens": self.tokens_sum / max(1, self.produced), "next_slot": self.queue.next_slot(self.group),
                 "waiting_for_version": self.waiting_for_version, "time": time.time()}

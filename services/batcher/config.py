@@ -28,6 +28,11 @@ class BatcherConfig:
     """Memory for corpus shards kept between their batches (links stay within a shard, so the batcher reads one
     shard at a time; shards that fit stay cached, and a corpus within the budget is read once). 0 keeps only the
     shard in use: the batcher's memory is then bounded by the largest shard, whatever the corpus's size."""
+    builders: int = 1
+    """Batch builders (actors `marge-batcher-<n>`): builder n writes the slots of the n-th of `builders` equal groups
+    of trainer ranks, from every `builders`-th shard of each index version (in the version's seeded shard order),
+    so the builders share no state and any of them can be restarted anywhere. One builder plans about 1,000
+    batches a second; `marge plan` says how many a run needs. Changing it changes which batch each slot holds."""
     plan_ahead: bool = True
     """Plan the next shard's batches in a background thread while this shard's are written, so the trainers do
     not wait for a shard's planning at each shard switch (about 1.5 s per 100k links); the batcher then holds two
@@ -38,7 +43,7 @@ class BatcherConfig:
         at_least(self, "shard_cache_mb", 0)
         at_least(self, "crosslingual_weight", 0)
         at_least(self, "monolingual_weight", 0)
-        positive(self, "seed_lookahead")
+        positive(self, "seed_lookahead", "builders")
         if self.index_lag is not None:
             at_least(self, "index_lag", 0)
 

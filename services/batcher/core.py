@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -118,33 +122,143 @@ def materialize(plan: BatchPlan, docs: ShardTokens, batch_id: BatchId, index_ver
     return dataclasses.replace(batch, batch_id=str(dataclasses.replace(batch_id, content=batch.content_digest())))
 
 
+class Skip:
+    """Batches of a sequence still to be passed over before the first one is yielded (a builder resuming inside
+    an index version's sequence): whole shards are passed over by their batch count, without building a batch."""
+
+    def __init__(self, remaining: int = 0):
+        self.remaining = remaining
+
+
+class BatchCounts:
+    """How many batches each shard gives in each pass of one index version's sequence for one builder, kept on the
+    run's storage (one JSON line per pass and shard, appended as shards are planned), so a builder that resumes
+    deep inside a version passes over whole shards by their count instead of planning them again.
+
+    The file's name carries a digest of everything the counts depend on (the version's graph files, the seed, the
+    builder's group, the batcher's settings and the batch shape), so a rebuilt version or another setting never
+    reads another's counts. A line that does not parse (a torn append) is ignored; every writer writes the same
+    numbers, so a line written twice does no harm."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        self._known: dict[tuple[int, int], int] | None = None
+
+    @classmethod
+    def for_version(cls, root: Path, version: IndexVersion, cfg: BatcherConfig, shape: BatchShape, seed: int,
+                    group: int, builders: int) -> "BatchCounts | None":
+        graphs = [(int(s["shard"]), s.get("graph_file_sha256")) for s in version.shards]
+        if any(digest is None for _, digest in graphs):
+            return None  # a version without graph checksums cannot be told from a rebuilt one
+        settings = {"graphs": graphs, "seed": seed, "group": group, "builders": builders,
+                    "batcher": [cfg.max_tokens, cfg.crosslingual_weight, cfg.monolingual_weight, cfg.seed_lookahead],
+                    "shape": dataclasses.asdict(shape)}
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+        return cls(Path(root) / f"v{version.version:06d}-g{group}-{digest}.jsonl")
+
+    def _load(self) -> dict[tuple[int, int], int]:
+        if self._known is None:
+            self._known = {}
+            if self.path.exists():
+                for line in self.path.read_text(errors="replace").splitlines():
+                    try:
+                        record = json.loads(line)
+                        self._known.setdefault((int(record["epoch"]), int(record["shard"])), int(record["batches"]))
+                    except (ValueError, KeyError, TypeError):
+                        continue
+        return self._known
+
+    def get(self, epoch: int, shard: int) -> int | None:
+        with self._lock:
+            return self._load().get((epoch, shard))
+
+    def record(self, epoch: int, shard: int, batches: int) -> None:
+        with self._lock:
+            known = self._load()
+            if (epoch, shard) in known:
+                return
+            known[(epoch, shard)] = batches
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.path, "a") as f:
+                    f.write(json.dumps({"epoch": epoch, "shard": shard, "batches": batches}) + "\n")
+            except OSError as e:  # a cache: a builder that cannot write it plans again on its next resume
+                log.warning("batch counts not recorded in %s: %s", self.path, e)
+
+
+def group_order(order: list[int], group: int, builders: int) -> list[int]:
+    """The shards builder `group` of `builders` takes from a pass's seeded shard order: every `builders`-th."""
+    mine = order[group::builders]
+    if not mine and order:
+        raise ValueError(f"batch builder {group} of {builders} gets no shard of a pass over {len(order)} shards: "
+                         "lower batcher.builders or raise indexer.shards_per_version")
+    return mine
+
+
 def epoch_batches(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig, epoch: int, seed: int = 0,
                   shards: list[int] | None = None, stats: dict | None = None,
-                  shape: BatchShape = BatchShape()) -> Iterator[Batch]:
-    """One pass over the graph of `version`: shards in a seeded order, greedy batches within each.
+                  shape: BatchShape = BatchShape(), group: int = 0, builders: int = 1, skip: Skip | None = None,
+                  counts: BatchCounts | None = None) -> Iterator[Batch]:
+    """One pass over the graph of `version`: shards in a seeded order (builder `group` of `builders` takes every
+    `builders`-th of them), greedy batches within each.
 
     Batch ids are deterministic (`BatchId`), so the same seed, version and epoch always give the same
-    batches, and the ledger can recognise a batch seen before.
+    batches, and the ledger can recognise a batch seen before. With `skip`, the pass's first `skip.remaining`
+    batches are passed over (whole shards by their count in `counts` when known, else by planning them; no
+    batch is built) and `skip` keeps what is left to pass over when the pass ends first.
     """
     entries = [s for s in version.shards if shards is None or s["shard"] in shards]
     order = [int(entries[j]["shard"]) for j in np.random.default_rng([seed, version.version, epoch]).permutation(len(entries))]
+    order = group_order(order, group, builders)
 
     def plan(k: int):
-        return plan_shard(version, docs, cfg, epoch, seed, order[k], shape, stats)
+        planned = plan_shard(version, docs, cfg, epoch, seed, order[k], shape, stats)
+        if counts is not None:
+            counts.record(epoch, order[k], 0 if planned is None else len(planned[0]))
+        return planned
 
-    # with plan_ahead, shard k+1 is planned in a thread while shard k's batches are materialised and written
-    ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-ahead") if cfg.plan_ahead else None
+    yield from batches_from_shards(order, plan, lambda k: counts.get(epoch, order[k]) if counts else None, skip,
+                                   cfg.plan_ahead, BatchId(version.version, epoch, 0, 0), version.version,
+                                   version.snapshot_step)
+
+
+def batches_from_shards(order: list[int], plan, known_count, skip: Skip | None, plan_ahead: bool, pass_id: BatchId,
+                        index_version: int, snapshot_step: int) -> Iterator[Batch]:
+    """The batches of shards `order` of one pass (`pass_id`: its version and epoch), each shard's from `plan(k)`
+    (its plans and documents, or None), after passing over `skip.remaining` of them (`known_count(k)`: shard k's
+    batch count, or None when only planning tells). With `plan_ahead`, shard k+1 is planned in a thread while
+    shard k's batches are materialised and written."""
+    start, offset, first = 0, 0, None
+    if skip is not None and skip.remaining:
+        for k in range(len(order)):
+            count, planned = known_count(k), None
+            if count is None:
+                planned = plan(k)
+                count = 0 if planned is None else len(planned[0])
+            if count <= skip.remaining:
+                skip.remaining -= count
+                continue
+            start, offset, first = k, skip.remaining, planned
+            skip.remaining = 0
+            break
+        else:
+            return  # the whole pass is passed over
+    ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-ahead") if plan_ahead else None
     try:
-        upcoming = ahead.submit(plan, 0) if ahead and order else None
-        for k, shard in enumerate(order):
-            planned = upcoming.result() if upcoming else plan(k)
+        upcoming = None
+        for k in range(start, len(order)):
+            if k == start:
+                planned = first if first is not None else plan(k)
+            else:
+                planned = upcoming.result() if upcoming else plan(k)
             upcoming = ahead.submit(plan, k + 1) if ahead and k + 1 < len(order) else None
             if planned is None:
                 continue
             plans, shard_docs = planned
-            for n, batch_plan in enumerate(plans):
-                yield materialize(batch_plan, shard_docs, BatchId(version.version, epoch, shard, n), version.version,
-                                  version.snapshot_step)
+            for n in range(offset if k == start else 0, len(plans)):
+                yield materialize(plans[n], shard_docs, dataclasses.replace(pass_id, shard=order[k], number=n),
+                                  index_version, snapshot_step)
             del planned, plans, shard_docs  # this shard's plans and documents go before the one after the next
     finally:
         if ahead:
@@ -180,16 +294,21 @@ NO_INDEX = -1
 
 
 def corpus_epoch_batches(docs: DocumentStore, cfg: BatcherConfig, shape: BatchShape, epoch: int, seed: int = 0,
-                         stats: dict | None = None) -> Iterator[Batch]:
-    """One pass over the corpus without an index ('documents' batches): shards in a seeded order, each shard's
-    documents packed in a seeded order under the token budget. Ids are deterministic, as `epoch_batches`'."""
+                         stats: dict | None = None, group: int = 0, builders: int = 1,
+                         skip: Skip | None = None) -> Iterator[Batch]:
+    """One pass over the corpus without an index ('documents' batches): shards in a seeded order (builder `group`
+    of `builders` takes every `builders`-th), each shard's documents packed in a seeded order under the token
+    budget. Ids are deterministic, and `skip` passes over batches, as `epoch_batches`'."""
     shard_numbers = sorted(docs.shard_numbers)
-    for j in np.random.default_rng([seed, 0, epoch]).permutation(len(shard_numbers)):
-        shard = shard_numbers[j]
-        shard_docs = docs.shard(shard)
+    order = group_order([shard_numbers[j] for j in np.random.default_rng([seed, 0, epoch]).permutation(len(shard_numbers))],
+                        group, builders)
+
+    def plan(k: int):
+        shard_docs = docs.shard(order[k])
         plans, counters = plan_document_batches(shard_docs.doc_ids, shard_docs.lengths(), cfg.max_tokens,
-                                                np.random.default_rng([seed, 0, epoch, shard]), shape.document_cost)
+                                                np.random.default_rng([seed, 0, epoch, order[k]]), shape.document_cost)
         if stats is not None:
             stats["oversized_seeds"] = stats.get("oversized_seeds", 0) + counters["oversized_seeds"]
-        for n, plan in enumerate(plans):
-            yield materialize(plan, shard_docs, BatchId(0, epoch, shard, n), NO_INDEX, NO_INDEX)
+        return plans, shard_docs
+
+    yield from batches_from_shards(order, plan, lambda k: None, skip, False, BatchId(0, epoch, 0, 0), NO_INDEX, NO_INDEX)

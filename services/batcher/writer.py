@@ -1,4 +1,4 @@
-"""The batcher's writing loop: every slot's batch into the queue, in slot order, one round trip per batch.
+"""A batch builder's writing loop: its slots' batches into the queue, in slot order, one round trip per batch.
 
 The loop keeps the cursor and the replay placements it last read, and `BatchQueue.offer` writes only if the
 queue still agrees with them; when it does not (a resumed run moved the cursor back, a Redis restart lost the last
@@ -20,15 +20,15 @@ log = logging.getLogger(__name__)
 
 def write_slots(queue: BatchQueue, batch_for: Callable[[int, int], Batch | None],
                 replays_before: Callable[[int, dict[int, str]], int], lookahead_steps: int, stop: threading.Event,
-                on_written: Callable[[Batch, int], None] = lambda batch, slot: None) -> None:
-    """Write slots from the queue's cursor on until `stop` is set or `batch_for` gives None (stopped while waiting
-    for an index version): a requeued batch if an operator asked for one, else `batch_for(slot, requeued batches
-    placed before it in its version)`. While the slot is `lookahead_steps` updates ahead of the slowest rank, it
-    waits (polling the ranks' progress, not writing)."""
+                on_written: Callable[[Batch, int], None] = lambda batch, slot: None, group: int = 0) -> None:
+    """Write builder `group`'s slots from its cursor on until `stop` is set or `batch_for` gives None (stopped while
+    waiting for an index version): a requeued batch if an operator asked for one (builder 0 only), else
+    `batch_for(slot, requeued batches placed before it in its version)`. While the slot is `lookahead_steps`
+    updates ahead of the slowest rank, it waits (polling the ranks' progress, not writing)."""
     position = None
     while not stop.is_set():
         if position is None:
-            position = queue.position()
+            position = queue.position(group)
         slot, request, placements = position
         if request is not None:
             log.info("batcher: writing requeued dead-letter entry %s into slot %d", request, slot)
@@ -48,6 +48,6 @@ def write_slots(queue: BatchQueue, batch_for: Callable[[int, int], Batch | None]
                 return
         if status == Offer.WRITTEN:
             on_written(batch, slot)
-            position = (slot + 1, None, placements)
+            position = (queue.slots.next_in_group(slot), None, placements)
         else:
             position = None

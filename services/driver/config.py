@@ -200,6 +200,12 @@ class PipelineConfig:
             raise ConfigError(f"batcher.max_tokens must fit one target and one evidence document of "
                               f"data.max_chunk_tokens ({self.data.max_chunk_tokens}) with the objectives' work on them "
                               f"({', '.join(self.objectives.enabled)}): at least {one_pair}, got {self.batcher.max_tokens}")
+        if self.batcher.builders > self.trainer.num_workers:
+            raise ConfigError(f"batcher.builders must be at most trainer.num_workers ({self.trainer.num_workers}): "
+                              f"each builder writes the slots of its own group of ranks; got {self.batcher.builders}")
+        if self.objectives.needs_index and 0 < self.indexer.shards_per_version < self.batcher.builders:
+            raise ConfigError(f"indexer.shards_per_version must be at least batcher.builders ({self.batcher.builders}): "
+                              f"each builder makes its batches from shards of its own; got {self.indexer.shards_per_version}")
         if self.objectives.needs_index:
             self.check_index_schedule()
         if "preset" not in self.model:
@@ -282,7 +288,7 @@ class PipelineConfig:
                               "trainer.num_cpus_per_worker, indexer.num_workers or indexer.num_cpus_per_worker")
 
     def slots(self) -> Slots:
-        return Slots(self.trainer.num_workers, self.trainer.grad_accum)
+        return Slots(self.trainer.num_workers, self.trainer.grad_accum, self.batcher.builders)
 
     def version_plan(self) -> VersionPlan:
         """Which index version serves which update; without an index (`objectives.needs_index` False) one

@@ -2,7 +2,7 @@
 
     driver (this process; a Ray job entrypoint)
      |- IndexCoordinator "marge-indexer-coordinator" -> IndexerWorker "marge-indexer-<i>" x N
-     |- Batcher "marge-batcher" -> Redis stream
+     |- Batcher "marge-batcher-<n>" (batcher.builders) -> Redis streams
      |- TorchTrainer (Ray Train): DDP workers <- Redis stream; rank 0 -> snapshots -> indexer
 
 The stages talk only through files with manifests (snapshots/, index/) and the Redis stream. With no
@@ -36,6 +36,7 @@ from marge.tensorboard import RunBoard
 from marge.train_log import RunFigures, TrainLog, feed
 from marge.snapshot import drop_snapshots_after, latest_snapshot
 from marge.utils import atomic_write_text
+from services.batcher.stats import combined_stats
 from services.driver.config import (PipelineConfig, config_drift, environment_endpoints, probe_files,
                                    with_absolute_paths)
 from services.driver.lock import DriverLock
@@ -79,7 +80,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             with running_stages(cfg, paths, redis.url, floor) as stages:
                 deadline = started + 60 * cfg.run.max_minutes if cfg.run.max_minutes else None
                 job = trainer_job(cfg, redis.url, deadline, resume_from=point.checkpoint)
-                progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batcher,
+                progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batchers,
                                     RunBoard(paths.run_dir, "index", cfg.run.tensorboard), point.step, deadline)
                 try:
                     result = supervise(make_trainer(cfg, job), stages, queue, progress, cfg.run.progress_every_s)
@@ -314,7 +315,7 @@ def trainer_job(cfg: PipelineConfig, redis_url: str | None, deadline_unix: float
     return TrainerJob(cfg.trainer, cfg.objectives, cfg.health, cfg.queue, cfg.paths(), cfg.run.seed, cfg.run.max_steps,
                       heldout_pairs=cfg.data.heldout_pairs, deadline_unix=deadline_unix, redis_url=redis_url,
                       memory_batches=memory_batches, resume_from=resume_from, faults=cfg.faults,
-                      tensorboard=cfg.run.tensorboard)
+                      tensorboard=cfg.run.tensorboard, batch_builders=cfg.batcher.builders)
 
 
 def make_trainer(cfg: PipelineConfig, job: TrainerJob):
@@ -340,11 +341,12 @@ def make_trainer(cfg: PipelineConfig, job: TrainerJob):
 
 @dataclass
 class Stages:
-    """The running indexer and batcher actors, and the object refs of their `run` loops."""
+    """The running indexer and batch builder actors, and the object refs of their `run` loops."""
 
     coordinator: Any
     """None when the run's objectives need no index."""
-    batcher: Any
+    batchers: list[Any]
+    """The batch builders, builder n at n."""
     runs: dict[str, Any]
 
 
@@ -369,13 +371,14 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: 
         coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(
             ix, paths, cfg.version_plan(), len(workers), floor, cfg.run.seed, cfg.faults)
         runs["indexer"] = coordinator.run.remote()
-    batcher = Batcher.options(name="marge-batcher", namespace=namespace).remote(
+    batchers = [Batcher.options(name=f"marge-batcher-{group}", namespace=namespace).remote(
         cfg.batcher, cfg.queue, paths, cfg.run.seed, redis_url, cfg.slots(), cfg.version_plan(), cfg.faults,
-        cfg.batch_shape())
-    runs["batcher"] = batcher.run.remote()
-    loops = [actor for actor in (coordinator, batcher) if actor is not None]
+        cfg.batch_shape(), group) for group in range(cfg.batcher.builders)]
+    for group, batcher in enumerate(batchers):
+        runs[f"batcher {group}" if len(batchers) > 1 else "batcher"] = batcher.run.remote()
+    loops = [actor for actor in (coordinator, *batchers) if actor is not None]
     try:
-        yield Stages(coordinator, batcher, runs)
+        yield Stages(coordinator, batchers, runs)
     finally:
         for loop in loops:
             with contextlib.suppress(Exception):  # best effort: the actor is killed next
@@ -432,7 +435,7 @@ def summarize(paths: RunPaths, queue: BatchQueue, stages: Stages, result, starte
     one of its files at a time."""
     import ray
 
-    bat = ray.get(stages.batcher.stats.remote(), timeout=60)
+    bat = combined_stats(ray.get([b.stats.remote() for b in stages.batchers], timeout=60))
     idx = ray.get(stages.coordinator.stats.remote(), timeout=60) if stages.coordinator is not None else {"history": []}
     figures, refresh = RunFigures(), RefreshCost(idx["history"])
     feed(TrainLog.of_run(paths.run_dir).iter_records(), figures, refresh)

@@ -8,6 +8,7 @@ import time
 from marge.progress import eta_seconds, format_seconds
 from marge.protocol import BatchQueue
 from marge.tensorboard import RunBoard
+from services.batcher.stats import combined_stats
 
 
 log = logging.getLogger("marge.pipeline")  # the run's lines, as `marge pretrain` logs them
@@ -17,9 +18,9 @@ class Progress:
     answer_timeout_s: float = 30.0
     """How long a stage's actor has to answer for its figures before this report is skipped."""
 
-    def __init__(self, max_steps: int, queue: BatchQueue, coordinator, batcher, board: RunBoard | None = None,
+    def __init__(self, max_steps: int, queue: BatchQueue, coordinator, batchers: list, board: RunBoard | None = None,
                  start_step: int = 0, deadline_unix: float | None = None):
-        self.max_steps, self.queue, self.coordinator, self.batcher = max_steps, queue, coordinator, batcher
+        self.max_steps, self.queue, self.coordinator, self.batchers = max_steps, queue, coordinator, batchers
         self.board = board
         self.start_step, self.deadline_unix = start_step, deadline_unix
         """Where this driver's run started (a resumed run: its checkpoint's update), and when `run.max_minutes`
@@ -30,7 +31,7 @@ class Progress:
     def lines(self) -> list[str]:
         import ray
 
-        bat = ray.get(self.batcher.stats.remote(), timeout=self.answer_timeout_s)
+        bat = combined_stats(ray.get([b.stats.remote() for b in self.batchers], timeout=self.answer_timeout_s))
         idx = (ray.get(self.coordinator.stats.remote(), timeout=self.answer_timeout_s) if self.coordinator is not None
                else None)
         counts = self.queue.counts()
@@ -55,7 +56,8 @@ class Progress:
         else:
             out.append("[indexer] building the first index")
         waiting = f" | waiting for index v{bat['waiting_for_version']}" if bat["waiting_for_version"] is not None else ""
-        out.append(f"[batcher] produced {bat['produced']} | next slot {counts['next_slot']} | not yet in a checkpoint "
+        builders = f" by {bat['builders']} builders" if bat["builders"] > 1 else ""
+        out.append(f"[batcher] produced {bat['produced']}{builders} | next slot {counts['next_slot']} | not yet trained "
                    f"{counts['pending']} | dead-lettered {counts.get('dead_lettered', 0)} | cross-lingual share in "
                    f"batches {100 * bat['crosslingual_share']:.0f}%{waiting}")
         r = self.queue.last_step()

@@ -34,3 +34,5 @@ class TrainerJob:
     """Test-only fault injection (marge.faults)."""
     tensorboard: bool = False
     """Rank 0 writes every update's figures to TensorBoard (run.dir/tb/trainer)."""
+    batch_builders: int = 1
+    """The run's batch builders (batcher.builders): whose cursors a queue reset moves back."""

@@ -47,7 +47,7 @@ class RedisSource:
 
     def __init__(self, job: TrainerJob, rank: int, resumed_step: int = 0):
         self.job, self.rank, self.resumed_step = job, rank, resumed_step
-        self.slots = Slots(job.trainer.num_workers, job.trainer.grad_accum)
+        self.slots = Slots(job.trainer.num_workers, job.trainer.grad_accum, job.batch_builders)
         self.queue = BatchQueue.connect(job.redis_url, job.paths.name, self.slots)
 
     def stopping(self) -> bool:
@@ -76,15 +76,16 @@ class RedisSource:
         self.queue.join_generation(generation)
 
     def agree_with(self, step: int) -> None:
-        """A group that resumed below the last commit (its newer checkpoint could not be read, or Ray Train
-        restarted it from the one before) needs the slots since `step` again, which the commits after it trimmed:
-        the queue is reset to `step` (its later ledger entries and retired counts go, the batcher writes the
-        same batches into the same slots again), as the driver does when a run starts. Said in the log."""
-        committed = self.queue.committed_step()
-        if committed > step:
-            log.warning("the trainer group resumed from the checkpoint of update %d, below the last commit (update "
-                        "%d): resetting the queue to update %d (updates %d-%d are trained again, and counted once)",
-                        step, committed, step, step, committed - 1)
+        """A group restarted by Ray Train from the checkpoint of `step` needs the slots since `step` again, which
+        the ranks' progress (and any commit after it) trimmed from the streams: the queue is reset to `step` (its
+        later ledger entries and retired counts go, the builders write the same batches into the same slots
+        again), as the driver does when a run starts. Said in the log."""
+        if self.queue.needs_reset(step):
+            committed = self.queue.committed_step()
+            log.warning("the trainer group resumed from the checkpoint of update %d (last commit: update %d): "
+                        "resetting the queue to update %d; the builders write its slots again%s", step, committed,
+                        step, f" (updates {step}-{committed - 1} are trained again, and counted once)"
+                        if committed > step else "")
             self.queue.reset_from(step)
 
     def progress(self, step: int) -> None:

@@ -52,6 +52,12 @@ class RunPaths:
         return self.run_dir / TRAIN_LOG
 
     @property
+    def batch_counts(self) -> Path:
+        """Each index version's shard batch counts, per builder (`services.batcher.core.BatchCounts`): what lets a
+        resumed builder pass over whole shards."""
+        return self.run_dir / "batch_counts"
+
+    @property
     def ray_train(self) -> Path:
         return self.run_dir / "ray_train"
 

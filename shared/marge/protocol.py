@@ -1,9 +1,9 @@
 """The batches between batcher and trainers, in Redis: one stream per trainer rank, one entry per slot.
 
 Slots. An update (step) s takes B = world x grad_accum batches; slot n = s*B + rank*grad_accum + micro is
-one rank's batch of one update (`Slots`). The batcher fills slots in order with a deterministic sequence
-(services.batcher.schedule), so which batch a slot holds depends on the seed and the index versions,
-never on timing.
+one rank's batch of one update (`Slots`). `batcher.builders` batch builders split the ranks into groups; each
+fills its group's slots in order with a deterministic sequence of its own (services.batcher.schedule), so which
+batch a slot holds depends on the seed, the builder count and the index versions, never on timing.
 
 Message (one stream entry, no pickle anywhere), in the stream of the slot's rank, with entry id `<n+1>-0`:
     v        protocol version ("2")
@@ -13,10 +13,13 @@ Message (one stream entry, no pickle anywhere), in the stream of the slot's rank
     sha256   of header + tokens
 
 Delivery (every slot trained, or dead-lettered, exactly once in the run's final model):
-  * the batcher writes slot n once, together with its cursor `next_slot`, in one script (all or nothing; a
-    second write of slot n, by a restarted batcher or a retried call, changes nothing), and only while slot n's update is fewer than `lookahead`
-    updates ahead of the slowest rank (backpressure: nothing is trimmed or dropped);
-  * rank r reads its slots of update s in order and waits for a missing one; no other rank reads them;
+  * a builder writes slot n once, together with its cursor `next_slot:<builder>`, in one script (all or nothing;
+    a second write of slot n, by a restarted builder or a retried call, changes nothing), and only while slot
+    n's update is fewer than `lookahead` updates ahead of the slowest rank (backpressure: nothing is dropped);
+    one offer's Redis work does not depend on the world size or the builder count;
+  * rank r reads its slots of update s in order and waits for a missing one; no other rank reads them; when
+    it has trained update s, its stream drops the entries of updates <= s, so a stream holds the look-ahead,
+    not a checkpoint interval;
   * a batch counts as trained only when a durable checkpoint covers its update: after the checkpoint of
     update C is reported, each rank trims its stream below slot C*B and records those slots' batches in the
     ledger (batch id -> update, slot), with `committed` = C; a batch recorded twice is counted
@@ -27,19 +30,20 @@ Delivery (every slot trained, or dead-lettered, exactly once in the run's final 
     on the run's storage) keeps every update's slots and batch ids; `marge audit` reads the retired updates'
     slots from it and checks them against those counts, and finds a batch trained twice across the whole run
     there (at commit, only within the window);
-  * a crash before that loses nothing: the resumed run (from checkpoint C) reads slots C*B... again, and
-    whatever Redis lost the batcher writes again, identically (`reset_from`);
+  * a crash before that loses nothing: the resumed run (from checkpoint C) has the queue reset to C
+    (`reset_from`, by the driver as a run starts and by a restarted trainer group's rank 0 when a commit or a
+    rank's progress went past C: `needs_reset`), and the builders write slots C*B... again, identically;
   * a batch that cannot be trained (undecodable, tampered, poison, non-finite loss) is left out of its update
     (a zero-weight substitute keeps the rank in the gradient all-reduce) and, when the checkpoint that covers
     the update is durable, goes to the dead-letter stream with its slot and the reason (once per slot; the
     checkpoint keeps them too, so a crash before the dead letter is written loses none);
-  * `marge queue replay ENTRY` requeues a dead-lettered batch: the batcher writes it into the next slot it
-    writes (recorded in `replays`: slot -> dead-letter entry) and the scheduled batches of that version move
+  * `marge queue replay ENTRY` requeues a dead-lettered batch: builder 0 writes it into the next slot it
+    writes (recorded in `replays`: slot -> dead-letter entry) and its scheduled batches of that version move
     one slot on. A resumed run forgets the placements from its checkpoint on and places those requests again.
 
 What `appendfsync everysec` can still lose: redis-server writes each change to its AOF before it replies, so a
 killed server loses nothing it acknowledged; an operating-system crash or power loss loses up to the last
-second of writes. Batches it loses are written again (the batcher follows the cursor back); a lost commit is made again by
+second of writes. Batches it loses are written again (the builders follow their cursors back); a lost commit is made again by
 the rank's next commit or by a resumed run (commits are idempotent); a dead letter or a replay request of
 that second is lost, or a replay placed again in another slot (`marge audit` reports the slot lost or
 trained twice).
@@ -114,10 +118,20 @@ class QueueConfig:
 
 @dataclass(frozen=True)
 class Slots:
-    """The slot arithmetic of one run's trainers: world size x gradient accumulation batches per update."""
+    """The slot arithmetic of one run's trainers: world size x gradient accumulation batches per update, and which
+    batch builder writes which slots.
+
+    Builder (group) g of `builders` writes the slots of ranks [g*world//builders, (g+1)*world//builders), in slot
+    order; its k-th slot is the k-th batch of its own sequence (`group_index`), so a builder needs nothing from
+    another to know what its slots hold."""
 
     world: int
     grad_accum: int
+    builders: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.builders <= self.world:
+            raise ValueError(f"batch builders must be between 1 and the world size {self.world}, got {self.builders}")
 
     @property
     def per_step(self) -> int:
@@ -131,6 +145,38 @@ class Slots:
 
     def rank_of(self, slot: int) -> int:
         return (slot % self.per_step) // self.grad_accum
+
+    def group_ranks(self, group: int) -> range:
+        """The ranks whose slots builder `group` writes."""
+        return range(group * self.world // self.builders, (group + 1) * self.world // self.builders)
+
+    def group_of_rank(self, rank: int) -> int:
+        return ((rank + 1) * self.builders - 1) // self.world
+
+    def group_of(self, slot: int) -> int:
+        return self.group_of_rank(self.rank_of(slot))
+
+    def group_per_step(self, group: int) -> int:
+        """Slots of one update that builder `group` writes."""
+        return len(self.group_ranks(group)) * self.grad_accum
+
+    def first_slot_of_group(self, group: int, step: int) -> int:
+        """Builder `group`'s first slot of update `step`."""
+        return self.slot(step, self.group_ranks(group).start, 0)
+
+    def next_in_group(self, slot: int) -> int:
+        """The slot its builder writes after `slot`."""
+        group = self.group_of(slot)
+        following = slot + 1
+        if following % self.per_step == 0 or self.rank_of(following) not in self.group_ranks(group):
+            return self.first_slot_of_group(group, self.step_of(slot) + 1)
+        return following
+
+    def group_index(self, slot: int) -> int:
+        """The position of `slot` in its builder's sequence of slots (0, 1, 2, ... over updates)."""
+        group = self.group_of(slot)
+        within = slot - self.first_slot_of_group(group, self.step_of(slot))
+        return self.step_of(slot) * self.group_per_step(group) + within
 
 
 @dataclass(frozen=True)
@@ -180,10 +226,9 @@ class RunKeys:
         """Rank `rank`'s batches, one entry per slot."""
         return f"{self.prefix}:slots:{rank}"
 
-    @property
-    def next_slot(self) -> str:
-        """The first slot the batcher has not written."""
-        return f"{self.prefix}:next_slot"
+    def next_slot(self, group: int = 0) -> str:
+        """The first slot batch builder `group` has not written (its cursor)."""
+        return f"{self.prefix}:next_slot:{group}"
 
     def progress(self, rank: int) -> str:
         """The first update rank `rank` has not trained (backpressure)."""
@@ -418,9 +463,14 @@ class BatchQueue:
 
     # --- producer ----------------------------------------------------------------------------
 
-    def next_slot(self) -> int:
-        value = self.r.get(self.keys.next_slot)
-        return int(value) if value is not None else 0
+    def next_slot(self, group: int | None = None) -> int:
+        """Builder `group`'s cursor (the first of its slots not written); None: the first slot any builder has not
+        written (every slot below it is written)."""
+        if group is not None:
+            value = self.r.get(self.keys.next_slot(group))
+            return int(value) if value is not None else self.slots.first_slot_of_group(group, 0) if self.slots else 0
+        builders = self.slots.builders if self.slots is not None else 1
+        return min(self.next_slot(g) for g in range(builders))
 
     def slowest_progress(self) -> int:
         """The first update the slowest rank has not trained (0 while a rank has not reported yet)."""
@@ -430,16 +480,20 @@ class BatchQueue:
         reported, slowest = pipe.execute()
         return int(slowest[0][1]) if reported >= self._slots().world and slowest else 0
 
-    def position(self) -> tuple[int, str | None, dict[int, str]]:
-        """Where the batcher stands, in one round trip: the cursor (the first slot not written), the oldest replay
-        request (None if none) and where requeued batches went (slot -> dead-letter entry)."""
+    def position(self, group: int = 0) -> tuple[int, str | None, dict[int, str]]:
+        """Where builder `group` stands, in one round trip: its cursor (the first of its slots not written), the
+        oldest replay request (None if none) and where requeued batches went (slot -> dead-letter entry). Requeued
+        batches go into builder 0's slots only: the other builders see no request and no placement."""
         pipe = self.r.pipeline(transaction=False)
-        pipe.get(self.keys.next_slot)
-        pipe.lindex(self.keys.replay_requests, 0)
-        pipe.hgetall(self.keys.replays)
-        cursor, request, placed = pipe.execute()
-        return (int(cursor) if cursor is not None else 0, None if request is None else request.decode(),
-                {int(k): v.decode() for k, v in placed.items()})
+        pipe.get(self.keys.next_slot(group))
+        if group == 0:
+            pipe.lindex(self.keys.replay_requests, 0)
+            pipe.hgetall(self.keys.replays)
+            cursor, request, placed = pipe.execute()
+        else:
+            (cursor,), request, placed = pipe.execute(), None, {}
+        return (int(cursor) if cursor is not None else self._slots().first_slot_of_group(group, 0),
+                None if request is None else request.decode(), {int(k): v.decode() for k, v in placed.items()})
 
     def put(self, slot: int, batch: Batch, lookahead_steps: int, poll_s: float = 0.05,
             should_stop=lambda: False) -> bool:
@@ -477,12 +531,15 @@ class BatchQueue:
 
     _OFFER = """
         local slot, per_step, lookahead, known = tonumber(ARGV[1]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-        local cursor = tonumber(redis.call('GET', KEYS[2]) or '0')
+        local following, takes_replays = ARGV[8], ARGV[9] == '1'
+        local cursor = tonumber(redis.call('GET', KEYS[2]) or ARGV[10])
         if slot < cursor then return {'already', cursor} end
         if known >= 0 then
             if slot > cursor then return {'moved', cursor} end
-            if ARGV[3] == '' and redis.call('LLEN', KEYS[4]) > 0 then return {'replay', cursor} end
-            if redis.call('HLEN', KEYS[5]) ~= known then return {'replays', cursor} end
+            if takes_replays then
+                if ARGV[3] == '' and redis.call('LLEN', KEYS[4]) > 0 then return {'replay', cursor} end
+                if redis.call('HLEN', KEYS[5]) ~= known then return {'replays', cursor} end
+            end
         end
         local slowest = 0
         if redis.call('ZCARD', KEYS[6]) >= tonumber(ARGV[7]) then
@@ -490,37 +547,41 @@ class BatchQueue:
         end
         if math.floor(slot / per_step) >= slowest + lookahead then return {'ahead', slowest} end
         if #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) > 0 then
-            redis.call('SET', KEYS[2], slot + 1)
-            return {'already', slot + 1}
+            redis.call('SET', KEYS[2], following)
+            return {'already', following}
         end
-        redis.call('XADD', KEYS[1], ARGV[2], unpack(ARGV, 8))
-        redis.call('SET', KEYS[2], slot + 1)
+        redis.call('XADD', KEYS[1], ARGV[2], unpack(ARGV, 11))
+        redis.call('SET', KEYS[2], following)
         redis.call('HINCRBY', KEYS[3], 'produced', 1)
         if ARGV[3] ~= '' then
             redis.call('LREM', KEYS[4], 1, ARGV[3])
             redis.call('HSET', KEYS[5], ARGV[1], ARGV[3])
         end
-        return {'written', slot + 1}"""
+        return {'written', following}"""
 
     def offer(self, slot: int, fields: dict[bytes, bytes], lookahead_steps: int, replay_entry: str | None = None,
               placements_known: int | None = None) -> tuple[str, int]:
         """Write `fields` into `slot` if the queue is where the writer thinks it is: one round trip, one script
-        (all or nothing). Returns (`Offer` status, value):
+        (all or nothing), against the cursor of the slot's builder (`Slots.group_of`). Returns (`Offer` status,
+        value):
 
-            written   the entry was written; value: the new cursor
+            written   the entry was written; value: the builder's new cursor (its next slot)
             already   the slot holds an entry (a restarted batcher, or this very call retried after a connection
                       reset hid its reply): nothing changed; value: the cursor
             ahead     the slot's update is `lookahead_steps` or more ahead of the slowest rank; value: its progress
         and, with `placements_known` (the batcher's count of requeued batches placed so far), the changes it must
         read first (`position`): `moved` (the cursor is elsewhere: a resumed run, a Redis restart that lost the last
-        writes), `replay` (an operator asked for a requeue), `replays` (placements changed)."""
+        writes), `replay` (an operator asked for a requeue), `replays` (placements changed); the last two only for
+        builder 0, the one that places requeued batches."""
         slots = self._slots()
+        group = slots.group_of(slot)
         flat = [x for pair in {b"slot": str(slot).encode(), **fields}.items() for x in pair]
         status, value = self.r.eval(
-            self._OFFER, 6, self.keys.slots(slots.rank_of(slot)), self.keys.next_slot, self.counters,
+            self._OFFER, 6, self.keys.slots(slots.rank_of(slot)), self.keys.next_slot(group), self.counters,
             self.keys.replay_requests, self.keys.replays, self.keys.progress_by_rank, slot, entry_id(slot),
             replay_entry or "", slots.per_step, lookahead_steps, -1 if placements_known is None else placements_known,
-            slots.world, *flat)
+            slots.world, slots.next_in_group(slot), "1" if group == 0 else "0", slots.first_slot_of_group(group, 0),
+            *flat)
         return status.decode(), int(value)
 
     def replay_placements(self) -> dict[int, str]:
@@ -586,11 +647,16 @@ class BatchQueue:
     _PROGRESS = FENCE + """
         redis.call('SET', KEYS[1], ARGV[1])
         redis.call('ZADD', KEYS[2], ARGV[1], ARGV[2])
+        redis.call('XTRIM', KEYS[3], 'MINID', ARGV[3])
         return 1"""
 
     def progress(self, rank: int, step: int) -> None:
-        """Rank `rank` has trained every update before `step` (lets the batcher write further ahead)."""
-        self._fenced_eval(self._PROGRESS, [self.keys.progress(rank), self.keys.progress_by_rank], [step, rank])
+        """Rank `rank` has trained every update before `step`: the builders may write further ahead, and the rank's
+        stream drops those updates' entries (a group that resumes from an older checkpoint has the queue reset to
+        it, and the builders write those slots again: `needs_reset`), so a stream holds the look-ahead, not a
+        checkpoint interval."""
+        self._fenced_eval(self._PROGRESS, [self.keys.progress(rank), self.keys.progress_by_rank, self.keys.slots(rank)],
+                          [step, rank, entry_id(step * self._slots().per_step)])
 
     _COMMIT = FENCE + """
         local ledger, window, retired, counters, retired_below = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[7]
@@ -670,9 +736,19 @@ class BatchQueue:
 
     # --- resuming -------------------------------------------------------------------------------
 
+    def needs_reset(self, step: int) -> bool:
+        """Whether a trainer group resuming from the checkpoint of `step` needs `reset_from(step)`: a commit or a
+        rank's progress went past it, so the slots since `step` are trimmed from the streams (or counted as
+        trained) and must be written again."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(self.keys.committed)
+        pipe.zrange(self.keys.progress_by_rank, -1, -1, withscores=True)
+        committed, furthest = pipe.execute()
+        return int(committed or 0) > step or bool(furthest and int(furthest[0][1]) > step)
+
     def reset_from(self, step: int) -> None:
         """Make the queue agree with a run resumed from the checkpoint of `step`: every slot from `step` on
-        is written again (the batcher's sequence is deterministic), ledger entries and dead letters of later
+        is written again (the builders' sequences are deterministic), ledger entries and dead letters of later
         updates go (those slots are trained again), and batches requeued into those slots are requested again
         (placed anew)."""
         slots = self._slots()
@@ -699,7 +775,8 @@ class BatchQueue:
             pipe.zadd(self.keys.progress_by_rank, {str(rank): step})
             if retired_below.get(rank, -1) > first:  # the later updates' retired counts go (below): trained again
                 pipe.hset(self.keys.ledger_retired_below, str(rank), first)
-        pipe.set(self.keys.next_slot, first)
+        for group in range(slots.builders):
+            pipe.set(self.keys.next_slot(group), slots.first_slot_of_group(group, step))
         pipe.hset(self.counters, "produced", first)  # the later slots are written (and counted) again
         pipe.set(self.keys.committed, step)
         for n, entry in reversed(later_replays):
@@ -721,7 +798,7 @@ class BatchQueue:
     # --- accounting ------------------------------------------------------------------------------
 
     def pending(self) -> int:
-        """Written, not yet covered by a durable checkpoint."""
+        """Written, not yet trained (a rank's progress trims its stream)."""
         return sum(int(self.r.xlen(self.keys.slots(r))) for r in range(self._slots().world))
 
     def counts(self) -> dict[str, int]:
