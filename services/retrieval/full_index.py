@@ -300,23 +300,32 @@ def _part_file(work: Path, group: int) -> Path:
     return work / f"part-{group:06d}.faiss"
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
+
+
 def embed_sample_task(corpus_root: str, snapshot_path: str, shards: list[int], work: str,
-                      opts: BuildOptions) -> int:
+                      opts: BuildOptions) -> float:
     """A Ray task: the training sample's shards of one group embedded, each shard's ids and vectors written to the
-    work folder (pass 2 adds them from there instead of embedding them again). Returns the shards done."""
+    work folder (pass 2 adds them from there instead of embedding them again). Returns the worker's peak RSS."""
     corpus, encoder, specials = _task_inputs(corpus_root, snapshot_path, opts)
     for shard in shards:
         ids, vectors = _embed_shard(corpus, shard, encoder, specials, opts)
         _write_atomic(_sample_file(Path(work), shard), lambda f: np.savez(f, ids=ids, vectors=vectors))
-    return len(shards)
+    return peak_rss_mb()
 
 
 def add_shards_task(corpus_root: str, snapshot_path: str, group: int, shards: list[int], work: str,
-                    opts: BuildOptions) -> tuple[int, int, np.ndarray, np.ndarray]:
+                    opts: BuildOptions) -> tuple[int, int, np.ndarray, np.ndarray, float]:
     """A Ray task: a group of consecutive shards embedded (or read back from the training sample) and added to a
     copy of the trained, empty index, written to the work folder as the group's part; returns the group, its
-    documents and the exact top 10 of the recall queries among them (queries x 10: the only arrays that travel
-    through Ray)."""
+    documents, the exact top 10 of the recall queries among them (queries x 10: the only arrays that travel
+    through Ray) and the worker's peak RSS."""
     work_dir = Path(work)
     corpus, encoder, specials = _task_inputs(corpus_root, snapshot_path, opts)
     index = faiss.read_index(str(work_dir / TRAINED_FILE))
@@ -331,7 +340,7 @@ def add_shards_task(corpus_root: str, snapshot_path: str, group: int, shards: li
         index.add_with_ids(np.ascontiguousarray(vectors - mean), ids)
         best_scores, best_ids = _merge_top(best_scores, best_ids, queries @ vectors.T, ids)
     _write_atomic(_part_file(work_dir, group), lambda f: f.write(faiss.serialize_index(index).tobytes()))
-    return group, int(index.ntotal), best_scores, best_ids
+    return group, int(index.ntotal), best_scores, best_ids, peak_rss_mb()
 
 
 def _groups(shards: list[int], count: int) -> list[list[int]]:
@@ -393,8 +402,8 @@ def build_serving_index_ray(run_dir: Path, corpus: Corpus, snapshot: SnapshotInf
     try:
         # pass 1: the training sample embedded by the tasks, the quantisers trained here
         calls = [(*common, shards, str(work), opts) for shards in _groups(plan.sample_shards, workers)]
-        _run_tasks(embed_sample_task, calls, workers, "serving index: embedding the training sample",
-                   lambda call: len(call[2]))
+        peaks = _run_tasks(embed_sample_task, calls, workers, "serving index: embedding the training sample",
+                           lambda call: len(call[2]))
         training = []
         for shard in plan.sample_shards:
             with np.load(_sample_file(work, shard)) as saved:
@@ -411,7 +420,8 @@ def build_serving_index_ray(run_dir: Path, corpus: Corpus, snapshot: SnapshotInf
         results = _run_tasks(add_shards_task, calls, workers, "serving index: embedding shards",
                              lambda call: len(call[3]))
         best_scores, best_ids = _empty_top(len(queries))
-        for group, documents, scores, ids in track(results, "serving index: merging the parts", unit="part"):
+        for group, documents, scores, ids, peak in track(results, "serving index: merging the parts", unit="part"):
+            peaks.append(peak)
             part = faiss.read_index(str(_part_file(work, group)))
             if part.ntotal != documents:
                 raise ServingIndexError(f"{_part_file(work, group)}: {part.ntotal} documents, its task added {documents}")
@@ -420,7 +430,8 @@ def build_serving_index_ray(run_dir: Path, corpus: Corpus, snapshot: SnapshotInf
             _part_file(work, group).unlink()
             best_scores, best_ids = _merge_top(best_scores, best_ids, scores, ids)
         return _commit(run_dir, snapshot, opts, plan, index, mean, queries, best_ids, started,
-                       {"name": "ray", "workers": workers, "tasks": len(groups)})
+                       {"name": "ray", "workers": workers, "tasks": len(groups),
+                        "worker_peak_rss_mb": round(max(peaks), 1)})
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
