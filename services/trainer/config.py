@@ -13,17 +13,12 @@ COMPILE_SCOPES = ("layers", "model")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-    num_workers: int = 2
-    """DDP ranks (Ray Train workers); each takes `grad_accum` batches per update."""
-    use_gpu: bool = False
-    """One GPU per DDP rank (NCCL for its tensors); the run is refused where the cluster has too few."""
+class OptimizerConfig:
+    """The optimizer's settings, one set of names and meanings for pre-training (`TrainerConfig`) and fine-tuning
+    (`services.trainer.finetune.FinetuneConfig`), both built by `services.trainer.step.build_optimizer`."""
+
     lr: float = 3e-4
     """Peak learning rate (paper: 1e-4 first, 2e-4 later; smaller at first for stability, footnote 3)."""
-    warmup_steps: int = 100
-    """Linear warm-up steps (paper: 10k)."""
-    total_steps: int | None = None
-    """The rate anneals linearly to 0 at this step (paper: linear annealing to 0; default: run.max_steps)."""
     weight_decay: float = 0.01
     """AdamW weight decay of the weight matrices (none on biases, LayerNorms, embeddings and beta)."""
     adam_betas: tuple[float, float] = (0.9, 0.98)
@@ -32,6 +27,25 @@ class TrainerConfig:
     """AdamW's epsilon."""
     clip_norm: float = 1.0
     """Gradient-norm clipping (0 turns it off)."""
+
+    def __post_init__(self) -> None:
+        positive(self, "lr", "adam_eps")
+        at_least(self, "weight_decay", 0)
+        at_least(self, "clip_norm", 0)
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise FieldError("adam_betas", self.adam_betas, "two numbers in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig(OptimizerConfig):
+    num_workers: int = 2
+    """DDP ranks (Ray Train workers); each takes `grad_accum` batches per update."""
+    use_gpu: bool = False
+    """One GPU per DDP rank (NCCL for its tensors); the run is refused where the cluster has too few."""
+    warmup_steps: int = 100
+    """Linear warm-up steps (paper: 10k)."""
+    total_steps: int | None = None
+    """The rate anneals linearly to 0 at this step (paper: linear annealing to 0; default: run.max_steps)."""
     grad_accum: int = 1
     """Batches each rank accumulates per update (DDP all-reduces once, after the last)."""
     bf16: bool = False
@@ -85,17 +99,14 @@ class TrainerConfig:
     """Times Ray Train restarts the trainer group from its newest checkpoint after a worker dies (-1: always)."""
 
     def __post_init__(self) -> None:
-        positive(self, "num_workers", "lr", "grad_accum", "snapshot_every", "checkpoint_every", "keep_checkpoints",
-                 "num_cpus_per_worker", "torch_threads", "adam_eps")
+        super().__post_init__()
+        positive(self, "num_workers", "grad_accum", "snapshot_every", "checkpoint_every", "keep_checkpoints",
+                 "num_cpus_per_worker", "torch_threads")
         at_least(self, "warmup_steps", 0)
         at_least(self, "loss_chunk_tokens", 0)
         if self.total_steps is not None:
             positive(self, "total_steps")
-        at_least(self, "weight_decay", 0)
-        at_least(self, "clip_norm", 0)
         at_least(self, "max_failures", -1)
-        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
-            raise FieldError("adam_betas", self.adam_betas, "two numbers in [0, 1)")
         non_negative_mapping(self, "resources")
         one_of(self, "key_bias", KEY_BIAS_PATHS)
         one_of(self, "compile_scope", COMPILE_SCOPES)

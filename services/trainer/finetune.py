@@ -40,6 +40,7 @@ from marge.model import Marge
 from marge.tasks import PAIR_INPUTS, TASKS, Example, label_counts, label_set, read_task_file
 from marge.tokenizer import MargeTokenizer
 from marge.artifacts import atomic_directory
+from services.trainer.config import OptimizerConfig
 from services.trainer.step import build_optimizer, lr_factor
 
 log = logging.getLogger("marge.finetune")
@@ -49,7 +50,7 @@ METRICS = {"generation": ("chrf", "bleu", "loss"), "classification": ("accuracy"
 
 
 @dataclass(frozen=True, kw_only=True)
-class FinetuneConfig:
+class FinetuneConfig(OptimizerConfig):
     task: str
     train: str
     out: str
@@ -64,12 +65,9 @@ class FinetuneConfig:
     batch_size: int = 16
     """Examples per update, over all workers."""
     lr: float = 1e-4
+    """Peak learning rate (the rest of the optimizer's settings: `OptimizerConfig`)."""
     warmup_steps: int | None = None
     """Linear warm-up, then linear decay to 0 at the last update (None: 6% of the updates)."""
-    weight_decay: float = 0.01
-    adam_betas: tuple[float, float] = (0.9, 0.98)
-    adam_eps: float = 1e-6
-    clip_norm: float = 1.0
     freeze_embeddings: bool = False
     freeze_decoder_layers: int = 0
     """Freeze the first N decoder layers (self-attention-only layers first)."""
@@ -104,9 +102,8 @@ class FinetuneConfig:
             positive(self, "steps")
         if self.epochs is not None:
             positive(self, "epochs")
-        positive(self, "batch_size", "lr", "workers", "adam_eps")
-        at_least(self, "weight_decay", 0)
-        at_least(self, "clip_norm", 0)
+        super().__post_init__()
+        positive(self, "batch_size", "workers")
         at_least(self, "freeze_decoder_layers", 0)
         at_least(self, "patience", 0)
         at_least(self, "classifier_dropout", 0)

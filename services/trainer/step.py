@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,7 +27,7 @@ from torch import nn
 from marge.batch import Batch
 from marge.model import Marge
 from marge.protocol import Slots
-from services.trainer.config import COMPILE_SCOPES, TrainerConfig
+from services.trainer.config import COMPILE_SCOPES, OptimizerConfig, TrainerConfig
 from services.trainer.inputs import substitute_batch, untrainable
 from services.trainer.objectives import Objectives, PreparedBatch, apply_objective_settings
 
@@ -64,18 +63,9 @@ class StepRecord:
     """(slot, reason) of the batches that could not be trained."""
 
 
-class OptimizerSettings(Protocol):
-    """What the optimizer is built from: pre-training's `TrainerConfig` and fine-tuning's `FinetuneConfig` both have
-    these fields (one set of names, one meaning, one builder)."""
-
-    lr: float
-    weight_decay: float
-    adam_betas: tuple[float, float]
-    adam_eps: float
-
-
-def build_optimizer(model: nn.Module, cfg: OptimizerSettings, fused: bool | None = None) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; no weight decay on biases, LayerNorms, embeddings and beta.
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, fused: bool | None = None) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; no weight decay on biases, LayerNorms, embeddings and beta. `cfg`:
+    pre-training's `TrainerConfig` or fine-tuning's `FinetuneConfig`, both an `OptimizerConfig`.
 
     On CUDA it is the fused kernel (one launch for every parameter instead of several per tensor, and no read of
     the step counters back to the host); on CPU the default for-each implementation, whose results the fused one
