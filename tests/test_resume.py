@@ -1,4 +1,5 @@
-"""Resuming DDP ranks: rank 0 verifies the checkpoint once and the others load its choice without verifying it.
+"""Resuming DDP ranks: rank 0 verifies the checkpoint once and the others load its choice without verifying it, from
+a checkpoint of either format (1: one process wrote everything; 2: sharded, each rank reads its share).
 
 Two real gloo ranks (torch.distributed, spawned processes) resume from checkpoints on disk; each counts the sha256
 verifications it made (`marge.artifacts.verify_checksums`)."""
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from marge.checkpoint import checkpoint_dir_name, save_checkpoint
+from marge.checkpoint import checkpoint_dir_name, save_checkpoint, save_checkpoint_v1
 from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
 
 
@@ -56,16 +57,17 @@ def resume_two_ranks(root: Path, out: Path) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.fixture
-def checkpoints(tmp_path: Path) -> Path:
+@pytest.fixture(params=[1, 2], ids=["format1", "format2"])
+def checkpoints(tmp_path: Path, request) -> Path:
+    save = save_checkpoint_v1 if request.param == 1 else save_checkpoint
     model, optimizer, scheduler = tiny_training()
     tokenizer_dir = stand_in_tokenizer(tmp_path / "tok")
     root = tmp_path / "ckpt"
     for step in (6, 12):
         with torch.no_grad():
             next(model.parameters()).flatten()[0] = float(step)  # which checkpoint a rank loaded
-        save_checkpoint(root / checkpoint_dir_name(root, step), model, optimizer, scheduler, step, tokenizer_dir,
-                        {"tokens_seen": 100 * step})
+        save(root / checkpoint_dir_name(root, step), model, optimizer, scheduler, step, tokenizer_dir,
+             {"tokens_seen": 100 * step})
     return root
 
 
@@ -78,7 +80,9 @@ def test_rank_zero_alone_verifies_and_every_rank_loads_its_choice(checkpoints: P
 
 
 def test_a_corrupt_newest_checkpoint_sends_every_rank_to_the_older_one(checkpoints: Path, tmp_path: Path):
-    (checkpoints / "step-00000012" / "model.safetensors").write_bytes(b"torn")
+    newest = checkpoints / "step-00000012"
+    torn = newest / "model.safetensors" if (newest / "model.safetensors").exists() else newest / "state" / "__0_0.distcp"
+    torn.write_bytes(b"torn")
     rank0, rank1 = resume_two_ranks(checkpoints, tmp_path / "out")
     assert rank0["step"] == rank1["step"] == 6
     assert rank0["weight"] == rank1["weight"] == 6.0

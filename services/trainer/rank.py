@@ -11,9 +11,12 @@ The loop itself (next batches → update → record → snapshot/health → log 
                   rank's slots gathered, so rank 0's record covers the whole update
     snapshot      rank 0 publishes g for the indexer (which builds on its own) and measures retrieval health
     log           rank 0 sets the gauges and publishes the record in Redis for the driver's progress lines
-    checkpoint    all ranks report the training state (every rank's batches, the ones it left out, and RNG); once
-                  it is durable each rank dead-letters the ones it could not train and commits the rest: only then
-                  do they count (marge.protocol), so a crash anywhere loses none of them and counts none twice
+    checkpoint    all ranks start writing the training state, each its share (marge.checkpoint, format 2), rank 0
+                  with every rank's batches, the ones it left out, and RNG, and go on training while it is written;
+                  at the first update boundary where every rank's part is durable and the manifest written (or
+                  before the next checkpoint, or at the end) they report it to Ray Train, and each rank
+                  dead-letters the ones it could not train and commits the rest: only then do they count
+                  (marge.protocol), so a crash anywhere loses none of them and counts none twice
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from marge.checkpoint import complete_checkpoints, load_model_shell, load_model_weights, rng_state, set_rng_state
+from marge.checkpoint import CheckpointWrite, complete_checkpoints, load_model_shell, load_model_weights, rng_state, set_rng_state
 from marge.corpus import Corpus
 from marge.metrics import StageMetrics
 from marge.protocol import Delivery, Slots
@@ -39,7 +43,7 @@ from services.trainer.job import TrainerJob
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
 from services.trainer.objectives import apply_objective_settings, objectives_for
 from services.trainer.source import source_for
-from services.trainer.state import report_checkpoint, resume
+from services.trainer.state import begin_checkpoint, report_checkpoint, resume
 from services.trainer.inputs import untrainable
 from services.trainer.source import BatchSource
 from services.trainer.step import (DDP_SETTINGS, Backward, Item, apply_execution_settings, build_optimizer,
@@ -153,8 +157,13 @@ class Rank:
         # a rank that resumes reads the checkpoint, not the init weights as well (at 963M parameters, 3.9 GB a rank)
         resumable = bool(ray.train.get_checkpoint() or job.resume_from or complete_checkpoints(job.paths.checkpoints))
         self.model, self.optimizer, self.scheduler = self.training_state(job, from_init_weights=not resumable)
+        self.checkpoint_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        """The checkpoint's own gloo group: its writes' collectives run in a thread while training uses the default
+        group, and two threads must not interleave collectives on one group."""
+        self.pending: PendingCheckpoint | None = None
+        """The checkpoint being written, whose batches are committed once it is durable."""
         resumed = resume(self.model, self.optimizer, self.scheduler, self.device, self.rank, job.resume_from,
-                         job.paths.checkpoints)
+                         job.paths.checkpoints, group=self.checkpoint_group)
         if resumable and resumed.step == 0:  # no checkpoint could be read after all: start from the init weights
             self.model, self.optimizer, self.scheduler = self.training_state(job, from_init_weights=True)
         self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
@@ -221,6 +230,7 @@ class Rank:
     def run(self) -> None:
         try:
             self.step = self.loop.run(self.step)
+            self.finish_checkpoint()  # the last one's batches count once it is durable
         finally:
             self.board.close()
 
@@ -247,9 +257,12 @@ class Rank:
                     break
                 taken.append((delivery, None))
         have = len(taken) == self.slots.grad_accum and not self.source.stopping()  # a stop counts at this boundary
-        ready = torch.tensor([1.0 if have else 0.0])
+        written = self.pending is None or self.pending.write.done()
+        ready = torch.tensor([1.0 if have else 0.0, 1.0 if written else 0.0])
         dist.all_reduce(ready, op=dist.ReduceOp.MIN)  # a host decision on a host tensor (gloo): no device sync
-        if ready.item() != 1:
+        if self.pending is not None and ready[1].item() == 1:  # every rank's part is durable: its batches count now
+            self.finish_checkpoint()
+        if ready[0].item() != 1:
             return None  # nothing trained: the same slots are read again later
         if self.prefetcher is not None and step + 1 < self.job.max_steps:
             self.prefetcher.start(step + 1)  # read and prepared while this update trains
@@ -321,17 +334,43 @@ class Rank:
         os._exit(17)
 
     def checkpoint(self, step: int) -> None:
-        """Report the state (every rank's uncommitted batches and RNG), then commit this rank's batches."""
+        """Start writing the state (every rank's uncommitted batches and RNG) and go on training; the batches
+        count once it is durable (`finish_checkpoint`). A checkpoint still being written is finished first."""
+        self.finish_checkpoint()
         dead = [(d.slot, d.fields, reason) for d, reason in self.uncommitted_dead]
         gathered = self.gather({"trained": self.uncommitted, "dead": dead, "rng": rng_state()})
-        report_checkpoint(self.rank, step, self.model, self.optimizer, self.scheduler, self.corpus_root,
-                          [item for part in gathered for item in part["trained"]],
-                          [item for part in gathered for item in part["dead"]], [part["rng"] for part in gathered],
-                          self.tokens_seen, self.last_metrics, self.job)
+        write = begin_checkpoint(self.rank, step, self.model, self.optimizer, self.scheduler, self.corpus_root,
+                                 [item for part in gathered for item in part["trained"]],
+                                 [item for part in gathered for item in part["dead"]], [part["rng"] for part in gathered],
+                                 self.tokens_seen, self.job, self.checkpoint_group)
+        self.pending = PendingCheckpoint(write, dict(self.last_metrics), self.uncommitted, self.uncommitted_dead)
+        self.uncommitted, self.uncommitted_dead = [], []
+
+    def finish_checkpoint(self) -> None:
+        """Once the pending checkpoint is complete on every rank (waiting for it if need be): report it, then
+        dead-letter this rank's batches it left out and commit the ones it trained. Every rank calls it at the
+        same update (a collective)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        step = pending.write.step
+        report_checkpoint(self.rank, pending.write, pending.metrics)
         self.fault_point("after_report", step)
-        dist.barrier()  # ranks other than 0 return from report before rank 0's upload is done: commit after it
+        dist.barrier()  # ranks other than 0 return from report before rank 0's report is done: commit after it
         self.fault_point("after_barrier", step)
-        for delivery, reason in self.uncommitted_dead:  # before the commit, which trims the stream below the update
+        for delivery, reason in pending.dead:  # before the commit, which trims the stream below the update
             self.source.dead_letter(delivery, reason)
-        self.source.commit(step, self.committed + self.uncommitted)
-        self.committed, self.uncommitted, self.uncommitted_dead = self.uncommitted, [], []
+        self.source.commit(step, self.committed + pending.trained)
+        self.committed = pending.trained
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint being written and what counts once it is durable."""
+    write: CheckpointWrite
+    metrics: dict
+    """What rank 0 reports to Ray Train with it (the metrics of its update)."""
+    trained: list[tuple[int, str]]
+    """(slot, batch id) this rank trained in the checkpoint's interval."""
+    dead: list[tuple[Delivery, str]]
+    """Deliveries this rank could not train in the interval, and why."""

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from marge.checkpoint import (CheckpointError, checkpoint_dir_name, complete_checkpoints, read_manifest,
-                              restore_training, save_checkpoint)
+from marge.checkpoint import (CheckpointError, CheckpointWrite, checkpoint_dir_name, complete_checkpoints,
+                              read_manifest, restore_training)
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,8 @@ class Resumed:
     """This rank's RNG state at the checkpoint: set last, once everything that draws at start-up is built."""
 
 
-def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None, checkpoints: Path) -> Resumed:
+def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None, checkpoints: Path,
+           group=None) -> Resumed:
     """The checkpoint this rank continues from (update, target tokens seen, the batches it covers), restored
     into the arguments.
 
@@ -36,9 +37,11 @@ def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None,
     `fallback` (the newest good one the driver found) and the newest good one in `checkpoints` (the run's
     storage). Storage counts because Ray registers a checkpoint only after every rank's report reached its
     controller: a rank killed in between makes Ray restart from the one before, whose batches later ranks
-    may already have committed. Rank 0 verifies and chooses; the others load its choice unverified (the
-    verdict is broadcast), so the checkpoint is verified once. Every rank resumes from the same update
-    (checked); each gets its own RNG back."""
+    may already have committed. Rank 0 checks the manifest (the small files' sha256, every part there with its
+    size; a format 1 checkpoint's every file) and the verdict is broadcast; then every rank restores together
+    (`restore_training`: a format 2 checkpoint is read a 1/world share per rank, on `group`, the rest broadcast;
+    each rank checks the sha256 of the tensors it read), and a checkpoint any rank fails to read sends every rank
+    to the next older one. Every rank resumes from the same update (checked); each gets its own RNG back."""
     import ray.train
     import torch
     import torch.distributed as dist
@@ -56,29 +59,40 @@ def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None,
     candidates += [(checkpoint_step(path), 0, str(path)) for path in complete_checkpoints(checkpoints)]
     candidates.sort(reverse=True)  # newest first; of equal updates, Ray's
     distributed = dist.is_available() and dist.is_initialized()
-    loaded, chosen = None, None
-    if rank == 0 or not distributed:
-        # Rank 0 alone reads the checkpoint twice (sha256 against the manifest, then the load); the other ranks
-        # load the one it chose without verifying it: one read each, not three (at 256 ranks and an 11 GB
-        # checkpoint, 2.8 TB from the shared filesystem instead of 8.5 TB).
-        for step_key, preference, path in candidates:
+    order = [[(s, pref) for s, pref, _ in candidates]]
+    if distributed:
+        dist.broadcast_object_list(order, src=0)  # rank 0's candidates, in its order
+    loaded = None
+    for key in order[0]:
+        path = next((p for s, pref, p in candidates if (s, pref) == tuple(key)), None)
+        verdict = [None]
+        if rank == 0:
             try:
-                loaded = with_io_retries(lambda: restore_training(Path(path), model, optimizer, scheduler, device),
-                                         f"reading checkpoint {path}")
-                chosen = (step_key, preference)
-                break
+                with_io_retries(lambda: read_manifest(Path(path), verify=True), f"verifying checkpoint {path}")
+                verdict = [path]
             except (CheckpointError, OSError, ValueError, KeyError) as e:
                 log.warning("rank %d: checkpoint %s cannot be used (%s); trying an older one", rank, path, e)
-    if distributed:
-        verdict = [chosen]
-        dist.broadcast_object_list(verdict, src=0)
-        chosen = verdict[0]
-        if rank != 0 and chosen is not None:
-            path = next((p for s, pref, p in candidates if (s, pref) == tuple(chosen)), None)
-            if path is None:
-                raise RuntimeError(f"rank {rank} does not see the checkpoint of update {chosen[0]} that rank 0 "
-                                   f"resumes from: every rank must see the same checkpoint storage ({checkpoints})")
-            loaded = restore_training(Path(path), model, optimizer, scheduler, device, verify=False)
+        if distributed:
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is None:
+            continue
+        if path is None:
+            raise RuntimeError(f"rank {rank} does not see the checkpoint of update {key[0]} that rank 0 "
+                               f"resumes from: every rank must see the same checkpoint storage ({checkpoints})")
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: any rank's read error
+
+        try:
+            loaded = restore_training(Path(path), model, optimizer, scheduler, device, verify=False, group=group)
+        except (CheckpointError, OSError, ValueError, KeyError, RuntimeError, CheckpointException) as e:
+            log.warning("rank %d: checkpoint %s cannot be read (%s); trying an older one", rank, path, e)
+            loaded = None
+        if distributed:
+            failed = torch.tensor([0 if loaded is not None else 1])
+            dist.all_reduce(failed)  # a host decision on a host tensor (gloo)
+            if int(failed):
+                loaded = None
+        if loaded is not None:
+            break
     step = int(loaded["step"]) if loaded else 0
     if distributed:
         bounds = torch.tensor([step, -step])  # a host decision on a host tensor (gloo)
@@ -124,28 +138,42 @@ def checkpoint_step(path) -> int:
         return -1
 
 
-def report_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenizer_dir: Path,
-                      trained: list[tuple[int, str]], dead: list[tuple[int, dict, str]], rng_by_rank: list,
-                      tokens_seen: int, metrics: dict, job) -> None:
-    """All ranks call report; rank 0 attaches the checkpoint: weights, optimizer, schedule, update, every rank's
-    RNG, the (slot, batch id) every rank trained since the previous checkpoint and the (slot, fields, reason) of
-    those it left out. Ranks other than 0 may return before rank 0's upload is done: the caller barriers after
-    it. A run resumed from an older checkpoint writes an update again into a new folder (`step-N-1`): Ray deletes
-    old checkpoints by folder, and the abandoned one it still lists must not take the new one with it."""
+def begin_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenizer_dir: Path,
+                     trained: list[tuple[int, str]], dead: list[tuple[int, dict, str]], rng_by_rank: list,
+                     tokens_seen: int, job, group) -> CheckpointWrite:
+    """Every rank starts writing its part of the checkpoint of update `step` into the run's checkpoint storage
+    and returns to training (`CheckpointWrite`: a host copy of its share, then a thread). Rank 0 adds the rest:
+    optimizer param groups, schedule, every rank's RNG, the (slot, batch id) every rank trained since the previous
+    checkpoint and the (slot, fields, reason) of those it left out, then the manifest once every part is durable.
+    The folder is named by rank 0: a run resumed from an older checkpoint writes an update again into a new
+    folder (`step-N-1`), never into the one it abandoned (Ray deletes old checkpoints by folder)."""
+    import torch.distributed as dist
+
+    name = [checkpoint_dir_name(job.paths.checkpoints, step) if rank == 0 else None]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    extra = {"trained_since_previous": trained, "dead_since_previous": dead, "rng_by_rank": rng_by_rank,
+             "tokens_seen": tokens_seen}
+    return CheckpointWrite(Path(job.paths.checkpoints) / name[0], model, optimizer, scheduler, step, tokenizer_dir,
+                           extra, group=group, background=True,
+                           before_manifest=crash_point(job, step) if rank == 0 else None)
+
+
+def report_checkpoint(rank: int, write: CheckpointWrite, metrics: dict) -> None:
+    """Wait for a checkpoint to be complete (every part durable, the manifest written), then report it to Ray
+    Train: all ranks call report; rank 0 names the folder, already in place in Ray's storage (Ray copies nothing
+    and registers it, for its restarts and its pruning). Ranks other than 0 may return before rank 0's report is
+    done: the caller barriers after it."""
     import ray.train
     from ray.train import Checkpoint
 
+    write.wait()
     if rank == 0:
-        with tempfile.TemporaryDirectory(prefix="marge-ckpt-") as tmp:
-            crash = crash_point(job, step)
-            save_checkpoint(Path(tmp), model, optimizer, scheduler, step, tokenizer_dir,
-                            {"trained_since_previous": trained, "dead_since_previous": dead, "rng_by_rank": rng_by_rank,
-                             "tokens_seen": tokens_seen},
-                            before_manifest=crash)
-            ray.train.report({**metrics, "step": step}, checkpoint=Checkpoint.from_directory(tmp),
-                             checkpoint_dir_name=checkpoint_dir_name(job.paths.checkpoints, step))
+        with tempfile.TemporaryDirectory(prefix="marge-ckpt-") as empty:
+            ray.train.report({**metrics, "step": write.step}, checkpoint=Checkpoint.from_directory(empty),
+                             checkpoint_dir_name=write.directory.name)
     else:
-        ray.train.report({"step": step})
+        ray.train.report({"step": write.step})
 
 
 def crash_point(job, step: int):
