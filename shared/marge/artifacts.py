@@ -207,6 +207,16 @@ def remove(path: Path, ignore_errors: bool = False) -> None:
 
 
 @dataclass(frozen=True)
+class Artifact:
+    """One committed folder of a series, as a reader holds it: the number the series orders it by (a snapshot's
+    step, an index's version), the folder, and its manifest as read. Each series names the number its own way."""
+
+    number: int
+    path: Path
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Series:
     """Versioned folders side by side under one root (`step-00000200`, `v000003`), each an artifact committed
     by its manifest, and optionally a LATEST pointer naming the newest.

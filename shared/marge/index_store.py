@@ -19,7 +19,6 @@ which manifest fields.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +46,12 @@ class IndexStoreError(artifacts.ArtifactError):
     """A published index is incomplete or corrupt (the message names the file)."""
 
 
-@dataclass(frozen=True)
-class IndexVersion:
-    version: int
-    path: Path
-    manifest: dict[str, Any]
+class IndexVersion(artifacts.Artifact):
+    """A committed index version: `number` is its version."""
+
+    @property
+    def version(self) -> int:
+        return self.number
 
     @property
     def snapshot_step(self) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +42,47 @@ from marge.batch import framed_rows
 # ----------------------------------------------------------------------------------------------------
 
 
+class ArchitectureConfig:
+    """What every architecture's config (`MargeConfig`, `marge.veco.VecoConfig`) does besides holding its fields
+    (a frozen dataclass's, with `d_model` and `num_heads`): its head width, its plain values to save, a saved config
+    read back, field overrides and the named presets."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def upgraded(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """A saved config's values as this version's fields take them (`from_dict`): what older versions saved
+        dropped or given the meaning it had then. None to upgrade here."""
+        return values
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Self:
+        values = cls.upgraded(dict(values))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**values)
+
+    def with_overrides(self, **overrides: Any) -> Self:
+        return replace(self, **overrides)
+
+    @classmethod
+    def from_preset(cls, presets: dict[str, dict[str, Any]], name: str, overrides: dict[str, Any],
+                    what: str = "model") -> Self:
+        """The architecture `presets` names `name`, with field overrides (validated like any other config)."""
+        if name not in presets:
+            raise ValueError(f"unknown {what} preset {name!r}; choose one of {sorted(presets)}")
+        return cls(**{**presets[name], **overrides})
+
+
 @dataclass(frozen=True, kw_only=True)
-class MargeConfig:
+class MargeConfig(ArchitectureConfig):
     """Architecture of one MARGE model. Built only through `MargeConfig(...)`/`preset()`, validated there."""
 
     vocab_size: int
@@ -114,32 +153,17 @@ class MargeConfig:
         if self.relevance_pooling not in ("bos", "mean"):
             raise ValueError(f"model.relevance_pooling must be 'bos' or 'mean', got {self.relevance_pooling!r}")
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "MargeConfig":
-        values = dict(values)
+    def upgraded(cls, values: dict[str, Any]) -> dict[str, Any]:
         for name in EXECUTION_FIELDS:  # saved by older versions in the architecture; they change no weight
             values.pop(name, None)
         for name, neutral in RETIRED_FIELDS.items():  # options removed because they showed no measured benefit
             if name in values and values.pop(name) != neutral:
                 raise ValueError(f"this model was saved with {name}, an option that no longer exists: load it with "
                                  "the version of marge that trained it")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown model config field(s) {unknown}; known fields: {sorted(known)}")
         # A config saved before `embedding_layernorm` existed describes a model without that norm (its
         # checkpoint or snapshot has no such tensors), not today's default.
-        return cls(**{"embedding_layernorm": False, **values})
-
-    def with_overrides(self, **overrides: Any) -> "MargeConfig":
-        return replace(self, **overrides)
+        return {"embedding_layernorm": False, **values}
 
 
 def check_shared_fields(cfg: Any, positive_ints: tuple[str, ...]) -> None:
@@ -212,9 +236,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def preset(name: str, **overrides: Any) -> MargeConfig:
     """The named architecture, with optional field overrides (validated like any other config)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-    return MargeConfig(**{**PRESETS[name], **overrides})
+    return MargeConfig.from_preset(PRESETS, name, overrides)
 
 
 # ----------------------------------------------------------------------------------------------------

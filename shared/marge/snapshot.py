@@ -14,9 +14,7 @@ snapshot. This module keeps the schema: which files, which manifest fields.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -35,11 +33,12 @@ class SnapshotError(artifacts.ArtifactError):
     pass
 
 
-@dataclass(frozen=True)
-class SnapshotInfo:
-    step: int
-    path: Path
-    manifest: dict[str, Any]
+class SnapshotInfo(artifacts.Artifact):
+    """A committed snapshot: `number` is the update it was taken at."""
+
+    @property
+    def step(self) -> int:
+        return self.number
 
     @property
     def model_config(self) -> MargeConfig:

@@ -24,7 +24,7 @@ Tensor-shape legend (suffixes on variable names):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from marge.model import Attention, FeedForward, check_shared_fields, count_parameters, embed, init_parameters
+from marge.model import (ArchitectureConfig, Attention, FeedForward, check_shared_fields, count_parameters, embed,
+                         init_parameters)
 
 FAMILY = "veco"
 """The model family this module builds (MARGE's is `marge.model`); configs do not carry it as a field."""
@@ -43,7 +44,7 @@ FAMILY = "veco"
 
 
 @dataclass(frozen=True, kw_only=True)
-class VecoConfig:
+class VecoConfig(ArchitectureConfig):
     """Architecture of one VECO model. Built only through `VecoConfig(...)`/`veco_preset()`, validated there."""
 
     vocab_size: int
@@ -71,24 +72,6 @@ class VecoConfig:
         if not isinstance(self.embedding_layernorm, bool):
             raise ValueError(f"model.embedding_layernorm must be true or false, got {self.embedding_layernorm!r}")
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "VecoConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown model config field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**values)
-
-    def with_overrides(self, **overrides: Any) -> "VecoConfig":
-        return replace(self, **overrides)
-
 
 VECO_PRESETS: dict[str, dict[str, Any]] = {
     # Seconds on a laptop CPU. Depth 6 = marge tiny's 3 encoder + 1 local + 2 cross decoder layers, so that
@@ -105,9 +88,7 @@ VECO_PRESETS: dict[str, dict[str, Any]] = {
 
 def veco_preset(name: str, **overrides: Any) -> VecoConfig:
     """The named architecture, with optional field overrides (validated like any other config)."""
-    if name not in VECO_PRESETS:
-        raise ValueError(f"unknown VECO model preset {name!r}; choose one of {sorted(VECO_PRESETS)}")
-    return VecoConfig(**{**VECO_PRESETS[name], **overrides})
+    return VecoConfig.from_preset(VECO_PRESETS, name, overrides, what="VECO model")
 
 
 # ----------------------------------------------------------------------------------------------------
