@@ -201,7 +201,7 @@ def test_a_submitted_job_trains_while_the_indexer_is_scaled_and_every_stage_repo
     assert all(v["staleness_at_first_use"] >= 0 for v in refresh["per_version"] if v["first_use_step"] is not None)
 
     # the stages were named actors in the run's namespace while it ran
-    assert {"marge-indexer-coordinator", "marge-indexer-0", "marge-indexer-1", "marge-batcher"} <= stages_seen
+    assert {"marge-indexer-coordinator", "marge-indexer-0", "marge-indexer-1", "marge-batcher-0"} <= stages_seen
 
     # the job used the Redis of MARGE_REDIS_URL_FILE (the test's server), not a private one in the run folder, and
     # its password is nowhere the job API shows (the job's runtime env and entrypoint)

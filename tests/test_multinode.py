@@ -327,7 +327,7 @@ def test_the_job_runs_across_three_namespaced_nodes(cluster, small_corpus, tmp_p
     assert sorted(trainers) == [c.trainer_node.address] * 2, where
     assert where.get("marge-indexer-0") == [c.indexer_node.address], where
     assert c.indexer_node.address not in trainers  # the indexer is on another node than rank 0 (and rank 1)
-    assert where.get("marge-batcher") and where.get("marge-indexer-coordinator")  # num_cpus=0: any node
+    assert where.get("marge-batcher-0") and where.get("marge-indexer-coordinator")  # num_cpus=0: any node
     # a second indexer worker on a node that joins now, while the job trains; the next version records it
     c.start_worker(c.spare_node, {"marge_indexer": 1}, cpus=1)
     c.wait_nodes({n.address for n in c.net.nodes[:4]})

@@ -353,6 +353,39 @@ def test_builders_write_their_own_ranks_slots_side_by_side_each_once_behind_its_
     assert q.get(23, block_ms=10).batch.batch_id == "v0-e0-s0-23"
 
 
+def test_a_builder_waiting_far_ahead_follows_a_reset_to_an_older_checkpoint(redis_server):
+    """A builder that waits for room far ahead of the ranks (it wrote up to the look-ahead) when a restarted trainer
+    group resets the queue to an older checkpoint goes back and writes the slots the ranks now wait for, instead
+    of waiting for progress that cannot come until it does."""
+    from services.batcher.writer import write_slots
+
+    q = BatchQueue.connect(redis_server.url, "t-reset-wait", Slots(1, 1))
+    q.progress(0, 0)
+    written: list[int] = []
+    stop = threading.Event()
+    thread = threading.Thread(target=write_slots, args=(q, lambda slot, _: make_batch(slot), lambda slot, placed: 0, 4,
+                                                        stop, lambda batch, slot: written.append(slot)))
+    thread.start()
+    try:
+        deadline = time.time() + 10
+        while len(written) < 4:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        q.progress(0, 3)  # the ranks trained updates 0-2 (trimmed from the stream); the builder writes up to 6
+        while len(written) < 7:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        q.reset_from(1)  # the group restarts from the checkpoint of update 1
+        while q.r.xlen(q.keys.slots(0)) < 4:
+            assert time.time() < deadline, "the builder did not go back to the reset cursor"
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+    assert written[:7] == list(range(7)) and written[7:] == [1, 2, 3, 4]
+    assert q.get(1, block_ms=10).batch.batch_id == "v0-e0-s0-1"
+
+
 def test_the_batcher_follows_a_moved_cursor_and_places_a_requested_replay(redis_server):
     from services.batcher.writer import write_slots
 

@@ -44,8 +44,8 @@ def write_slots(queue: BatchQueue, batch_for: Callable[[int, int], Batch | None]
             status, _ = queue.offer(slot, fields, lookahead_steps, placements_known=len(placements))
             if status != Offer.AHEAD:
                 break
-            if not queue.wait_for_room(slot, lookahead_steps, should_stop=stop.is_set):
-                return
+            if not queue.wait_for_room(slot, lookahead_steps, should_stop=stop.is_set, cursor_at=True):
+                return  # (the cursor moved while it waited: the next offer says so, and the position is read again)
         if status == Offer.WRITTEN:
             on_written(batch, slot)
             position = (queue.slots.next_in_group(slot), None, placements)

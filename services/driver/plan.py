@@ -26,8 +26,8 @@ and from them
     build time               corpus embedding + linking FLOPs / (indexer workers x indexer FLOP/s)
     trainer wait             per refresh: build time - L x seconds per update, when positive
     staleness (updates)      a batch's trainer step minus the snapshot its index came from: L to L + R - 1
-    Redis memory (peak)      the streams: every slot from the last checkpoint to `queue.max_depth` ahead,
-                             (checkpoint_every + look-ahead) x B messages of 4 bytes a token + header; the
+    Redis memory (peak)      the streams: the slots of the update being trained and the look-ahead
+                             (`queue.max_depth`), (look-ahead + 1) x B messages of 4 bytes a token + header; the
                              ledger's window, 2 x checkpoint_every x B entries; one retired count per update;
                              the last STEP_RECORDS_KEPT step records (`redis_footprint`; per-entry costs measured
                              with MEMORY USAGE by benchmarks/redis_soak.py)
@@ -69,8 +69,9 @@ STEP_RECORD_BYTES = 900
 BUILDER_BATCHES_PER_S = 1070.0
 """Batches one batch builder plans a second: 149,489 batches of <= 2,048 tokens in 139.7 s on one core of a 2-core
 CPU (benchmarks/results/batcher-scale-cpu-2core.json, 10M links)."""
-BATCH_BUILDERS = 1
-"""Batch builders a run has: the one batcher actor (no per-group builders yet)."""
+BUILDER_HEADROOM = 2.0
+"""Batch builders are sized for this multiple of what the trainers need (a builder also plans a shard while it
+waits for the index version it is due, and resumes by planning the shard it resumes in)."""
 OFFER_REDIS_CPU_US = 28.3
 """Redis CPU per batch offered, flat in the world size: 23.8-28.3 us from 8 to 2,048 ranks, the largest taken
 (benchmarks/results/offer-scale-cpu-2core.json; the layout before it cost 24 us at 8 ranks and 665 us at 2,048)."""
@@ -89,8 +90,8 @@ def redis_footprint(cfg: PipelineConfig, mean_document_tokens: float, message: f
                     steps: int | None = None) -> dict:
     """The run's peak Redis memory, part by part (bytes): it does not grow with the run but for 60 bytes an update.
 
-    Just before a checkpoint commits, each rank's stream holds every slot since the previous checkpoint plus the
-    batcher's look-ahead; the ledger holds the last two intervals' batches and a count per older update
+    Each rank's stream holds the update it trains and the builders' look-ahead (a rank's progress drops what it
+    has trained); the ledger holds the last two checkpoint intervals' batches and a count per older update
     (`marge.protocol`)."""
     from marge.protocol import STEP_RECORDS_KEPT
 
@@ -101,7 +102,7 @@ def redis_footprint(cfg: PipelineConfig, mean_document_tokens: float, message: f
     steps = cfg.run.max_steps if steps is None else steps
     interval = min(t.checkpoint_every, steps)
     parts = {
-        "streams": (interval + lookahead_steps) * per_step * (message + STREAM_ENTRY_OVERHEAD_BYTES),
+        "streams": (lookahead_steps + 1) * per_step * (message + STREAM_ENTRY_OVERHEAD_BYTES),
         "ledger_window": 2 * interval * per_step * LEDGER_ENTRY_BYTES,
         "ledger_retired": steps * RETIRED_UPDATE_BYTES,
         "step_records": min(STEP_RECORDS_KEPT, steps) * STEP_RECORD_BYTES,
@@ -167,7 +168,7 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
     parameters = count_parameters(build_on_meta(model_cfg))
     restart_read = parameters * CHECKPOINT_BYTES_PER_PARAMETER
     needed = batches_per_update / seconds_per_update
-    builders = min(BUILDER_BATCHES_PER_S * BATCH_BUILDERS, 1e6 / OFFER_REDIS_CPU_US)
+    builders = min(BUILDER_BATCHES_PER_S * cfg.batcher.builders, 1e6 / OFFER_REDIS_CPU_US)
     redis = redis_footprint(cfg, mean_document_tokens)
     return {
         "documents": documents, "mean_document_tokens": round(mean_document_tokens, 1),
@@ -203,8 +204,10 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
                                                             "cycle") if cfg.indexer.shards_per_version else 1.0),
         "batches_per_s_needed": needed,
         "batches_per_s_builders": builders,
-        "batch_builders": BATCH_BUILDERS,
+        "batch_builders": cfg.batcher.builders,
+        "batch_builders_needed": max(1, math.ceil(BUILDER_HEADROOM * needed / BUILDER_BATCHES_PER_S)),
         "builders_keep_up": builders >= needed,
+        "builders_headroom": builders / needed if needed else math.inf,
         "redis_cpu_share_offers": needed * OFFER_REDIS_CPU_US / 1e6,
         "parameters": parameters,
         "checkpoint_bytes": parameters * CHECKPOINT_BYTES_PER_PARAMETER,
@@ -231,15 +234,17 @@ def describe(plan: dict, cfg: PipelineConfig) -> list[str]:
            f"{plan['grad_accum_for_gpu']}, or fewer trainer workers with more accumulation for the same update"),
         f"batch staleness: {s['min']:.0f} to {s['max']:.0f} updates (mean {s['mean']:.0f}); the batcher writes "
         f"{plan['queue_depth_updates']:.1f} updates ahead",
-        f"Redis memory at its peak (before a checkpoint commits): {redis['peak_bytes'] / 2**20:,.1f} MiB = "
+        f"Redis memory at its peak: {redis['peak_bytes'] / 2**20:,.1f} MiB = "
         + ", ".join(f"{name.replace('_', ' ')} {size / 2**20:,.1f}" for name, size in redis["parts"].items())
-        + f" MiB (streams: trainer.checkpoint_every={cfg.trainer.checkpoint_every} updates of "
-        f"{redis['batches_per_update']} batches; size Redis's maxmemory above it)",
-        f"batches: the trainers need {plan['batches_per_s_needed']:,.0f}/s; {plan['batch_builders']} batch builder "
-        f"plans {BUILDER_BATCHES_PER_S:,.0f}/s and each offer costs Redis {OFFER_REDIS_CPU_US:.0f} us of CPU "
-        f"({100 * plan['redis_cpu_share_offers']:.1f}% of a core at that rate): "
-        + ("keeps up" if plan["builders_keep_up"] else
-           f"does NOT keep up: the trainers wait for batches ({plan['batches_per_s_builders']:,.0f}/s)"),
+        + f" MiB (streams: {redis['lookahead_updates'] + 1} updates of {redis['batches_per_update']} batches; "
+        f"ledger: 2 x trainer.checkpoint_every={cfg.trainer.checkpoint_every} updates; size Redis's maxmemory above it)",
+        f"batches: the trainers need {plan['batches_per_s_needed']:,.0f}/s; {plan['batch_builders']} batch "
+        f"builder(s) plan {plan['batches_per_s_builders']:,.0f}/s ({BUILDER_BATCHES_PER_S:,.0f}/s each) and each "
+        f"offer costs Redis {OFFER_REDIS_CPU_US:.0f} us of CPU ({100 * plan['redis_cpu_share_offers']:.1f}% of a "
+        "core at that rate): "
+        + ("keeps up" if plan["builders_keep_up"] else "does NOT keep up: the trainers wait for batches")
+        + (f"; batcher.builders={plan['batch_builders_needed']} gives {BUILDER_HEADROOM:g}x the need"
+           if plan["builders_headroom"] < BUILDER_HEADROOM else ""),
         f"a restart: every rank reads the whole checkpoint ({plan['parameters'] / 1e6:,.0f}M parameters): "
         f"{plan['restart_read_bytes_per_rank'] / 1e9:,.2f} GB a rank (rank 0 twice: it verifies first), "
         f"{plan['restart_read_bytes_all_ranks'] / 1e9:,.1f} GB over the {cfg.trainer.num_workers} ranks",

@@ -519,13 +519,19 @@ class BatchQueue:
             if self.offer(slot, fields, lookahead_steps, replay_entry=replay_entry)[0] != Offer.AHEAD:
                 return True
 
-    def wait_for_room(self, slot: int, lookahead_steps: int, poll_s: float = 0.05, should_stop=lambda: False) -> bool:
+    def wait_for_room(self, slot: int, lookahead_steps: int, poll_s: float = 0.05, should_stop=lambda: False,
+                      cursor_at: bool = False) -> bool:
         """Wait (polling the ranks' progress) until `slot`'s update is fewer than `lookahead_steps` updates ahead of
-        the slowest rank; False if stopped first."""
+        the slowest rank; False if stopped first. With `cursor_at`, the wait also ends when the cursor of the slot's
+        builder leaves `slot` (a trainer group reset the queue to an older checkpoint: the ranks wait for earlier
+        slots, and their progress will not reach this one until the builder writes those)."""
         slots = self._slots()
+        group = slots.group_of(slot)
         while slots.step_of(slot) >= self.slowest_progress() + lookahead_steps:
             if should_stop():
                 return False
+            if cursor_at and self.next_slot(group) != slot:
+                return True
             time.sleep(poll_s)
         return True
 
