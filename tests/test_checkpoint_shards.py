@@ -51,12 +51,14 @@ def rank_main(rank: int, world: int, port: int, task: str, directory: str, out: 
         report: dict = {}
         if task == "save":
             model, optimizer, scheduler = trained()
+            staging = Path(directory).with_name(f".{Path(directory).name}.staging")
             write = CheckpointWrite(Path(directory), model, optimizer, scheduler, 2, Path(out) / "tok",
-                                    {"tokens_seen": 200}, background=True)
+                                    {"tokens_seen": 200}, background=True, staging=staging)
             with torch.no_grad():  # the update after the checkpoint: must not reach what is written
                 for p in model.parameters():
                     p.add_(1.0)
             write.wait()
+            assert (Path(directory) / "manifest.json").exists() and not staging.exists()  # renamed into place
             report = {"bytes_written": write.bytes_written, "bytes_staged": write.bytes_staged}
         else:
             model, optimizer, scheduler = tiny_training(seed=10 + rank)  # fresh weights, empty optimizer
@@ -149,6 +151,12 @@ def test_an_incomplete_checkpoint_is_never_chosen(tmp_path: Path):
     save_checkpoint(root / "step-00000006", model, optimizer, scheduler, 6, tok, {"tokens_seen": 3})
     assert newest_good_checkpoint(root).name == "step-00000006"
     (root / "step-00000006" / "state" / "__0_0.distcp").unlink()  # a part lost
+    assert newest_good_checkpoint(root).name == "step-00000002"
+    staging = root / ".step-00000008.staging"
+    with pytest.raises(RuntimeError, match="killed before the manifest"):  # written under a staging name
+        CheckpointWrite(root / "step-00000008", model, optimizer, scheduler, 8, tok, {}, staging=staging,
+                        before_manifest=die).wait()
+    assert (staging / "state" / "__0_0.distcp").exists() and not (root / "step-00000008").exists()
     assert newest_good_checkpoint(root).name == "step-00000002"
     part = root / "step-00000002" / "state" / "__0_0.distcp"
     data = bytearray(part.read_bytes())

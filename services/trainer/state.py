@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -146,17 +147,28 @@ def begin_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenize
     optimizer param groups, schedule, every rank's RNG, the (slot, batch id) every rank trained since the previous
     checkpoint and the (slot, fields, reason) of those it left out, then the manifest once every part is durable.
     The folder is named by rank 0: a run resumed from an older checkpoint writes an update again into a new
-    folder (`step-N-1`), never into the one it abandoned (Ray deletes old checkpoints by folder)."""
+    folder (`step-N-1`), never into the one it abandoned (Ray deletes old checkpoints by folder). The ranks write
+    it under a staging name and rank 0 renames it into place with its manifest: storage never holds a `step-*`
+    folder half written."""
     import torch.distributed as dist
 
-    name = [checkpoint_dir_name(job.paths.checkpoints, step) if rank == 0 else None]
+    root = Path(job.paths.checkpoints)
+    name = [None]
+    if rank == 0:
+        name = [checkpoint_dir_name(root, step)]
+        shutil.rmtree(root / staging_name(name[0]), ignore_errors=True)  # left by an attempt cut short
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
     extra = {"trained_since_previous": trained, "dead_since_previous": dead, "rng_by_rank": rng_by_rank,
              "tokens_seen": tokens_seen}
-    return CheckpointWrite(Path(job.paths.checkpoints) / name[0], model, optimizer, scheduler, step, tokenizer_dir,
-                           extra, group=group, background=True,
+    return CheckpointWrite(root / name[0], model, optimizer, scheduler, step, tokenizer_dir, extra, group=group,
+                           background=True, staging=root / staging_name(name[0]),
                            before_manifest=crash_point(job, step) if rank == 0 else None)
+
+
+def staging_name(name: str) -> str:
+    """The folder a checkpoint is written in before rank 0 renames it to `name` (not a `step-*`: never listed)."""
+    return f".{name}.staging"
 
 
 def report_checkpoint(rank: int, write: CheckpointWrite, metrics: dict) -> None:
