@@ -183,7 +183,7 @@ def test_builders_share_no_shard_and_a_resumed_builder_passes_over_shards_by_the
     batches as one that ran from the start, and with the shard counts on the run's storage it reads only the
     shard it resumes in."""
     from marge.protocol import Slots, VersionPlan
-    from services.batcher.schedule import BatchSchedule
+    from services.batcher.schedule import BatchSchedule, RunSchedule
 
     corpus, cfg = Corpus.open(small_corpus), BatcherConfig(max_tokens=400, plan_ahead=False)  # reads counted exactly
     plan, versions = VersionPlan(reindex_every=1000, lag=0), {0: small_index}
@@ -205,6 +205,10 @@ def test_builders_share_no_shard_and_a_resumed_builder_passes_over_shards_by_the
     assert first_pass == sorted(b.batch_id for b in one_pass)  # between them, the one builder's pass, once
     with pytest.raises(ValueError, match="belongs to builder 1"):
         schedule(0, DocumentStore(corpus)).batch(2)
+    # a host that trains every slot itself (the single process) trains what the builders write
+    every = RunSchedule(DocumentStore(corpus), cfg, 0, two, plan, versions.get).batches(0)
+    by_slot = {slot: b.batch_id for pairs in per_group.values() for slot, b in pairs}
+    assert [next(every)[1].batch_id for _ in range(24)] == [by_slot[n] for n in range(24)]
 
     late = len(per_group[0]) - 3  # past the end of the first pass: a resume inside the second
     start = per_group[0][late][0]

@@ -60,13 +60,12 @@ from marge.model import Marge
 from marge.refresh import INDEX_BUILDS
 from marge.tensorboard import RunBoard
 from marge.train_log import TrainLog, UpdateRecord
-from marge.protocol import Slots
 from marge.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_encoder, publish_snapshot, read_snapshot,
                             snapshot_dirname)
 from marge.artifacts import atomic_directory
 from marge.utils import atomic_write_text
 from services.batcher.core import DocumentStore
-from services.batcher.schedule import BatchSchedule, wait_for_version
+from services.batcher.schedule import RunSchedule, wait_for_version
 from marge.config import ConfigError, resumable_keys
 from services.driver.config import PipelineConfig, config_drift, load_config, with_absolute_paths
 from experiments.learning.harness import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
@@ -119,7 +118,7 @@ class Prefetcher:
     version that is not built yet, the thread waits for the main thread to build it.
     """
 
-    def __init__(self, schedule: BatchSchedule, start_step: int, prepare, pin: bool):
+    def __init__(self, schedule: RunSchedule, start_step: int, prepare, pin: bool):
         from concurrent.futures import ThreadPoolExecutor
 
         self.slots = schedule.slots
@@ -220,12 +219,12 @@ class SingleProcessRun:
         self.probe = self.monitor.probe if self.monitor else None
         self.indexer = InProcessIndexer(cfg, self.corpus, device)
         self.docs = DocumentStore(self.corpus, cfg.batcher.shard_cache_mb)
-        self.slots = Slots(cfg.trainer.num_workers, cfg.trainer.grad_accum)
+        self.slots = cfg.slots()
         self.plan = cfg.version_plan()
         self.stop_waiting = threading.Event()
-        self.schedule = BatchSchedule(self.docs, cfg.batcher, cfg.run.seed, self.slots, self.plan,
-                                      lambda v: wait_for_version(self.paths.index, v, self.stop_waiting),
-                                      cfg.batch_shape())
+        self.schedule = RunSchedule(self.docs, cfg.batcher, cfg.run.seed, self.slots, self.plan,
+                                    lambda v: wait_for_version(self.paths.index, v, self.stop_waiting),
+                                    cfg.batch_shape(), self.paths.batch_counts)
         self.train_log = TrainLog(self.paths.train_log)
         self.evals_log = self.out_dir / "checkpoint_evals.jsonl"
 

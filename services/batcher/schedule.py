@@ -138,3 +138,25 @@ class BatchSchedule:
         while (batch := self.batch(slot)) is not None:
             yield slot, batch
             slot = self.slots.next_in_group(slot)
+
+
+class RunSchedule:
+    """Every builder's schedule together: the batch of any slot of the run, for a host that trains every slot
+    itself (the single process), so that it trains what the pipeline's builders would write."""
+
+    def __init__(self, docs: DocumentStore, cfg: BatcherConfig, seed: int, slots: Slots, plan: VersionPlan,
+                 load_version: Callable[[int], IndexVersion | None], shape: BatchShape = BatchShape(),
+                 counts_root: Path | None = None):
+        self.slots = slots
+        self.builders = [BatchSchedule(docs, cfg, seed, slots, plan, load_version, shape, group, counts_root)
+                         for group in range(slots.builders)]
+
+    def batch(self, slot: int) -> Batch | None:
+        return self.builders[self.slots.group_of(slot)].batch(slot)
+
+    def batches(self, start: int) -> Iterator[tuple[int, Batch]]:
+        """(slot, batch) from slot `start` on, every slot in order; stops when `load_version` gives up."""
+        slot = start
+        while (batch := self.batch(slot)) is not None:
+            yield slot, batch
+            slot += 1
