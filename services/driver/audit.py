@@ -21,6 +21,10 @@ batch ids, so its memory does not grow with the run: `account` is that core, fro
 files), `audit` reads them. Beyond the ledger's window and the dead letters it holds only the batches the log shows
 out of their schedule's order (replays), which it counts over the log a second time.
 
+The ledger's retired counts (one per update that left the window: 450,000 at the paper's run length) stay in Redis:
+the account reads them a block of RETIRED_BLOCK updates at a time, as the log goes past (`RetiredCounts`), and sums
+them as it goes, so the audit's memory stays flat in the run's length with them too (`benchmarks/train_log_scale.py`).
+
 The run's Redis is opened as the run left it: a `redis.url` from --redis-url or MARGE_REDIS_URL, else the
 run's private server, started from its AOF for the audit (and stopped again) when it is not running.
 """
@@ -99,24 +103,64 @@ def content_changed(batch_ids) -> list[dict]:
     return [{"position": p, "contents": sorted(c)} for p, c in sorted(contents.items()) if len(c) > 1]
 
 
+RETIRED_BLOCK = 10_000
+"""Updates whose retired counts one HMGET reads (`RetiredCounts`): 45 round trips for the paper's 450,000 updates."""
+
+
+class RetiredCounts(Mapping):
+    """The ledger's retired counts (update -> batches that left the window) read in place in Redis, a block of
+    `block` consecutive updates at a time (one HMGET), holding one block: the account asks for them in update order, so
+    a run of U updates costs U / `block` round trips and the memory of one block, whatever U. Iterating goes through
+    HSCAN (which may give a field twice, as Redis documents; the account does not iterate)."""
+
+    def __init__(self, client, key: str, block: int = RETIRED_BLOCK):
+        self.client, self.key, self.block = client, key, block
+        self._start: int | None = None
+        self._counts: list = []
+
+    def get(self, update: int, default=None):
+        start = update - update % self.block
+        if start != self._start:
+            self._counts = self.client.hmget(self.key, [str(u) for u in range(start, start + self.block)])
+            self._start = start
+        count = self._counts[update - start]
+        return default if count is None else int(count)
+
+    def __getitem__(self, update: int) -> int:
+        count = self.get(update)
+        if count is None:
+            raise KeyError(update)
+        return count
+
+    def __contains__(self, update: object) -> bool:
+        return isinstance(update, int) and self.get(update) is not None
+
+    def __iter__(self) -> Iterator[int]:
+        return (int(k) for k, _ in self.client.hscan_iter(self.key, count=self.block))
+
+    def __len__(self) -> int:
+        return int(self.client.hlen(self.key))
+
+
 @dataclass
 class QueueState:
     """What the audit reads from the run's Redis. The ledger is its window of two checkpoint intervals and the dead
-    letters are few; `retired_by_update` holds one count per update that left the window (Redis keeps it so)."""
+    letters are few; `retired_by_update` has one count per update that left the window, which `of` leaves in Redis
+    (`RetiredCounts`)."""
 
     counts: dict[str, int]
     ledger: dict[str, dict]
     """Batch id -> {"step", "slot"} of the batches in the ledger's window."""
     retired_by_update: Mapping[int, int]
-    """Update -> how many of its batches left the window."""
+    """Update -> how many of its batches left the window (the account asks in update order, with `get`)."""
     dead_letters: list[dict]
 
     @classmethod
     def of(cls, queue: BatchQueue) -> "QueueState":
-        # the ledger before the retired counts: an entry retired in between is then seen twice (harmless), not
-        # missed
+        # the ledger before the retired counts (read later, as the account goes): an entry retired in between is then
+        # seen twice (harmless), not missed
         counts, ledger = queue.counts(), queue.ledger_entries()
-        return cls(counts, ledger, queue.retired_by_update(), queue.dead_letters())
+        return cls(counts, ledger, RetiredCounts(queue.r, queue.keys.ledger_retired), queue.dead_letters())
 
 
 @dataclass
@@ -208,8 +252,9 @@ class _SlotAccount:
         self.covered = checkpoint.step * slots.per_step
         self.ledger_slot = {entry["slot"]: batch_id for batch_id, entry in queue.ledger.items()
                             if entry["slot"] < self.covered}
-        self.retired = queue.retired_by_update  # read in place: one count per update, so not copied
-        self.retired_total = sum(k for s, k in self.retired.items() if s < self.step)
+        self.retired = queue.retired_by_update  # read in place, in update order: one count per update, not copied
+        self.retired_total = 0
+        """The retired counts of updates 0..C-1, summed as each update's slots are settled (every one is)."""
         self.dead_slots = {d["slot"] for d in queue.dead_letters}
         # the checkpoint is the commit point: its last interval counts even if the driver died before the ranks
         # recorded it in Redis (the resumed run records it first thing)
@@ -250,7 +295,7 @@ class _SlotAccount:
             self.update, self.from_log_in_update = update, 0
         if n in self.ledger_slot:
             trained_id = self.ledger_slot[n]
-        elif has_log and update < self.step and update in self.retired:
+        elif has_log and update < self.step and self.retired.get(update) is not None:
             self.from_log_count += 1
             self.from_log_in_update += 1
             if n in self.checkpoint_trained:
@@ -272,8 +317,11 @@ class _SlotAccount:
     def _end_update(self) -> None:
         """An update's slots are settled: the log holds as many of its batches as the ledger retired."""
         u = self.update
-        if u is not None and u < self.step and u in self.retired and self.retired[u] != self.from_log_in_update:
-            self.retired_disagree.append(u)
+        retired = self.retired.get(u) if u is not None and u < self.step else None
+        if retired is not None:
+            self.retired_total += retired
+            if retired != self.from_log_in_update:
+                self.retired_disagree.append(u)
 
     def awaiting(self) -> dict[int, str]:
         """The checkpoint's last interval's trained slots that neither the ledger nor the log gave."""
