@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import pickle
 import random
 from pathlib import Path
 
@@ -280,3 +281,76 @@ def test_the_driver_prepares_a_missing_corpus_on_ray_data_with_the_configured_sa
     manifest = ensure_corpus(cfg).manifest
     assert manifest["engine"]["name"] == "ray" and manifest["engine"]["workers"] == 1
     assert manifest["tokenizer"]["sample"] == {lang: {"lines": 1, "sampled": 1} for lang in ("de", "en", "zh")}
+
+
+def test_held_out_pairs_staged_by_group_partition_merge_into_the_single_process_files(tmp_path):
+    """The workers' held-out split (`_heldout_pairs` per partition of groups, `_write_heldout` merging the staged
+    files) is the file `write_heldout` writes from every document at once, with the per-direction cap biting."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from marge.prepare import write_heldout
+
+    docs = []
+    for i in range(60):  # groups in several languages, some aligned by paragraph, some in one language only
+        for lang in ("de", "en", "fr")[: 1 + i % 3]:
+            aligned = i % 4 == 0
+            text = "\n\n".join(f"{lang} paragraph {p} of page {i} with words" for p in range(2))
+            docs.append(RawDocument(f"s{i}", f"{lang}{i}", f"page-{(i * 7) % 60:02d}", lang, text,
+                                    ("p0", "p1") if aligned else None, order=len(docs)))
+    docs.append(RawDocument("s", "en-again", "page-03", "en", "a second English page 3", None, order=len(docs)))
+    opts = PrepareOptions(inputs=[tmp_path], out=tmp_path / "out", heldout_permille=500, max_pairs_per_direction=9)
+    expected = write_heldout(tmp_path / "local", docs, opts, train_groups=10)
+
+    def table(part: list[RawDocument]) -> pa.Table:
+        return pa.Table.from_pylist([{"order": d.order, "source": d.source, "doc_id": d.doc_id, "group": d.group,
+                                      "lang": d.lang, "text": d.text, "paragraph_ids": d.paragraph_ids}
+                                     for d in part])
+
+    (tmp_path / "work" / "heldout-pairs").mkdir(parents=True)
+    staged, pair_files, groups = [], [], 0
+    for k in range(3):  # documents staged as the de-duplication does (three partitions, each in input order) ...
+        staged.append(str(tmp_path / f"docs-{k}.parquet"))
+        pq.write_table(table([d for d in docs if d.order % 3 == k]), staged[-1], row_group_size=5)
+    for k in range(4):  # ... and shuffled by group into four partitions, each given in another order
+        part = [d for d in docs if hash(d.group) % 4 == k][::-1]
+        row = prepare_ray._heldout_pairs(table(part), str(tmp_path / "work"), opts.max_pairs_per_direction)
+        row = row.to_pylist()[0]
+        groups += row["groups"]
+        pair_files += [row["file"]] if row["file"] else []
+    written = prepare_ray._write_heldout(
+        pa.Table.from_pylist([{"documents": json.dumps(staged), "pairs": json.dumps(pair_files)}]),
+        str(tmp_path / "ray"), opts.max_pairs_per_direction).to_pylist()[0]
+    assert (groups, written["documents"], written["pairs"]) == (expected["groups"], expected["documents"],
+                                                                 expected["pairs"])
+    assert expected["pairs"] == 9 * 3  # de-en, de-fr, en-fr: each cut at 9
+    for name in ("documents.jsonl.gz", "pairs.tsv"):
+        read = gzip.open if name.endswith(".gz") else open
+        with read(tmp_path / "local" / name, "rb") as x, read(tmp_path / "ray" / name, "rb") as y:
+            assert x.read() == y.read(), name
+
+
+def test_the_tokenizer_sample_merged_by_worker_tasks_is_the_sample_of_the_whole(tmp_path, monkeypatch):
+    """Partition samples staged and merged SAMPLE_FAN_IN at a time, over two levels: the sample of the whole."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = documents("en", 300, 4) + documents("de", 50, 3, start=300)
+    whole = TokenizerSample(120, seed=7)
+    for d in docs:
+        whole.add(d.lang, d.order, d.text)
+    (tmp_path / "tokenizer-sample").mkdir()
+    files = []
+    for k in range(7):
+        path = tmp_path / f"part-{k}.parquet"
+        pq.write_table(pa.Table.from_pylist([{"lang": d.lang, "order": d.order, "text": d.text}
+                                             for d in docs if d.order % 7 == k]), path)
+        row = prepare_ray._tokenizer_sample(pa.table({"file": [str(path)]}), 120, 7, str(tmp_path))
+        files.append(row.column("file")[0].as_py())
+    monkeypatch.setattr(prepare_ray, "SAMPLE_FAN_IN", 3)
+    while len(files) > 1:  # what `tokenizer_sample` does with Ray Data: 7 -> 3 -> 1
+        groups = [json.dumps(files[i:i + 3]) for i in range(0, len(files), 3)]
+        files = [prepare_ray._merge_tokenizer_samples(pa.table({"files": [g]}), 120, 7, str(tmp_path))
+                 .column("file")[0].as_py() for g in groups]
+    merged = pickle.loads(Path(files[0]).read_bytes())
+    assert merged.lines() == whole.lines() and merged.summary() == whole.summary()

@@ -563,16 +563,23 @@ def corpus_manifest(opts: PrepareOptions, tokenizer: MargeTokenizer, shard_infos
     }
 
 
-def publish_corpus(opts: PrepareOptions, tokenizer: MargeTokenizer, heldout: list[RawDocument],
+def publish_corpus(opts: PrepareOptions, tokenizer: MargeTokenizer,
+                   heldout: list[RawDocument] | Callable[[Path, int], dict | None],
                    write_shards: Callable[[Path], dict]) -> dict:
     """Write the corpus folder `opts.out` the way every artifact is written (`marge.artifacts`): in a temporary
     folder renamed into place, the tokenizer, the shards `write_shards(folder)` writes under `shards/` (it returns
-    the manifest, `corpus_manifest`), the held-out split, and the manifest last. Returns the manifest."""
+    the manifest, `corpus_manifest`), the held-out split, and the manifest last. Returns the manifest. `heldout` is
+    the held-out documents, or what writes them (`heldout(folder, training groups)`, returning the manifest's
+    `heldout` or None when there are none: the Ray engine's workers write them)."""
     with publish_dir(opts.out, overwrite=opts.overwrite) as tmp:
         (tmp / "shards").mkdir()
         tokenizer.save(tmp)
         manifest = write_shards(tmp)
-        if heldout:
+        if callable(heldout):
+            written = heldout(tmp / HELDOUT_DIR, manifest["num_groups"])
+            if written is not None:
+                manifest["heldout"] = written
+        elif heldout:
             manifest["heldout"] = write_heldout(tmp / HELDOUT_DIR, heldout, opts, manifest["num_groups"])
         write_manifest(tmp, manifest, ascii=False)
     return manifest
@@ -654,10 +661,20 @@ def heldout_pairs(docs: list[RawDocument], max_per_direction: int) -> list[tuple
     of languages once, the alphabetically first as the source; P@1 reads both ways): aligned paragraphs where the
     input numbers them (paragraph_ids), else the groups' whole documents (cut at 1,000 characters). At most
     `max_per_direction` pairs per pair of languages, groups in name order."""
+    pairs = heldout_pairs_by_direction(docs, max_per_direction)
+    return [pair for key in sorted(pairs) for _, pair in pairs[key]]
+
+
+def heldout_pairs_by_direction(docs: list[RawDocument], max_per_direction: int
+                               ) -> dict[tuple[str, str], list[tuple[str, tuple[str, str, str, str]]]]:
+    """`heldout_pairs` by (source, target language), each pair with its group: the first `max_per_direction` pairs
+    of each direction in (group name, place in the group) order. The pairs of a group depend on that group's
+    documents alone, so the pairs of a set of whole groups split into parts are the first `max_per_direction` of each
+    direction among the parts' own, merged in that order (how the Ray engine's workers write them)."""
     by_group: dict[str, dict[str, RawDocument]] = defaultdict(dict)
     for d in docs:
         by_group[d.group].setdefault(d.lang, d)
-    pairs: dict[tuple[str, str], list[tuple[str, str, str, str]]] = defaultdict(list)
+    pairs: dict[tuple[str, str], list[tuple[str, tuple[str, str, str, str]]]] = defaultdict(list)
     for group in sorted(by_group):
         versions = sorted(by_group[group].items())
         for i, (src_lang, source) in enumerate(versions):
@@ -669,11 +686,22 @@ def heldout_pairs(docs: list[RawDocument], max_per_direction: int) -> list[tuple
                     theirs = dict(zip(target.paragraph_ids, split_paragraphs(target.text)))
                     for pid, text in zip(source.paragraph_ids, split_paragraphs(source.text)):
                         if pid in theirs and len(text.split()) >= 3 and text != theirs[pid]:
-                            direction.append((src_lang, text, tgt_lang, theirs[pid]))
+                            direction.append((group, (src_lang, text, tgt_lang, theirs[pid])))
                 else:
-                    direction.append((src_lang, " ".join(source.text.split())[:1000], tgt_lang,
-                                      " ".join(target.text.split())[:1000]))
-    return [pair for key in sorted(pairs) for pair in pairs[key][:max_per_direction]]
+                    direction.append((group, (src_lang, " ".join(source.text.split())[:1000], tgt_lang,
+                                              " ".join(target.text.split())[:1000])))
+    return {key: direction[:max_per_direction] for key, direction in pairs.items()}
+
+
+def heldout_row(d: RawDocument) -> dict:
+    """A held-out document as a line of `heldout/documents.jsonl.gz`."""
+    return {"id": d.doc_id, "group": d.group, "language": d.lang, "text": d.text,
+            **({"paragraph_ids": list(d.paragraph_ids)} if d.paragraph_ids else {})}
+
+
+def pair_line(pair: tuple[str, str, str, str]) -> str:
+    """A translation pair as a line of `heldout/pairs.tsv`."""
+    return "\t".join(" ".join(cell.split()) for cell in pair) + "\n"
 
 
 MIN_HELDOUT_GROUPS = 30
@@ -685,25 +713,28 @@ def write_heldout(folder: Path, docs: list[RawDocument], opts: PrepareOptions, t
     pairs as a pairs TSV (retrieval P@1); returns what the manifest records of them. Warns, saying what to pass,
     when the split is too small to measure (`MIN_HELDOUT_GROUPS`) or has no pairs across languages."""
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [{"id": d.doc_id, "group": d.group, "language": d.lang, "text": d.text,
-             **({"paragraph_ids": list(d.paragraph_ids)} if d.paragraph_ids else {})} for d in docs]
     with gzip.open(folder / "documents.jsonl.gz", "wt", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        for d in docs:
+            f.write(json.dumps(heldout_row(d), ensure_ascii=False) + "\n")
     pairs = heldout_pairs(docs, opts.max_pairs_per_direction)
     if pairs:
         with open(folder / "pairs.tsv", "w", encoding="utf-8", newline="\n") as f:
             for pair in pairs:
-                f.write("\t".join(" ".join(cell.split()) for cell in pair) + "\n")
-    groups = len({d.group for d in docs})
+                f.write(pair_line(pair))
+    return heldout_manifest(opts, len({d.group for d in docs}), len(docs), len(pairs), train_groups)
+
+
+def heldout_manifest(opts: PrepareOptions, groups: int, documents: int, pairs: int, train_groups: int) -> dict:
+    """What the manifest records of the held-out split written under `heldout/` (`write_heldout`); warns as it
+    says."""
     if groups < MIN_HELDOUT_GROUPS or not pairs:
         wanted = min(999, math.ceil(MIN_HELDOUT_GROUPS * 1000 / max(1, groups + train_groups)))
         log.warning("the held-out split has %d groups and %d translation pairs: too few to measure retrieval P@1 "
                     "(over %d pages its 95%% interval is wider than +-0.18)%s; pass --heldout-permille %d (about %d "
-                    "of the %d groups)", groups, len(pairs), MIN_HELDOUT_GROUPS,
+                    "of the %d groups)", groups, pairs, MIN_HELDOUT_GROUPS,
                     "" if pairs else ", and no pairs across languages: documents need a shared `group`",
                     max(wanted, opts.heldout_permille), MIN_HELDOUT_GROUPS, groups + train_groups)
-    return {"groups": groups, "documents": len(docs), "pairs": len(pairs),
+    return {"groups": groups, "documents": documents, "pairs": pairs,
             "permille": opts.heldout_permille, "documents_file": f"{HELDOUT_DIR}/documents.jsonl.gz",
             "pairs_file": f"{HELDOUT_DIR}/pairs.tsv" if pairs else None}
 

@@ -15,9 +15,10 @@ partition, never one per block (`engine.intermediate_files` in the manifest coun
   -> shuffle by (language, text hash)   one task per partition keeps, of each duplicate, the first in input order
      -> de-duplicate documents          (what the single-process engine keeps) and writes the training and the
                                         held-out documents apart (clean/, heldout/: a file each);
-  sample the tokenizer's lines          one task per partition (`TokenizerSample`: merged in the driver, it is the
-                                        sample the single-process engine draws);
-  train the tokenizer                   in the driver, on the sample alone;
+  sample the tokenizer's lines          one task per partition stages its sample (`TokenizerSample`), tasks merge
+                                        them SAMPLE_FAN_IN at a time into one: the sample the single-process engine
+                                        draws, at most --tokenizer-sample-lines lines (and one per language);
+  train the tokenizer                   in the driver, on that sample alone;
   tokenize and chunk -> shuffle by      documents become chunks, tokens as int32 arrays; one task per partition
      (language, chunk text hash)        keeps the first of each duplicate chunk in (input order, chunk index) and
      -> de-duplicate chunks             writes the partition (chunks-clean/: a file each);
@@ -25,18 +26,26 @@ partition, never one per block (`engine.intermediate_files` in the manifest coun
                                         shard, as in the single-process engine, whose greedy balance needs every
                                         group's size in one place: shards here are equal in expectation instead);
                                         one task per partition counts its chunks per shard, to number the shards;
-  -> shuffle by shard -> write shards   one task per group of shards sorts, numbers and writes them.
+  held-out documents -> shuffle by      one task per partition of held-out groups stages the groups' translation
+     group -> stage pairs               pairs (heldout-pairs/: a file each), the first --max-pairs-per-direction of
+                                        each direction among its groups;
+  -> shuffle by shard -> write shards   one task per group of shards sorts, numbers and writes them;
+  write heldout/                        one task merges the staged held-out documents (input order) and pairs
+                                        (direction, group order) into the corpus folder, a few rows of each file at
+                                        a time.
 
-What comes back to the driver is small: per partition its file, its counts, its first rejected lines and its tokenizer
-sample; the held-out documents come through one Ray Data read. What a task holds is one partition (`partition_bytes`),
-one block of lines, a shuffle's map batch (SHUFFLE_MAP_BYTES) or the tokenizer sample: the peak memory does not grow
-with the corpus (measured in `benchmarks/prepare_scale.py`). The documents and their tokens are the single-process engine's
+What comes back to the driver is small and bounded: per partition its file names and counts and its first rejected
+lines, and the one merged tokenizer sample (at most --tokenizer-sample-lines lines, whatever the corpus's size); the
+held-out documents never come to it. What a task holds is one partition (`partition_bytes`), one block of lines, a
+shuffle's map batch (SHUFFLE_MAP_BYTES), a tokenizer sample or two, or HELDOUT_READ_ROWS rows of each staged
+held-out file: the peak memory does not grow with the corpus (measured in `benchmarks/prepare_scale.py`). The documents and their tokens are the single-process engine's
 (tests/test_prepare_ray.py); the shards they are in, and so the doc ids, differ.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import heapq
 import json
@@ -59,9 +68,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from marge.prepare import (PrepareError, PrepareOptions, RawDocument, TokenizerSample, _Chunk, _Stats, check_document,
-                           check_input, corpus_manifest, document_pieces, folder_files, input_bytes, input_order,
-                           is_heldout_group, jsonl_lines, load_tokenizer, normalized_hash, parse_jsonl_line,
-                           publish_corpus, read_folder_file, shard_columns, train_tokenizer, write_corpus_shard)
+                           check_input, corpus_manifest, document_pieces, folder_files, heldout_manifest,
+                           heldout_pairs_by_direction, heldout_row, input_bytes, input_order, is_heldout_group,
+                           jsonl_lines, load_tokenizer, normalized_hash, pair_line, parse_jsonl_line, publish_corpus,
+                           read_folder_file, shard_columns, train_tokenizer, write_corpus_shard)
 from marge.tokenizer import MargeTokenizer
 
 log = logging.getLogger(__name__)
@@ -111,7 +121,16 @@ NOT_A_DOCUMENT = -1
 _DOCUMENT_PARTITION = pa.schema([("clean_file", pa.string()), ("row_groups", pa.int64()),
                                  ("heldout_file", pa.string()), ("duplicates", pa.int64()),
                                  ("languages", pa.string()), ("all_languages", pa.string()),
-                                 ("text_bytes", pa.int64()), ("report", pa.string())])
+                                 ("text_bytes", pa.int64()), ("heldout_bytes", pa.int64()), ("report", pa.string())])
+_PAIR = pa.schema([("src", pa.string()), ("tgt", pa.string()), ("group", pa.string()), ("seq", pa.int64()),
+                   ("cells", pa.list_(pa.string()))])
+"""A held-out translation pair (`heldout_pairs_by_direction`) as a worker stages it (heldout-pairs/): its direction,
+its group and its place among the group partition's pairs of that direction, then its four cells."""
+_HELDOUT_PARTITION = pa.schema([("file", pa.string()), ("groups", pa.int64()), ("documents", pa.int64())])
+SAMPLE_FAN_IN = 16
+"""Tokenizer samples one task merges into one (`_merge_tokenizer_samples`): the driver gets the last one alone."""
+HELDOUT_READ_ROWS = 256
+"""Rows read at a time from each staged file when the held-out files are merged (`_write_heldout`)."""
 _CHUNK_PARTITION = pa.schema([("file", pa.string()), ("chunks", pa.int64()), ("duplicates", pa.int64()),
                               ("bytes", pa.int64()), ("paragraphs_cut", pa.int64()), ("too_short", pa.int64())])
 _SHARD_WRITTEN = pa.schema([("info", pa.string()), ("languages", pa.string()), ("groups", pa.int64()),
@@ -440,7 +459,7 @@ def _deduplicate_documents(batch: pa.Table, work: str, opts: PrepareOptions) -> 
         rejected.merge(Rejected.from_json(text))
     table, duplicates = _first_of_each(batch.filter(pc.invert(is_report)), ["order"], _DOCUMENT_COLUMNS)
     out = {"clean_file": None, "row_groups": 0, "heldout_file": None, "duplicates": duplicates,
-           "languages": "{}", "all_languages": "[]", "text_bytes": 0, "report": rejected.to_json()}
+           "languages": "{}", "all_languages": "[]", "text_bytes": 0, "heldout_bytes": 0, "report": rejected.to_json()}
     if table.num_rows:
         name = f"part-{table.column('order')[0].as_py():016x}.parquet"
         heldout = np.array([is_heldout_group(g, opts.heldout_permille) for g in table.column("group").to_pylist()],
@@ -452,15 +471,18 @@ def _deduplicate_documents(batch: pa.Table, work: str, opts: PrepareOptions) -> 
             out["row_groups"] = pq.ParquetFile(out["clean_file"]).num_row_groups
         if heldout.any():
             out["heldout_file"] = str(Path(work) / "heldout" / name)
-            pq.write_table(table.filter(pa.array(heldout)), out["heldout_file"])
+            held = table.filter(pa.array(heldout))
+            pq.write_table(held, out["heldout_file"], row_group_size=HELDOUT_READ_ROWS)
+            out["heldout_bytes"] = int(held.column("text").nbytes)
         out.update(languages=json.dumps(Counter(train.column("lang").to_pylist())),
                    all_languages=json.dumps(sorted(set(table.column("lang").to_pylist()))),
                    text_bytes=int(train.column("text").nbytes))
     return _released(pa.Table.from_pylist([out], schema=_DOCUMENT_PARTITION))
 
 
-def _tokenizer_sample(batch: pa.Table, share: int, seed: int) -> pa.Table:
-    """The tokenizer's sample of one partition's training documents."""
+def _tokenizer_sample(batch: pa.Table, share: int, seed: int, work: str) -> pa.Table:
+    """The tokenizer's sample of one partition's training documents, staged in the work folder (tokenizer-sample/):
+    the driver gets the file's name."""
     out = []
     for file in batch.column("file").to_pylist():
         sample = TokenizerSample(share, seed)
@@ -468,8 +490,44 @@ def _tokenizer_sample(batch: pa.Table, share: int, seed: int) -> pa.Table:
         for lang, order, text in zip(documents.column("lang").to_pylist(), documents.column("order").to_pylist(),
                                      documents.column("text").to_pylist()):
             sample.add(lang, order, text)
-        out.append({"sample": pickle.dumps(sample)})
+        out.append({"file": _stage_sample(sample, Path(work) / "tokenizer-sample" / f"{Path(file).stem}.pickle")})
     return _released(pa.Table.from_pylist(out))
+
+
+def _stage_sample(sample: TokenizerSample, path: Path) -> str:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(pickle.dumps(sample))
+    os.replace(tmp, path)
+    return str(path)
+
+
+def _merge_tokenizer_samples(batch: pa.Table, share: int, seed: int, work: str) -> pa.Table:
+    """Merge the staged samples each row names (`files`, a JSON list) into one staged sample: the sample of their
+    parts together (`TokenizerSample.merge`), whatever the order they come in. Holds one part and the merged
+    sample."""
+    out = []
+    for files in batch.column("files").to_pylist():
+        files = json.loads(files)
+        merged = TokenizerSample(share, seed)
+        for file in files:
+            merged.merge(pickle.loads(Path(file).read_bytes()))
+        name = f"merged-{hashlib.sha1(json.dumps(sorted(files)).encode()).hexdigest()[:16]}.pickle"
+        out.append({"file": _stage_sample(merged, Path(work) / "tokenizer-sample" / name)})
+    return pa.Table.from_pylist(out)
+
+
+def tokenizer_sample(clean_files: list[str], share: int, seed: int, work: Path, workers: int) -> TokenizerSample:
+    """The tokenizer's sample of the training documents: one task per partition stages its sample, and tasks merge
+    them SAMPLE_FAN_IN at a time until one is left, the only one the driver reads: it is at most `share` lines per
+    language whatever the size of the corpus, and the sample the single-process engine draws (merging parts gives
+    the sample of the whole)."""
+    files = [row["file"] for row in _run([{"file": f} for f in clean_files], _tokenizer_sample, workers=workers,
+                                         share=share, seed=seed, work=str(work))]
+    while len(files) > 1:
+        groups = [json.dumps(sorted(files)[i:i + SAMPLE_FAN_IN]) for i in range(0, len(files), SAMPLE_FAN_IN)]
+        files = [row["file"] for row in _run([{"files": g} for g in groups], _merge_tokenizer_samples,
+                                             workers=workers, share=share, seed=seed, work=str(work))]
+    return pickle.loads(Path(files[0]).read_bytes()) if files else TokenizerSample(share, seed)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -650,9 +708,10 @@ def prepare_on_ray(opts: PrepareOptions, ray_address: str | None = None) -> dict
     return manifest
 
 
-INTERMEDIATE_FOLDERS = ("clean", "heldout", "chunks-clean")
-"""The work folder's: the training and the held-out documents, de-duplicated; the chunks, de-duplicated. A file per
-partition in each."""
+INTERMEDIATE_FOLDERS = ("clean", "heldout", "chunks-clean", "tokenizer-sample", "heldout-pairs")
+"""The work folder's: the training and the held-out documents, de-duplicated; the chunks, de-duplicated (a file per
+partition in each); the tokenizer's samples (a file per document partition, and one per merge of SAMPLE_FAN_IN);
+the held-out translation pairs (a file per partition of the held-out groups)."""
 
 
 class _StageClock:
@@ -684,7 +743,7 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
     rejected = Rejected()
     per_language, languages = Counter(), set()
     clean_files, heldout_files = [], []  # the clean files with their row groups
-    clean_bytes = 0
+    clean_bytes = heldout_bytes = 0
     for row in _shuffled(documents, _DEDUPLICATION_KEYS, partitions, _deduplicate_documents, workers=workers,
                          work=str(work), opts=opts):
         rejected.merge(Rejected.from_json(row["report"]))
@@ -692,6 +751,7 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
         per_language.update(json.loads(row["languages"]))
         languages.update(json.loads(row["all_languages"]))
         clean_bytes += row["text_bytes"]
+        heldout_bytes += row["heldout_bytes"]
         if row["clean_file"]:
             clean_files.append((row["clean_file"], row["row_groups"]))
         if row["heldout_file"]:
@@ -710,10 +770,7 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
         tokenizer, sample_summary = load_tokenizer(opts, trained_languages), None
     else:
         share = TokenizerSample.per_language_share(opts.tokenizer_sample_lines, len(languages))
-        sample = TokenizerSample(share, opts.seed)
-        for row in _run([{"file": f} for f, _ in clean_files], _tokenizer_sample, workers=workers, share=share,
-                        seed=opts.seed):
-            sample.merge(pickle.loads(row["sample"]))
+        sample = tokenizer_sample([f for f, _ in clean_files], share, opts.seed, work, workers)
         clock.lap("tokenizer_sample")
         tokenizer, sample_summary = train_tokenizer(sample, trained_languages, opts), sample.summary()
         del sample
@@ -749,8 +806,12 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
         per_shard += np.frombuffer(row["counts"], dtype=np.int64)
     clock.lap("count_shards")
 
+    heldout_groups, pair_files = stage_heldout_pairs(
+        heldout_files, work, opts, workers, max(1, math.ceil(heldout_bytes / opts.partition_bytes))) \
+        if heldout_files else (0, [])
+    clock.lap("heldout_pairs")
+
     log.info("writing %d shards", int(np.count_nonzero(per_shard)))  # a shard no group hashed to is left out
-    heldout = _heldout_documents(heldout_files)
     intermediate_files = {sub: sum(1 for _ in os.scandir(work / sub)) for sub in INTERMEDIATE_FOLDERS}
 
     def write_shards(folder: Path) -> dict:
@@ -771,7 +832,13 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
              "document_partitions": partitions, "chunk_partitions": chunk_partitions, "shard_groups": shard_groups,
              "intermediate_files": intermediate_files, "stage_seconds": clock.seconds})
 
-    return publish_corpus(opts, tokenizer, heldout, write_shards)
+    def write_heldout(folder: Path, train_groups: int) -> dict | None:
+        if not heldout_files:
+            return None
+        return heldout_manifest(opts, heldout_groups, *write_heldout_split(heldout_files, pair_files, folder, opts),
+                                train_groups)
+
+    return publish_corpus(opts, tokenizer, write_heldout, write_shards)
 
 
 def account_rejected(rejected: Rejected, opts: PrepareOptions, stats: _Stats) -> None:
@@ -795,13 +862,89 @@ def account_rejected(rejected: Rejected, opts: PrepareOptions, stats: _Stats) ->
                     rejected.skipped_bad - len(rejected.first_bad), rejected.skipped_bad)
 
 
-def _heldout_documents(files: list[str]) -> list[RawDocument]:
-    """The held-out documents in input order, through one Ray Data read of their partitions' files."""
-    import ray.data
+# --------------------------------------------------------------------------------------------------
+# The held-out split, written by the workers
+# --------------------------------------------------------------------------------------------------
 
-    if not files:
-        return []
-    documents = [_raw_document(row) for batch in ray.data.read_parquet(files).iter_batches(batch_format="pyarrow",
-                                                                                           batch_size=None)
-                 for row in batch.to_pylist()]
-    return sorted(documents, key=lambda d: d.order)
+
+def stage_heldout_pairs(heldout_files: list[str], work: Path, opts: PrepareOptions, workers: int,
+                        partitions: int) -> tuple[int, list[str]]:
+    """The held-out documents the de-duplication staged (`heldout_files`) shuffled by group, one task per partition
+    of groups staging its translation pairs (`_heldout_pairs`); returns the groups and the staged pairs' files."""
+    documents = _items([{"file": f} for f in heldout_files]).map_batches(
+        _staged_documents, batch_size=1, batch_format="pyarrow", compute=_tasks(workers, len(heldout_files)))
+    groups, pair_files = 0, []
+    for row in _shuffled(documents, ["group"], partitions, _heldout_pairs, workers=workers, work=str(work),
+                         max_per_direction=opts.max_pairs_per_direction):
+        groups += row["groups"]
+        if row["file"]:
+            pair_files.append(row["file"])
+    return groups, pair_files
+
+
+def write_heldout_split(heldout_files: list[str], pair_files: list[str], folder: Path, opts: PrepareOptions
+                        ) -> tuple[int, int]:
+    """Write `heldout/` into the corpus folder being built without bringing the held-out documents to the driver:
+    one task merges the staged files into documents.jsonl.gz (input order) and pairs.tsv (`_write_heldout`), the
+    single-process engine's files (`write_heldout`). Returns (documents, pairs)."""
+    [written] = _run([{"documents": json.dumps(sorted(heldout_files)), "pairs": json.dumps(sorted(pair_files))}],
+                     _write_heldout, workers=1, folder=str(folder), max_per_direction=opts.max_pairs_per_direction)
+    return written["documents"], written["pairs"]
+
+
+def _staged_documents(batch: pa.Table) -> Iterator[pa.Table]:
+    for file in batch.column("file").to_pylist():
+        yield pq.read_table(file, columns=_DOCUMENT_COLUMNS)
+
+
+def _heldout_pairs(batch: pa.Table, work: str, max_per_direction: int) -> pa.Table:
+    """One partition of the held-out documents shuffled by group (every document of a group in it): the first
+    `max_per_direction` translation pairs of each direction among its groups (`heldout_pairs_by_direction`), staged
+    in direction, group and place order (heldout-pairs/: a file, named after its first document)."""
+    out = {"file": None, "groups": 0, "documents": batch.num_rows}
+    if batch.num_rows:
+        table = batch.sort_by([("order", "ascending")])
+        docs = [_raw_document(row) for row in table.select(_DOCUMENT_COLUMNS).to_pylist()]
+        out["groups"] = len({d.group for d in docs})
+        rows = [{"src": src, "tgt": tgt, "group": group, "seq": seq, "cells": list(pair)}
+                for (src, tgt), pairs in sorted(heldout_pairs_by_direction(docs, max_per_direction).items())
+                for seq, (group, pair) in enumerate(pairs)]
+        if rows:
+            out["file"] = str(Path(work) / "heldout-pairs" / f"part-{docs[0].order:016x}.parquet")
+            pq.write_table(pa.Table.from_pylist(rows, schema=_PAIR), out["file"], row_group_size=HELDOUT_READ_ROWS)
+    return _released(pa.Table.from_pylist([out], schema=_HELDOUT_PARTITION))
+
+
+def _staged_rows(file: str) -> Iterator[dict]:
+    for batch in pq.ParquetFile(file).iter_batches(batch_size=HELDOUT_READ_ROWS):
+        yield from batch.to_pylist()
+
+
+def _write_heldout(batch: pa.Table, folder: str, max_per_direction: int) -> pa.Table:
+    """documents.jsonl.gz and pairs.tsv in `folder`, from the staged files the row names: the held-out documents'
+    files (each in input order) merged into input order, and the staged pairs (each file in direction, group, place
+    order) merged into that order, the first `max_per_direction` of each direction kept: what `write_heldout`
+    writes. Holds HELDOUT_READ_ROWS rows of each file."""
+    [task] = batch.to_pylist()
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    documents = pairs = 0
+    with gzip.open(out / "documents.jsonl.gz", "wt", encoding="utf-8") as f:
+        for row in heapq.merge(*(_staged_rows(file) for file in json.loads(task["documents"])),
+                               key=lambda r: r["order"]):
+            f.write(json.dumps(heldout_row(_raw_document(row)), ensure_ascii=False) + "\n")
+            documents += 1
+    taken: Counter = Counter()
+    with contextlib.ExitStack() as stack:
+        tsv = None
+        for row in heapq.merge(*(_staged_rows(file) for file in json.loads(task["pairs"])),
+                               key=lambda r: (r["src"], r["tgt"], r["group"], r["seq"])):
+            direction = (row["src"], row["tgt"])
+            if taken[direction] >= max_per_direction:
+                continue
+            taken[direction] += 1
+            if tsv is None:
+                tsv = stack.enter_context(open(out / "pairs.tsv", "w", encoding="utf-8", newline="\n"))
+            tsv.write(pair_line(tuple(row["cells"])))
+            pairs += 1
+    return pa.Table.from_pylist([{"documents": documents, "pairs": pairs}])
