@@ -345,7 +345,8 @@ def centre_rows(corpus, size: int = CENTRE_DOCUMENTS, seed: int = 0) -> list[lis
     shards = rng.choice(corpus.num_shards, size=min(8, corpus.num_shards), replace=False)
     pool = [t for s in shards for t in corpus.read_shard(int(s), verify_checksum=False).tokens if len(t)]
     chosen = rng.choice(len(pool), size=min(size, len(pool)), replace=False)
-    return [as_encoder_input(pool[i], corpus.tokenizer().specials) for i in chosen]
+    specials = corpus.tokenizer().specials  # loaded once: each load reads and checks the tokenizer model
+    return [as_encoder_input(pool[i], specials) for i in chosen]
 
 
 def random_encoders(model_cfg, seeds: list[int]):
