@@ -25,13 +25,19 @@ refresh cost, its audit, its truncation that read and rewrote the whole file). I
 streamed ones (the same dicts), so the two compute the same thing.
 
 The retired counts are handed to the streamed audit as a mapping computed on the fly, so its figure is the
-account's own memory; Redis hands `marge audit` a dict of one entry per retired update (`retired_by_update`), whose
-size is measured separately (`retired_dict_mib`), since the account reads it in place.
+account's own memory. The audit with Redis (`audit` of the approaches `redis-blocks` and `redis-whole-dict`, on the
+segmented log) takes them from a real redis-server the benchmark starts on loopback (`LocalRedis`, as the tests
+do), the ledger's retired hash filled with one field per update before the window (`RunKeys.ledger_retired`):
+  * redis-blocks: what `marge audit` does (`QueueState.of`: `RetiredCounts`, an HMGET of RETIRED_BLOCK updates at a
+    time as the log goes past), so its memory includes the retired counts as they come from Redis;
+  * redis-whole-dict, the named alternative: the whole hash read into a dict (`BatchQueue.retired_by_update`, an
+    HGETALL), inside the measured operation, then the same account.
+Both give the result of the streamed audit (checked). `retired_dict_mib` is the dict's own size (tracemalloc).
 
     python benchmarks/train_log_scale.py --out benchmarks/results/train-log-scale-cpu-2core.json
 
 About 1 KB an update: the 10^6 log is about 1 GB; the script checks the free disk first and leaves out a size that
-does not fit (saying so). About 5 minutes on a 2-core CPU.
+does not fit (saying so). 16.5 minutes on a 2-core CPU that other jobs loaded (2026-11-27).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import platform
 import random
 import resource
@@ -67,6 +74,10 @@ REPLAY_EVERY, REPLAY_AFTER = 50_000, 10
 T0 = 1.7e9
 BYTES_PER_UPDATE_GUESS = 1100
 SIZES, WHOLE_LIST_SIZES = (10_000, 100_000, 1_000_000), (10_000, 100_000)
+RUN_ID = "train-log-scale"
+REDIS_URL_ENV = "TRAIN_LOG_SCALE_REDIS_URL"
+"""How the driver tells a measurement process where its redis-server listens."""
+REDIS_APPROACHES = ("redis-blocks", "redis-whole-dict")
 
 
 # -- the synthetic run
@@ -284,12 +295,21 @@ def digest(value) -> str:
 
 def measure(operation: str, approach: str, log_dir: Path, updates: int) -> dict:
     from marge.refresh import RefreshCost
-    from services.driver.audit import account
+    from services.driver.audit import QueueState, account
+    from services.driver.audit import RetiredCounts as RetiredInRedis
 
     history = builds(updates)
     log = TrainLog.of_run(log_dir)
     checkpoint, queue = audit_inputs(updates, retired_as_dict=approach == "whole-list") \
         if operation == "audit" else (None, None)
+    if approach in REDIS_APPROACHES:
+        from marge.protocol import BatchQueue
+
+        redis_queue = BatchQueue.connect(os.environ[REDIS_URL_ENV], RUN_ID, SLOTS)
+        redis_queue.r.ping()
+        retired_fields = int(redis_queue.r.hlen(redis_queue.keys.ledger_retired))
+        assert retired_fields == len(queue.retired_by_update), (retired_fields, len(queue.retired_by_update))
+        queue.retired_by_update = {}  # the measured operation takes them from Redis
     before = peak_rss_mib()
     started = time.perf_counter()
     if operation == "summary" and approach == "streaming":
@@ -302,6 +322,11 @@ def measure(operation: str, approach: str, log_dir: Path, updates: int) -> dict:
     elif operation == "summary":
         result = whole_list_summary(log.read(), history)
     elif operation == "audit" and approach == "streaming":
+        result = account(lambda: log.iter_records(through_step=updates), SLOTS, checkpoint, queue)
+    elif operation == "audit" and approach in REDIS_APPROACHES:
+        retired = RetiredInRedis(redis_queue.r, redis_queue.keys.ledger_retired) if approach == "redis-blocks" \
+            else redis_queue.retired_by_update()
+        queue = QueueState(queue.counts, queue.ledger, retired, queue.dead_letters)
         result = account(lambda: log.iter_records(through_step=updates), SLOTS, checkpoint, queue)
     elif operation == "audit":
         result = whole_list_account(log.read(through_step=updates), checkpoint, queue)
@@ -316,6 +341,8 @@ def measure(operation: str, approach: str, log_dir: Path, updates: int) -> dict:
     seconds = time.perf_counter() - started
     out = {"operation": operation, "approach": approach, "updates": updates, "seconds": round(seconds, 2),
            "peak_rss_rise_mib": round(max(0.0, peak_rss_mib() - before), 1), "result_digest": digest(result)}
+    if approach in REDIS_APPROACHES:
+        out["retired_fields_in_redis"] = retired_fields
     if operation == "audit":
         out["audit_ok"], out["trained_twice"] = result["ok"], result["trained_twice"]
         out["batches_replayed"], out["batches_trained"] = result["batches_replayed"], result["batches_trained"]
@@ -357,9 +384,26 @@ def write_log(log_dir: Path, updates: int, segment_updates: int) -> dict:
             "bytes": size, "bytes_per_update": round(size / updates), "write_s": round(time.perf_counter() - started, 1)}
 
 
-def run_measurement(operation: str, approach: str, log_dir: Path, updates: int) -> dict:
+def fill_retired(url: str, updates: int) -> dict:
+    """The run's ledger:retired hash in Redis at this point of the run: one field per update before the window."""
+    from marge.protocol import BatchQueue
+
+    queue = BatchQueue.connect(url, RUN_ID, SLOTS)
+    key = queue.keys.ledger_retired
+    queue.r.delete(key)
+    started = time.perf_counter()
+    counts = RetiredCounts(max(0, updates - 2 * CHECKPOINT_EVERY))
+    for start in range(0, len(counts), 10_000):
+        queue.r.hset(key, mapping={str(u): counts[u] for u in range(start, min(start + 10_000, len(counts)))})
+    memory = queue.r.memory_usage(key) if len(counts) else 0
+    return {"updates": updates, "retired_fields": int(queue.r.hlen(key)),
+            "redis_hash_mib": round((memory or 0) / 2**20, 1), "fill_s": round(time.perf_counter() - started, 1)}
+
+
+def run_measurement(operation: str, approach: str, log_dir: Path, updates: int, redis_url: str | None = None) -> dict:
     command = [sys.executable, __file__, "--measure", operation, approach, str(log_dir), str(updates)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, REDIS_URL_ENV: redis_url} if redis_url else None
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -380,10 +424,14 @@ def main() -> None:
         operation, approach, log_dir, updates = args.measure
         print(json.dumps(measure(operation, approach, Path(log_dir), int(updates))))
         return
+    from services.driver.redis_server import LocalRedis
+
     workdir = Path(tempfile.mkdtemp(prefix="train-log-scale-", dir=args.workdir))
+    server = LocalRedis(workdir / "redis", maxmemory="2gb").start()  # on loopback, a free port, as the tests' fixture
     try:
-        results = run(args, workdir)
+        results = run(args, workdir, server.url)
     finally:
+        server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -391,7 +439,7 @@ def main() -> None:
         print(f"wrote {args.out}")
 
 
-def run(args, workdir: Path) -> dict:
+def run(args, workdir: Path, redis_url: str) -> dict:
     needed = BYTES_PER_UPDATE_GUESS * (sum(args.sizes) + sum(args.whole_list_sizes))
     free = shutil.disk_usage(workdir).free
     sizes, left_out = [], []
@@ -402,7 +450,7 @@ def run(args, workdir: Path) -> dict:
             left_out.append({"updates": size, "why": f"{free / 2**30:.1f} GiB free, about "
                              f"{BYTES_PER_UPDATE_GUESS * size / 2**30:.1f} GiB needed"})
     print(f"{free / 2**30:.1f} GiB free for about {needed / 2**30:.1f} GiB of logs; sizes {sizes}", flush=True)
-    logs, measurements = [], []
+    logs, measurements, redis_hashes = [], [], []
     for size in sizes:
         for approach in ("streaming", "whole-list") if size in args.whole_list_sizes else ("streaming",):
             log_dir = workdir / f"{approach}-{size}"
@@ -411,19 +459,36 @@ def run(args, workdir: Path) -> dict:
             logs.append({"approach": approach, **written})
             print(json.dumps(logs[-1]), flush=True)
             for operation in ("summary", "audit", "truncate"):  # truncation last: it cuts the log
+                if operation == "truncate" and approach == "streaming":
+                    redis_hashes.append(fill_retired(redis_url, size))
+                    print(json.dumps(redis_hashes[-1]), flush=True)
+                    for redis_approach in REDIS_APPROACHES:
+                        measurements.append(run_measurement("audit", redis_approach, log_dir, size, redis_url))
                 measurements.append(run_measurement(operation, approach, log_dir, size))
             shutil.rmtree(log_dir)
-    same = {}
+    same, same_redis = {}, {}
     for m in measurements:
-        if m["approach"] == "whole-list" and m["operation"] != "truncate":
+        if m["approach"] != "streaming" and m["operation"] != "truncate":
             streamed = next(s for s in measurements if (s["operation"], s["updates"], s["approach"]) ==
                             (m["operation"], m["updates"], "streaming"))
-            same[f"{m['operation']}@{m['updates']}"] = streamed["result_digest"] == m["result_digest"]
+            equal = streamed["result_digest"] == m["result_digest"]
+            if m["approach"] == "whole-list":
+                same[f"{m['operation']}@{m['updates']}"] = equal
+            else:
+                same_redis[f"{m['approach']}@{m['updates']}"] = equal
+    audit_rss = {(m["approach"], m["updates"]): m["peak_rss_rise_mib"] for m in measurements
+                 if m["operation"] == "audit" and m["approach"] in REDIS_APPROACHES}
+    smallest, largest = min(sizes), max(sizes)
+    ratio = {a: round(audit_rss[a, largest] / audit_rss[a, smallest], 2) if audit_rss.get((a, smallest)) else None
+             for a in REDIS_APPROACHES} if len(sizes) > 1 else {}
     return {"machine": "2-core CPU", "python": platform.python_version(),
             "command": "python benchmarks/train_log_scale.py --out benchmarks/results/train-log-scale-cpu-2core.json",
             "segment_updates": SEGMENT_UPDATES, "slots_per_update": SLOTS.per_step,
             "sizes_left_out": left_out, "logs": logs, "measurements": measurements,
             "streamed_results_equal_whole_list_results": same,
+            "redis_retired_hashes": redis_hashes,
+            "redis_audit_results_equal_streamed_results": same_redis,
+            f"redis_audit_rss_ratio_{largest}_over_{smallest}": ratio,
             "retired_dict_mib": {str(size): retired_dict_mib(size) for size in sizes}}
 
 
