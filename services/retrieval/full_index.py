@@ -10,7 +10,8 @@ service to load instead of the newest training index version, which holds only t
                                float32) or product quantisation (`pq`: d / 4 bytes), doc ids as FAISS ids
         mean.npy               the mean the vectors are stored from (float32, d)
         manifest.json          the snapshot step, codec, lists, the nprobe chosen, documents, the recall@10
-                               measured at build, sha256 of index.faiss
+                               measured at build, sha256 of index.faiss, the engine that built it
+      .work-<host>-<pid>-<id>/ a Ray build's scratch (sample vectors, parts), removed when it ends
 
 Vectors are stored minus their mean: for a query q, q . (z - mean) + q . mean = q . z, so the ranking is exactly
 inner-product search over g(z) (the score returned adds q . mean back), while the codes spend their 8 bits on how
@@ -20,6 +21,13 @@ quantiser (and the codec) is trained on the vectors of a seeded sample of shards
 inner-product search is measured at build, on `recall_queries` documents' own vectors as queries, the exact top 10
 computed shard by shard as the shards stream past; `nprobe` is the smallest power of two whose recall reaches
 `target_recall`, and the service searches with it.
+
+`build_serving_index` builds in this process; `build_serving_index_ray` (`marge index build --engine ray`) builds the
+same index, byte for byte, on a Ray cluster: tasks embed the training sample's shards and then groups of
+consecutive shards, each group added to a copy of the trained index and written to a scratch folder under
+RUN/serving as a part (tmp + rename; only the queries' top 10 travel back through Ray), and the driver merges the
+parts in shard order. Either way nothing is visible under RUN/serving until the build's folder is renamed into
+place with its manifest, and LATEST moves after that.
 """
 
 from __future__ import annotations
