@@ -115,7 +115,7 @@ def add_index(sub) -> None:
     q.add_argument("--nlist", type=int, default=None, help="inverted lists (default about 4 x sqrt(documents))")
     q.add_argument("--target-recall", type=float, default=0.95,
                    help="recall@10 against exact search the chosen nprobe must reach (measured at build)")
-    q.add_argument("--device", default="cpu", help="cpu or cuda, for embedding")
+    q.add_argument("--device", default="cpu", help="cpu or cuda, for embedding (with --engine ray: a GPU a task)")
     q.add_argument("--engine", choices=("auto", "local", "ray"), default="auto",
                    help="local: this process embeds every shard; ray: Ray tasks embed groups of shards in parallel "
                         "(the cluster at --address or RAY_ADDRESS, else a local Ray with --workers CPUs) and the parts "

@@ -358,12 +358,13 @@ def _groups(shards: list[int], count: int) -> list[list[int]]:
     return [shards[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def _run_tasks(task, calls: list[tuple], workers: int, description: str, shards_of) -> list:
-    """Each of `calls` as a Ray task of `task` (1 CPU), at most `workers` at once; progress in shards as tasks end.
-    Returns the results in the order of `calls`. On any error or interruption, cancels what is still running."""
+def _run_tasks(task, calls: list[tuple], workers: int, description: str, shards_of, gpus: int = 0) -> list:
+    """Each of `calls` as a Ray task of `task` (1 CPU, and `gpus` GPUs), at most `workers` at once; progress in shards
+    as tasks end. Returns the results in the order of `calls`. On any error or interruption, cancels what is still
+    running."""
     import ray
 
-    remote = ray.remote(num_cpus=1, max_retries=1)(task)
+    remote = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=1)(task)
     results: list = [None] * len(calls)
     running: dict = {}
     todo = list(enumerate(calls))
@@ -406,12 +407,13 @@ def build_serving_index_ray(run_dir: Path, corpus: Corpus, snapshot: SnapshotInf
     for stale in clear_stale_work(root):
         log.info("serving index: removed %s, left by a build that was stopped", stale)
     work = _new_work_dir(root)
+    gpus = 1 if opts.device.startswith("cuda") else 0  # each task embeds on a GPU of its own (--device cuda)
     common = (str(corpus.root.absolute()), str(snapshot.path.absolute()))
     try:
         # pass 1: the training sample embedded by the tasks, the quantisers trained here
         calls = [(*common, shards, str(work), opts) for shards in _groups(plan.sample_shards, workers)]
         peaks = _run_tasks(embed_sample_task, calls, workers, "serving index: embedding the training sample",
-                           lambda call: len(call[2]))
+                           lambda call: len(call[2]), gpus)
         training = []
         for shard in plan.sample_shards:
             with np.load(_sample_file(work, shard)) as saved:
@@ -426,7 +428,7 @@ def build_serving_index_ray(run_dir: Path, corpus: Corpus, snapshot: SnapshotInf
         groups = _groups(list(range(corpus.num_shards)), workers * groups_per_worker)
         calls = [(*common, g, shards, str(work), opts) for g, shards in enumerate(groups)]
         results = _run_tasks(add_shards_task, calls, workers, "serving index: embedding shards",
-                             lambda call: len(call[3]))
+                             lambda call: len(call[3]), gpus)
         best_scores, best_ids = _empty_top(len(queries))
         for group, documents, scores, ids, peak in track(results, "serving index: merging the parts", unit="part"):
             peaks.append(peak)
