@@ -24,10 +24,14 @@ sampled every 0.2 s. Measured:
 
 The tokenizer's sample is capped (`--tokenizer-sample-lines`, the same for both engines) below the 1x corpus's lines,
 so that what the tokenizer holds is fixed as the corpus grows, as it is at the default cap on a corpus past 2M lines.
+With `--heldout-permille N` both engines also hold out that share of the groups (`heldout/`): what the driver of the
+Ray engine once collected (every held-out document) and now leaves to its workers.
 
     python benchmarks/prepare_scale.py --out benchmarks/results/prepare-scale-cpu-2core.json
     python benchmarks/prepare_scale.py --before 183e6e0 --local-sizes "" --one-worker-sizes "" \
         --previous benchmarks/results/prepare-scale-cpu-2core.json --out benchmarks/results/prepare-scale-cpu-2core.json
+    python benchmarks/prepare_scale.py --sizes 1,4,16 --before d300ed4 --local-sizes "" --one-worker-sizes "" \
+        --heldout-permille 200 --out benchmarks/results/prepare-driver-bounded-cpu-2core.json
 """
 
 from __future__ import annotations
@@ -106,9 +110,12 @@ FOLDER_STAGES = {
     "chunks": "tokenize and chunk: chunks by partition",
     "chunks-clean": "de-duplicate chunks: chunks",
     "by-shard": "route to shards: chunks by shard group",
+    "tokenizer-sample": "sample the tokenizer's lines: a sample per document partition, and per merge",
+    "heldout-pairs": "held-out documents by group: translation pairs per partition",
 }
 """The folders of the Ray engine's work folder (before and after the shuffles replaced the per-block partitioned
-writes: the engine now writes only clean, heldout and chunks-clean), and the stage that writes each."""
+writes: the engine now writes clean, heldout, chunks-clean, tokenizer-sample and heldout-pairs), and the stage that
+writes each."""
 
 
 def files_under(folder: Path) -> int:
@@ -131,13 +138,15 @@ def source_tree(ref: str, into: Path) -> Path:
 
 
 def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_lines: int, work: Path,
-            code: Path = REPO) -> dict:
+            code: Path = REPO, heldout_permille: int = 0) -> dict:
     out = work / f"out-{engine}-{workers}"
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "services.cli", "prepare", str(raw), "--out", str(out), "--vocab-size", "8000",
            "--tokenizer-sample-lines", str(sample_lines), "--engine", engine, "--skip-bad-documents"]
     if workers:
         cmd += ["--workers", str(workers)]
+    if heldout_permille:
+        cmd += ["--heldout-permille", str(heldout_permille)]
     env = {**os.environ, "MARGE_PROGRESS": "0", "PYTHONPATH": f"{code}:{code / 'shared'}"}
     started = time.time()
     proc = subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -184,6 +193,8 @@ def measure(raw: Path, documents: int, engine: str, workers: int | None, sample_
             "pss_at_peak_mib": {name: round(b / 2**20, 1) for name, b in sorted(peak["at_peak"].items(),
                                                                               key=lambda kv: -kv[1])},
             "input_documents": documents, "stage_seconds": manifest["engine"].get("stage_seconds"),
+            **({"heldout": {k: manifest["heldout"][k] for k in ("groups", "documents", "pairs")}}
+               if "heldout" in manifest else {}),
             **({"partitions": partitions, "intermediate_files": dict(sorted(files.items())),
                 "intermediate_files_total": sum(files.values())} if engine == "ray" else {})}
 
@@ -205,6 +216,8 @@ def main() -> int:
                         help="the tokenizer's sample cap for both engines (the 1x corpus has about 75k lines)")
     parser.add_argument("--before", metavar="REF", default=None,
                         help="also run the Ray engine (2 workers) of git commit REF at every size, before this one's")
+    parser.add_argument("--heldout-permille", type=int, default=0,
+                        help="hold out this share of the groups in every run (0: none)")
     parser.add_argument("--previous", type=Path, default=None,
                         help="a results file of an earlier run, kept in this one's under `previous_run`")
     parser.add_argument("--out", type=Path, default=None)
@@ -225,7 +238,7 @@ def main() -> int:
             for engine, workers, code in runs:
                 row = {"size": f"{times}x", "input_mib": round(raw.stat().st_size / 2**20, 2), "code": code,
                        **measure(raw, documents, engine, workers, args.tokenizer_sample_lines, work,
-                                 before if code == "before" else REPO)}
+                                 before if code == "before" else REPO, args.heldout_permille)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             raw.unlink()
@@ -245,7 +258,7 @@ def main() -> int:
            and r["code"] == "current"}
     result = {"machine": f"{os.cpu_count()}-core CPU", "python": platform.python_version(),
               "command": "python benchmarks/prepare_scale.py " + " ".join(sys.argv[1:]),
-              "tokenizer_sample_lines": args.tokenizer_sample_lines,
+              "tokenizer_sample_lines": args.tokenizer_sample_lines, "heldout_permille": args.heldout_permille,
               "before": ({"ref": args.before, "commit": subprocess.run(
                   ["git", "rev-parse", args.before], cwd=REPO, capture_output=True, text=True).stdout.strip()}
                   if args.before else None),
