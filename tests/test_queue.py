@@ -304,9 +304,9 @@ def test_the_batcher_writes_one_round_trip_per_batch(redis_server, monkeypatch):
     q = BatchQueue.connect(redis_server.url, "t3w", Slots(2, 1))
     q.next_slot()  # connected before counting
     sent = counting_round_trips(monkeypatch)
-    written = []
-    write_slots(q, lambda slot, _: make_batch(slot) if slot < 40 else None, lambda slot, placed: 0, 100,
-                threading.Event(), lambda batch, slot: written.append(slot))
+    written, stop = [], threading.Event()
+    write_slots(q, lambda slot, _: make_batch(slot) if slot < 40 else stop.set(), lambda slot, placed: 0, 100,
+                stop, lambda batch, slot: written.append(slot))
     assert written == list(range(40))
     assert sent[0] == 1 + 40  # where the queue stands, then one script per batch
     assert [q.get(n, block_ms=10).batch.batch_id for n in (0, 1, 39)] == ["v0-e0-s0-0", "v0-e0-s0-1", "v0-e0-s0-39"]
@@ -324,8 +324,9 @@ def test_builders_write_their_own_ranks_slots_side_by_side_each_once_behind_its_
     written: dict[int, list[int]] = {0: [], 1: [], 2: []}
 
     def run(group: int) -> None:
-        write_slots(q, lambda slot, _: make_batch(slot) if slot < last else None, lambda slot, placed: 0, 100,
-                    threading.Event(), lambda batch, slot: written[group].append(slot), group)
+        stop = threading.Event()
+        write_slots(q, lambda slot, _: make_batch(slot) if slot < last else stop.set(), lambda slot, placed: 0, 100,
+                    stop, lambda batch, slot: written[group].append(slot), group)
 
     threads = [threading.Thread(target=run, args=(g,)) for g in range(3)]
     for t in threads:
@@ -386,6 +387,38 @@ def test_a_builder_waiting_far_ahead_follows_a_reset_to_an_older_checkpoint(redi
     assert q.get(1, block_ms=10).batch.batch_id == "v0-e0-s0-1"
 
 
+def test_a_builder_waiting_for_an_index_version_follows_a_reset_to_an_older_checkpoint(redis_server, tmp_path):
+    """A builder waiting for the index version of a slot far ahead (built from a snapshot the ranks have not
+    reached) when a restarted trainer group resets the queue gives up the wait (`wait_for_version`'s give_up, the
+    actor's check of its cursor) and writes the slots the ranks now wait for."""
+    from services.batcher.schedule import wait_for_version
+    from services.batcher.writer import write_slots
+
+    gave_up = []
+    assert wait_for_version(tmp_path, 3, threading.Event(), poll_s=0.01,
+                            give_up=lambda: gave_up.append(1) or len(gave_up) > 2) is None and len(gave_up) == 3
+    q = BatchQueue.connect(redis_server.url, "t-version-wait", Slots(1, 1))
+    q.progress(0, 0)
+    written, waited, stop = [], [], threading.Event()
+
+    def batch_for(slot: int, _):
+        if slot == 3 and not waited:  # slot 3's index version is not built: wait while the cursor stays there
+            waited.append(slot)
+            return wait_for_version(tmp_path, 3, stop, poll_s=0.01, give_up=lambda: q.next_slot(0) != slot)
+        return make_batch(slot) if slot < 5 else stop.set()
+
+    thread = threading.Thread(target=write_slots, args=(q, batch_for, lambda slot, placed: 0, 100, stop,
+                                                        lambda batch, slot: written.append(slot)))
+    thread.start()
+    deadline = time.time() + 10
+    while not waited:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    q.reset_from(1)  # the group restarts from the checkpoint of update 1
+    thread.join(timeout=10)
+    assert not thread.is_alive() and written == [0, 1, 2, 1, 2, 3, 4]
+
+
 def test_the_batcher_follows_a_moved_cursor_and_places_a_requested_replay(redis_server):
     from services.batcher.writer import write_slots
 
@@ -394,13 +427,13 @@ def test_the_batcher_follows_a_moved_cursor_and_places_a_requested_replay(redis_
     q.dead_letter(1, q.get(1, block_ms=10).fields, "poison")
     q.request_replay(q.dead_letters()[0]["entry"])
     q.reset_from(2)  # the run resumes from update 2: the cursor is back at slot 2 for a batcher that wrote on
-    schedule_positions = []
+    schedule_positions, stop = [], threading.Event()
 
     def batch_for(slot: int, replays_before: int):
         schedule_positions.append((slot, replays_before))
-        return make_batch(100 + slot - replays_before) if slot < 6 else None
+        return make_batch(100 + slot - replays_before) if slot < 6 else stop.set()
 
-    write_slots(q, batch_for, lambda slot, placed: sum(1 for n in placed if n < slot), 100, threading.Event())
+    write_slots(q, batch_for, lambda slot, placed: sum(1 for n in placed if n < slot), 100, stop)
     assert q.replay_placements() == {2: q.dead_letters()[0]["entry"]}  # the requeued batch went first
     assert q.get(2, block_ms=10).batch.batch_id == "v0-e0-s0-1"
     # the schedule moved one slot on: slot 3 holds what slot 2 would have held

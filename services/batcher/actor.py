@@ -70,6 +70,8 @@ class Batcher:
         self.cross_share_sum = 0.0
         self.tokens_sum = 0
         self.waiting_for_version: int | None = None
+        self._building: int | None = None
+        """The slot whose batch is being built."""
         m = self.metrics = StageMetrics("batcher", paths.name, worker=str(group))
         m.counter("marge_batches_produced", "Batches written to the queue")
         m.gauge("marge_batcher_next_slot", "The first slot not written yet")
@@ -77,9 +79,13 @@ class Batcher:
         m.gauge("marge_batch_crosslingual_share", "Cross-lingual share of edges inside produced batches")
 
     def _version(self, number: int) -> IndexVersion | None:
-        """Committed index version `number`, waiting for the indexer to build it; None once stopped."""
+        """Committed index version `number`, waiting for the indexer to build it; None once stopped, or once this
+        builder's cursor leaves the slot it builds (a trainer group reset the queue to an older checkpoint: the
+        ranks need earlier slots, and the version waited for needs their progress)."""
         self.waiting_for_version = number
-        index = wait_for_version(self.paths.index, number, self._stop)
+        building = self._building
+        index = wait_for_version(self.paths.index, number, self._stop,
+                                 give_up=lambda: self.queue.next_slot(self.group) != building)
         self.waiting_for_version = None
         if index is not None:
             self.metrics.set("marge_batcher_index_version", number)
@@ -91,6 +97,7 @@ class Batcher:
                                  self.group, self.paths.batch_counts)
 
         def scheduled(slot: int, replays_before: int) -> Batch | None:
+            self._building = slot
             batch = schedule.batch(slot, replays_before)
             return poisoned(batch) if batch is not None and slot == self.faults.poison_slot else batch
 

@@ -35,16 +35,18 @@ from services.batcher.core import BatchCounts, DocumentStore, Skip, corpus_epoch
 log = logging.getLogger(__name__)
 
 
-def wait_for_version(root: Path, number: int, stop: threading.Event, poll_s: float = 0.2) -> IndexVersion | None:
+def wait_for_version(root: Path, number: int, stop: threading.Event, poll_s: float = 0.2,
+                     give_up: Callable[[], bool] = lambda: False) -> IndexVersion | None:
     """Committed index version `number` under `root`, waiting for the indexer to commit it; None once `stop` is
-    set. The batcher's and the single process's `load_version`."""
+    set or `give_up()` says the wait is moot (a builder whose cursor moved back). The batcher's and the single
+    process's `load_version`."""
     path = Path(root) / version_dirname(number)
     logged = False
     while not (path / "manifest.json").exists():
         if not logged:
             log.info("waiting for index v%d (its batches are due)", number)
             logged = True
-        if stop.wait(poll_s):
+        if stop.wait(poll_s) or give_up():
             return None
     return read_version(path)
 

@@ -21,10 +21,11 @@ log = logging.getLogger(__name__)
 def write_slots(queue: BatchQueue, batch_for: Callable[[int, int], Batch | None],
                 replays_before: Callable[[int, dict[int, str]], int], lookahead_steps: int, stop: threading.Event,
                 on_written: Callable[[Batch, int], None] = lambda batch, slot: None, group: int = 0) -> None:
-    """Write builder `group`'s slots from its cursor on until `stop` is set or `batch_for` gives None (stopped while
-    waiting for an index version): a requeued batch if an operator asked for one (builder 0 only), else
-    `batch_for(slot, requeued batches placed before it in its version)`. While the slot is `lookahead_steps`
-    updates ahead of the slowest rank, it waits (polling the ranks' progress, not writing)."""
+    """Write builder `group`'s slots from its cursor on until `stop` is set: a requeued batch if an operator asked
+    for one (builder 0 only), else `batch_for(slot, requeued batches placed before it in its version)`. While the
+    slot is `lookahead_steps` updates ahead of the slowest rank, it waits (polling the ranks' progress, not
+    writing). `batch_for` gives None when it stopped waiting for an index version: stopped, or the cursor moved
+    (then the position is read again)."""
     position = None
     while not stop.is_set():
         if position is None:
@@ -38,7 +39,10 @@ def write_slots(queue: BatchQueue, batch_for: Callable[[int, int], Batch | None]
             continue
         batch = batch_for(slot, replays_before(slot, placements))
         if batch is None:
-            return
+            if stop.is_set():
+                return
+            position = None  # it gave up waiting for an index version: the cursor moved
+            continue
         fields = encode_batch(batch)
         while True:
             status, _ = queue.offer(slot, fields, lookahead_steps, placements_known=len(placements))
