@@ -448,28 +448,11 @@ def build_serving_index_ray(run_dir: Path, corpus: Corpus, snapshot: SnapshotInf
 
 @contextlib.contextmanager
 def ray_for_index_build(address: str | None = None, workers: int | None = None) -> Iterator[int]:
-    """Ray for `build_serving_index_ray`: the one this process is already connected to, the cluster at `address`
-    (or RAY_ADDRESS), or a private local Ray on loopback with `workers` CPUs (default: this machine's), stopped
-    afterwards. Yields the tasks to run at once."""
-    import ray
+    """Ray for `build_serving_index_ray` (`marge.local_ray.ray_for_tasks`). Yields the tasks to run at once."""
+    from marge.local_ray import ray_for_tasks
 
-    from marge.local_ray import apply_local_ray_env, keeping_sigterm_handler, local_ray
-
-    address = address or os.environ.get("RAY_ADDRESS")
-    if ray.is_initialized():
-        yield workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-    elif address:
-        apply_local_ray_env()
-        with keeping_sigterm_handler():
-            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-        try:
-            yield workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-        finally:
-            ray.shutdown()  # this process's connection only: the cluster keeps running
-    else:
-        cpus = workers or os.cpu_count() or 1
-        with local_ray(cpus, object_store_memory=OBJECT_STORE_BYTES):
-            yield cpus
+    with ray_for_tasks(address, workers, OBJECT_STORE_BYTES) as tasks:
+        yield tasks
 
 
 OBJECT_STORE_BYTES = 256 * 2**20

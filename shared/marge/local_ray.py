@@ -98,6 +98,30 @@ def local_ray(num_cpus: int, namespace: str | None = None, include_dashboard: bo
         stop_survivors(started)
 
 
+@contextlib.contextmanager
+def ray_for_tasks(address: str | None, workers: int | None, object_store_memory: int) -> Iterator[int]:
+    """Ray for a program that runs tasks (a preparation, a serving-index build): the one this process is already
+    connected to, the cluster at `address` (or RAY_ADDRESS), or a private local Ray on loopback with `workers` CPUs
+    (default: this machine's) and `object_store_memory`, stopped afterwards. Yields the tasks to run at once."""
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        yield workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    elif address:
+        apply_local_ray_env()
+        with keeping_sigterm_handler():
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            yield workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        finally:
+            ray.shutdown()  # this process's connection only: the cluster keeps running
+    else:
+        cpus = workers or os.cpu_count() or 1
+        with local_ray(cpus, object_store_memory=object_store_memory):
+            yield cpus
+
+
 def process_tree(roots: set[int], include_roots: bool = False) -> dict[int, int]:
     """The live descendants of `roots` (and the roots themselves if asked) as pid -> start time (clock ticks since boot,
     which tells a process from a later one that reuses its pid). Read from /proc: empty where there is none."""
