@@ -120,7 +120,7 @@ def marge_scale(cluster: LoopbackCluster, workers: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def submit_when_an_agent_answers(client, entrypoint: str, runtime_env: dict, timeout_s: float = 120) -> str:
+def submit_when_an_agent_answers(client, entrypoint: str, runtime_env: dict, timeout_s: float = 300) -> str:
     """Submit, retrying while the dashboard has no job agent yet (it starts after the dashboard answers, later on a
     loaded machine: "No available agent to submit job, please try again later")."""
     deadline = time.time() + timeout_s

@@ -340,7 +340,8 @@ def test_a_killed_driver_resubmitted_resumes_from_its_newest_good_checkpoint(ref
     assert pid_is_redis(redis_pid)  # orphaned
     checkpoints = complete_checkpoints(run_dir / "ray_train" / cfg.run.name)
     assert [p.name for p in checkpoints][-2:] == ["step-00000006", "step-00000012"]
-    (checkpoints[-1] / "model.safetensors").write_bytes(b"torn")  # the newest checkpoint is corrupt
+    part = max((checkpoints[-1] / "state").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])  # the newest checkpoint is torn
 
     again = subprocess.run([*DRIVER, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -42,7 +42,7 @@ def test_progress_can_be_turned_off_and_a_bar_needs_no_log(monkeypatch, caplog):
 def test_the_pretraining_line_gives_the_eta_of_this_sessions_rate_or_of_the_deadline():
     from services.driver.progress import Progress as RunProgress
 
-    run = RunProgress(max_steps=300, queue=None, coordinator=None, batcher=None, start_step=100)
+    run = RunProgress(max_steps=300, queue=None, coordinator=None, batchers=[], start_step=100)
     # 50 updates since the resumed update 100, in 25 s: 150 left at 2/s
     assert run.eta({"step": 150, "elapsed_s": 25.0}) == " | ETA 1m15s"
     assert run.eta({"step": 100, "elapsed_s": 0.0}) == ""  # no rate yet
@@ -63,7 +63,7 @@ def test_a_stage_that_does_not_answer_costs_a_progress_report_not_the_run(ray_cl
             time.sleep(5)
             return {}
 
-    run = RunProgress(max_steps=10, queue=None, coordinator=None, batcher=Unresponsive.remote())
+    run = RunProgress(max_steps=10, queue=None, coordinator=None, batchers=[Unresponsive.remote()])
     run.answer_timeout_s = 0.5
     with caplog.at_level(logging.WARNING, logger="marge.pipeline"):
         assert log_progress(run) is False
