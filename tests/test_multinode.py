@@ -1,6 +1,7 @@
 """MARGE across a real multi-node Ray cluster on one machine: three hosts in network namespaces (tests/netns.py).
 
-The head's namespace holds the Ray head (GCS, dashboard, the job's driver and batcher) and the run's Redis
+The head's namespace holds the Ray head (GCS, dashboard, the job's driver and its two batch builders, one per
+trainer rank: `batcher.builders=2`) and the run's Redis
 (password-protected, bound to the head's address); one worker node holds both trainer ranks (custom resource
 `marge_trainer`), the other the indexer (`marge_indexer`); a fourth namespace joins as a node while the first
 job trains, for the second indexer worker `marge scale` asks for; a fifth joins for the test whose ranks run on
@@ -193,7 +194,7 @@ def submit(c: NamespacedCluster, run_dir: Path, corpus: Path, steps: int, extra:
             "trainer.snapshot_every=10", "trainer.checkpoint_every=10", "trainer.warmup_steps=2",
             "run.progress_every_s=5", "health.probe_size=4", "health.aligned_probe_size=8",
             "trainer.resources={marge_trainer: 1}", "indexer.resources={marge_indexer: 1}",
-            "indexer.num_workers=1", "trainer.max_failures=3", *extra]
+            "indexer.num_workers=1", "trainer.max_failures=3", "batcher.builders=2", *extra]
     deadline = time.time() + 120
     while True:  # the dashboard's job agent starts after the dashboard answers, later on a loaded machine
         done = c.net.run(c.head, argv, c.env, timeout=180)
@@ -327,7 +328,8 @@ def test_the_job_runs_across_three_namespaced_nodes(cluster, small_corpus, tmp_p
     assert sorted(trainers) == [c.trainer_node.address] * 2, where
     assert where.get("marge-indexer-0") == [c.indexer_node.address], where
     assert c.indexer_node.address not in trainers  # the indexer is on another node than rank 0 (and rank 1)
-    assert where.get("marge-batcher-0") and where.get("marge-indexer-coordinator")  # num_cpus=0: any node
+    assert where.get("marge-batcher-0") and where.get("marge-batcher-1")  # a builder for each rank; num_cpus=0: any node
+    assert where.get("marge-indexer-coordinator")
     # a second indexer worker on a node that joins now, while the job trains; the next version records it
     c.start_worker(c.spare_node, {"marge_indexer": 1}, cpus=1)
     c.wait_nodes({n.address for n in c.net.nodes[:4]})
