@@ -70,8 +70,8 @@ BUILDER_BATCHES_PER_S = 1070.0
 """Batches one batch builder plans a second: 149,489 batches of <= 2,048 tokens in 139.7 s on one core of a 2-core
 CPU (benchmarks/results/batcher-scale-cpu-2core.json, 10M links)."""
 BUILDER_HEADROOM = 2.0
-"""Batch builders are sized for this multiple of what the trainers need (a builder also plans a shard while it
-waits for the index version it is due, and resumes by planning the shard it resumes in)."""
+"""Batch builders are sized for this multiple of what the trainers need: `batch_builders_needed` is the count that
+supplies twice the trainers' batches a second (a margin chosen, not measured)."""
 OFFER_REDIS_CPU_US = 28.3
 """Redis CPU per batch offered, flat in the world size: 23.8-28.3 us from 8 to 2,048 ranks, the largest taken
 (benchmarks/results/offer-scale-cpu-2core.json; the layout before it cost 24 us at 8 ranks and 665 us at 2,048)."""

@@ -188,7 +188,7 @@ class Rank:
         self.committed = [(n, b) for n, b in resumed.trained if self.slots.rank_of(n) == self.rank]
         """(slot, batch id) of this rank's last commit: committed again with the next one (commits are
         idempotent), so a commit a Redis restart lost, or a crash cut off, is made good."""
-        if self.step:  # dead letters first: a commit trims the stream that holds their batches
+        if self.step:  # dead letters first (from the checkpoint's copy of their entries), then the commit
             for slot, fields, reason in resumed.dead:
                 if self.slots.rank_of(slot) == self.rank:
                     self.source.dead_letter(Delivery(slot, None, fields), reason)
@@ -358,7 +358,7 @@ class Rank:
         self.fault_point("after_report", step)
         dist.barrier()  # ranks other than 0 return from report before rank 0's report is done: commit after it
         self.fault_point("after_barrier", step)
-        for delivery, reason in pending.dead:  # before the commit, which trims the stream below the update
+        for delivery, reason in pending.dead:  # before the commit (their entries are held here, not read again)
             self.source.dead_letter(delivery, reason)
         self.source.commit(step, self.committed + pending.trained)
         self.committed = pending.trained

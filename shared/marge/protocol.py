@@ -21,7 +21,7 @@ Delivery (every slot trained, or dead-lettered, exactly once in the run's final 
     it has trained update s, its stream drops the entries of updates <= s, so a stream holds the look-ahead,
     not a checkpoint interval;
   * a batch counts as trained only when a durable checkpoint covers its update: after the checkpoint of
-    update C is reported, each rank trims its stream below slot C*B and records those slots' batches in the
+    update C is reported, each rank records its slots' batches below slot C*B in the
     ledger (batch id -> update, slot), with `committed` = C; a batch recorded twice is counted
     (`trained_twice`);
   * the ledger is a window, so Redis does not grow with the run: it keeps each rank's batches of the last two
