@@ -38,9 +38,9 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO)]
 
-from marge.corpus import CORPUS_FORMAT, CORPUS_SCHEMA, CORPUS_SCHEMA_VERSION  # noqa: E402
-from marge.index_store import commit_version, staging_dir, write_graph  # noqa: E402
-from marge.utils import atomic_write_text, sha256_file  # noqa: E402
+from marge.contracts.corpus import CORPUS_FORMAT, CORPUS_SCHEMA, CORPUS_SCHEMA_VERSION  # noqa: E402
+from marge.contracts.index_store import commit_version, staging_dir, write_graph  # noqa: E402
+from marge.util.files import atomic_write_text, sha256_file  # noqa: E402
 
 log = logging.getLogger("batcher_scale")
 
@@ -94,8 +94,8 @@ def write_synthetic(root: Path, shards: int, docs_per_shard: int, links: int, se
 
 def measure(corpus: Path, version: Path, cache_mb: float, max_tokens: int) -> dict:
     """One pass of `epoch_batches` in this process: seconds, batches, and memory (peak RSS over the baseline)."""
-    from marge.corpus import Corpus
-    from marge.index_store import read_version
+    from marge.contracts.corpus import Corpus
+    from marge.contracts.index_store import read_version
     from services.batcher.config import BatcherConfig
     from services.batcher.core import DocumentStore, epoch_batches
 

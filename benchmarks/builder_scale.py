@@ -35,15 +35,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO), str(REPO / "benchmarks")]
 
 from batcher_scale import write_synthetic  # noqa: E402
-from marge.utils import atomic_write_text  # noqa: E402
+from marge.util.files import atomic_write_text  # noqa: E402
 
 log = logging.getLogger("builder_scale")
 
 
 def one_pass(corpus: Path, version: Path, group: int, builders: int, max_tokens: int) -> dict:
     """Builder `group` of `builders`: one pass, streamed; its batches and seconds."""
-    from marge.corpus import Corpus
-    from marge.index_store import read_version
+    from marge.contracts.corpus import Corpus
+    from marge.contracts.index_store import read_version
     from services.batcher.config import BatcherConfig
     from services.batcher.core import DocumentStore, epoch_batches
 
@@ -57,9 +57,9 @@ def one_pass(corpus: Path, version: Path, group: int, builders: int, max_tokens:
 
 def first_batch_at(corpus: Path, version: Path, position: int, how: str, counts_root: Path, max_tokens: int) -> dict:
     """Seconds to the batch at `position` of version 0's sequence for one builder, resumed `how`."""
-    from marge.corpus import Corpus
-    from marge.index_store import read_version
-    from marge.protocol import Slots, VersionPlan
+    from marge.contracts.corpus import Corpus
+    from marge.contracts.index_store import read_version
+    from marge.contracts.slots import Slots, VersionPlan
     from services.batcher.config import BatcherConfig
     from services.batcher.core import DocumentStore
     from services.batcher.schedule import BatchSchedule

@@ -62,7 +62,8 @@ def training(preset: str, seed: int = 0):
     """(model, optimizer, scheduler) of `preset` after one AdamW update (moments and a step per parameter)."""
     import torch
 
-    from marge.model import Marge, preset as model_preset
+    from marge.model.network import Marge
+    from marge.model.architecture import preset as model_preset
 
     torch.manual_seed(seed)
     model = Marge(model_preset(preset, dropout=0.0))
@@ -80,7 +81,7 @@ def training(preset: str, seed: int = 0):
 def state_digest(model, optimizer) -> str:
     import hashlib
 
-    from marge.checkpoint import tensor_sha256, training_tensors
+    from marge.model.checkpoint import tensor_sha256, training_tensors
 
     tensors = training_tensors(model, optimizer)
     return hashlib.sha256("".join(f"{k}={tensor_sha256(tensors[k])}" for k in sorted(tensors)).encode()).hexdigest()
@@ -91,7 +92,7 @@ def save_rank(rank: int, world: int, port: int, args: dict, root: str, out: str)
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from marge.checkpoint import CheckpointWrite, save_checkpoint_v1, training_tensors
+    from marge.model.checkpoint import CheckpointWrite, save_checkpoint_v1, training_tensors
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -181,7 +182,7 @@ def restore_rank(rank: int, world: int, port: int, args: dict, root: str, out: s
     import torch
     import torch.distributed as dist
 
-    from marge.checkpoint import restore_training
+    from marge.model.checkpoint import restore_training
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -230,7 +231,8 @@ def main() -> None:
 
     import torch
 
-    from marge.model import Marge, preset as model_preset
+    from marge.model.network import Marge
+    from marge.model.architecture import preset as model_preset
 
     params = sum(p.numel() for p in Marge(model_preset(ns.preset)).parameters())
     report: dict = {"date": time.strftime("%Y-%m-%d"), "machine": {"cpus": os.cpu_count(),

@@ -60,8 +60,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from marge.batch import Batch, SpecialTokens
-from marge.model import Attention, CrossMemory, DecoderLayer, EncodedEvidence, EncoderLayer, Marge, MargeConfig
+from marge.contracts.batch import Batch, SpecialTokens
+from marge.model.layers import Attention, CrossMemory, DecoderLayer, EncodedEvidence, EncoderLayer
+from marge.model.network import Marge
+from marge.model.architecture import MargeConfig
 from services.trainer.config import TrainerConfig
 from services.trainer.inputs import to_model_inputs
 from services.trainer.noising import BartNoise, bart_noise, sentence_end_ids, text_infilling
@@ -124,7 +126,7 @@ class Task:
 def load_task(source: str, evidence: str, corpus_dir: Path) -> Task:
     if source == "random":
         return Task(source, evidence, RANDOM_VOCAB, RANDOM_SPECIALS, RANDOM_MASK_ID)
-    from marge.corpus import Corpus
+    from marge.contracts.corpus import Corpus
 
     if not (corpus_dir / "manifest.json").exists():
         sys.exit(f"no prepared corpus at {corpus_dir}: run `marge prepare data/demo/libreoffice-help/documents.jsonl.gz "

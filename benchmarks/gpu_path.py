@@ -29,7 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_vs_hf_bart import OurStep, compare, describe, shape, sync, synthetic_batch, time_steps  # noqa: E402
 
-from marge.model import RelevanceEncoder, preset, training_flops_per_token  # noqa: E402
+from marge.model.network import RelevanceEncoder  # noqa: E402
+from marge.model.architecture import preset  # noqa: E402
+from marge.model.sizes import training_flops_per_token  # noqa: E402
 from services.trainer.step import device_peak_flops as peak  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +73,7 @@ def corpus_documents(limit: int) -> tuple[list[np.ndarray], str]:
     for name in ("libreoffice-help-128", "demo-paragraphs", "demo-128", "demo"):
         root = REPO / "data" / "prepared" / name
         if (root / "manifest.json").exists():
-            from marge.corpus import Corpus
+            from marge.contracts.corpus import Corpus
 
             corpus = Corpus.open(root, verify_checksums=False)
             docs = [t for s in range(corpus.num_shards) for t in corpus.read_shard(s).tokens][:limit]
@@ -81,7 +83,7 @@ def corpus_documents(limit: int) -> tuple[list[np.ndarray], str]:
 
 
 def indexer_embedding(device: torch.device, documents: int) -> dict:
-    from marge.model import Marge
+    from marge.model.network import Marge
     from services.indexer.core import embed_documents
     from trainer_vs_hf_bart import SPECIALS
 

@@ -45,8 +45,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO), str(REPO / "benchmarks")]
 
-from marge.batch import SpecialTokens  # noqa: E402
-from marge.model import Marge, build_on_meta, preset  # noqa: E402
+from marge.contracts.batch import SpecialTokens  # noqa: E402
+from marge.model.network import Marge  # noqa: E402
+from marge.model.sizes import build_on_meta  # noqa: E402
+from marge.model.architecture import preset  # noqa: E402
 from recipe_batches import LANGUAGES, recipe_batches  # noqa: E402
 from recipe_efficiency import executed_and_credited  # noqa: E402
 from services.trainer.config import TrainerConfig  # noqa: E402

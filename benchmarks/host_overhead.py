@@ -60,9 +60,10 @@ def measure(compile_host: bool) -> dict:
     """Every figure for the `marge` importable here (this tree's, or the exported commit's)."""
     import numpy as np
 
-    from marge.batch import Batch, SpecialTokens
-    from marge.model import Marge, preset
-    from marge.protocol import Slots
+    from marge.contracts.batch import Batch, SpecialTokens
+    from marge.model.network import Marge
+    from marge.model.architecture import preset
+    from marge.contracts.slots import Slots
     from services.trainer.config import TrainerConfig
     from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
                                              ObjectivesConfig, SelfEvidenceConfig)

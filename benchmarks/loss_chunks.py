@@ -2,7 +2,7 @@
 
 Three ways in the same run: the whole loss (every target token's logits at once), checkpointed chunks (each
 chunk's logits computed again in the backward: 4 matmuls a chunk) and the fused loss the model trains with when
-`trainer.loss_chunk_tokens` is set (`marge.model.fused_linear_nll`: the gradients made in the forward pass, 3
+`trainer.loss_chunk_tokens` is set (`marge.model.losses.fused_linear_nll`: the gradients made in the forward pass, 3
 matmuls a chunk).
 
 One step of the loss's own work: the tied output projection of T target states (d wide) onto V rows, the
@@ -34,7 +34,7 @@ def measure(tokens: int, d_model: int, vocab: int, chunk: int, device: str, bf16
     """One loss step in this process; returns seconds, peak memory (MB) and checksums of the results."""
     import torch
 
-    from marge.model import chunked_token_nll, fused_linear_nll, projected_token_nll
+    from marge.model.losses import chunked_token_nll, fused_linear_nll, projected_token_nll
 
     torch.manual_seed(0)
     dev = torch.device(device)

@@ -31,7 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO)]
 
-from marge.protocol import BatchQueue, Slots, entry_id  # noqa: E402
+from marge.contracts.protocol import BatchQueue, entry_id  # noqa: E402
+from marge.contracts.slots import Slots  # noqa: E402
 from services.driver.redis_server import LocalRedis  # noqa: E402
 
 WORLDS = (8, 64, 256, 1024, 2048)

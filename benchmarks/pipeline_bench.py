@@ -33,10 +33,10 @@ log = logging.getLogger("bench")
 
 def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
     """Pipeline-fed vs memory-fed trainer on identical batches (same model, optimizer, DDP ranks)."""
-    from marge.corpus import Corpus
-    from marge.index_store import read_version, version_dirname
-    from marge.protocol import BatchId
-    from marge.refresh import overlaps
+    from marge.contracts.corpus import Corpus
+    from marge.contracts.index_store import read_version, version_dirname
+    from marge.contracts.slots import BatchId
+    from marge.eval.refresh import overlaps
     from services.batcher.core import DocumentStore, epoch_batches
     from services.driver.config import load_config, with_absolute_paths
     from services.driver.pipeline import make_trainer, run_pipeline, trainer_job
@@ -103,9 +103,11 @@ def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
 
 
 def indexer_speed(corpus_dir: str, threads: int, device: str) -> dict:
-    from marge.batch import as_encoder_input
-    from marge.corpus import Corpus
-    from marge.model import Marge, RelevanceEncoder, pad_rows, preset
+    from marge.contracts.batch import as_encoder_input
+    from marge.contracts.corpus import Corpus
+    from marge.model.network import Marge, RelevanceEncoder
+    from marge.model.layers import pad_rows
+    from marge.model.architecture import preset
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_shard
 

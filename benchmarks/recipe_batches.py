@@ -7,7 +7,7 @@ them in corpus order; each target is linked to its translations (the same paragr
 languages) and to two random paragraphs of its own language, as the recipe's index links a document to its top
 cross-lingual and monolingual neighbours (learning.yaml's links per document). The project's own greedy batcher
 (`services.batcher.greedy.plan_shard_batches`) then cuts each shard into batches of `max_tokens`. Only the code under
-test comes from the tree on sys.path; this file needs only `marge.batch.Batch` and the greedy planner from it.
+test comes from the tree on sys.path; this file needs only `marge.contracts.batch.Batch` and the greedy planner from it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ DOCS_PER_SHARD = 512
 
 @dataclass
 class RecipeBatches:
-    batches: list  # marge.batch.Batch, each at least a quarter full (a shard's tail batch is dropped)
+    batches: list  # marge.contracts.batch.Batch, each at least a quarter full (a shard's tail batch is dropped)
     corpus_tokens: list[np.ndarray]  # every document's tokens (the denoising loss's extra negatives)
     plan_seconds_per_batch: float  # the greedy planner's time per batch it made
 
@@ -51,7 +51,7 @@ def demo_paragraphs(path: Path = DEMO) -> list[tuple[str, int, str, int]]:
 
 def recipe_batches(count: int, max_tokens: int = 16384, seed: int = 0, vocab_size: int = 4000) -> RecipeBatches:
     """`count` batches (fewer if the shards run out) from shards spread over the corpus."""
-    from marge.batch import Batch
+    from marge.contracts.batch import Batch
     from services.batcher.greedy import plan_shard_batches
 
     docs = demo_paragraphs()

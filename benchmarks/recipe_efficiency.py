@@ -9,7 +9,7 @@ learning-gpu.yaml's self-evidence and denoising loss), the model is learning-gpu
 128 positions, g = 1 mean-pooled layer); updates are 2 batches (learning-gpu.yaml's `grad_accum`).
 
 * executed_over_credited_flops: FLOPs of the forward and backward of one update's batches (FlopCounterMode, on the
-  meta device: shapes only) over `marge.model.training_flops` of the tokens they hold;
+  meta device: shapes only) over `marge.model.sizes.training_flops` of the tokens they hold;
 * prepare_ms_per_16k_batch: `Objectives.prepare` per batch, scaled to 16,384 budget tokens (median of 12);
   planner_ms_per_batch: the greedy batcher's time per batch it makes;
 * prefetch_host_slowdown: host time of an update's forward and backward on the meta device (no arithmetic: the
@@ -95,10 +95,10 @@ def objective(model, objectives, prepared, device):
 
 def executed_and_credited(meta_model, objectives, update: list, pad_id: int) -> tuple[float, float]:
     """FLOPs of the forward and backward of an update's prepared batches on a model on the meta device (shapes only),
-    and what `marge.model.training_flops` credits for the tokens they hold."""
+    and what `marge.model.sizes.training_flops` credits for the tokens they hold."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from marge.model import training_flops
+    from marge.model.sizes import training_flops
 
     with FlopCounterMode(display=False) as counter:
         for p in update:
@@ -114,8 +114,8 @@ def recipe_setup(unpadded: bool, narrow: bool, count: int, max_tokens: int):
     """The recipe's special tokens, `count` recipe-shaped batches of `max_tokens`, its objectives (self-evidence and
     the denoising loss of learning-gpu.yaml; `unpadded` where the tree has it) and its model's config (`base`, 4k
     vocabulary, 128 positions, g = 1 mean-pooled layer; `narrow`: d_model 64). For this tree or an exported one."""
-    from marge.batch import SpecialTokens
-    from marge.model import preset
+    from marge.contracts.batch import SpecialTokens
+    from marge.model.architecture import preset
     from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
                                              ObjectivesConfig, SelfEvidenceConfig)
     from recipe_batches import LANGUAGES, recipe_batches
@@ -142,7 +142,7 @@ def recipe_setup(unpadded: bool, narrow: bool, count: int, max_tokens: int):
 def measure(unpadded: bool, smoke: bool) -> dict:
     """Every figure for the code importable here (this tree's, or the exported commit's)."""
     import numpy as np
-    from marge.model import build_on_meta
+    from marge.model.sizes import build_on_meta
     from services.trainer.loop import update_statistics
 
     torch.set_num_threads(1)
@@ -256,7 +256,7 @@ def measure_compile(scope: str, smoke: bool) -> dict:
     (`trainer.compile_scope`)."""
     from torch._dynamo.utils import counters
 
-    from marge.model import Marge
+    from marge.model.network import Marge
     from services.trainer.config import TrainerConfig
     from services.trainer.step import build_optimizer, build_scheduler, compiled, train_step
 

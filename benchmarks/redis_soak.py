@@ -59,8 +59,8 @@ def sample(queue, world: int) -> dict:
 
 
 def soak(steps: int, every_s: float, workdir: Path, overrides: list[str]) -> dict:
-    from marge.corpus import Corpus
-    from marge.protocol import BatchQueue
+    from marge.contracts.corpus import Corpus
+    from marge.contracts.protocol import BatchQueue
     from services.driver.audit import audit
     from services.driver.config import load_config
     from services.driver.pipeline import run_pipeline

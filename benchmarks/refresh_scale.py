@@ -76,7 +76,7 @@ class Run:
     """A run folder for one corpus and one way of refreshing: the snapshots, the index, the build log."""
 
     def __init__(self, folder: Path, corpus_dir: Path, cfg, model, tokenizer_sha256: str, versions: list[int]):
-        from marge.snapshot import publish_snapshot
+        from marge.model.snapshot import publish_snapshot
 
         self.folder, self.corpus_dir, self.cfg = folder, corpus_dir, cfg
         self.snapshots, self.index = folder / "snapshots", folder / "index"
@@ -85,8 +85,8 @@ class Run:
 
     def refresh(self, version: int) -> dict:
         """Build index version `version` the way the indexer does (see the module docstring); its figures."""
-        from marge.corpus import Corpus
-        from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
+        from marge.contracts.corpus import Corpus
+        from marge.model.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
         from services.indexer.core import build_version, index_shard
 
         cfg = self.cfg
@@ -143,8 +143,8 @@ def main() -> int:
     sys.path[:0] = [str(REPO / "shared"), str(REPO)]
     import torch
 
-    from marge.checkpoint import build_model
-    from marge.corpus import Corpus
+    from marge.model.checkpoint import build_model
+    from marge.contracts.corpus import Corpus
     from benchmarks.serve_scale import replicate_corpus
     from services.driver.config import load_config
 

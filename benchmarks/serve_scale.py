@@ -43,8 +43,8 @@ def replicate_corpus(source: Path, target: Path, times: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from marge.corpus import Corpus
-    from marge.utils import sha256_file
+    from marge.contracts.corpus import Corpus
+    from marge.util.files import sha256_file
 
     corpus = Corpus.open(source)
     manifest = json.loads((source / "manifest.json").read_text(encoding="utf-8"))
@@ -84,9 +84,10 @@ def build_run(run: Path, corpus_dir: Path, seed: int = 0) -> float:
     """A snapshot of a tiny model and index version 0 of every document with it; returns the build seconds."""
     import torch
 
-    from marge.corpus import Corpus
-    from marge.model import Marge, preset
-    from marge.snapshot import load_relevance_encoder, publish_snapshot
+    from marge.contracts.corpus import Corpus
+    from marge.model.network import Marge
+    from marge.model.architecture import preset
+    from marge.model.snapshot import load_relevance_encoder, publish_snapshot
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus
 
@@ -234,7 +235,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     sys.path[:0] = [str(REPO / "shared"), str(REPO)]
-    from marge.corpus import Corpus
+    from marge.contracts.corpus import Corpus
 
     work = Path(tempfile.mkdtemp(prefix="marge-serve-scale-"))
     before = exported(args.before)

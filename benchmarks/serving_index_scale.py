@@ -47,7 +47,7 @@ LOAD_PROBE = """
 import json, resource, sys
 from pathlib import Path
 sys.path[:0] = [sys.argv[4], sys.argv[5]]
-from marge.corpus import Corpus
+from marge.contracts.corpus import Corpus
 
 def rss_mb():
     with open("/proc/self/status") as f:
@@ -56,7 +56,7 @@ def rss_mb():
 corpus = Corpus.open(sys.argv[2], verify_checksums=False)
 tokenizer = corpus.tokenizer()
 import faiss, numpy, torch  # imported before the baseline: their code is not the index
-from marge.snapshot import latest_snapshot, load_relevance_encoder
+from marge.model.snapshot import latest_snapshot, load_relevance_encoder
 from services.retrieval.full_index import FullCorpusIndex
 from services.retrieval.index import DocumentTable
 docs = DocumentTable(corpus)  # the service's own table (18 bytes a document), there with any index
@@ -143,8 +143,8 @@ def main() -> None:
 
     import yaml
 
-    from marge.corpus import Corpus
-    from marge.snapshot import latest_snapshot
+    from marge.contracts.corpus import Corpus
+    from marge.model.snapshot import latest_snapshot
     from serve_scale import replicate_corpus
     from services.retrieval.full_index import read_build
 

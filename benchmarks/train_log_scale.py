@@ -63,8 +63,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO)]
 
-from marge.protocol import BatchId, Slots  # noqa: E402
-from marge.train_log import SEGMENT_UPDATES, RunFigures, TrainLog, UpdateRecord, feed  # noqa: E402
+from marge.contracts.slots import BatchId, Slots  # noqa: E402
+from marge.contracts.train_log import SEGMENT_UPDATES, RunFigures, TrainLog, UpdateRecord, feed  # noqa: E402
 
 SLOTS = Slots(world=8, grad_accum=1)
 REINDEX_EVERY = 1000
@@ -191,7 +191,7 @@ def whole_list_summary(records: list[UpdateRecord], history: list[dict]) -> dict
 
 
 def whole_list_refresh_cost(builds: list[dict], records: list[UpdateRecord]) -> dict:
-    from marge.refresh import overlaps, union_seconds
+    from marge.eval.refresh import overlaps, union_seconds
 
     intervals = [(b["started_unix"], b["finished_unix"]) for b in builds]
     steps = [(r.time - r.step_seconds, r.time, r) for r in records if r.time > 0]
@@ -268,7 +268,7 @@ def whole_list_account(records: list[UpdateRecord], checkpoint, queue) -> dict:
 
 
 def whole_file_truncate_after(path: Path, step: int) -> None:
-    from marge.utils import atomic_write_text
+    from marge.util.files import atomic_write_text
 
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     kept = []
@@ -294,7 +294,7 @@ def digest(value) -> str:
 
 
 def measure(operation: str, approach: str, log_dir: Path, updates: int) -> dict:
-    from marge.refresh import RefreshCost
+    from marge.eval.refresh import RefreshCost
     from services.driver.audit import QueueState, account
     from services.driver.audit import RetiredCounts as RetiredInRedis
 
@@ -303,7 +303,7 @@ def measure(operation: str, approach: str, log_dir: Path, updates: int) -> dict:
     checkpoint, queue = audit_inputs(updates, retired_as_dict=approach == "whole-list") \
         if operation == "audit" else (None, None)
     if approach in REDIS_APPROACHES:
-        from marge.protocol import BatchQueue
+        from marge.contracts.protocol import BatchQueue
 
         redis_queue = BatchQueue.connect(os.environ[REDIS_URL_ENV], RUN_ID, SLOTS)
         redis_queue.r.ping()
@@ -386,7 +386,7 @@ def write_log(log_dir: Path, updates: int, segment_updates: int) -> dict:
 
 def fill_retired(url: str, updates: int) -> dict:
     """The run's ledger:retired hash in Redis at this point of the run: one field per update before the window."""
-    from marge.protocol import BatchQueue
+    from marge.contracts.protocol import BatchQueue
 
     queue = BatchQueue.connect(url, RUN_ID, SLOTS)
     key = queue.keys.ledger_retired

@@ -32,7 +32,8 @@ def small_corpus(tmp_path_factory) -> Path:
     import gzip
     import json
 
-    from marge.prepare import PrepareOptions, prepare
+    from services.prepare.options import PrepareOptions
+    from services.prepare.run import prepare
 
     rows = [json.loads(line) for line in gzip.open(DEMO_RAW / "documents.jsonl.gz", "rt", encoding="utf-8")]
     groups = sorted({r["group"] for r in rows})[:40]
@@ -50,7 +51,8 @@ def paragraph_corpus(tmp_path_factory) -> Path:
     import gzip
     import json
 
-    from marge.prepare import PrepareOptions, prepare
+    from services.prepare.options import PrepareOptions
+    from services.prepare.run import prepare
 
     rows = [json.loads(line) for line in gzip.open(DEMO_RAW / "documents.jsonl.gz", "rt", encoding="utf-8")]
     short = {r["group"] for r in rows if r["language"] == "en" and len(r["text"]) < 3000}  # no giant page
@@ -109,8 +111,9 @@ def small_index(small_corpus, tmp_path_factory):
     """Index version 0 of the small corpus, built at random init with the tiny model."""
     import torch
 
-    from marge.corpus import Corpus
-    from marge.model import Marge, RelevanceEncoder, preset
+    from marge.contracts.corpus import Corpus
+    from marge.model.network import Marge, RelevanceEncoder
+    from marge.model.architecture import preset
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus
 

@@ -17,9 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from marge.corpus import Corpus, ShardDocuments
-from marge.model import Marge, RelevanceEncoder, preset
-from marge.prepare import PrepareError, PrepareOptions, prepare
+from marge.contracts.corpus import Corpus, ShardDocuments
+from marge.model.network import Marge, RelevanceEncoder
+from marge.model.architecture import preset
+from marge.contracts.documents import PrepareError
+from services.prepare.options import PrepareOptions
+from services.prepare.run import prepare
 from services.indexer.config import IndexerConfig
 from services.indexer.core import index_shard, lexical_vectors, shard_links
 
@@ -105,8 +108,8 @@ def test_a_version_1_corpus_without_paragraph_ids_still_reads(tmp_path):
     raw = write_jsonl(tmp_path / "in.jsonl", PAGE)
     out = tmp_path / "old"
     prepare(PrepareOptions(inputs=[raw], out=out, vocab_size=300, lid=False))
-    from marge.corpus import CORPUS_SCHEMA_V1
-    from marge.utils import sha256_file
+    from marge.contracts.corpus import CORPUS_SCHEMA_V1
+    from marge.util.files import sha256_file
 
     manifest = json.loads((out / "manifest.json").read_text())
     path = out / manifest["shards"][0]["file"]
@@ -122,7 +125,7 @@ def test_a_version_1_corpus_without_paragraph_ids_still_reads(tmp_path):
 def test_the_demo_documents_carry_paragraph_ids_for_every_paragraph(demo_raw):
     import gzip
 
-    from marge.corpus import split_paragraphs
+    from marge.contracts.corpus import split_paragraphs
 
     for name in ("documents.jsonl.gz", "heldout_documents.jsonl.gz"):
         rows = [json.loads(line) for line in gzip.open(demo_raw / name, "rt", encoding="utf-8")]
@@ -141,7 +144,7 @@ def shard(paragraph_corpus) -> ShardDocuments:
 
 def reference_tfidf_links(docs: ShardDocuments, per_doc: dict[bool, int]) -> set[tuple[int, int]]:
     """The per-document rule by brute force on the full TF-IDF cosine matrix (every document a candidate)."""
-    from marge.evaluation import char_tfidf
+    from marge.eval.evaluation import char_tfidf
 
     x = char_tfidf().fit_transform(docs.texts)
     sims = (x @ x.T).toarray()
@@ -248,7 +251,7 @@ def test_parallel_precision_counts_aligned_translations_not_the_same_page():
 
 
 def test_link_source_settings_are_checked():
-    from marge.config import ConfigError
+    from marge.contracts.config import ConfigError
 
     with pytest.raises(ConfigError, match="bootstrap must be 'none' when links is 'aligned'"):
         IndexerConfig(links="aligned", bootstrap="tfidf")
@@ -276,7 +279,7 @@ def aligned_items(latin_tokenizer, demo_raw):
 def test_aligned_probe_items_are_held_out_paragraphs_with_their_translations(aligned_items, latin_tokenizer, demo_raw):
     import gzip
 
-    from marge.corpus import split_paragraphs
+    from marge.contracts.corpus import split_paragraphs
     from services.trainer.health import build_aligned_probe
 
     assert len(aligned_items) == 24
@@ -324,7 +327,7 @@ def test_aligned_gain_is_zero_without_cross_attention_and_its_split_adds_up(alig
 
 
 def test_g_health_calls_g_learning_only_above_its_initialisations_by_more_than_the_interval(latin_tokenizer, few_pairs):
-    from marge.evaluation import encode_texts, read_pairs
+    from marge.eval.evaluation import encode_texts, read_pairs
     from services.trainer.health import describe_g_health, g_health
 
     pairs = read_pairs(few_pairs, latin_tokenizer.languages)
@@ -359,7 +362,7 @@ def test_g_health_calls_g_learning_only_above_its_initialisations_by_more_than_t
 
 
 def test_every_g_is_centred_on_the_same_documents_whatever_its_own_running_centre(latin_tokenizer, few_pairs):
-    from marge.evaluation import encode_texts, fitted_centre, read_pairs, retrieval_hits
+    from marge.eval.evaluation import encode_texts, fitted_centre, read_pairs, retrieval_hits
 
     pairs = read_pairs(few_pairs, latin_tokenizer.languages)
     torch.manual_seed(0)

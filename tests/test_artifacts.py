@@ -1,4 +1,4 @@
-"""The artifact contract (marge.artifacts): a folder is published whole or not at all, its manifest commits it,
+"""The artifact contract (marge.contracts.artifacts): a folder is published whole or not at all, its manifest commits it,
 readers refuse what they do not know or what does not match its checksums, LATEST names only committed folders
 and only moves forward, and deleting versions never leaves LATEST on a missing one. Then the four artifacts
 that use it keep their on-disk formats: manifests and LATEST pointers written before the shared module read,
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from marge import artifacts
-from marge.utils import sha256_file
+from marge.contracts import artifacts
+from marge.util.files import sha256_file
 
 SERIES = artifacts.Series("v[0-9]*", lambda name: int(name[1:]), pointer_field="version", what="test artifact")
 
@@ -257,7 +257,7 @@ def test_a_series_without_a_pointer_lists_but_never_writes_latest(tmp_path):
 
 
 def test_index_versions_keep_their_manifest_and_latest(tmp_path):
-    from marge.index_store import (IndexStoreError, commit_version, drop_versions_after, latest_version, read_version,
+    from marge.contracts.index_store import (IndexStoreError, commit_version, drop_versions_after, latest_version, read_version,
                                    staging_dir)
 
     def stage(version: int, faiss: bool = True) -> list[dict]:
@@ -295,7 +295,7 @@ def test_index_versions_keep_their_manifest_and_latest(tmp_path):
 
 
 def test_an_index_version_written_before_the_shared_module_reads(tmp_path):
-    from marge.index_store import latest_version
+    from marge.contracts.index_store import latest_version
 
     folder = tmp_path / "v000007"
     folder.mkdir()
@@ -326,7 +326,7 @@ def old_snapshot(root: Path, step: int) -> Path:
 
 
 def test_snapshots_written_before_the_shared_module_read_and_drop(tmp_path):
-    from marge.snapshot import SnapshotError, drop_snapshots_after, latest_snapshot, read_snapshot
+    from marge.model.snapshot import SnapshotError, drop_snapshots_after, latest_snapshot, read_snapshot
 
     for step in (0, 100, 200):
         old_snapshot(tmp_path, step)
@@ -342,7 +342,7 @@ def test_snapshots_written_before_the_shared_module_read_and_drop(tmp_path):
 
 
 def test_checkpoint_manifests_keep_their_fields_and_order(tmp_path):
-    from marge.checkpoint import CheckpointError, complete_checkpoints, read_manifest, write_manifest
+    from marge.model.checkpoint import CheckpointError, complete_checkpoints, read_manifest, write_manifest
 
     root = tmp_path / "checkpoints"
     for name in ("step-00000012-1", "step-00000006", "step-00000012", "step-junk"):
@@ -369,7 +369,7 @@ def test_checkpoint_manifests_keep_their_fields_and_order(tmp_path):
 
 
 def test_a_corpus_manifest_is_refused_naming_the_field_and_what_to_do(tmp_path):
-    from marge.corpus import Corpus, CorpusError
+    from marge.contracts.corpus import Corpus, CorpusError
 
     manifest = {"format": "marge-corpus", "schema_version": 1, "shards": [], "tokenizer": {}, "languages": {},
                 "num_documents": 0}

@@ -10,9 +10,9 @@ import pytest
 
 from services.batcher.config import BatcherConfig
 from services.batcher.core import DocumentStore, epoch_batches
-from marge.corpus import Corpus
-from marge.index_store import IndexStoreError, latest_version
-from marge.protocol import BatchId
+from marge.contracts.corpus import Corpus
+from marge.contracts.index_store import IndexStoreError, latest_version
+from marge.contracts.slots import BatchId
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_a_corrupt_index_file_is_detected(small_index, tmp_path):
 
     copy = tmp_path / "v"
     shutil.copytree(small_index.path, copy)
-    from marge.index_store import read_version
+    from marge.contracts.index_store import read_version
 
     version = read_version(copy)
     version.verify()
@@ -135,8 +135,9 @@ def test_the_schedule_is_a_function_of_the_slot_and_switches_versions_at_fixed_s
 
     import torch
 
-    from marge.model import Marge, RelevanceEncoder, preset
-    from marge.protocol import Slots, VersionPlan
+    from marge.model.network import Marge, RelevanceEncoder
+    from marge.model.architecture import preset
+    from marge.contracts.slots import Slots, VersionPlan
     from services.batcher.schedule import BatchSchedule, wait_for_version
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus
@@ -182,7 +183,7 @@ def test_builders_share_no_shard_and_a_resumed_builder_passes_over_shards_by_the
     they are the one builder's; a builder started deep inside a version (a resume) gives its slots the same
     batches as one that ran from the start, and with the shard counts on the run's storage it reads only the
     shard it resumes in."""
-    from marge.protocol import Slots, VersionPlan
+    from marge.contracts.slots import Slots, VersionPlan
     from services.batcher.schedule import BatchSchedule, RunSchedule
 
     corpus, cfg = Corpus.open(small_corpus), BatcherConfig(max_tokens=400, plan_ahead=False)  # reads counted exactly
@@ -294,7 +295,7 @@ def test_the_store_budget_counts_every_byte_a_cached_shard_holds(small_corpus):
 
 
 def test_links_to_documents_outside_their_shard_are_refused_naming_the_index(tmp_path, small_corpus):
-    from marge.index_store import IndexVersion, write_graph
+    from marge.contracts.index_store import IndexVersion, write_graph
 
     corpus = Corpus.open(small_corpus)
     ids = corpus.read_shard(0).doc_ids

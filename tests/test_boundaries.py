@@ -79,7 +79,7 @@ def test_import_paths_match_folders():
 
 
 def test_the_batch_contract_and_the_queue_protocol_need_no_torch():
-    code = ("import sys; import marge.batch, marge.protocol, marge.config; "
+    code = ("import sys; import marge.contracts.batch, marge.contracts.protocol, marge.contracts.config; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
@@ -88,10 +88,12 @@ def test_the_batch_contract_and_the_queue_protocol_need_no_torch():
 def test_indexer_service_and_trainer_compute_the_same_unit_g(small_corpus, tmp_path):
     """For one snapshot and the same documents: the vectors the indexer stores in FAISS, the query vectors the
     retrieval service computes from the documents' text, and the trainer model's g agree (centring included)."""
-    from marge.batch import as_encoder_input
-    from marge.corpus import Corpus
-    from marge.model import Marge, pad_rows, preset
-    from marge.snapshot import load_relevance_encoder, publish_snapshot
+    from marge.contracts.batch import as_encoder_input
+    from marge.contracts.corpus import Corpus
+    from marge.model.network import Marge
+    from marge.model.layers import pad_rows
+    from marge.model.architecture import preset
+    from marge.model.snapshot import load_relevance_encoder, publish_snapshot
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus
     from services.retrieval.index import LoadedIndex

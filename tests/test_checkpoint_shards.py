@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from marge.checkpoint import (CheckpointWrite, load_model, newest_good_checkpoint, read_manifest, restore_training,
+from marge.model.checkpoint import (CheckpointWrite, load_model, newest_good_checkpoint, read_manifest, restore_training,
                               save_checkpoint, save_checkpoint_v1, tensor_sha256, training_tensors)
 from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
 

@@ -13,16 +13,17 @@ import torch
 import yaml
 
 from services.cli import main
-from marge.train_log import TRAIN_LOG, TrainLog, UpdateRecord
+from marge.contracts.train_log import TRAIN_LOG, TrainLog, UpdateRecord
 
 
 @pytest.fixture(scope="module")
 def trained(small_corpus, tmp_path_factory, demo_raw):
     """A run directory and checkpoint from a few in-process steps on the small corpus."""
-    from marge.checkpoint import save_checkpoint
-    from marge.corpus import Corpus
-    from marge.model import Marge, preset
-    from marge.snapshot import load_relevance_encoder, publish_snapshot
+    from marge.model.checkpoint import save_checkpoint
+    from marge.contracts.corpus import Corpus
+    from marge.model.network import Marge
+    from marge.model.architecture import preset
+    from marge.model.snapshot import load_relevance_encoder, publish_snapshot
     from services.batcher.config import BatcherConfig
     from services.batcher.core import DocumentStore, epoch_batches
     from services.indexer.config import IndexerConfig
@@ -102,8 +103,8 @@ def test_eval_retrieval_errors(trained, tmp_path, capsys):
 
 
 def test_eval_translate_and_translate(trained, capsys, monkeypatch, tmp_path):
-    from marge.finetuned import generation_scores
-    from marge.evaluation import read_document_pairs
+    from marge.model.finetuned import generation_scores
+    from marge.eval.evaluation import read_document_pairs
 
     hypotheses = tmp_path / "hyp.txt"
     monkeypatch.setenv("MARGE_PROGRESS", "bar")  # as on a terminal: a bar while it translates, not minutes of silence
@@ -147,7 +148,7 @@ def test_report_writes_link_matrix_and_curves(trained, tmp_path, capsys):
 def test_report_shows_what_each_index_refresh_cost(trained, tmp_path, capsys):
     import shutil
 
-    from marge.refresh import append_build
+    from marge.eval.refresh import append_build
 
     run = tmp_path / "run"
     shutil.copytree(trained["run"], run)
@@ -165,9 +166,9 @@ def test_report_shows_what_each_index_refresh_cost(trained, tmp_path, capsys):
 def test_a_veco_checkpoint_is_evaluated_for_retrieval_and_refused_for_translation(small_corpus, few_pairs, tmp_path,
                                                                                  capsys, monkeypatch):
     """`load_model` builds a VECO checkpoint as `Veco`: the retrieval sweep takes it, translation says why not."""
-    from marge.checkpoint import save_checkpoint
-    from marge.corpus import Corpus
-    from marge.veco import Veco, veco_preset
+    from marge.model.checkpoint import save_checkpoint
+    from marge.contracts.corpus import Corpus
+    from marge.model.veco import Veco, veco_preset
     from services.trainer.config import TrainerConfig
     from services.trainer.step import build_optimizer, build_scheduler
 
@@ -189,7 +190,7 @@ def test_the_python_api_example_in_the_docs_runs(trained, capsys):
     """docs/python-api.md's example, run as written on a small checkpoint (only the checkpoint path changed)."""
     import re
 
-    from marge.evaluation import read_pairs
+    from marge.eval.evaluation import read_pairs
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "python-api.md").read_text(encoding="utf-8")
     code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
@@ -206,7 +207,7 @@ def test_the_python_api_example_in_the_docs_runs(trained, capsys):
     pairs = read_pairs(trained["pairs"], model.tokenizer.languages)[0]
     g = model.relevance(pairs.sources[:4])
     assert g.shape == (4, model.model.cfg.d_model) and np.allclose(np.linalg.norm(g, axis=1), 1.0, atol=1e-5)
-    from marge.evaluation import encode_texts, relevance_unit_vectors
+    from marge.eval.evaluation import encode_texts, relevance_unit_vectors
 
     rows = encode_texts(model.tokenizer, pairs.sources[:4], model.model.cfg.max_positions)
     assert np.allclose(g, relevance_unit_vectors(model.model, rows, model.tokenizer.specials), atol=1e-6)

@@ -27,7 +27,7 @@ import yaml
 from processes import LOOPBACK, listening_addresses, pids_in_session  # tests/processes.py
 
 from services.driver.redis_server import LocalRedis, free_port
-from marge.local_ray import LOCAL_RAY_ENV
+from marge.util.local_ray import LOCAL_RAY_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent

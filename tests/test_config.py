@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from marge.config import ConfigError
-from marge.corpus import Corpus
-from marge.model import build_on_meta, count_parameters
+from marge.contracts.config import ConfigError
+from marge.contracts.corpus import Corpus
+from marge.model.sizes import build_on_meta, count_parameters
 from services.driver.config import PipelineConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,7 +264,7 @@ def stop(proc) -> None:
 def one_batch(batch_id: str = "v0-e0-s0-0"):
     import numpy as np
 
-    from marge.batch import Batch
+    from marge.contracts.batch import Batch
 
     tokens = (np.arange(4, 9, dtype=np.int32), np.arange(9, 14, dtype=np.int32))
     return Batch(batch_id, 0, 0, np.array([1, 2]), ("en", "de"), tokens, np.array([0], dtype=np.int32),
@@ -277,7 +277,8 @@ def test_the_shipped_redis_conf_loads_and_limits_the_pipeline_user_to_its_keys(t
     password."""
     import redis
 
-    from marge.protocol import BatchQueue, Slots
+    from marge.contracts.protocol import BatchQueue
+    from marge.contracts.slots import Slots
     from services.driver.redis_server import free_port
 
     port, password = free_port(), "pipeline-password-123"
@@ -315,7 +316,8 @@ def test_a_run_gets_its_own_redis_user_which_reaches_its_keys_alone_and_outlives
 
     import redis
 
-    from marge.protocol import BatchQueue, Slots
+    from marge.contracts.protocol import BatchQueue
+    from marge.contracts.slots import Slots
     from services.cli import main
     from services.driver.redis_server import free_port
     from services.driver.redis_users import PIPELINE_COMMANDS
@@ -360,7 +362,7 @@ def test_a_run_gets_its_own_redis_user_which_reaches_its_keys_alone_and_outlives
 
 
 def test_every_deviation_from_the_paper_is_off_in_the_paper_preset_and_config():
-    from marge.model import preset
+    from marge.model.architecture import preset
 
     paper = preset("paper")
     assert paper.relevance_pooling == "bos" and not paper.relevance_centering and paper.relevance_layers == 4
@@ -379,7 +381,7 @@ def test_every_deviation_from_the_paper_is_off_in_the_paper_preset_and_config():
 
 
 def test_no_loss_weight_is_architecture():
-    from marge.model import MargeConfig
+    from marge.model.architecture import MargeConfig
 
     names = [f.name for f in dataclasses.fields(MargeConfig)]
     assert not [n for n in names if n.endswith(("_weight", "_temperature"))]

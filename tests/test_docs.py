@@ -129,7 +129,7 @@ def test_every_repository_path_the_docs_name_exists(doc):
 def misnamed_steps(text: str) -> list[str]:
     """`step-...` names (checkpoints, snapshots) in a text that the code would never write: a number not formatted
     as `snapshot_dirname` / `save_checkpoint` format it (`step-N`, `step-0` in prose and `step-*` are placeholders)."""
-    from marge.snapshot import snapshot_dirname
+    from marge.model.snapshot import snapshot_dirname
 
     return [name for name in re.findall(r"step-[0-9]+", text)
             if name not in ("step-0",) and snapshot_dirname(int(name[5:])) != name]

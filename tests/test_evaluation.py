@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from marge.evaluation import (PairSet, PairsError, cosine_matrix, evaluate_model, evaluate_tfidf, margin_matrix,
+from marge.eval.evaluation import (PairSet, PairsError, cosine_matrix, evaluate_model, evaluate_tfidf, margin_matrix,
                               mean_layer_vectors, precision_at_1, read_pairs)
 
 
@@ -52,8 +52,9 @@ def test_read_pairs_groups_by_language_pair_and_names_bad_lines(tmp_path, demo_r
 
 
 def test_mean_pooling_ignores_padding_and_specials(small_corpus):
-    from marge.corpus import Corpus
-    from marge.model import Marge, preset
+    from marge.contracts.corpus import Corpus
+    from marge.model.network import Marge
+    from marge.model.architecture import preset
 
     tok = Corpus.open(small_corpus).tokenizer()
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 Faults are real: SIGKILL of a trainer worker, the batcher actor, an indexer worker, redis-server and the driver;
 a crash halfway through writing a checkpoint, a NaN loss and a poison batch come from the test-only `faults:`
-config section (marge.faults), never from a mock. Every run ends with `marge audit` passing, and every slot
+config section (marge.contracts.faults), never from a mock. Every run ends with `marge audit` passing, and every slot
 holds the batch an uninterrupted run with the same seed trains in it. The poison batch (slot 5) and the NaN
 loss (slot 13) are part of every run's data, the uninterrupted one's too: they change the model, and with it
 the later index versions.
@@ -153,7 +153,7 @@ def test_faults_inside_a_run_lose_nothing_and_train_nothing_twice(reference_run,
 
     def auditor() -> None:
         """Audit the live run at every new checkpoint, so each fault has the figures measured after it."""
-        from marge.protocol import BatchQueue
+        from marge.contracts.protocol import BatchQueue
         from services.driver.audit import audit, run_config_of
         from services.driver.redis_server import LocalRedis, private_conf_dir
 
@@ -247,8 +247,8 @@ def test_two_builders_one_killed_and_a_trainer_worker_killed_lose_nothing(ray_cl
     15 (the group restarts from the checkpoint of update 12, past which the ranks' progress had trimmed the
     streams: the queue is reset and the builders write those slots again). The audit is clean, and every slot
     holds the batch the builders' schedule gives it, recomputed here from the index versions on disk."""
-    from marge.corpus import Corpus
-    from marge.index_store import read_version, version_dirname
+    from marge.contracts.corpus import Corpus
+    from marge.contracts.index_store import read_version, version_dirname
     from services.batcher.core import DocumentStore
     from services.batcher.schedule import BatchSchedule
     from services.driver.pipeline import run_pipeline
@@ -312,7 +312,7 @@ def test_a_killed_driver_resubmitted_resumes_from_its_newest_good_checkpoint(ref
     """SIGKILL the driver (its redis-server is orphaned, its Ray goes with it), corrupt its newest checkpoint, and
     submit it again: it adopts the orphan, falls back to the previous checkpoint, discards the later snapshots
     and index versions, and trains every slot once, as the uninterrupted run does."""
-    from marge.checkpoint import complete_checkpoints
+    from marge.model.checkpoint import complete_checkpoints
     from services.driver.redis_server import pid_is_redis
 
     cfg = fault_config(tmp_path, small_corpus, "driver")
@@ -379,9 +379,10 @@ def test_a_bad_batch_is_left_out_of_its_update_with_a_zero_weight_stand_in(small
     """An update on [good, poison] applies half the gradient of [good] alone (each batch weighs 1/2; the poison
     batch's stand-in weighs 0), and on [good, NaN loss] the same: its one read finds the loss not finite and the
     update is computed again without that batch. Both name the slot and the reason."""
-    from marge.corpus import Corpus
-    from marge.model import Marge, preset
-    from marge.protocol import Slots
+    from marge.contracts.corpus import Corpus
+    from marge.model.network import Marge
+    from marge.model.architecture import preset
+    from marge.contracts.slots import Slots
     from services.batcher.actor import poisoned
     from services.batcher.config import BatcherConfig
     from services.batcher.core import DocumentStore, epoch_batches
@@ -432,7 +433,7 @@ def test_the_newest_good_checkpoint_skips_torn_and_half_uploaded_ones_and_orders
     """Storage copies a checkpoint's files in no fixed order: a crash mid-upload can leave a torn manifest or
     a manifest without its files. Both are skipped (never an exception that stops every resume), and a second
     attempt at an update (`step-N-1`, written after resuming from an older checkpoint) is newer than the first."""
-    from marge.checkpoint import checkpoint_dir_name, complete_checkpoints, newest_good_checkpoint, save_checkpoint
+    from marge.model.checkpoint import (checkpoint_dir_name, complete_checkpoints, newest_good_checkpoint, save_checkpoint)
     from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
 
     model, optimizer, scheduler = tiny_training()

@@ -1,4 +1,4 @@
-"""Fine-tuning (`marge finetune`, `marge eval finetuned`, `marge.finetuned`): the classification head, freezing,
+"""Fine-tuning (`marge finetune`, `marge eval finetuned`, `marge.model.finetuned`): the classification head, freezing,
 a generation fine-tune that overfits, bad input, reloading, DDP on Ray Train."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from marge.finetuned import MargeForClassification, collate, load, own_input_memory, task_loss
-from marge.model import Marge, preset
-from marge.tasks import TaskDataError, encode_examples, read_task_file
+from marge.model.finetuned import MargeForClassification, collate, load, own_input_memory, task_loss
+from marge.model.network import Marge
+from marge.model.architecture import preset
+from marge.contracts.tasks import TaskDataError, encode_examples, read_task_file
 from services.cli import main
 from services.trainer.finetune import ExampleOrder, Finetuning, FinetuneConfig, freeze, run_finetune
 
@@ -22,8 +23,8 @@ TASKS = Path(__file__).resolve().parents[1] / "data" / "demo" / "tasks"
 @pytest.fixture(scope="module")
 def checkpoint(small_corpus, tmp_path_factory) -> Path:
     """A tiny random-init MARGE saved as `marge pretrain` saves its checkpoints."""
-    from marge.checkpoint import save_checkpoint
-    from marge.corpus import Corpus
+    from marge.model.checkpoint import save_checkpoint
+    from marge.contracts.corpus import Corpus
     from services.trainer.config import TrainerConfig
     from services.trainer.step import build_optimizer, build_scheduler
 
@@ -79,8 +80,8 @@ def test_the_classifier_reads_the_input_in_encoder_and_decoder_and_classifies_th
 
 
 def test_a_pair_is_framed_bos_text_eos_pair_eos_and_cut_longest_first(small_corpus):
-    from marge.corpus import Corpus
-    from marge.tasks import classification_input, truncate_pair
+    from marge.contracts.corpus import Corpus
+    from marge.contracts.tasks import classification_input, truncate_pair
 
     assert truncate_pair([1] * 10, [2] * 3, 8) == ([1] * 5, [2] * 3)
     assert truncate_pair([1] * 4, [2] * 6, 6) == ([1] * 3, [2] * 3)
@@ -249,7 +250,7 @@ def test_bad_task_files_fail_with_file_line_and_field(checkpoint, tmp_path, caps
 def test_a_fine_tuned_directory_serves_translate_and_retrieval_eval_as_its_marge_model(checkpoint, tmp_path, capsys):
     """`marge translate` and `marge eval retrieval` take fine-tuned folders; a classifier's head is left out,
     and translating with a classifier is refused with what to use instead."""
-    from marge.checkpoint import load_model
+    from marge.model.checkpoint import load_model
 
     train = write_jsonl(tmp_path / "train.jsonl", pawsx_rows("train", 8))
     out = tmp_path / "clf"
@@ -298,8 +299,8 @@ def test_early_stopping_stops_after_patience_evaluations_without_a_better_metric
 
 def test_task_loss_through_collate_is_the_marge_loss_with_one_source_per_target(small_corpus):
     """Generation fine-tuning is MARGE's own loss with each output reading only its own input."""
-    from marge.corpus import Corpus
-    from marge.tasks import GenerationExample
+    from marge.contracts.corpus import Corpus
+    from marge.contracts.tasks import GenerationExample
 
     tok = Corpus.open(small_corpus).tokenizer()
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ from test_service import centred_run  # tests/test_service.py
 
 @pytest.fixture(scope="module")
 def full_run(small_corpus, tmp_path_factory):
-    from marge.corpus import Corpus
+    from marge.contracts.corpus import Corpus
 
     run = tmp_path_factory.mktemp("full-index") / "run"
     centred_run(run, small_corpus, seed=5)
@@ -35,7 +35,7 @@ def ray_workers():
 
 
 def snapshot_of(run: Path):
-    from marge.snapshot import latest_snapshot
+    from marge.model.snapshot import latest_snapshot
 
     return latest_snapshot(run / "snapshots")
 
@@ -74,7 +74,7 @@ def test_a_ray_build_that_fails_half_way_commits_nothing_and_leaves_nothing(full
     removed by the next build on the host and is never taken for a build."""
     import shutil
 
-    from marge.corpus import Corpus
+    from marge.contracts.corpus import Corpus
     from services.retrieval.full_index import (
         BuildOptions,
         build_serving_index_ray,

@@ -22,9 +22,9 @@ UPDATES = 20
 
 
 def first_losses(corpus_dir: Path, index_root: Path) -> dict:
-    from marge.corpus import Corpus
-    from marge.model import Marge, RelevanceEncoder
-    from marge.protocol import Slots
+    from marge.contracts.corpus import Corpus
+    from marge.model.network import Marge, RelevanceEncoder
+    from marge.contracts.slots import Slots
     from services.batcher.core import DocumentStore, epoch_batches
     from services.driver.config import load_config
     from services.indexer.core import index_corpus

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from marge.batch import Batch, SpecialTokens
-from marge.model import Marge, preset
+from marge.contracts.batch import Batch, SpecialTokens
+from marge.model.network import Marge
+from marge.model.architecture import preset
 from services.trainer.inputs import to_model_inputs
 
 SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 5, "de": 6, "fr": 7})
@@ -90,7 +91,7 @@ def test_on_gpus_the_process_group_has_a_backend_for_cpu_and_cuda_tensors():
 def test_a_run_asking_for_gpus_a_cluster_does_not_have_is_refused_naming_both_sides():
     from pathlib import Path
 
-    from marge.config import ConfigError
+    from marge.contracts.config import ConfigError
     from services.driver.config import load_config
 
     repo = Path(__file__).resolve().parents[1]
@@ -129,7 +130,7 @@ def test_an_update_reads_the_device_back_once_on_the_fused_adamw_path(monkeypatc
     """The single process's and the reference loop's update (`train_step`): two batches with every auxiliary of the
     learning recipe, the fused AdamW of the GPU path. Inside it no scalar is read back (no `.item()`, `bool(t)`,
     `float(t)`), and the update's figures come back in exactly one copy."""
-    from marge.protocol import Slots
+    from marge.contracts.slots import Slots
     from services.trainer import step as step_module
     from services.trainer.config import TrainerConfig
     from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
@@ -167,7 +168,7 @@ def test_every_way_of_adding_a_key_bias_equals_adding_it_to_the_logits(path):
     softmax(q.k / sqrt(E) + bias) v written out: the same values, and the same gradients to q, k, v and the bias
     (beta * f: gradient to g and beta), with -inf for keys a target may not read; a boolean "may read" mask the
     same way. FlexAttention has no CPU backward: on a CPU its values alone (gradients where a GPU is)."""
-    from marge.model import key_biased_attention
+    from marge.model.layers import key_biased_attention
 
     trains = path != "flex" or torch.cuda.is_available()
     device, dtype, tol = (("cuda", torch.float32, 1e-5) if path == "flex" and trains else ("cpu", torch.float64, 1e-12))
@@ -269,7 +270,7 @@ def test_the_chunked_loss_makes_its_gradients_with_three_matmuls_a_chunk():
     """`model.loss_chunk_tokens` on a 250k-vocabulary-like output layer: the fused loss (`fused_linear_nll`) equals the
     whole loss and its gradients, with 3 matrix products per chunk (logits, d states, d weight) where checkpointed
     chunks need 4 (the logits again in the backward)."""
-    from marge.model import chunked_token_nll, fused_linear_nll, token_nll
+    from marge.model.losses import chunked_token_nll, fused_linear_nll, token_nll
 
     class Matmuls(TorchDispatchMode):
         def __init__(self):
@@ -311,7 +312,7 @@ def test_a_rank_reads_and_prepares_the_next_update_while_this_one_trains():
     them in a thread (as the single process does); a read that fails is raised in the loop, not lost in the thread."""
     import threading
 
-    from marge.protocol import Slots
+    from marge.contracts.slots import Slots
     from services.trainer.rank import DeliveryPrefetcher
     from services.trainer.source import MemorySource
 

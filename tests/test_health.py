@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from marge.corpus import Corpus
+from marge.contracts.corpus import Corpus
 from services.trainer.health import build_probe, g_spread, probe_health
-from marge.model import Marge, preset
+from marge.model.network import Marge
+from marge.model.architecture import preset
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from marge.model import Marge, preset
+from marge.model.network import Marge
+from marge.model.architecture import preset
 from services.trainer.objectives import MargeObjectiveConfig, ObjectivesConfig, apply_objective_settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,8 +59,8 @@ def test_detached_relevance_keeps_every_value_and_stops_only_the_gradient_throug
 
 
 def test_the_marge_objective_passes_the_switch_and_freezing_beta_takes_it_out_of_training(paragraph_corpus):
-    from marge.batch import Batch
-    from marge.corpus import Corpus
+    from marge.contracts.batch import Batch
+    from marge.contracts.corpus import Corpus
     from services.trainer.config import TrainerConfig
     from services.trainer.objectives import objectives_for
     from services.trainer.step import reference_train
@@ -82,7 +83,7 @@ def test_the_marge_objective_passes_the_switch_and_freezing_beta_takes_it_out_of
 
 
 def test_the_budget_oracle_fills_the_loops_link_budget_with_translations_first(paragraph_corpus):
-    from marge.corpus import Corpus
+    from marge.contracts.corpus import Corpus
     from services.indexer.config import IndexerConfig
     from services.indexer.core import budget_aligned_links, version_links
 
@@ -116,8 +117,8 @@ def test_the_heldout_probe_is_disjoint_from_the_training_text(demo_raw):
     """The held-out pages are never training pages; the held-out pairs, and the mechanism study's targets, never
     have a text a training document has (boilerplate paragraphs that held-out pages share with training pages are
     dropped from the targets)."""
-    from marge.corpus import split_paragraphs
-    from marge.evaluation import read_pairs
+    from marge.contracts.corpus import split_paragraphs
+    from marge.eval.evaluation import read_pairs
 
     training, heldout = ({r["group"]: r for r in map(json.loads, gzip.open(demo_raw / name, "rt", encoding="utf-8"))}
                          for name in ("documents.jsonl.gz", "heldout_documents.jsonl.gz"))
@@ -133,7 +134,7 @@ def test_the_heldout_probe_is_disjoint_from_the_training_text(demo_raw):
 
 
 def test_mechanism_targets_drop_every_text_training_has(paragraph_corpus, demo_raw):
-    from marge.corpus import Corpus
+    from marge.contracts.corpus import Corpus
     from experiments.mechanism.measures import training_documents
     from services.trainer.health import build_aligned_probe
 
@@ -216,7 +217,7 @@ def test_a_contrast_is_shown_only_when_seeds_and_pages_agree(tmp_path):
 
 
 def test_the_bootstrap_resamples_pages_not_paragraphs():
-    from marge.evaluation import clustered_bootstrap
+    from marge.eval.evaluation import clustered_bootstrap
 
     # 20 pages of 50 paragraphs each; within a page every paragraph has the page's value: 20 observations, not 1,000
     rng = np.random.default_rng(0)

@@ -9,10 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from marge.batch import Batch, SpecialTokens
+from marge.contracts.batch import Batch, SpecialTokens
 from services.trainer.inputs import to_model_inputs
-from marge.config import ConfigError
-from marge.model import CrossMemory, Marge, MargeConfig, build_on_meta, count_parameters, preset
+from marge.contracts.config import ConfigError
+from marge.model.layers import CrossMemory
+from marge.model.network import Marge
+from marge.model.architecture import MargeConfig, preset
+from marge.model.sizes import build_on_meta, count_parameters
 from services.trainer.config import TrainerConfig
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -384,7 +387,7 @@ def test_denoising_contrastive_trains_g_with_fresh_negatives():
 
 
 def test_untied_encoder_embeddings_feed_encoder_and_snapshot():
-    from marge.model import RelevanceEncoder
+    from marge.model.network import RelevanceEncoder
 
     model = tiny(tie_encoder_embeddings=False)
     assert model.encoder_embed_tokens is not None and model.encoder_token_embedding is not model.embed_tokens
@@ -397,7 +400,8 @@ def test_untied_encoder_embeddings_feed_encoder_and_snapshot():
 
 
 def test_relevance_encoder_carries_the_embedding_layernorm():
-    from marge.model import PRESETS, RelevanceEncoder, relevance_state_dict
+    from marge.model.architecture import PRESETS
+    from marge.model.network import RelevanceEncoder, relevance_state_dict
 
     assert PRESETS["paper"]["embedding_layernorm"] is False  # our choice where the paper is silent: stated, measured
     inputs = to_model_inputs(make_batch(np.random.default_rng(18)), SPECIALS)
@@ -468,8 +472,9 @@ def test_the_papers_g_does_not_start_collapsed_and_our_embedding_layernorm_would
     """The paper's g (the BOS state after 4 layers of its 1024-wide encoder) at initialisation: unrelated held-out
     paragraphs must not all look alike. With a LayerNorm on the embeddings (our choice elsewhere, not the paper's)
     they would (benchmarks/init_spread.py measures it on the held-out pairs)."""
-    from marge.corpus import Corpus
-    from marge.model import RelevanceEncoder, init_parameters
+    from marge.contracts.corpus import Corpus
+    from marge.model.network import RelevanceEncoder
+    from marge.model.architecture import init_parameters
     from services.trainer.health import COLLAPSED_SPREAD, relevance_spread
 
     tok = Corpus.open(paragraph_corpus).tokenizer()

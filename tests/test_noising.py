@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from marge.config import FieldError
+from marge.contracts.config import FieldError
 from services.trainer.noising import (BartNoise, bart_noise, document_rotation, sentence_end_ids,
                                       sentence_permutation, text_infilling, token_deletion, token_masking)
 

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from marge.batch import Batch, SpecialTokens
-from marge.config import ConfigError
-from marge.corpus import Corpus
-from marge.model import Marge, preset
-from marge.protocol import BatchId, Slots, VersionPlan
-from marge.veco import Veco, veco_preset
+from marge.contracts.batch import Batch, SpecialTokens
+from marge.contracts.config import ConfigError
+from marge.contracts.corpus import Corpus
+from marge.model.network import Marge
+from marge.model.architecture import preset
+from marge.contracts.slots import BatchId, Slots, VersionPlan
+from marge.model.veco import Veco, veco_preset
 from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.core import DocumentStore, corpus_epoch_batches, epoch_batches
 from services.batcher.schedule import BatchSchedule
@@ -21,7 +22,7 @@ from services.trainer.objectives import (BartObjectiveConfig, MargeObjectiveConf
                                          VecoObjectiveConfig, objectives_for, split_in_halves)
 from services.trainer.noising import SENTENCE_END_CHARACTERS
 from services.trainer.step import reference_train
-from marge.config import build
+from marge.contracts.config import build
 
 SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 4, "de": 5}, mask_id=1)
 SENTENCE_END = 9
@@ -128,7 +129,7 @@ def test_schedule_without_an_index_resumes_on_the_same_batches(small_corpus):
 def test_mixture_budget_counts_the_bart_pass_on_each_target(small_corpus, small_index):
     docs = DocumentStore(Corpus.open(small_corpus))
     shape = BatchShape("retrieval", extra_target_passes=1)
-    from marge.batch import encoder_cost
+    from marge.contracts.batch import encoder_cost
 
     for b in list(epoch_batches(small_index, docs, BatcherConfig(max_tokens=700), 0, shape=shape))[:30]:
         cost = (sum(shape.target_cost(len(b.doc_tokens[i])) for i in b.targets)
@@ -159,8 +160,8 @@ def test_bart_loss_without_relevance_equals_the_biased_loss_when_each_target_see
     batch = toy_batch(np.random.default_rng(1))
     inputs = toy_objectives(objectives(bart={})).prepare(batch, (0, 0, 0)).parts["bart"]
     model = marge_model()
-    from marge.model import pad_rows
-    from marge.batch import as_encoder_input
+    from marge.model.layers import pad_rows
+    from marge.contracts.batch import as_encoder_input
 
     targets_enc = pad_rows([as_encoder_input(batch.doc_tokens[t], SPECIALS) for t in batch.targets], 0)
     free = model(inputs["evidence_MS"], None, inputs["decoder_in_NT"], inputs["labels_NT"], inputs["allowed_NM"])

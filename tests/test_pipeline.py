@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from marge.checkpoint import load_model_weights, read_manifest
-from marge.corpus import Corpus
-from marge.protocol import BatchId, BatchQueue
+from marge.model.checkpoint import load_model_weights, read_manifest
+from marge.contracts.corpus import Corpus
+from marge.contracts.slots import BatchId
+from marge.contracts.protocol import BatchQueue
 from services.batcher.config import BatcherConfig
 from services.batcher.core import DocumentStore, epoch_batches
 from services.driver.config import load_config
@@ -128,7 +129,7 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
     assert resumed["resumed_from_step"] == 24 and resumed["batches_trained"] == 60
     assert "run.max_steps 24 -> 30 with trainer.total_steps unset: the learning rate now anneals" in caplog.text
     # what it trains may not change on a resume: refused, naming the difference, before anything starts
-    from marge.config import ConfigError
+    from marge.contracts.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"with settings it was not trained with: trainer\.lr: 0\.002 -> 0\.001\. Put"):
         run_pipeline(small_config(tmp_path, small_corpus, redis_server.url, "e2e", "run.max_steps=36", *args,
@@ -175,7 +176,7 @@ def test_bart_and_veco_pretrain_through_the_same_pipeline_without_an_index(ray_c
                                                                            tmp_path, objective):
     """deploy/configs/tiny-{bart,veco}.yaml through the real pipeline: no indexer, document batches from the
     batcher, the objective's loss falling, every batch trained once, the checkpoint holding the right model."""
-    from marge.checkpoint import load_model
+    from marge.model.checkpoint import load_model
     from services.driver.pipeline import run_pipeline
 
     cfg = load_config(REPO / f"deploy/configs/tiny-{objective}.yaml", [

@@ -11,9 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from services.cli import main as marge_main
-from marge.corpus import CORPUS_SCHEMA, Corpus, CorpusError
-from marge.prepare import PrepareError, PrepareOptions, prepare
-from marge.utils import sha256_file
+from marge.contracts.corpus import CORPUS_SCHEMA, Corpus, CorpusError
+from marge.contracts.documents import PrepareError
+from services.prepare.options import PrepareOptions
+from services.prepare.run import prepare
+from marge.util.files import sha256_file
 
 GERMAN = "Die Tabellenkalkulation berechnet die Summe aller Zellen in der ausgewählten Spalte automatisch."
 ENGLISH = "The spreadsheet automatically calculates the sum of all cells in the selected column."
@@ -81,7 +83,7 @@ def test_prepare_warns_when_the_tokenizer_or_the_held_out_split_is_far_below_wha
     rows = [{"id": f"p{g}-{lang}", "group": f"p{g}", "language": lang, "text": f"{text} {g}"}
             for g in range(40) for lang, text in (("en", ENGLISH), ("de", GERMAN), ("zh", CHINESE))]
     raw = write_jsonl(tmp_path / "raw.jsonl", rows)
-    with caplog.at_level("WARNING", logger="marge.prepare"):
+    with caplog.at_level("WARNING", logger="services.prepare"):
         manifest = prepare(opts([raw], tmp_path / "big", vocab_size=32000, heldout_permille=100))
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     pieces = manifest["tokenizer"]["vocab_size"]
@@ -91,7 +93,7 @@ def test_prepare_warns_when_the_tokenizer_or_the_held_out_split_is_far_below_wha
     assert 0 < held < 30 and any(f"the held-out split has {held} groups" in w and "--heldout-permille 750" in w
                                  for w in warned), warned  # 30 of the 40 groups
     caplog.clear()
-    with caplog.at_level("WARNING", logger="marge.prepare"):
+    with caplog.at_level("WARNING", logger="services.prepare"):
         prepare(opts([raw], tmp_path / "fits", vocab_size=pieces))
     assert not [r for r in caplog.records if r.levelname == "WARNING"]  # asked what it could give, no split asked
 

@@ -13,10 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from marge import prepare_ray
-from marge.corpus import Corpus
-from marge.prepare import PrepareError, PrepareOptions, RawDocument, TokenizerSample, jsonl_lines, prepare
-from marge.prepare_ray import Rejected, first_lines, jsonl_range_lines, line_starts, read_tasks
+from services.prepare import ray_engine, ray_reading
+from marge.contracts.corpus import Corpus
+from marge.contracts.documents import PrepareError, RawDocument, jsonl_lines
+from services.prepare.options import PrepareOptions
+from services.prepare.core import TokenizerSample
+from services.prepare.run import prepare
+from services.prepare.ray_reading import Rejected, first_lines, jsonl_range_lines, line_starts, read_tasks
 from test_prepare import ENGLISH, GERMAN, assert_nothing_written, good_rows, write_jsonl  # tests/test_prepare.py
 
 
@@ -145,8 +148,8 @@ def test_a_large_plain_jsonl_is_read_by_byte_range_with_a_file_per_partition_and
             if i % 9 == 0:  # a bad line (no text) every few, 167 in all
                 f.write(json.dumps({"id": f"bad{i}", "language": "en"}) + "\n")
     assert path.stat().st_size > 3 << 20
-    monkeypatch.setattr(prepare_ray, "READ_SPLIT_BYTES", 256 << 10)  # read in the driver, which plans the reads
-    with caplog.at_level(logging.WARNING, logger="marge.prepare_ray"):
+    monkeypatch.setattr(ray_engine, "READ_SPLIT_BYTES", 256 << 10)  # read in the driver, which plans the reads
+    with caplog.at_level(logging.WARNING, logger="services.prepare.ray_engine"):
         local, ray = both(tmp_path, [path], vocab_size=2000, max_chunk_tokens=128, heldout_permille=100,
                           partition_bytes=1 << 20, on_bad_document="skip")
     assert_same_corpus(local, ray)
@@ -155,9 +158,9 @@ def test_a_large_plain_jsonl_is_read_by_byte_range_with_a_file_per_partition_and
     assert manifest["engine"]["document_partitions"] >= 3
     assert_a_file_per_partition(ray)
     assert manifest["stats"]["documents_skipped_bad"] >= 167 and len(manifest["skipped_examples"]) == 20
-    warned = [r.getMessage() for r in caplog.records if r.name == "marge.prepare_ray"]
-    assert sum(m.startswith("skipping: ") for m in warned) == prepare_ray.SKIPPED_KEPT
-    assert f"skipping {manifest['stats']['documents_skipped_bad'] - prepare_ray.SKIPPED_KEPT} more bad" in "".join(warned)
+    warned = [r.getMessage() for r in caplog.records if r.name == "services.prepare.ray_engine"]
+    assert sum(m.startswith("skipping: ") for m in warned) == ray_reading.SKIPPED_KEPT
+    assert f"skipping {manifest['stats']['documents_skipped_bad'] - ray_reading.SKIPPED_KEPT} more bad" in "".join(warned)
 
 
 def test_the_byte_ranges_of_a_file_give_its_lines_and_their_numbers(tmp_path):
@@ -205,12 +208,12 @@ def test_the_reports_of_parts_merge_into_the_report_of_the_whole_and_stay_bounde
         merged.merge(Rejected.from_json(part.to_json()))  # as the reducers and the driver get them
     assert (merged.read, merged.skipped_language, merged.skipped_bad) == (10_000, 7, 500)
     assert merged.first_fatal == (12, "early.jsonl: unreadable")
-    assert merged.first_bad == [(o, f"line {o}: bad") for o in sorted(bad)[:prepare_ray.SKIPPED_KEPT]]
-    assert len(json.loads(whole.to_json())["first_bad"]) == prepare_ray.SKIPPED_KEPT
+    assert merged.first_bad == [(o, f"line {o}: bad") for o in sorted(bad)[:ray_reading.SKIPPED_KEPT]]
+    assert len(json.loads(whole.to_json())["first_bad"]) == ray_reading.SKIPPED_KEPT
 
 
 def test_auto_picks_the_engine_by_input_size(tmp_path):
-    from marge.prepare import chosen_engine
+    from services.prepare.run import chosen_engine
 
     path = write_jsonl(tmp_path / "in.jsonl", good_rows())
     size = path.stat().st_size
@@ -289,7 +292,7 @@ def test_held_out_pairs_staged_by_group_partition_merge_into_the_single_process_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from marge.prepare import write_heldout
+    from services.prepare.core import write_heldout
 
     docs = []
     for i in range(60):  # groups in several languages, some aligned by paragraph, some in one language only
@@ -314,11 +317,11 @@ def test_held_out_pairs_staged_by_group_partition_merge_into_the_single_process_
         pq.write_table(table([d for d in docs if d.order % 3 == k]), staged[-1], row_group_size=5)
     for k in range(4):  # ... and shuffled by group into four partitions, each given in another order
         part = [d for d in docs if hash(d.group) % 4 == k][::-1]
-        row = prepare_ray._heldout_pairs(table(part), str(tmp_path / "work"), opts.max_pairs_per_direction)
+        row = ray_engine._heldout_pairs(table(part), str(tmp_path / "work"), opts.max_pairs_per_direction)
         row = row.to_pylist()[0]
         groups += row["groups"]
         pair_files += [row["file"]] if row["file"] else []
-    written = prepare_ray._write_heldout(
+    written = ray_engine._write_heldout(
         pa.Table.from_pylist([{"documents": json.dumps(staged), "pairs": json.dumps(pair_files)}]),
         str(tmp_path / "ray"), opts.max_pairs_per_direction).to_pylist()[0]
     assert (groups, written["documents"], written["pairs"]) == (expected["groups"], expected["documents"],
@@ -345,12 +348,12 @@ def test_the_tokenizer_sample_merged_by_worker_tasks_is_the_sample_of_the_whole(
         path = tmp_path / f"part-{k}.parquet"
         pq.write_table(pa.Table.from_pylist([{"lang": d.lang, "order": d.order, "text": d.text}
                                              for d in docs if d.order % 7 == k]), path)
-        row = prepare_ray._tokenizer_sample(pa.table({"file": [str(path)]}), 120, 7, str(tmp_path))
+        row = ray_engine._tokenizer_sample(pa.table({"file": [str(path)]}), 120, 7, str(tmp_path))
         files.append(row.column("file")[0].as_py())
-    monkeypatch.setattr(prepare_ray, "SAMPLE_FAN_IN", 3)
+    monkeypatch.setattr(ray_engine, "SAMPLE_FAN_IN", 3)
     while len(files) > 1:  # what `tokenizer_sample` does with Ray Data: 7 -> 3 -> 1
         groups = [json.dumps(files[i:i + 3]) for i in range(0, len(files), 3)]
-        files = [prepare_ray._merge_tokenizer_samples(pa.table({"files": [g]}), 120, 7, str(tmp_path))
+        files = [ray_engine._merge_tokenizer_samples(pa.table({"files": [g]}), 120, 7, str(tmp_path))
                  .column("file")[0].as_py() for g in groups]
     merged = pickle.loads(Path(files[0]).read_bytes())
     assert merged.lines() == whole.lines() and merged.summary() == whole.summary()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from marge.progress import Progress, eta_seconds, format_seconds, track
+from marge.util.progress import Progress, eta_seconds, format_seconds, track
 
 
 def test_durations_and_etas_read_as_a_person_says_them():

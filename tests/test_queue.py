@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import redis
 
-from marge.batch import Batch
-from marge.protocol import (BatchId, BatchQueue, ProtocolError, Slots, VersionPlan, decode_batch, encode_batch, entry_id,
-                           slot_of_entry)
+from marge.contracts.batch import Batch
+from marge.contracts.slots import BatchId, Slots, VersionPlan
+from marge.contracts.protocol import BatchQueue, ProtocolError, decode_batch, encode_batch, entry_id, slot_of_entry
 
 
 def make_batch(i: int, rng=np.random.default_rng(0)) -> Batch:
@@ -96,7 +96,7 @@ def test_a_slot_trimmed_away_is_an_error_at_once_and_an_unwritten_one_is_waited_
     waited for in blocking reads: a few Redis calls a second."""
     import redis as redis_lib
 
-    from marge.protocol import SlotGone
+    from marge.contracts.protocol import SlotGone
 
     q = BatchQueue.connect(redis_server.url, "t1g", Slots(2, 1))
     fill(q, range(6))
@@ -617,7 +617,7 @@ def test_a_stale_rank_that_wakes_after_its_replacement_started_can_write_nothing
     logged, and change nothing; the new group's writes go through."""
     from types import SimpleNamespace
 
-    from marge.protocol import Fenced
+    from marge.contracts.protocol import Fenced
     from services.trainer.source import RedisSource
 
     job = SimpleNamespace(redis_url=redis_server.url, paths=SimpleNamespace(name="t1f"), deadline_unix=None,

@@ -1,4 +1,4 @@
-"""`marge.refresh`: what each index refresh cost the trainers, from build records and the train log."""
+"""`marge.eval.refresh`: what each index refresh cost the trainers, from build records and the train log."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from marge.refresh import append_build, read_builds, refresh_cost, union_seconds
-from marge.train_log import UpdateRecord
+from marge.eval.refresh import append_build, read_builds, refresh_cost, union_seconds
+from marge.contracts.train_log import UpdateRecord
 
 
 def step(n: int, end: float, seconds: float, tokens: int, versions: list[int]) -> UpdateRecord:
@@ -75,9 +75,10 @@ def test_a_sampled_refresh_re_embeds_its_window_and_carries_the_other_shards_wit
 
     import torch
 
-    from marge.corpus import Corpus
-    from marge.index_store import commit_version, read_version, staging_dir
-    from marge.model import Marge, RelevanceEncoder, preset
+    from marge.contracts.corpus import Corpus
+    from marge.contracts.index_store import commit_version, read_version, staging_dir
+    from marge.model.network import Marge, RelevanceEncoder
+    from marge.model.architecture import preset
     from services.indexer.config import IndexerConfig
     from services.indexer.core import carry_shards, index_shard, plan_refresh
 
@@ -134,9 +135,10 @@ def test_the_paper_refresh_samples_shards_by_seed_and_version_alone():
 def test_a_sampled_version_holds_its_sample_and_its_batches_come_only_from_it(small_corpus, tmp_path):
     import torch
 
-    from marge.corpus import Corpus
-    from marge.model import Marge, RelevanceEncoder, preset
-    from marge.protocol import BatchId
+    from marge.contracts.corpus import Corpus
+    from marge.model.network import Marge, RelevanceEncoder
+    from marge.model.architecture import preset
+    from marge.contracts.slots import BatchId
     from services.batcher.config import BatcherConfig
     from services.batcher.core import DocumentStore, epoch_batches
     from services.indexer.config import IndexerConfig

@@ -2,7 +2,7 @@
 a checkpoint of either format (1: one process wrote everything; 2: sharded, each rank reads its share).
 
 Two real gloo ranks (torch.distributed, spawned processes) resume from checkpoints on disk; each counts the sha256
-verifications it made (`marge.artifacts.verify_checksums`)."""
+verifications it made (`marge.contracts.artifacts.verify_checksums`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from marge.checkpoint import checkpoint_dir_name, save_checkpoint, save_checkpoint_v1
+from marge.model.checkpoint import checkpoint_dir_name, save_checkpoint, save_checkpoint_v1
 from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
 
 
@@ -28,7 +28,7 @@ def resume_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
     import torch.distributed as dist
     import ray.train
 
-    import marge.artifacts as artifacts
+    import marge.contracts.artifacts as artifacts
     from services.trainer.state import resume
 
     verified: list[str] = []

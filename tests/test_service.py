@@ -21,9 +21,10 @@ TOKEN = "test-token-0123456789"
 
 def build_run(run: Path, corpus_dir: Path, version: int, seed: int) -> None:
     """Publish a snapshot and commit index `version` built with it, like the pipeline does."""
-    from marge.corpus import Corpus
-    from marge.model import Marge, preset
-    from marge.snapshot import load_relevance_encoder, publish_snapshot
+    from marge.contracts.corpus import Corpus
+    from marge.model.network import Marge
+    from marge.model.architecture import preset
+    from marge.model.snapshot import load_relevance_encoder, publish_snapshot
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus
 
@@ -103,7 +104,7 @@ def test_search_by_text_by_doc_id_and_by_language(served):
 def test_a_documents_own_text_finds_that_document_first(served):
     """Self-retrieval through the whole service: a document's text, embedded by the service, finds the vector the
     indexer stored for that document (cosine 1), ahead of every other document."""
-    from marge.corpus import Corpus
+    from marge.contracts.corpus import Corpus
 
     corpus = Corpus.open(served["corpus"])
     tokenizer = corpus.tokenizer()
@@ -242,7 +243,7 @@ def test_deployable_with_ray_serve(ray_cluster, served):
 
 
 def test_loopback_is_an_address_not_a_name_that_starts_with_127():
-    from marge.net import is_loopback
+    from marge.util.net import is_loopback
 
     for host in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost"):
         assert is_loopback(host), host
@@ -257,10 +258,12 @@ def centred_run(run: Path, corpus_dir: Path, seed: int) -> None:
     """`build_run` with a model whose g is centred (`model.relevance_centering`) on the corpus's own mean, as a
     trained model's running centre would be: documents spread over the sphere instead of sharing one direction, so
     that nearest neighbours mean something (an uncentred untrained g puts every document within 0.01 degree)."""
-    from marge.batch import as_encoder_input
-    from marge.corpus import Corpus
-    from marge.model import Marge, pad_rows, preset
-    from marge.snapshot import load_relevance_encoder, publish_snapshot
+    from marge.contracts.batch import as_encoder_input
+    from marge.contracts.corpus import Corpus
+    from marge.model.network import Marge
+    from marge.model.layers import pad_rows
+    from marge.model.architecture import preset
+    from marge.model.snapshot import load_relevance_encoder, publish_snapshot
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus
 
@@ -279,8 +282,8 @@ def centred_run(run: Path, corpus_dir: Path, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def one_version(small_corpus, tmp_path_factory):
-    from marge.corpus import Corpus
-    from marge.index_store import latest_version
+    from marge.contracts.corpus import Corpus
+    from marge.contracts.index_store import latest_version
 
     run = tmp_path_factory.mktemp("index-layer") / "run"
     build_run(run, small_corpus, version=0, seed=3)
@@ -371,7 +374,7 @@ def test_the_app_carries_no_corpus_until_it_serves_and_the_corpus_is_checked_aga
 
     import pyarrow.parquet as pq
 
-    from marge.corpus import CorpusError
+    from marge.contracts.corpus import CorpusError
     from services.retrieval.app import ServeSettings, create_app
     from services.retrieval.index import IndexHolder
 
@@ -400,7 +403,7 @@ def test_a_serving_index_of_the_whole_corpus_is_compressed_finds_what_exact_sear
 
     import numpy as np
 
-    from marge.snapshot import latest_snapshot
+    from marge.model.snapshot import latest_snapshot
     from services.retrieval.full_index import FullCorpusIndex, read_build
     from services.retrieval.index import DocumentTable
 

@@ -134,7 +134,7 @@ def test_a_sigterm_that_rays_start_swallows_still_reaches_the_programs_handler()
     """Ray's handlers during `ray.init` raise SystemExit wherever the main thread is, where Ray code may swallow
     it: the SIGTERM must still stop the program once Ray is up. A handler that does nothing stands in for Ray's
     swallowed one (a real ray.init cannot be made to swallow on cue)."""
-    from marge.local_ray import keeping_sigterm_handler
+    from marge.util.local_ray import keeping_sigterm_handler
 
     handled = []
 

@@ -96,13 +96,13 @@ def test_resume_refuses_a_changed_config_and_a_missing_run(small_corpus, few_pai
 def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cluster, small_corpus, few_pairs, tmp_path):
     """The same batches through the pipeline's trainer loop (2 DDP ranks on Ray Train, fed from memory) give the
     single process's per-step losses: self-evidence and the denoising loss included."""
-    from marge.corpus import Corpus
+    from marge.contracts.corpus import Corpus
     from services.batcher.core import DocumentStore, epoch_batches
     from services.driver.config import load_config
     from services.driver.pipeline import make_trainer, trainer_job
     from services.trainer.init import ensure_initial_model
     from experiments.learning.single_process import run_single_process
-    from marge.index_store import read_version, version_dirname
+    from marge.contracts.index_store import read_version, version_dirname
 
     args = overrides(small_corpus, few_pairs, "trainer.num_workers=2", "run.max_steps=6", "trainer.snapshot_every=100",
                      "indexer.reindex_every=100", "trainer.checkpoint_every=100",

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from marge.protocol import BatchQueue, Slots
+from marge.contracts.protocol import BatchQueue
+from marge.contracts.slots import Slots
 from test_queue import fill  # tests/test_queue.py
 from test_service import build_run, free_port  # tests/test_service.py
 

@@ -1,4 +1,4 @@
-"""`marge.train_log`: the typed, versioned record of every update, its writer and its reader, its segments, and
+"""`marge.contracts.train_log`: the typed, versioned record of every update, its writer and its reader, its segments, and
 `marge audit`'s account streamed over them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from marge.protocol import BatchId, Slots
-from marge.train_log import SCHEMA_VERSION, RunFigures, TrainLog, TrainLogError, UpdateRecord, read_train_log
+from marge.contracts.slots import BatchId, Slots
+from marge.contracts.train_log import SCHEMA_VERSION, RunFigures, TrainLog, TrainLogError, UpdateRecord, read_train_log
 from services.driver.audit import CheckpointState, QueueState, account
 
 

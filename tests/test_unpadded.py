@@ -1,4 +1,4 @@
-"""Unpadded batches (`trainer.unpadded`, `marge.model.UnpaddedLayout`): the same loss and gradients as the padded
+"""Unpadded batches (`trainer.unpadded`, `marge.model.layers.UnpaddedLayout`): the same loss and gradients as the padded
 batch, fewer FLOPs, and the vectorised host preparation equal to the row-by-row one."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from marge.batch import Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels
-from marge.model import Marge, preset
+from marge.contracts.batch import Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels
+from marge.model.network import Marge
+from marge.model.architecture import preset
 from services.trainer.inputs import to_model_inputs
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -223,7 +224,7 @@ def test_every_key_bias_path_gives_the_folded_loss_and_gradients(path, unpadded,
 
 
 def test_flex_key_bias_refuses_attention_dropout_up_front():
-    from marge.config import ConfigError
+    from marge.contracts.config import ConfigError
     from services.driver.config import load_config
 
     with pytest.raises(ConfigError, match="trainer.key_bias=flex has no attention dropout.*model.attention_dropout"):

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from marge.model import EncoderLayer, MargeConfig, pad_rows, preset, run_layers
-from marge.veco import (
+from marge.model.layers import EncoderLayer, pad_rows, run_layers
+from marge.model.architecture import MargeConfig, preset
+from marge.model.veco import (
     CA_MLM_TERMS, FAMILY, VECO_PRESETS, Veco, VecoConfig, build_veco_on_meta, count_veco_parameters, mlm_mask,
     veco_preset, veco_training_flops_per_token,
 )
@@ -311,7 +312,7 @@ def test_cross_attention_learns_to_read_the_pair():
 
 
 def test_encoder_states_sweep_the_plugged_out_layers_as_retrieval_evaluation_expects():
-    """`marge.evaluation` sweeps `encoder_states(tokens, layer)` over `encoder_layers` in either family."""
+    """`marge.eval.evaluation` sweeps `encoder_states(tokens, layer)` over `encoder_layers` in either family."""
     torch.manual_seed(0)
     model = Veco(veco_preset("tiny", vocab_size=50, max_positions=32)).eval()
     tokens = torch.tensor([[2, 11, 12, 13, 3], [2, 14, 15, 3, 0]])
@@ -324,8 +325,8 @@ def test_encoder_states_sweep_the_plugged_out_layers_as_retrieval_evaluation_exp
 def test_asking_a_veco_model_for_g_names_what_to_read_instead():
     """VECO has no relevance encoder: retrieval by g is refused with the layers it can be read from, not an
     AttributeError from deep inside the model."""
-    from marge.batch import SpecialTokens
-    from marge.evaluation import has_relevance_encoder, relevance_unit_vectors
+    from marge.contracts.batch import SpecialTokens
+    from marge.eval.evaluation import has_relevance_encoder, relevance_unit_vectors
 
     model = small()
     assert not has_relevance_encoder(model)

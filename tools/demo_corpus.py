@@ -35,10 +35,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from marge.html_text import extract_paragraphs
-from marge.langid import identify
-from marge.artifacts import atomic_directory
-from marge.utils import setup_logging
+from marge.contracts.html_text import extract_paragraphs
+from services.prepare.langid import identify
+from marge.contracts.artifacts import atomic_directory
+from marge.util.files import setup_logging
 
 log = logging.getLogger(__name__)
 

@@ -46,9 +46,9 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from marge.prepare import read_documents
-from marge.artifacts import atomic_directory
-from marge.utils import setup_logging, sha256_file
+from marge.contracts.documents import read_documents
+from marge.contracts.artifacts import atomic_directory
+from marge.util.files import setup_logging, sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ python -m pip install -q -c constraints.txt ".[$flavour,serve]"
 # what a cluster job runs: the CLI, every stage, the retrieval service
 python - <<'PY'
 import importlib, shutil, sys
-for name in ("marge", "marge.model", "services.cli", "services.driver.pipeline", "services.trainer.rank",
+for name in ("marge", "marge.model.model", "services.cli", "services.driver.pipeline", "services.trainer.rank",
              "services.indexer.actor", "services.batcher.actor", "services.retrieval.app",
              "experiments.mechanism.harness", "faiss", "ray.train", "ray.serve", "redis", "pyarrow", "fastapi",
              "uvicorn"):

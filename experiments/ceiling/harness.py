@@ -43,8 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from marge.train_log import read_train_log
-from marge.utils import atomic_write_text
+from marge.contracts.train_log import read_train_log
+from marge.util.files import atomic_write_text
 from experiments.learning.single_process import train_for_minutes, trained_minutes
 
 log = logging.getLogger("marge.ceiling")
@@ -273,7 +273,7 @@ def run_sweep(config: Path, overrides: list[str], minutes: float, out: Path, siz
 
 
 def parameters(run: Path) -> int | None:
-    from marge.checkpoint import complete_checkpoints, load_model
+    from marge.model.checkpoint import complete_checkpoints, load_model
 
     checkpoints = complete_checkpoints(run / "run" / "checkpoints")
     return sum(p.numel() for p in load_model(checkpoints[-1]).parameters()) if checkpoints else None

@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from marge.finetuned import evaluate, load
-from marge.tasks import read_task_file
-from marge.utils import atomic_write_text
+from marge.model.finetuned import evaluate, load
+from marge.contracts.tasks import read_task_file
+from marge.util.files import atomic_write_text
 from services.trainer.finetune import FinetuneConfig, run_finetune
 
 log = logging.getLogger("marge.finetune_experiment")
@@ -103,12 +103,12 @@ def run_system(name: str, task_name: str, cfg: FinetuneConfig, test: Path, eval_
 
 def tfidf_pawsx_reference(folder: Path) -> dict[str, Any]:
     """What lexical overlap alone scores on pawsx, no model: the char 2-4-gram TF-IDF cosine of text and pair
-    (the retrieval baseline's features, `marge.evaluation.evaluate_tfidf`), "translation" above a threshold
+    (the retrieval baseline's features, `marge.eval.evaluation.evaluate_tfidf`), "translation" above a threshold
     chosen on the en-de validation set."""
     import numpy as np
 
-    from marge.evaluation import char_tfidf
-    from marge.finetuned import by_group, classification_scores
+    from marge.eval.evaluation import char_tfidf
+    from marge.model.finetuned import by_group, classification_scores
 
     def rows(split: str) -> list:
         return read_task_file(folder / f"{split}.jsonl", "classification")

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marge.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
-from marge.evaluation import evaluate_model, evaluate_tfidf, has_relevance_encoder, mean_score, read_pairs
-from marge.train_log import UpdateRecord, read_train_log
-from marge.utils import atomic_write_text
+from marge.model.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
+from marge.eval.evaluation import evaluate_model, evaluate_tfidf, has_relevance_encoder, mean_score, read_pairs
+from marge.contracts.train_log import UpdateRecord, read_train_log
+from marge.util.files import atomic_write_text
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
 from services.driver.report import ema, plot_curves
 from services.trainer.health import aligned_evidence_gain, build_probe, probe_health

@@ -50,23 +50,23 @@ import numpy as np
 import torch
 import yaml
 
-from marge.batch import Batch
-from marge.checkpoint import (checkpoint_order, complete_checkpoints, load_model_weights, newest_good_checkpoint,
+from marge.contracts.batch import Batch
+from marge.model.checkpoint import (checkpoint_order, complete_checkpoints, load_model_weights, newest_good_checkpoint,
                               restore_training, save_checkpoint)
-from marge.corpus import Corpus
-from marge.evaluation import read_pairs
-from marge.index_store import IndexVersion, drop_versions_after, version_dirname
-from marge.model import Marge
-from marge.refresh import INDEX_BUILDS
-from marge.tensorboard import RunBoard
-from marge.train_log import TrainLog, UpdateRecord
-from marge.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_encoder, publish_snapshot, read_snapshot,
+from marge.contracts.corpus import Corpus
+from marge.eval.evaluation import read_pairs
+from marge.contracts.index_store import IndexVersion, drop_versions_after, version_dirname
+from marge.model.network import Marge
+from marge.eval.refresh import INDEX_BUILDS
+from marge.eval.tensorboard import RunBoard
+from marge.contracts.train_log import TrainLog, UpdateRecord
+from marge.model.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_encoder, publish_snapshot, read_snapshot,
                             snapshot_dirname)
-from marge.artifacts import atomic_directory
-from marge.utils import atomic_write_text
+from marge.contracts.artifacts import atomic_directory
+from marge.util.files import atomic_write_text
 from services.batcher.core import DocumentStore
 from services.batcher.schedule import RunSchedule, wait_for_version
-from marge.config import ConfigError, resumable_keys
+from marge.contracts.config import ConfigError, resumable_keys
 from services.driver.config import PipelineConfig, config_drift, load_config, with_absolute_paths
 from experiments.learning.harness import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
 from services.driver.pipeline import ensure_corpus, final_g_health, with_probes
@@ -82,7 +82,7 @@ log = logging.getLogger("marge.single_process")
 
 EXPERIMENT_FILE = "experiment.json"
 RESUMABLE_OVERRIDES = set(resumable_keys(PipelineConfig, comparable=True))
-"""What a resumed chunk may change: the settings marked comparable (`marge.config.resumable`), which extend the run
+"""What a resumed chunk may change: the settings marked comparable (`marge.contracts.config.resumable`), which extend the run
 or report more or less often. (With trainer.total_steps unset the schedule anneals to run.max_steps, so extending
 the run stretches the rest of the schedule.)"""
 

@@ -3,7 +3,7 @@
 **The held-out pool.** The held-out documents (`health.documents`: pages never trained on) become paragraph
 documents as `marge prepare` makes them (one paragraph a document, cut at `data.max_chunk_tokens`, at least
 `data.min_document_tokens` tokens, exact duplicates dropped), sharded by page as the training corpus is
-(`data.docs_per_shard`, `marge.prepare.assign_shards`): every page in every language in one shard.
+(`data.docs_per_shard`, `services.prepare.core.assign_shards`): every page in every language in one shard.
 
 **The five evidence conditions.** Targets are 256 held-out paragraphs (`PROBE_TARGETS`, drawn as the aligned probe
 draws them, with one seed for every run) less any whose text also occurs in the training corpus. Each target's
@@ -24,7 +24,7 @@ the decoder's use of perfect evidence, beside it.
 
 **g's P@1** on the held-out pairs (`data.heldout_pairs`), every direction among the tokenizer's languages: g of
 every model (trained or at initialisation) is centred the same way, on the mean g of a fixed sample of training
-documents (`marge.evaluation.fitted_centre`), then compared by cosine. Hits are kept per query, with the page each
+documents (`marge.eval.evaluation.fitted_centre`), then compared by cosine. Hits are kept per query, with the page each
 pair comes from, so that intervals resample pages.
 
 Every number is stored per item (per target, per query) in DIR/measures.json, keyed by update, so that the study's
@@ -42,13 +42,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marge.batch import max_text_tokens
-from marge.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
-from marge.corpus import Corpus, ShardDocuments
-from marge.evaluation import fitted_centre, pair_pages, read_pairs, retrieval_hits
-from marge.model import Marge, RelevanceEncoder
-from marge.prepare import assign_shards
-from marge.utils import atomic_write_text
+from marge.contracts.batch import max_text_tokens
+from marge.model.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
+from marge.contracts.corpus import Corpus, ShardDocuments
+from marge.eval.evaluation import fitted_centre, pair_pages, read_pairs, retrieval_hits
+from marge.model.network import Marge, RelevanceEncoder
+from services.prepare.core import assign_shards
+from marge.util.files import atomic_write_text
 from services.driver.config import PipelineConfig, load_config
 from services.indexer.core import embed_documents, version_links
 from services.trainer.health import (AlignedItem, build_aligned_probe, centre_rows, read_aligned_paragraphs,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from marge.evaluation import clustered_bootstrap, page_sums
-from marge.utils import atomic_write_text
+from marge.eval.evaluation import clustered_bootstrap, page_sums
+from marge.util.files import atomic_write_text
 
 log = logging.getLogger("marge.mechanism")
 

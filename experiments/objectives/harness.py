@@ -30,12 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marge.checkpoint import complete_checkpoints, load_model
-from marge.evaluation import mean_score, read_pairs
-from marge.generate import GenerationConfig, generate
-from marge.tokenizer import MargeTokenizer
-from marge.train_log import UpdateRecord, read_train_log
-from marge.utils import atomic_write_text
+from marge.model.checkpoint import complete_checkpoints, load_model
+from marge.eval.evaluation import mean_score, read_pairs
+from marge.model.generate import GenerationConfig, generate
+from marge.contracts.tokenizer import MargeTokenizer
+from marge.contracts.train_log import UpdateRecord, read_train_log
+from marge.util.files import atomic_write_text
 from experiments.learning.single_process import train_for_minutes
 
 log = logging.getLogger("marge.objectives_experiment")

@@ -20,14 +20,15 @@ import time
 import numpy as np
 import ray
 
-from marge.batch import Batch
-from marge.corpus import Corpus
-from marge.faults import FaultsConfig
-from marge.index_store import IndexVersion
-from marge.metrics import StageMetrics
-from marge.paths import RunPaths
-from marge.protocol import BatchId, BatchQueue, QueueConfig, Slots, VersionPlan
-from marge.utils import setup_logging
+from marge.contracts.batch import Batch
+from marge.contracts.corpus import Corpus
+from marge.contracts.faults import FaultsConfig
+from marge.contracts.index_store import IndexVersion
+from marge.eval.metrics import StageMetrics
+from marge.contracts.paths import RunPaths
+from marge.contracts.slots import BatchId, QueueConfig, Slots, VersionPlan
+from marge.contracts.protocol import BatchQueue
+from marge.util.files import setup_logging
 from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.core import DocumentStore
 from services.batcher.schedule import BatchSchedule, wait_for_version

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from marge.batch import decoder_cost, encoder_cost
-from marge.config import at_least, positive
+from marge.contracts.batch import decoder_cost, encoder_cost
+from marge.contracts.config import at_least, positive
 
 BATCH_KINDS = ("retrieval", "documents")
 

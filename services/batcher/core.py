@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from marge.batch import Batch
-from marge.corpus import Corpus, ShardDocuments
-from marge.index_store import IndexVersion
-from marge.protocol import BatchId
-from marge.utils import BudgetCache
+from marge.contracts.batch import Batch
+from marge.contracts.corpus import Corpus, ShardDocuments
+from marge.contracts.index_store import IndexVersion
+from marge.contracts.slots import BatchId
+from marge.util.files import BudgetCache
 from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.greedy import BatchPlan, plan_document_batches, plan_shard_batches
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from marge.batch import decoder_cost, encoder_cost
+from marge.contracts.batch import decoder_cost, encoder_cost
 
 
 @dataclass

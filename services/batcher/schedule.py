@@ -2,7 +2,7 @@
 
 An update (step) s takes B = world size x grad_accum batches; slot n = s*B + rank*grad_accum + micro is one
 rank's batch of one update. With `batcher.builders` G > 1, builder g writes the slots of its own group of
-ranks and its sequences take every G-th shard of each pass (`marge.protocol.Slots`); what follows holds
+ranks and its sequences take every G-th shard of each pass (`marge.contracts.slots.Slots`); what follows holds
 for each builder with "slot" read as the builder's own slots, numbered in order (`Slots.group_index`). Index version v is built from the snapshot of update v*R (R =
 `indexer.reindex_every`) and serves the updates from `first_step(v)` on:
 
@@ -26,9 +26,9 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from marge.batch import Batch
-from marge.index_store import IndexVersion, read_version, version_dirname
-from marge.protocol import Slots, VersionPlan
+from marge.contracts.batch import Batch
+from marge.contracts.index_store import IndexVersion, read_version, version_dirname
+from marge.contracts.slots import Slots, VersionPlan
 from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.core import BatchCounts, DocumentStore, Skip, corpus_epoch_batches, epoch_batches
 

@@ -12,8 +12,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from marge.batch import Batch
-from marge.protocol import BatchQueue, Offer, encode_batch
+from marge.contracts.batch import Batch
+from marge.contracts.protocol import BatchQueue, Offer, encode_batch
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 
-from marge.utils import setup_logging
+from marge.util.files import setup_logging
 from services.cli import data, evaluate, experiment, ops, serve, train
 from services.driver.lock import RunLocked
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from marge.tokenizer import DEFAULT_VOCAB_SIZE
+from marge.contracts.tokenizer import DEFAULT_VOCAB_SIZE
 
 
 def add_prepare(sub) -> None:
@@ -46,7 +46,8 @@ def add_prepare(sub) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from marge.prepare import PrepareOptions, prepare
+    from services.prepare.options import PrepareOptions
+    from services.prepare.run import prepare
 
     opts = PrepareOptions(
         inputs=args.inputs, out=args.out, tokenizer_dir=args.tokenizer, vocab_size=args.vocab_size,
@@ -97,8 +98,9 @@ def add_info(sub) -> None:
 def cmd_info(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from marge.config import parse_overrides
-    from marge.model import MargeConfig, build_on_meta, count_parameters, parameter_breakdown, preset
+    from marge.contracts.config import parse_overrides
+    from marge.model.architecture import MargeConfig, preset
+    from marge.model.sizes import build_on_meta, count_parameters, parameter_breakdown
 
     overrides = dict(parse_overrides(args.set or [], form="key=value"))
     try:

@@ -35,7 +35,7 @@ def generation_args(q: argparse.ArgumentParser) -> None:
 
 def eval_model(args: argparse.Namespace):
     """(model, tokenizer, label) for --checkpoint / --snapshot / --random-init / --config (`load_eval_model`)."""
-    from marge.evaluation import load_eval_model
+    from marge.eval.evaluation import load_eval_model
 
     model_config, corpus = None, args.corpus
     if args.config and not args.snapshot and not args.checkpoint:  # the run config only says the model's shape
@@ -47,7 +47,7 @@ def eval_model(args: argparse.Namespace):
 
 
 def generation_config(args: argparse.Namespace):
-    from marge.generate import GenerationConfig
+    from marge.model.generate import GenerationConfig
 
     return GenerationConfig(beam=args.beam, no_repeat_ngram=args.no_repeat_ngram, max_len_a=args.max_len_a,
                             max_len_b=args.max_len_b)
@@ -90,7 +90,7 @@ def add_eval(sub) -> None:
 
 
 def cmd_eval_retrieval(args: argparse.Namespace) -> int:
-    from marge.evaluation import evaluate_model, evaluate_tfidf, mean_score, read_pairs
+    from marge.eval.evaluation import evaluate_model, evaluate_tfidf, mean_score, read_pairs
 
     pairs = read_pairs(Path(args.pairs))
     systems: dict[str, dict[str, float]] = {}
@@ -125,10 +125,10 @@ def cmd_eval_retrieval(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_translate(args: argparse.Namespace) -> int:
-    from marge.evaluation import read_document_pairs, read_pairs
-    from marge.finetuned import generation_scores
-    from marge.generate import translate
-    from marge.progress import track
+    from marge.eval.evaluation import read_document_pairs, read_pairs
+    from marge.model.finetuned import generation_scores
+    from marge.model.generate import translate
+    from marge.util.progress import track
     from services.trainer.finetune import refuse_classifier
 
     refuse_classifier(args.checkpoint)
@@ -155,9 +155,9 @@ def cmd_eval_translate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_finetuned(args: argparse.Namespace) -> int:
-    from marge.finetuned import evaluate, load
-    from marge.progress import Progress
-    from marge.tasks import read_task_file
+    from marge.model.finetuned import evaluate, load
+    from marge.util.progress import Progress
+    from marge.contracts.tasks import read_task_file
 
     model = load(args.model)
     task = model.task or "generation"  # a pre-training checkpoint generates zero-shot
@@ -188,7 +188,7 @@ def add_translate(sub) -> None:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
-    from marge.generate import translate
+    from marge.model.generate import translate
     from services.trainer.finetune import refuse_classifier
 
     args.snapshot = None  # a snapshot holds the relevance encoder alone: nothing to generate with

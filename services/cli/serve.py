@@ -56,7 +56,7 @@ def run_config(run_dir: Path) -> dict:
 def check_servable(run_dir: Path) -> None:
     """A run whose newest index version has no FAISS files (a single-process run searches in torch and keeps only
     link graphs) cannot be served: said in one line before the server starts, not from inside it."""
-    from marge.index_store import latest_version
+    from marge.contracts.index_store import latest_version
 
     newest = latest_version(run_dir / "index")
     if newest is not None and any(entry.get("index_file") is None for entry in newest.shards):
@@ -140,8 +140,8 @@ def index_engine(engine: str, address: str | None) -> str:
 def cmd_index_build(args: argparse.Namespace) -> int:
     import json
 
-    from marge.corpus import Corpus
-    from marge.snapshot import latest_snapshot, read_snapshot, snapshot_dirname
+    from marge.contracts.corpus import Corpus
+    from marge.model.snapshot import latest_snapshot, read_snapshot, snapshot_dirname
     from services.retrieval.full_index import (
         BuildOptions,
         build_serving_index,

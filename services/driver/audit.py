@@ -1,6 +1,6 @@
 """`marge audit` and `marge queue`: what a run trained, checked against its checkpoint, ledger and logs.
 
-The account of one run (the `marge.protocol` delivery rules), from the newest good checkpoint C:
+The account of one run (the `marge.contracts.protocol` delivery rules), from the newest good checkpoint C:
 
     slots of updates 0..C-1   each trained (in the ledger's window, with the batch id train_log.jsonl gives
                               that slot; for an update whose batches left the window, in train_log.jsonl, as
@@ -36,9 +36,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from marge.checkpoint import newest_good_checkpoint, read_manifest
-from marge.protocol import BatchId, BatchQueue, Slots
-from marge.train_log import TrainLog, TrainLogError, UpdateRecord
+from marge.model.checkpoint import newest_good_checkpoint, read_manifest
+from marge.contracts.slots import BatchId, Slots
+from marge.contracts.protocol import BatchQueue
+from marge.contracts.train_log import TrainLog, TrainLogError, UpdateRecord
 from services.driver.config import PipelineConfig, load_config, redis_url_from_environment
 from services.driver.redis_server import LocalRedis, private_conf_dir
 

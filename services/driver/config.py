@@ -4,16 +4,16 @@ keys, wrong types and bad values name the key, the value and what is allowed) --
 
     run        RunConfig            (here)         name, folder, seed, budget
     data       DataConfig           (here)         raw input, prepared corpus, held-out pairs
-    model      preset + MargeConfig fields         `marge.model`
+    model      preset + MargeConfig fields         `marge.model.network`
     indexer    IndexerConfig        services.indexer.config
     batcher    BatcherConfig        services.batcher.config
-    queue      QueueConfig          marge.protocol
+    queue      QueueConfig          marge.contracts.protocol
     trainer    TrainerConfig        services.trainer.config
     objectives ObjectivesConfig     services.trainer.objectives
     health     HealthConfig         services.trainer.config
     redis      RedisConfig          (here)
     ray        RayConfig            (here)
-    faults     FaultsConfig         marge.faults    test-only fault injection
+    faults     FaultsConfig         marge.contracts.faults    test-only fault injection
 
 Numbers live in the YAML files; `tiny.yaml` runs on a laptop, `paper.yaml` is the paper's setting.
 Deployment endpoints (Redis URL, Ray address) may also come from the environment (MARGE_REDIS_URL,
@@ -31,15 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from marge.batch import encoder_cost, max_text_tokens
-from marge.config import (ConfigError, FieldError, at_least, build, load_tree, may_change_on_resume, one_of, positive,
+from marge.contracts.batch import encoder_cost, max_text_tokens
+from marge.contracts.config import (ConfigError, FieldError, at_least, build, load_tree, may_change_on_resume, one_of, positive,
                           resumable, resumable_keys, within)
-from marge.faults import FaultsConfig
-from marge.model import EXECUTION_FIELDS, MargeConfig, preset
-from marge.veco import VecoConfig, veco_preset
-from marge.paths import RunPaths
-from marge.protocol import QueueConfig, Slots, VersionPlan
-from marge.tokenizer import DEFAULT_VOCAB_SIZE
+from marge.contracts.faults import FaultsConfig
+from marge.model.architecture import EXECUTION_FIELDS, MargeConfig, preset
+from marge.model.veco import VecoConfig, veco_preset
+from marge.contracts.paths import RunPaths
+from marge.contracts.slots import QueueConfig, Slots, VersionPlan
+from marge.contracts.tokenizer import DEFAULT_VOCAB_SIZE
 from services.batcher.config import BatchShape, BatcherConfig
 from services.indexer.config import IndexerConfig
 from services.trainer.config import HealthConfig, TrainerConfig
@@ -128,7 +128,7 @@ class DataConfig:
         at_least(self, "max_chunk_tokens", 3)
         one_of(self, "document_unit", ("chunk", "paragraph"))
         if self.languages is not None:
-            from marge.languages import normalize_language
+            from marge.contracts.languages import normalize_language
 
             if not self.languages:
                 raise FieldError("languages", self.languages, "a non-empty list of ISO 639-1 codes, or null for all")
@@ -180,7 +180,7 @@ class PipelineConfig:
     """`preset` plus any MargeConfig field to override; vocab_size defaults to the tokenizer's."""
     indexer: IndexerConfig = field(default_factory=IndexerConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
-    # QueueConfig (marge.protocol) does not mark its own fields: how long a read waits may change, not the depth
+    # QueueConfig (marge.contracts.protocol) does not mark its own fields: how long a read waits may change, not the depth
     queue: QueueConfig = resumable(default_factory=QueueConfig, keys=("block_ms",))
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     objectives: ObjectivesConfig = field(default_factory=ObjectivesConfig)
@@ -188,7 +188,7 @@ class PipelineConfig:
     redis: RedisConfig = resumable(default_factory=RedisConfig)
     ray: RayConfig = resumable(default_factory=RayConfig)
     faults: FaultsConfig = resumable(default_factory=FaultsConfig)
-    """Test-only fault injection (marge.faults); null in every shipped config."""
+    """Test-only fault injection (marge.contracts.faults); null in every shipped config."""
 
     def __post_init__(self) -> None:
         """What involves two sections (each section checked its own fields when it was built)."""
@@ -318,7 +318,7 @@ class PipelineConfig:
 RESUMABLE = resumable_keys(PipelineConfig)
 """What a resumed run may change (keys, or sections ending in '.'): how long it runs, how it reports, where it runs
 and on what, never what it trains (the data, the model, the objectives, the schedule, the batches). Each section's
-dataclass marks its own fields (`marge.config.resumable`); this is what the marks add up to."""
+dataclass marks its own fields (`marge.contracts.config.resumable`); this is what the marks add up to."""
 
 
 def flat(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -6,7 +6,7 @@ For each field: its YAML type, the default (what a config that leaves it out get
 `deploy/configs/paper.yaml` (the paper's setting; for `model`, the `paper` preset) and in the learning recipe
 (`deploy/configs/learning.yaml`), and its documentation: the string literal written under the field in the
 dataclass (the project's convention for field docs), followed by whether a resumed run may change it (the field's
-`marge.config.resumable` mark).
+`marge.contracts.config.resumable` mark).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def rows(cls: type, prefix: str, paper: Any, learning: Any) -> list[tuple[str, s
 
 
 def model_rows(paper_cfg, learning_cfg) -> list[tuple[str, str, str, str, str, str]]:
-    from marge.model import MargeConfig, preset
+    from marge.model.architecture import MargeConfig, preset
 
     hints, docs = typing.get_type_hints(MargeConfig), field_docs(MargeConfig)
     tiny = preset("tiny")
@@ -104,7 +104,7 @@ def model_rows(paper_cfg, learning_cfg) -> list[tuple[str, str, str, str, str, s
 
 def reference() -> str:
     """The whole reference as Markdown."""
-    from marge.config import may_change_on_resume
+    from marge.contracts.config import may_change_on_resume
     from services.driver.config import RESUMABLE, PipelineConfig, load_config
 
     paper = load_config(CONFIGS / "paper.yaml")

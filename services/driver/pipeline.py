@@ -25,24 +25,25 @@ from typing import Any
 
 import yaml
 
-from marge.checkpoint import newest_good_checkpoint, read_manifest
-from marge.config import ConfigError
-from marge.corpus import Corpus
-from marge.index_store import drop_versions_after, latest_version
-from marge.paths import RunPaths
-from marge.protocol import BatchQueue
-from marge.refresh import RefreshCost
-from marge.tensorboard import RunBoard
-from marge.train_log import RunFigures, TrainLog, feed
-from marge.snapshot import drop_snapshots_after, latest_snapshot
-from marge.utils import atomic_write_text
+from marge.model.checkpoint import newest_good_checkpoint, read_manifest
+from marge.contracts.config import ConfigError
+from marge.contracts.corpus import Corpus
+from marge.contracts.index_store import drop_versions_after, latest_version
+from marge.contracts.paths import RunPaths
+from marge.contracts.protocol import BatchQueue
+from marge.eval.refresh import RefreshCost
+from marge.eval.tensorboard import RunBoard
+from marge.contracts.train_log import RunFigures, TrainLog, feed
+from marge.model.snapshot import drop_snapshots_after, latest_snapshot
+from marge.util.files import atomic_write_text
 from services.batcher.stats import combined_stats
 from services.driver.config import (PipelineConfig, config_drift, environment_endpoints, probe_files,
                                    with_absolute_paths)
 from services.driver.lock import DriverLock
 from services.driver.plan import estimated_throughput, warn_if_behind
 from services.driver.progress import Progress, log_progress
-from services.driver.resources import RedisEndpoint, apply_local_ray_env, check_local_fit, ray_for, ray_running, redis_for
+from services.driver.resources import (RedisEndpoint, apply_local_ray_env, check_local_fit, ray_for, ray_running,
+                                       redis_for)
 from services.trainer.init import ensure_initial_model
 from services.trainer.job import TrainerJob
 from services.trainer.rank import process_group_backend, train_loop_per_worker
@@ -115,7 +116,8 @@ def dry_run(cfg: PipelineConfig) -> dict:
         missing = [p for p in cfg.data.raw if not Path(p).exists()]
         if missing:
             raise ConfigError(f"data.raw names input that does not exist: {missing}")
-        from marge.prepare import PrepareOptions, chosen_engine
+        from services.prepare.options import PrepareOptions
+        from services.prepare.run import chosen_engine
 
         engine = chosen_engine(PrepareOptions(inputs=[Path(p) for p in cfg.data.raw], out=root,
                                               engine=cfg.data.prepare_engine))
@@ -146,8 +148,8 @@ def final_g_health(cfg: PipelineConfig, paths: RunPaths, corpus: Corpus) -> dict
     pairs, with an interval over held-out pages (`services.trainer.health.g_health`): logged as the run's last
     progress line, with a warning when g has collapsed or is not above its initialisation; None when the run has
     no held-out pairs or no trained snapshot."""
-    from marge.evaluation import pair_pages, read_pairs
-    from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
+    from marge.eval.evaluation import pair_pages, read_pairs
+    from marge.model.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
     from services.trainer.health import INIT_BASELINES, centre_rows, describe_g_health, g_health, random_encoders
 
     pairs_path = cfg.health.pairs or cfg.data.heldout_pairs
@@ -220,7 +222,8 @@ def ensure_corpus(cfg: PipelineConfig) -> Corpus:
     """Open the prepared corpus, preparing it from `data.raw` first if it does not exist yet."""
     root = Path(cfg.data.corpus)
     if not (root / "manifest.json").exists():
-        from marge.prepare import PrepareOptions, prepare
+        from services.prepare.options import PrepareOptions
+        from services.prepare.run import prepare
 
         if not cfg.data.raw:
             raise ConfigError(f"data.corpus {root} is not a prepared corpus ({root / 'manifest.json'} is missing) and "
@@ -294,8 +297,8 @@ def with_probes(cfg: PipelineConfig, corpus: Corpus) -> PipelineConfig:
 def check_probe_languages(key: str, path: Path, languages: list[str]) -> None:
     """A probe file must speak the corpus's languages: pairs with at least one direction between two of them,
     documents with at least two of them (the probes pair a page across languages)."""
-    from marge.evaluation import PairsError, read_pairs
-    from marge.prepare import PrepareError, read_documents
+    from marge.eval.evaluation import PairsError, read_pairs
+    from marge.contracts.documents import PrepareError, read_documents
 
     try:
         if key == "health.documents":

@@ -2,7 +2,7 @@
 
 The loop (paper §2.4): every `indexer.reindex_every` (R) updates the trainers publish g, the indexer pool embeds
 the whole corpus with it and links it, and `batcher.index_lag` (L) updates after the snapshot the batches switch
-to the new graph (a fixed step: `marge.protocol.VersionPlan`). What a run needs to know before it starts is
+to the new graph (a fixed step: `marge.contracts.slots.VersionPlan`). What a run needs to know before it starts is
 whether a refresh is built within those L updates (else the trainers wait for it), and what the queue costs
 in Redis; the staleness of the batches is fixed by the schedule.
 
@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from services.driver.config import PipelineConfig
-from marge.model import MargeConfig, training_flops_per_token
+from marge.model.architecture import MargeConfig
+from marge.model.sizes import training_flops_per_token
 
 log = logging.getLogger("marge.plan")
 
@@ -77,7 +78,7 @@ OFFER_REDIS_CPU_US = 28.3
 (benchmarks/results/offer-scale-cpu-2core.json; the layout before it cost 24 us at 8 ranks and 665 us at 2,048)."""
 CHECKPOINT_BYTES_PER_PARAMETER = 12
 """A checkpoint's fp32 weights (4 bytes a parameter) and AdamW's two moments (8), written sharded (format 2,
-`marge.checkpoint`): a resuming rank reads its 1/world share of the parts and gets the rest from the other ranks
+`marge.model.checkpoint`): a resuming rank reads its 1/world share of the parts and gets the rest from the other ranks
 over the process group, and does not read the init weights; the driver, choosing the checkpoint to resume from,
 hashes every part once (benchmarks/results/checkpoint-scale-cpu-2core.json: 961 MB for 80M parameters)."""
 
@@ -93,8 +94,8 @@ def redis_footprint(cfg: PipelineConfig, mean_document_tokens: float, message: f
 
     Each rank's stream holds the update it trains and the builders' look-ahead (a rank's progress drops what it
     has trained); the ledger holds the last two checkpoint intervals' batches and a count per older update
-    (`marge.protocol`)."""
-    from marge.protocol import STEP_RECORDS_KEPT
+    (`marge.contracts.protocol`)."""
+    from marge.contracts.protocol import STEP_RECORDS_KEPT
 
     t = cfg.trainer
     per_step = t.num_workers * t.grad_accum
@@ -140,7 +141,7 @@ def link_flops(documents: int, docs_per_shard: float, languages: int, d_model: i
 def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, mean_document_tokens: float,
                   languages: int, rates: Throughput, evidence_per_target_tokens: float = 1.0) -> dict:
     """The refresh loop's figures for `cfg` at this corpus size and these throughputs."""
-    from marge.model import build_on_meta, count_parameters
+    from marge.model.sizes import build_on_meta, count_parameters
     from services.indexer.core import shard_coverage
 
     t = cfg.trainer
@@ -313,7 +314,7 @@ def matmul_flops_per_s(device: torch.device, threads: int, size: int = 512, seco
 
 def corpus_batches(corpus, max_tokens: int, count: int, seed: int = 0) -> list:
     """Batches of corpus documents filling `max_tokens`: each target linked to one evidence document."""
-    from marge.batch import Batch
+    from marge.contracts.batch import Batch
 
     rng = np.random.default_rng(seed)
     shard = corpus.read_shard(0)
@@ -340,7 +341,7 @@ def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps:
     """One indexer worker's and one trainer worker's achieved FLOP/s on this machine, with the config's model,
     thread counts and batch budget, on corpus documents (random-init weights: speed does not depend on them)."""
     from services.indexer.core import embed_documents
-    from marge.model import Marge, RelevanceEncoder
+    from marge.model.network import Marge, RelevanceEncoder
     from services.trainer.config import TrainerConfig
     from services.trainer.objectives import Objectives, ObjectivesConfig
     from services.trainer.step import build_optimizer, build_scheduler, train_step
@@ -422,7 +423,7 @@ def prepared_corpus(cfg: PipelineConfig):
     shards' checksums are not verified), else None."""
     if not (Path(cfg.data.corpus) / "manifest.json").exists():
         return None
-    from marge.corpus import Corpus
+    from marge.contracts.corpus import Corpus
 
     return Corpus.open(cfg.data.corpus, verify_checksums=False)
 

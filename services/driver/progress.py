@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import time
 
-from marge.progress import eta_seconds, format_seconds
-from marge.protocol import BatchQueue
-from marge.tensorboard import RunBoard
+from marge.util.progress import eta_seconds, format_seconds
+from marge.contracts.protocol import BatchQueue
+from marge.eval.tensorboard import RunBoard
 from services.batcher.stats import combined_stats
 
 

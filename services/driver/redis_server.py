@@ -20,7 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from marge.utils import atomic_write_text
+from marge.util.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 
-from marge.utils import atomic_write_text
+from marge.util.files import atomic_write_text
 
 PIPELINE_COMMANDS = ("-@all +@stream +@hash +@list +@string +@set +@sortedset +@transaction +@scripting "
                      "+@connection +del +exists -@dangerous")
@@ -32,7 +32,7 @@ def user_name(run: str) -> str:
 
 
 def key_pattern(run: str) -> str:
-    """The run's keys (`marge.protocol.RunKeys`: every key is marge:<run>:...), with glob characters escaped."""
+    """The run's keys (`marge.contracts.slots.RunKeys`: every key is marge:<run>:...), with glob characters escaped."""
     return "marge:" + re.sub(r"([*?\[\]\\])", r"\\\1", run) + ":*"
 
 

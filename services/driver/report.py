@@ -4,7 +4,7 @@
   language (rows sum to 1), written as CSV and a PNG heat map;
 * learning curves: loss and beta per step from the run's train log, and held-out retrieval P@1 of
   every snapshot (mean over language pairs), as PNG;
-* refresh cost (`marge.refresh`): build seconds, updates trained while building and staleness at first use
+* refresh cost (`marge.eval.refresh`): build seconds, updates trained while building and staleness at first use
   per index version.
 """
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from marge.refresh import RefreshCost, read_builds
-from marge.paths import INDEX, SNAPSHOTS
-from marge.progress import track
-from marge.train_log import TrainLog
+from marge.eval.refresh import RefreshCost, read_builds
+from marge.contracts.paths import INDEX, SNAPSHOTS
+from marge.util.progress import track
+from marge.contracts.train_log import TrainLog
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,9 @@ def plot_curves(panels: list[dict], out_path: Path, title: str) -> Path:
 
 def snapshot_curve(run_dir: Path, pairs_path: Path, corpus_dir: Path, max_snapshots: int) -> list[dict]:
     """Held-out retrieval P@1 of each snapshot's g, searched as the index searches it (`unit_relevance`)."""
-    from marge.evaluation import evaluate_model, mean_score, read_pairs
-    from marge.snapshot import load_relevance_encoder, read_snapshot
-    from marge.tokenizer import MargeTokenizer
+    from marge.eval.evaluation import evaluate_model, mean_score, read_pairs
+    from marge.model.snapshot import load_relevance_encoder, read_snapshot
+    from marge.contracts.tokenizer import MargeTokenizer
 
     snapshots = sorted(p for p in (Path(run_dir) / SNAPSHOTS).glob("step-*") if (p / "manifest.json").exists())
     if len(snapshots) > max_snapshots:  # evenly spaced, always the first and the last
@@ -133,8 +133,8 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
     """Link matrix (CSV + PNG), learning curves (PNG) and their numbers (report.json) for a run."""
     import tempfile
 
-    from marge.corpus import Corpus
-    from marge.index_store import latest_version
+    from marge.contracts.corpus import Corpus
+    from marge.contracts.index_store import latest_version
     from services.driver.config import load_config
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -146,8 +146,8 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
         lang_of.update(zip(table.column("doc_id").to_pylist(), table.column("lang").to_pylist()))
     with tempfile.TemporaryDirectory() as tmp:
         if checkpoint:
-            from marge.checkpoint import load_model
-            from marge.model import RelevanceEncoder
+            from marge.model.checkpoint import load_model
+            from marge.model.network import RelevanceEncoder
             from services.indexer.core import index_corpus
 
             encoder = RelevanceEncoder.from_model(load_model(Path(checkpoint)))

@@ -11,16 +11,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import marge.local_ray
+import marge.util.local_ray
 from services.driver.config import PipelineConfig
 from services.driver.redis_server import LocalRedis, private_conf_dir
+from services.trainer import loopback
 
 log = logging.getLogger("marge.pipeline")
 
 def apply_local_ray_env(cfg: PipelineConfig) -> None:
     """Ray reads its environment when it is first imported: set it before any `import ray` for a local cluster."""
     if not cfg.ray.address:
-        marge.local_ray.apply_local_ray_env()
+        marge.util.local_ray.apply_local_ray_env()
 
 
 @dataclass
@@ -92,7 +93,7 @@ def ray_for(cfg: PipelineConfig) -> Iterator[None]:
         yield
         return
     if cfg.ray.address:
-        with marge.local_ray.keeping_sigterm_handler():
+        with marge.util.local_ray.keeping_sigterm_handler():
             ray.init(address=cfg.ray.address, namespace=namespace, log_to_driver=True)
         try:
             check_cluster()
@@ -102,8 +103,8 @@ def ray_for(cfg: PipelineConfig) -> Iterator[None]:
         yield
         return
     num_cpus = check_local_fit(cfg)  # before Ray starts: an explicit ray.num_cpus too small, GPUs absent
-    with marge.local_ray.local_ray(num_cpus, namespace, cfg.ray.include_dashboard, cfg.ray.object_store_memory,
-                                   check=check_cluster):
+    with marge.util.local_ray.local_ray(num_cpus, namespace, cfg.ray.include_dashboard, cfg.ray.object_store_memory,
+                                        check=check_cluster, setup_hook=loopback.SETUP_HOOK):
         yield
 
 

@@ -25,14 +25,14 @@ import time
 
 import ray
 
-from marge.corpus import Corpus
-from marge.faults import FaultsConfig
-from marge.index_store import latest_version, staging_dir, version_dirname
-from marge.metrics import StageMetrics
-from marge.paths import RunPaths
-from marge.protocol import VersionPlan
-from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
-from marge.utils import atomic_write_text, setup_logging
+from marge.contracts.corpus import Corpus
+from marge.contracts.faults import FaultsConfig
+from marge.contracts.index_store import latest_version, staging_dir, version_dirname
+from marge.eval.metrics import StageMetrics
+from marge.contracts.paths import RunPaths
+from marge.contracts.slots import VersionPlan
+from marge.model.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
+from marge.util.files import atomic_write_text, setup_logging
 from services.indexer.config import IndexerConfig
 from services.indexer.core import build_version, describe_build, index_shard, prune_unneeded_snapshots
 

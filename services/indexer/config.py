@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from marge.config import FieldError, at_least, non_negative_mapping, one_of, positive, resumable, within
+from marge.contracts.config import FieldError, at_least, non_negative_mapping, one_of, positive, resumable, within
 
 LINK_RULES = ("shard", "document")
 SHARD_SAMPLINGS = ("independent", "cycle")

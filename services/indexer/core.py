@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marge.batch import SpecialTokens
-from marge.corpus import ShardDocuments
-from marge.index_store import flat_ip_index, write_graph
-from marge.model import RelevanceEncoder
-from marge.embedding import embed_documents
-from marge.progress import track
+from marge.contracts.batch import SpecialTokens
+from marge.contracts.corpus import ShardDocuments
+from marge.contracts.index_store import flat_ip_index, write_graph
+from marge.model.network import RelevanceEncoder
+from marge.model.embedding import embed_documents
+from marge.util.progress import track
 from services.indexer.config import IndexerConfig
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def nearest_neighbours(database: np.ndarray, queries: np.ndarray, k: int, backen
 def lexical_vectors(texts: list[str]):
     """Char 2-4-gram TF-IDF rows of a shard's texts (the held-out baseline's features, fitted on the shard alone:
     no weights learned, no labels), L2-normalised: their inner products are cosines."""
-    from marge.evaluation import char_tfidf
+    from marge.eval.evaluation import char_tfidf
 
     return char_tfidf().fit_transform(texts).astype(np.float32).tocsr()
 
@@ -307,7 +307,7 @@ def index_corpus(corpus, encoder: RelevanceEncoder, specials: SpecialTokens, roo
                  snapshot_step: int, cfg: IndexerConfig, extra: dict | None = None, seed: int = 0, **kwargs):
     """Index every shard in this process and commit the version (the Ray indexer spreads the shards
     over workers instead). Returns the committed IndexVersion."""
-    from marge.index_store import commit_version, staging_dir
+    from marge.contracts.index_store import commit_version, staging_dir
 
     staging = staging_dir(root, version)
     staging.mkdir(parents=True, exist_ok=True)
@@ -349,9 +349,9 @@ def prune_unneeded_snapshots(paths, plan, checkpoints: Path, keep_last: int) -> 
     run's verdict compares with), those of the index versions on disk (the service encodes queries with a version's
     own snapshot), every one from the snapshot of the index version the oldest kept checkpoint resumes with on (a
     resume rebuilds the versions it needs from them), and the newest `keep_last`. Returns the steps deleted."""
-    from marge.checkpoint import checkpoint_order, complete_checkpoints
-    from marge.index_store import VERSIONS, read_version
-    from marge.snapshot import SNAPSHOTS, prune_snapshots
+    from marge.model.checkpoint import checkpoint_order, complete_checkpoints
+    from marge.contracts.index_store import VERSIONS, read_version
+    from marge.model.snapshot import SNAPSHOTS, prune_snapshots
 
     kept_checkpoints = complete_checkpoints(checkpoints)
     resume_from = checkpoint_order(kept_checkpoints[0])[0] if kept_checkpoints else 0
@@ -370,8 +370,8 @@ def build_version(root: Path, run_dir: Path, version: int, snapshot_step: int, n
     staging)` (in this process, or spread over Ray workers), the others carried over from the previous version, the
     version committed (checksums, manifest last, LATEST moved) and its figures appended to the run's
     index_builds.jsonl. Returns (the committed IndexVersion, its build record)."""
-    from marge.index_store import commit_version, staging_dir
-    from marge.refresh import append_build
+    from marge.contracts.index_store import commit_version, staging_dir
+    from marge.eval.refresh import append_build
 
     started = time.time()
     staging = staging_dir(root, version)
@@ -450,7 +450,7 @@ def shards_to_rebuild(version: int, num_shards: int, shards_per_refresh: int, ha
 def plan_refresh(root: Path, version: int, num_shards: int, cfg: IndexerConfig, seed: int = 0):
     """(previous committed version or None, shards to embed, shards to carry over) for building `version`: a
     sampled version (`shards_per_version`) embeds its sample and carries nothing."""
-    from marge.index_store import latest_version
+    from marge.contracts.index_store import latest_version
 
     if cfg.shards_per_version:
         return None, sampled_shards(version, num_shards, cfg.shards_per_version, seed, cfg.shard_sampling), []

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-import marge.net
+import marge.util.net
 from marge import __version__
 from services.retrieval.index import IndexHolder
 from services.retrieval.settings import ServeSettings
@@ -198,4 +198,4 @@ def create_app(settings: ServeSettings, holder: IndexHolder | None = None) -> Fa
     return app
 
 
-is_loopback = marge.net.is_loopback  # `marge serve` asks it whether a bind needs a token (one rule everywhere)
+is_loopback = marge.util.net.is_loopback  # `marge serve` asks it whether a bind needs a token (one rule everywhere)

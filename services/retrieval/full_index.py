@@ -47,12 +47,12 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from marge import artifacts
-from marge.corpus import Corpus
-from marge.embedding import embed_documents
-from marge.progress import Progress, track
-from marge.snapshot import SnapshotInfo, load_relevance_encoder
-from marge.utils import sha256_file
+from marge.contracts import artifacts
+from marge.contracts.corpus import Corpus
+from marge.model.embedding import embed_documents
+from marge.util.progress import Progress, track
+from marge.model.snapshot import SnapshotInfo, load_relevance_encoder
+from marge.util.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ def clear_stale_work(root: Path) -> list[Path]:
 
 
 def _task_inputs(corpus_root: str, snapshot_path: str, opts: BuildOptions):
-    from marge.snapshot import read_snapshot
+    from marge.model.snapshot import read_snapshot
 
     corpus = Corpus.open(corpus_root, verify_checksums=False)
     encoder = load_relevance_encoder(read_snapshot(Path(snapshot_path))).to(opts.device)
@@ -448,8 +448,8 @@ def build_serving_index_ray(run_dir: Path, corpus: Corpus, snapshot: SnapshotInf
 
 @contextlib.contextmanager
 def ray_for_index_build(address: str | None = None, workers: int | None = None) -> Iterator[int]:
-    """Ray for `build_serving_index_ray` (`marge.local_ray.ray_for_tasks`). Yields the tasks to run at once."""
-    from marge.local_ray import ray_for_tasks
+    """Ray for `build_serving_index_ray` (`marge.util.local_ray.ray_for_tasks`). Yields the tasks to run at once."""
+    from marge.util.local_ray import ray_for_tasks
 
     with ray_for_tasks(address, workers, OBJECT_STORE_BYTES) as tasks:
         yield tasks
@@ -478,8 +478,8 @@ class FullCorpusIndex:
     exactly (the codes give it to within the quantisation)."""
 
     def __init__(self, path: Path, run_dir: Path, corpus: Corpus, tokenizer, docs=None, encoder=None):
-        from marge.paths import SNAPSHOTS
-        from marge.snapshot import read_snapshot, snapshot_dirname
+        from marge.contracts.paths import SNAPSHOTS
+        from marge.model.snapshot import read_snapshot, snapshot_dirname
 
         manifest = read_build(path, verify=False)  # its size is the point: read once, by FAISS
         self.version = int(manifest["build"])

@@ -29,14 +29,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from marge import artifacts
-from marge.batch import as_encoder_input, max_text_tokens
-from marge.corpus import Corpus, CorpusError
-from marge.index_store import IndexVersion, latest_version
-from marge.paths import INDEX, SNAPSHOTS
-from marge.model import pad_rows
-from marge.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
-from marge.utils import BudgetCache
+from marge.contracts import artifacts
+from marge.contracts.batch import as_encoder_input, max_text_tokens
+from marge.contracts.corpus import Corpus, CorpusError
+from marge.contracts.index_store import IndexVersion, latest_version
+from marge.contracts.paths import INDEX, SNAPSHOTS
+from marge.model.layers import pad_rows
+from marge.model.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
+from marge.util.files import BudgetCache
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from marge.config import FieldError, at_least, non_negative_mapping, one_of, positive, resumable, within
-from marge.model import KEY_BIAS_PATHS
+from marge.contracts.config import FieldError, at_least, non_negative_mapping, one_of, positive, resumable, within
+from marge.model.layers import KEY_BIAS_PATHS
 
 COMPILE_SCOPES = ("layers", "model")
 """What `trainer.compile` compiles (`services.trainer.step.compiled`)."""
@@ -56,14 +56,14 @@ class TrainerConfig(OptimizerConfig):
     count when a checkpoint commits them), and a stop still takes effect at the next update."""
     loss_chunk_tokens: int = resumable(0)
     """Target tokens whose output logits the training loss computes at a time (0: all at once). The loss and its
-    gradients are made chunk by chunk in one pass (`marge.model.fused_linear_nll`: 3 matmuls a chunk, as the
+    gradients are made chunk by chunk in one pass (`marge.model.losses.fused_linear_nll`: 3 matmuls a chunk, as the
     unchunked loss), so memory holds one chunk x vocabulary of logits, not every target token's: for the 250k
     vocabulary of `paper` the logits are the largest tensor of a step. The loss and gradients are those of the
     unchunked loss (tests/test_model.py). An execution setting."""
     unpadded: bool = resumable(False)
     """MARGE batches (and the denoising loss's views) run on their real tokens only: every projection, feed-forward
     layer and norm skips the padding, the attention alone lays the tokens out in rows, and each target reads only
-    its evidence's real keys (`marge.model.UnpaddedLayout`). False: every row padded to its batch's longest
+    its evidence's real keys (`marge.model.layers.UnpaddedLayout`). False: every row padded to its batch's longest
     document, as before. The loss and gradients are those of the padded batch (tests/test_unpadded.py); the FLOPs
     executed fall to near those credited (benchmarks/recipe_efficiency.py). An execution setting."""
     key_bias: str = resumable("folded")

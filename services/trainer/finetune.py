@@ -32,15 +32,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from marge.checkpoint import load_model
-from marge.config import FieldError, at_least, positive
-from marge.finetuned import (FineTunedModel, MargeForClassification, TaskTensors, collate, encode_for, evaluate,
+from marge.model.checkpoint import load_model
+from marge.contracts.config import FieldError, at_least, positive
+from marge.model.finetuned import (FineTunedModel, MargeForClassification, TaskTensors, collate, encode_for, evaluate,
                              label_config, labels_of, save_finetuned, task_loss)
-from marge.model import Marge
-from marge.tasks import PAIR_INPUTS, TASKS, Example, label_counts, label_set, read_task_file
-from marge.tokenizer import MargeTokenizer
-from marge.artifacts import atomic_directory
+from marge.model.network import Marge
+from marge.contracts.tasks import PAIR_INPUTS, TASKS, Example, label_counts, label_set, read_task_file
+from marge.contracts.tokenizer import MargeTokenizer
+from marge.contracts.artifacts import atomic_directory
 from services.trainer.config import OptimizerConfig
+from services.trainer import loopback
 from services.trainer.step import build_optimizer, lr_factor
 
 log = logging.getLogger("marge.finetune")
@@ -85,7 +86,7 @@ class FinetuneConfig(OptimizerConfig):
     """Evaluate on at most this many validation examples (generation decodes each one; None: all)."""
     classifier_dropout: float = 0.1
     pair_input: str = "both"
-    """How a classification pair is fed: 'both' (paper, BART) or 'split' (`marge.tasks.PAIR_INPUTS`)."""
+    """How a classification pair is fed: 'both' (paper, BART) or 'split' (`marge.contracts.tasks.PAIR_INPUTS`)."""
     workers: int = 1
     """DDP ranks (Ray Train workers); more than 1 runs on Ray."""
     ray_address: str | None = None
@@ -447,7 +448,7 @@ def check_before_start(cfg: FinetuneConfig) -> None:
     """Everything that can fail in seconds: the output folder, the checkpoint, both data files."""
     if Path(cfg.out).exists() and not cfg.overwrite:
         raise FileExistsError(f"{cfg.out} already exists; choose another --out or pass --overwrite to replace it")
-    from marge.checkpoint import read_manifest, CHECKPOINT_FORMAT, FINETUNED_FORMAT
+    from marge.model.checkpoint import read_manifest, CHECKPOINT_FORMAT, FINETUNED_FORMAT
 
     read_manifest(Path(cfg.checkpoint), formats=(CHECKPOINT_FORMAT, FINETUNED_FORMAT))
     read_data(cfg)
@@ -465,7 +466,7 @@ def finetune_worker(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
-    from marge.utils import setup_logging
+    from marge.util.files import setup_logging
 
     setup_logging()
     cfg: FinetuneConfig = config["cfg"]
@@ -484,7 +485,7 @@ def joined_ray(address: str):
     """A connection to a running cluster for the block; leaving it disconnects (the cluster keeps running)."""
     import ray
 
-    from marge.local_ray import keeping_sigterm_handler
+    from marge.util.local_ray import keeping_sigterm_handler
 
     with keeping_sigterm_handler():
         ray.init(address=address, log_to_driver=True)
@@ -496,7 +497,7 @@ def joined_ray(address: str):
 
 def finetune_on_ray(cfg: FinetuneConfig) -> dict[str, Any]:
     """N DDP ranks on Ray Train (the configured cluster, or a local Ray started and stopped here)."""
-    from marge.local_ray import apply_local_ray_env, local_ray
+    from marge.util.local_ray import apply_local_ray_env, local_ray
 
     if not cfg.ray_address:
         apply_local_ray_env()
@@ -510,7 +511,7 @@ def finetune_on_ray(cfg: FinetuneConfig) -> dict[str, Any]:
     elif cfg.ray_address:
         cluster = joined_ray(cfg.ray_address)
     else:
-        cluster = local_ray(max(os.cpu_count() or 1, cfg.workers), log_to_driver=True)
+        cluster = local_ray(max(os.cpu_count() or 1, cfg.workers), log_to_driver=True, setup_hook=loopback.SETUP_HOOK)
     try:
         with cluster:
             trainer = TorchTrainer(finetune_worker, train_loop_config={"cfg": cfg},

@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marge.batch import Batch, SpecialTokens, max_text_tokens
-from marge.model import Marge
-from marge.prepare import read_documents
+from marge.contracts.batch import Batch, SpecialTokens, max_text_tokens
+from marge.model.network import Marge
+from marge.contracts.documents import read_documents
 from services.trainer.config import HealthConfig
 from services.trainer.inputs import to_model_inputs
 
@@ -126,8 +126,8 @@ def evidence_gain(model: Marge, probe: list[ProbeItem], specials: SpecialTokens,
 @torch.no_grad()
 def g_spread(model: Marge, probe: list[ProbeItem], specials: SpecialTokens, device: str | torch.device = "cpu") -> float:
     """Mean cosine between g of unrelated probe documents (1.0: every document looks alike)."""
-    from marge.batch import as_encoder_input
-    from marge.model import pad_rows
+    from marge.contracts.batch import as_encoder_input
+    from marge.model.layers import pad_rows
 
     rows = [as_encoder_input(item.target, specials) for item in probe]
     g = model.unit_relevance_vectors(pad_rows(rows, specials.pad_id).to(device))  # as the index compares them
@@ -160,7 +160,7 @@ class AlignedItem:
 
 def read_aligned_paragraphs(documents_jsonl: Path, languages) -> dict[tuple[str, str], dict[str, str]]:
     """{(group, paragraph id): {lang: paragraph text}} of a documents JSONL with `paragraph_ids`."""
-    from marge.corpus import split_paragraphs
+    from marge.contracts.corpus import split_paragraphs
 
     opener = gzip.open if str(documents_jsonl).endswith(".gz") else open
     out: dict[tuple[str, str], dict[str, str]] = {}
@@ -339,7 +339,7 @@ CENTRE_DOCUMENTS = 2048
 def centre_rows(corpus, size: int = CENTRE_DOCUMENTS, seed: int = 0) -> list[list[int]]:
     """A fixed, seeded sample of training documents (as encoder rows) from up to 8 shards: what `fitted_centre`
     centres every g on, trained or initial, so that they are scored alike."""
-    from marge.batch import as_encoder_input
+    from marge.contracts.batch import as_encoder_input
 
     rng = np.random.default_rng(seed)
     shards = rng.choice(corpus.num_shards, size=min(8, corpus.num_shards), replace=False)
@@ -351,8 +351,8 @@ def centre_rows(corpus, size: int = CENTRE_DOCUMENTS, seed: int = 0) -> list[lis
 
 def random_encoders(model_cfg, seeds: list[int]):
     """g of freshly initialised models of `model_cfg`, one per seed (the initialisation baselines)."""
-    from marge.checkpoint import build_model
-    from marge.model import RelevanceEncoder
+    from marge.model.checkpoint import build_model
+    from marge.model.network import RelevanceEncoder
 
     out = []
     for seed in seeds:
@@ -372,7 +372,7 @@ def spread_of(vectors: np.ndarray) -> float:
 @torch.no_grad()
 def relevance_spread(encoder, tokenizer, texts: list[str], device: str | torch.device = "cpu") -> float:
     """Mean cosine between g of different documents among `texts`, as the index compares them (1.0: collapsed)."""
-    from marge.evaluation import encode_texts, relevance_unit_vectors
+    from marge.eval.evaluation import encode_texts, relevance_unit_vectors
 
     rows = encode_texts(tokenizer, texts, encoder.cfg.max_positions)
     return spread_of(relevance_unit_vectors(encoder, rows, tokenizer.specials, device=str(device)).astype(np.float64))
@@ -381,16 +381,16 @@ def relevance_spread(encoder, tokenizer, texts: list[str], device: str | torch.d
 def g_health(trained, initials: list, tokenizer, pairs, centre: list[list[int]], pages: dict | None = None,
              device: str | torch.device = "cpu", spread_texts: int = 256, resamples: int = 2000) -> dict:
     """Held-out P@1 of the trained g against the mean of random initialisations (`initials`: relevance encoders or
-    models), every one centred alike (`marge.evaluation.fitted_centre` on the `centre` documents), and a verdict:
+    models), every one centred alike (`marge.eval.evaluation.fitted_centre` on the `centre` documents), and a verdict:
 
     * 'collapsed': unrelated documents have a mean cosine >= COLLAPSED_SPREAD under the trained g;
     * 'learning': the trained g's P@1 is above the initialisations' mean by more than its 95% interval (a paired
-      bootstrap over held-out pages, `pages` from `marge.evaluation.pair_pages`; None: each pair its own page);
+      bootstrap over held-out pages, `pages` from `marge.eval.evaluation.pair_pages`; None: each pair its own page);
     * 'below initialisation': below it by more than the interval;
     * 'not above initialisation': within the interval.
 
     A warning says what the verdict means when it is not 'learning'."""
-    from marge.evaluation import (centred_unit, clustered_bootstrap, encode_texts, fitted_centre, page_sums,
+    from marge.eval.evaluation import (centred_unit, clustered_bootstrap, encode_texts, fitted_centre, page_sums,
                                   raw_relevance_vectors, retrieval_hits)
 
     device = str(device)
@@ -474,7 +474,7 @@ class HealthMonitor:
     """
 
     def __init__(self, health_cfg: HealthConfig, heldout_pairs: str | None, tokenizer, seed: int = 0):
-        from marge.evaluation import PairSet, read_pairs
+        from marge.eval.evaluation import PairSet, read_pairs
 
         self.cfg, self.tokenizer = health_cfg, tokenizer
         h = health_cfg
@@ -495,7 +495,7 @@ class HealthMonitor:
 
     def measure(self, model: Marge, device: str | torch.device = "cpu") -> dict:
         """Probe health (evidence gain, cosines, spread of g, beta) and held-out P@1 at `health.eval_layer`."""
-        from marge.evaluation import evaluate_model, mean_score
+        from marge.eval.evaluation import evaluate_model, mean_score
 
         out: dict = {}
         if self.probe:

@@ -8,9 +8,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from marge.batch import (Batch, SpecialTokens, decoder_cost, decoder_rows, encoder_cost, encoder_rows,
+from marge.contracts.batch import (Batch, SpecialTokens, decoder_cost, decoder_rows, encoder_cost, encoder_rows,
                          label_rows)
-from marge.model import RealTokens, UnpaddedLayout, check_inputs
+from marge.model.layers import RealTokens, UnpaddedLayout
+from marge.model.network import check_inputs
 
 ATTEND_TO = ("all", "linked")
 
@@ -26,7 +27,7 @@ class ModelInputs:
     allowed_NM: Tensor
     linked_NM: Tensor  # the batch's retrieval links (target i -> evidence j): for objectives; the model takes none
     width: int | None = None
-    """`marge.model.check_inputs` of these tensors, made on the host: the forward then reads nothing back from the
+    """`marge.model.network.check_inputs` of these tensors, made on the host: the forward then reads nothing back from the
     device (None: the forward checks)."""
     layout: UnpaddedLayout | None = None
     """Where the real tokens are and which keys each target reads (`unpadded_layout`); None: run padded."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from marge.faults import FaultsConfig
-from marge.paths import RunPaths
-from marge.protocol import QueueConfig
+from marge.contracts.faults import FaultsConfig
+from marge.contracts.paths import RunPaths
+from marge.contracts.slots import QueueConfig
 from services.trainer.config import HealthConfig, TrainerConfig
 from services.trainer.objectives import ObjectivesConfig
 
@@ -31,7 +31,7 @@ class TrainerJob:
     resume_from: str | None = None
     """The checkpoint the driver chose to resume from, used when Ray Train's newest one is missing or corrupt."""
     faults: FaultsConfig = field(default_factory=FaultsConfig)
-    """Test-only fault injection (marge.faults)."""
+    """Test-only fault injection (marge.contracts.faults)."""
     tensorboard: bool = False
     """Rank 0 writes every update's figures to TensorBoard (run.dir/tb/trainer)."""
     batch_builders: int = 1

@@ -9,7 +9,7 @@ Each update s, told top to bottom in `TrainingLoop.run`:
     update        `run_update` (services.trainer.step): forward and backward of every batch, the update's figures
                   read from the device in one copy (the statistics summed over the ranks on the device first), the
                   optimizer step; a batch that cannot be trained is left out with the reason
-    record        the update's `UpdateRecord` (marge.train_log) over every rank (`host.gather`)
+    record        the update's `UpdateRecord` (marge.contracts.train_log) over every rank (`host.gather`)
     after         `host.after_update`: what the host keeps until the next checkpoint makes it count
     snapshot      every `trainer.snapshot_every` updates the writer (rank 0; the single process) publishes g and
                   measures retrieval health (`host.snapshot`)
@@ -33,11 +33,11 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from marge.model import training_flops, training_flops_per_token
-from marge.protocol import Slots
-from marge.tensorboard import RunBoard
-from marge.train_log import TrainLog, UpdateRecord
-from marge.veco import VecoConfig, veco_training_flops_per_token
+from marge.model.sizes import training_flops, training_flops_per_token
+from marge.contracts.slots import Slots
+from marge.eval.tensorboard import RunBoard
+from marge.contracts.train_log import TrainLog, UpdateRecord
+from marge.model.veco import VecoConfig, veco_training_flops_per_token
 from services.trainer.config import TrainerConfig
 from services.trainer.objectives import Objectives
 from services.trainer.step import Backward, Item, UpdateFigures, run_update
@@ -98,7 +98,7 @@ class Trainee:
     specials: Any
     max_steps: int
     nan_loss_slot: int | None = None
-    """Test-only fault (marge.faults): this slot's loss is made NaN."""
+    """Test-only fault (marge.contracts.faults): this slot's loss is made NaN."""
 
 
 @dataclass

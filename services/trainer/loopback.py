@@ -19,9 +19,12 @@ import os
 import socket
 from datetime import timedelta
 
-from marge.net import is_loopback
+from marge.util.net import is_loopback
 
 log = logging.getLogger(__name__)
+
+SETUP_HOOK = f"{__name__}.install"
+"""What a program that starts a local Ray for trainers hands it as `worker_process_setup_hook` (`local_ray`)."""
 
 _SERVERS: list = []
 """The loopback servers started in this process (kept alive for the process group's lifetime)."""

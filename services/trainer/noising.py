@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from marge.config import positive, within
+from marge.contracts.config import positive, within
 
 SENTENCE_END_CHARACTERS = ".!?。！？…" + "｡‼⁇⁈⁉" + "؟۔।॥։።။"
 """Characters that end a sentence: Latin and CJK punctuation (full-width and half-width), the paired

@@ -2,7 +2,7 @@
 
 An objective is a plug-in (fairseq's criterion idea): it owns how its inputs are made from a batch of corpus
 documents (`prepare`, CPU, no model) and what loss the model pays on them (`loss`); the training step sums the
-weighted losses and logs each. The models (`marge.model`, `marge.veco`) hold only architectures.
+weighted losses and logs each. The models (`marge.model.network`, `marge.model.veco`) hold only architectures.
 
     objectives:
       marge:                  {weight: 1.0, attend_to: all}                       # paper Eq. 2
@@ -25,7 +25,7 @@ those. What the run needs follows from them (`ObjectivesConfig.needs_index`, `.b
   of MARGE's batches (the batcher counts that work in the token budget): the mixture this project compares,
   because denoising teaches the decoder to read its encoder from the first update, which MARGE's retrieved
   evidence does not (experiments/copy-race/README.md).
-* **veco** (Luo et al. 2020) — cross-attention masked LM on pairs (x, y), its own model (`marge.veco`):
+* **veco** (Luo et al. 2020) — cross-attention masked LM on pairs (x, y), its own model (`marge.model.veco`):
   `pairs: halves` splits each document at the sentence end nearest its middle (VECO's rule for monolingual
   text: adjacent segments of one document; no index); `pairs: index` pairs each target of a MARGE batch with
   its strongest cross-lingual link (pseudo-parallel text from MARGE's own index; no translation data).
@@ -53,11 +53,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from marge.batch import (ENCODER_SPECIALS, Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels,
+from marge.contracts.batch import (ENCODER_SPECIALS, Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels,
                          encoder_rows_flat)
-from marge.config import ConfigError, FieldError, at_least, one_of, positive, within
-from marge.model import Marge, RealTokens, pad_rows
-from marge.veco import mlm_mask
+from marge.contracts.config import ConfigError, FieldError, at_least, one_of, positive, within
+from marge.model.network import Marge
+from marge.model.layers import RealTokens, pad_rows
+from marge.model.veco import mlm_mask
 from services.trainer.inputs import ATTEND_TO, ModelInputs, real_tokens, to_model_inputs
 from services.trainer.noising import BartNoise, bart_noise
 
@@ -181,7 +182,7 @@ class ObjectivesConfig:
             raise FieldError("self_evidence.prob", 0, "> 0 (or leave self_evidence out to turn it off)")
         if self.veco is not None and (self.marge is not None or self.bart is not None):
             raise ConfigError("objectives.veco trains its own model (an encoder with plug-in cross-attention, "
-                              "marge.veco); it cannot share a run with marge or bart (an encoder-decoder): "
+                              "marge.model.veco); it cannot share a run with marge or bart (an encoder-decoder): "
                               "configure veco alone")
         if self.marge is None:
             for aux in ("self_evidence", "denoising_contrastive"):
@@ -213,7 +214,7 @@ class ObjectivesConfig:
 
     @property
     def model_family(self) -> str:
-        """'marge' (the encoder-decoder of `marge.model`) or 'veco' (`marge.veco`)."""
+        """'marge' (the encoder-decoder of `marge.model.network`) or 'veco' (`marge.model.veco`)."""
         return "veco" if self.veco is not None else "marge"
 
     @property
@@ -391,7 +392,7 @@ def split_in_halves(tokens: np.ndarray, sentence_ends: np.ndarray) -> tuple[np.n
 
 class VecoObjective:
     """VECO's CA-MLM on pairs (x, y): both sides masked, each predicted from itself and from itself + the other
-    side's last-layer states (`marge.veco.Veco.forward`)."""
+    side's last-layer states (`marge.model.veco.Veco.forward`)."""
 
     name = "veco"
 
@@ -479,7 +480,7 @@ class PreparedBatch:
     def work(self, pad_id: int) -> dict[str, int]:
         """Tokens each kind of pass of the step processes for this batch, augmentation included (self-evidence copies,
         the denoising loss's views): `target` decoded, `evidence` through the whole encoder, `relevance` through g
-        alone. What MFU credits (`marge.model.training_flops`); VECO's passes are counted by its own formula."""
+        alone. What MFU credits (`marge.model.sizes.training_flops`); VECO's passes are counted by its own formula."""
         def real(t) -> int:
             return int((t != pad_id).sum())
 
@@ -571,7 +572,7 @@ def apply_objective_settings(model: torch.nn.Module, cfg: ObjectivesConfig) -> t
 
 def objectives_for(cfg: ObjectivesConfig, tokenizer, corpus_tokens: list | None = None,
                    unpadded: bool = False) -> Objectives:
-    """The run's objectives with what they need from its tokenizer (`marge.tokenizer.MargeTokenizer`)."""
+    """The run's objectives with what they need from its tokenizer (`marge.contracts.tokenizer.MargeTokenizer`)."""
     from services.trainer.noising import sentence_end_ids
 
     pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]

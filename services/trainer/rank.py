@@ -11,12 +11,12 @@ The loop itself (next batches → update → record → snapshot/health → log 
                   rank's slots gathered, so rank 0's record covers the whole update
     snapshot      rank 0 publishes g for the indexer (which builds on its own) and measures retrieval health
     log           rank 0 sets the gauges and publishes the record in Redis for the driver's progress lines
-    checkpoint    all ranks start writing the training state, each its share (marge.checkpoint, format 2), rank 0
+    checkpoint    all ranks start writing the training state, each its share (marge.model.checkpoint, format 2), rank 0
                   with every rank's batches, the ones it left out, and RNG, and go on training while it is written;
                   at the first update boundary where every rank's part is durable and the manifest written (or
                   before the next checkpoint, or at the end) they report it to Ray Train, and each rank
                   dead-letters the ones it could not train and commits the rest: only then do they count
-                  (marge.protocol), so a crash anywhere loses none of them and counts none twice
+                  (marge.contracts.protocol), so a crash anywhere loses none of them and counts none twice
 """
 
 from __future__ import annotations
@@ -30,14 +30,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from marge.checkpoint import CheckpointWrite, complete_checkpoints, load_model_shell, load_model_weights, rng_state, set_rng_state
-from marge.corpus import Corpus
-from marge.metrics import StageMetrics
-from marge.protocol import Delivery, Slots
-from marge.snapshot import publish_snapshot
-from marge.tensorboard import RunBoard
-from marge.train_log import TrainLog, UpdateRecord
-from marge.utils import setup_logging
+from marge.model.checkpoint import (CheckpointWrite, complete_checkpoints, load_model_shell, load_model_weights,
+                                    rng_state, set_rng_state)
+from marge.contracts.corpus import Corpus
+from marge.eval.metrics import StageMetrics
+from marge.contracts.protocol import Delivery
+from marge.contracts.slots import Slots
+from marge.model.snapshot import publish_snapshot
+from marge.eval.tensorboard import RunBoard
+from marge.contracts.train_log import TrainLog, UpdateRecord
+from marge.util.files import setup_logging
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.job import TrainerJob
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
@@ -90,7 +92,7 @@ class DeliveryPrefetcher:
     slot's seed key; pinned for a GPU) in a thread, while the device trains on the current update.
 
     A daemon thread per update: a read that waits for a batch never keeps the process from exiting. Reading a slot
-    does not consume it (marge.protocol), so batches read ahead and never trained are simply read again by the
+    does not consume it (marge.contracts.protocol), so batches read ahead and never trained are simply read again by the
     resumed run."""
 
     def __init__(self, source: BatchSource, slots: Slots, rank: int, prepare, pin: bool):
@@ -148,7 +150,7 @@ class Rank:
         torch.set_num_threads(t.torch_threads)
         torch.manual_seed(job.seed + self.rank)
         self.device = ray.train.torch.get_device()
-        if job.faults.trace_collectives:  # a probe for CPU tests of the GPU path (marge.faults)
+        if job.faults.trace_collectives:  # a probe for CPU tests of the GPU path (marge.contracts.faults)
             from services.trainer.trace import trace_collectives
 
             trace_collectives(job.faults.trace_collectives, self.rank, self.device)
@@ -289,7 +291,7 @@ class Rank:
             if d.batch is not None and d.batch.snapshot_step >= 0:  # batches without an index have none
                 self.metrics.observe("marge_batch_staleness_steps", step - 1 - d.batch.snapshot_step)
         self.metrics.inc("marge_batches_trained", len(done.trained))
-        if self.job.faults.slow_update_s:  # test-only (marge.faults): a run slow enough to fault mid-way
+        if self.job.faults.slow_update_s:  # test-only (marge.contracts.faults): a run slow enough to fault mid-way
             time.sleep(self.job.faults.slow_update_s)
 
     def snapshot(self, step: int) -> dict:

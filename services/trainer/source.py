@@ -6,7 +6,8 @@ import logging
 import time
 from typing import Protocol
 
-from marge.protocol import BatchQueue, Delivery, SlotGone, Slots
+from marge.contracts.protocol import BatchQueue, Delivery, SlotGone
+from marge.contracts.slots import Slots
 from services.trainer.job import TrainerJob
 
 log = logging.getLogger(__name__)

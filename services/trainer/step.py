@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from marge.batch import Batch
-from marge.model import Marge
-from marge.protocol import Slots
+from marge.contracts.batch import Batch
+from marge.model.network import Marge
+from marge.contracts.slots import Slots
 from services.trainer.config import COMPILE_SCOPES, OptimizerConfig, TrainerConfig
 from services.trainer.inputs import substitute_batch, untrainable
 from services.trainer.objectives import Objectives, PreparedBatch, apply_objective_settings
@@ -86,7 +86,7 @@ def apply_execution_settings(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
     """The trainer's settings that change how the model computes, not what: the loss's chunking over the
     vocabulary (`trainer.loss_chunk_tokens`; a model without a chunked loss, VECO's, ignores it) and how attention
     adds a key bias (`trainer.key_bias`)."""
-    from marge.model import Attention
+    from marge.model.layers import Attention
 
     if hasattr(model, "loss_chunk_tokens"):
         model.loss_chunk_tokens = cfg.loss_chunk_tokens
@@ -229,7 +229,7 @@ def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], 
             if problem is None:
                 item.prepared = item.prepared or objectives.prepare(item.batch, key)  # kept for a second pass
                 losses = objectives.losses(model, item.prepared, device, cfg.bf16)
-                if item.slot == nan_loss_slot:  # test-only fault (marge.faults)
+                if item.slot == nan_loss_slot:  # test-only fault (marge.contracts.faults)
                     losses.objective = losses.objective * float("nan")
                 (losses.objective / len(items)).backward()
                 out.trained.append((item.slot, item.batch.batch_id))

@@ -1,0 +1,639 @@
+"""Training checkpoints: the whole training state, in a folder of the run's checkpoint storage.
+
+Format version 2 (written since the sharded checkpoint), every DDP rank writing its part:
+
+    state/                torch.distributed.checkpoint: `.metadata` plus one `__<rank>_0.distcp` per saving rank. The
+                          model's weights and the optimizer's per-parameter tensors, each written once: the keys are
+                          spread over the ranks by size (`partition`), tensors over `part_bytes` cut into row blocks
+    training_state.pt     what is not a per-parameter tensor: optimizer param groups, LR schedule, step, RNG states,
+                          consumed batch ids (torch.save of plain containers; loaded with weights_only=True)
+    model_config.json     the model's config (MargeConfig; a VecoConfig carries "family": "veco")
+    tokenizer.model/.json the tokenizer the model was trained with
+    manifest.json         written last, by rank 0, once every rank's part is durable: format, step, the sha256 of
+                          every small file, the bytes of every part, the sha256 of every tensor
+
+A rank restoring reads only its share of the keys (by size, for the world it runs in, whatever the world that
+saved) and the ranks broadcast the rest to each other: about checkpoint size / world read from storage per rank,
+plus the small files (`restore_training`). `marge.load`, eval and serve read the model's keys alone (`load_model`).
+
+Format version 1 (read, no longer written): `model.safetensors` (weights) and `training_state.pt` holding the
+optimizer and schedule too, written by rank 0 alone; every restoring rank read all of it.
+
+`marge eval retrieval --checkpoint PATH` and friends accept either. Unlike the other artifacts, a checkpoint is
+written in place, into a folder its caller provides (a temporary one `atomic_directory` renames, or the run's
+checkpoint folder the ranks share); the manifest, written last (marge.contracts.artifacts), is what makes it a checkpoint.
+This module keeps the schema: which files, which manifest fields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import heapq
+import json
+import logging
+import os
+import random
+import shutil
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from torch import nn
+
+from marge.contracts import artifacts
+from marge.model.network import Marge
+from marge.model.architecture import MargeConfig
+from marge.util.files import atomic_write_text
+from marge.model.veco import FAMILY, Veco, VecoConfig
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "marge-checkpoint"
+FINETUNED_FORMAT = "marge-finetuned"
+"""A `marge finetune` output (marge.model.finetuned): the same manifest, its own files."""
+CHECKPOINT_VERSION = 2
+"""The version written; `READ_VERSIONS` are the ones read."""
+READ_VERSIONS = (1, 2)
+FILES = ("model.safetensors", "model_config.json", "training_state.pt", "tokenizer.model", "tokenizer.json")
+"""Version 1's files (a fine-tuned model folder's too)."""
+STATE_DIR = "state"
+SHARDED_FILES = ("model_config.json", "training_state.pt", "tokenizer.model", "tokenizer.json",
+                 f"{STATE_DIR}/.metadata")
+"""Version 2's small files (checksummed whole by the manifest's `sha256`); the parts are in its `parts`."""
+PART_BYTES = 64 << 20
+"""A tensor over this many bytes is saved as row blocks of at most this size: the unit the ranks share out, so a
+rank's share of a restore is at most size / world plus one block (a 250k x 1024 fp32 embedding is 1 GB)."""
+
+
+WRITER_NICE = 10
+"""How much lower the writer thread's priority is than training's (Linux)."""
+
+
+HINT = "; pass the folder `marge pretrain` printed as `checkpoint`"
+
+
+class CheckpointError(artifacts.ArtifactError):
+    pass
+
+
+def saved_config(cfg) -> dict[str, Any]:
+    """A model config as model_config.json holds it: MargeConfig's fields (the format since the first release),
+    or VecoConfig's plus `"family": "veco"`."""
+    return {"family": FAMILY, **cfg.to_dict()} if isinstance(cfg, VecoConfig) else cfg.to_dict()
+
+
+def config_from_saved(values: dict[str, Any]):
+    """The MargeConfig or VecoConfig a model_config.json describes."""
+    values = dict(values)
+    family = values.pop("family", "marge")
+    if family == FAMILY:
+        return VecoConfig.from_dict(values)
+    if family != "marge":
+        raise CheckpointError(f"model family {family!r} is unknown to this version of marge (known: marge, veco)")
+    return MargeConfig.from_dict(values)
+
+
+def build_model(cfg) -> nn.Module:
+    """A freshly initialised model of the config's family."""
+    return Veco(cfg) if isinstance(cfg, VecoConfig) else Marge(cfg)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+             "python_pos": random.getstate()[2]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(int(x) for x in state["python"]), state["python_pos"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- the sharded training state (format 2) -----------------------------------------------------------------
+
+
+LOCAL = "local"
+"""`group=LOCAL`: this process alone, even where a process group is initialized (a rank loading a model for itself)."""
+
+
+# DCP warns on every single-process save and load that it assumes a single process: that is what is meant here
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
+
+
+def _distributed(group) -> bool:
+    import torch.distributed as dist
+
+    return group is not LOCAL and dist.is_available() and dist.is_initialized()
+
+
+def _rank_world(group) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not _distributed(group):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def param_names(model: nn.Module, optimizer) -> list[str]:
+    """The parameter name of each of the optimizer's state indices (its param groups' params, in order)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def training_tensors(model: nn.Module, optimizer, part_bytes: int = PART_BYTES) -> dict[str, torch.Tensor]:
+    """The training state's tensors under flat keys: `model/<name>` for the weights and buffers,
+    `optim/<parameter>/<state>` for the optimizer's (AdamW's moments and step). A tensor over `part_bytes` is cut
+    into row blocks `<key>#<i>` (views, nothing copied)."""
+    out: dict[str, torch.Tensor] = {}
+
+    def add(key: str, t: torch.Tensor) -> None:
+        t = t.detach()
+        nbytes = t.numel() * t.element_size()
+        if t.dim() == 0 or nbytes <= part_bytes or t.shape[0] < 2:
+            out[key] = t
+            return
+        rows = max(1, part_bytes // max(1, nbytes // t.shape[0]))
+        for i, first in enumerate(range(0, t.shape[0], rows)):
+            out[f"{key}#{i}"] = t[first:first + rows]
+
+    for name, t in model.state_dict().items():
+        add(f"model/{name}", t)
+    names = param_names(model, optimizer)
+    for index, state in optimizer.state_dict()["state"].items():
+        for field, value in state.items():
+            if isinstance(value, torch.Tensor):
+                add(f"optim/{names[index]}/{field}", value)
+    return out
+
+
+def partition(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """`sizes`' keys shared out over `world` ranks, largest first, each to the rank with the fewest bytes so far:
+    every rank's share is at most total / world plus the largest key. Depends on the keys and sizes alone, so a
+    restoring world computes it from the checkpoint's metadata whatever the world that saved."""
+    heap = [(0, r) for r in range(world)]
+    parts: list[list[str]] = [[] for _ in range(world)]
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        load, r = heapq.heappop(heap)
+        parts[r].append(key)
+        heapq.heappush(heap, (load + sizes[key], r))
+    return parts
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """The sha256 of a CPU tensor's bytes (its dtype's, row-major)."""
+    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class CheckpointWrite:
+    """One checkpoint being written into `directory` (format 2).
+
+    Every rank of the process group takes part (collective: all call it at the same update; without a process
+    group the process is the whole world). The constructor copies this rank's share of the training tensors to
+    host memory (`blocked_s`: the training loop's only wait) and writes it, with torch.distributed.checkpoint, in
+    a thread (`background`) or at once. Once every rank's part is written and synced, rank 0 writes the small files
+    and the manifest, last; `wait()` returns on every rank only after that, and raises what the write raised.
+    DCP's collectives run on `group`, which must not be the one training uses meanwhile (a second gloo group).
+
+    With `staging`, every rank writes there and rank 0 renames the folder to `directory` once the manifest is in
+    it (`artifacts.commit_staged`): a checkpoint cut short leaves no `step-*` folder behind, only the staging one,
+    which the next attempt at that folder replaces."""
+
+    def __init__(self, directory: Path, model: nn.Module, optimizer, scheduler, step: int, tokenizer_dir: Path,
+                 training_state: dict[str, Any], *, group=None, background: bool = False, before_manifest=None,
+                 part_bytes: int = PART_BYTES, staging: Path | None = None):
+        started = time.perf_counter()
+        self.directory, self.step, self.group = Path(directory), step, group
+        self.staging = Path(staging) if staging is not None else None
+        self.folder = self.staging or self.directory
+        """Where the files are written."""
+        self.rank, self.world = _rank_world(group)
+        self.before_manifest, self.part_bytes = before_manifest, part_bytes
+        tensors = training_tensors(model, optimizer, part_bytes)
+        mine = partition({k: t.numel() * t.element_size() for k, t in tensors.items()}, self.world)[self.rank]
+        # copy=True: a host tensor is copied too, so the update that follows cannot change what is written
+        self.staged = {k: tensors[k].to("cpu", copy=True) for k in mine}
+        self.bytes_staged = sum(t.numel() * t.element_size() for t in self.staged.values())
+        self.small = None
+        if self.rank == 0:
+            opt = optimizer.state_dict()
+            self.small = {
+                "param_groups": copy.deepcopy(opt["param_groups"]), "param_names": param_names(model, optimizer),
+                "optimizer_other": {int(i): {k: copy.deepcopy(v) for k, v in st.items()
+                                             if not isinstance(v, torch.Tensor)} for i, st in opt["state"].items()},
+                "scheduler": copy.deepcopy(scheduler.state_dict()), "step": step, "rng": rng_state(),
+                **training_state}
+            self.model_config = saved_config(model.cfg)
+            self.tokenizer_dir = Path(tokenizer_dir)
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+        self.thread: threading.Thread | None = None
+        self.blocked_s = time.perf_counter() - started
+        if background:
+            self.thread = threading.Thread(target=self._run, name=f"marge-checkpoint-{step}", daemon=True)
+            self.thread.start()
+        else:
+            self._run()
+
+    def _run(self) -> None:
+        if self.thread is not None and sys.platform == "linux":
+            # Linux nices a thread by its id: where training keeps every core busy (CPU runs), the write takes the
+            # time training leaves; on GPUs the host cores are mostly idle and it runs at once anyway
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        try:
+            self._write()
+        except BaseException as e:  # raised by wait(), in the caller's thread
+            self.error = e
+
+    def _write(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        distributed = _distributed(self.group)
+        state_dir = self.folder / STATE_DIR
+        state_dir.mkdir(parents=True, exist_ok=True)
+        dcp.save(self.staged, storage_writer=dcp.FileSystemWriter(str(state_dir), sync_files=True),
+                 process_group=self.group if distributed else None, no_dist=not distributed)
+        # the parts' bytes, not their sha256: every tensor's own sha256 (hashed from host memory, no read back)
+        # checks them, as each reader loads its share or as `newest_good_checkpoint` reads them all
+        parts = {f"{STATE_DIR}/{p.name}": {"bytes": p.stat().st_size}
+                 for p in sorted(state_dir.glob(f"__{self.rank}_*.distcp"))}
+        self.bytes_written = sum(p["bytes"] for p in parts.values())
+        mine = {"parts": parts, "tensors": {k: tensor_sha256(t) for k, t in self.staged.items()}}
+        self.staged = {}
+        gathered = [None] * self.world
+        if distributed:
+            dist.all_gather_object(gathered, mine, group=self.group)
+        else:
+            gathered = [mine]
+        if self.rank == 0:
+            self._commit(gathered)
+        if distributed:
+            dist.barrier(group=self.group)  # no rank's wait() returns before the manifest is written
+
+    def _commit(self, gathered: list[dict]) -> None:
+        d = self.folder
+        torch.save(self.small, d / "training_state.pt")
+        atomic_write_text(d / "model_config.json", json.dumps(self.model_config, indent=2) + "\n")
+        for name in ("tokenizer.model", "tokenizer.json"):
+            shutil.copyfile(self.tokenizer_dir / name, d / name)
+        if self.before_manifest is not None:
+            self.before_manifest()
+        parts = {name: info for part in gathered for name, info in part["parts"].items()}
+        tensors = {key: digest for part in gathered for key, digest in part["tensors"].items()}
+        write_manifest(d, CHECKPOINT_FORMAT, SHARDED_FILES, version=CHECKPOINT_VERSION, step=self.step, world=self.world,
+                       part_bytes=self.part_bytes, parts=dict(sorted(parts.items())),
+                       tensors=dict(sorted(tensors.items())))
+        if self.staging is not None:
+            artifacts.commit_staged(self.staging, self.directory, error=CheckpointError)
+
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+    def wait(self) -> Path:
+        """The checkpoint folder, once complete on every rank (raises the write's error, if any)."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.directory
+
+
+def save_checkpoint(directory: Path, model: Marge, optimizer, scheduler, step: int, tokenizer_dir: Path,
+                    training_state: dict[str, Any], before_manifest=None, group=None) -> Path:
+    """Write a complete checkpoint into `directory` (manifest last: a folder without one is not a checkpoint),
+    before returning. Within a process group, every rank calls it and writes its part (`CheckpointWrite`).
+
+    `before_manifest` is called with every file written but the manifest (the fault suite dies there)."""
+    return CheckpointWrite(directory, model, optimizer, scheduler, step, tokenizer_dir, training_state,
+                           group=group, before_manifest=before_manifest).wait()
+
+
+def save_checkpoint_v1(directory: Path, model: Marge, optimizer, scheduler, step: int, tokenizer_dir: Path,
+                       training_state: dict[str, Any]) -> Path:
+    """A format 1 checkpoint (one process writes everything), as releases before format 2 wrote it: for the tests
+    and benchmarks that check it is still read, and the synchronous save the sharded one is measured against."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(directory / "model.safetensors"))
+    atomic_write_text(directory / "model_config.json", json.dumps(saved_config(model.cfg), indent=2) + "\n")
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                "rng": rng_state(), **training_state}, directory / "training_state.pt")
+    for name in ("tokenizer.model", "tokenizer.json"):
+        shutil.copyfile(Path(tokenizer_dir) / name, directory / name)
+    write_manifest(directory, CHECKPOINT_FORMAT, FILES, version=1, step=step)
+    return directory
+
+
+def write_manifest(directory: Path, fmt: str, files: tuple[str, ...], version: int = 1, **extra: Any) -> None:
+    """The manifest that makes a folder complete, written last: its format and version, the sha256 of each of
+    `files`. Version 1 unless told (a fine-tuned model folder's, a format 1 checkpoint's)."""
+    artifacts.write_manifest(directory, {
+        "format": fmt, "version": version, **extra, "created_unix": time.time(),
+        "sha256": artifacts.file_sha256s(directory, files, what="checkpoint", error=CheckpointError)})
+
+
+def sharded(manifest: dict[str, Any]) -> bool:
+    """Whether a manifest is a format 2 checkpoint's (its training state under state/, in parts)."""
+    return manifest["format"] == CHECKPOINT_FORMAT and manifest["version"] >= 2
+
+
+def read_manifest(directory: Path, verify: bool = True, formats: tuple[str, ...] = (CHECKPOINT_FORMAT,),
+                  parts: bool = False) -> dict[str, Any]:
+    """A folder's manifest, checked to be one of `formats` and (with `verify`) to match every file's sha256. Of a
+    format 2 checkpoint, `verify` checks the small files' sha256 and that every part is there with its size (a
+    part missing or cut short: not a checkpoint); `parts` loads every tensor as well and checks its sha256 (reads
+    everything, `batch_bytes` at a time). The tensors a reader loads are checked as they are loaded."""
+    directory = Path(directory)
+    manifest = artifacts.read_manifest(directory, formats, READ_VERSIONS, fields=("sha256",),
+                                       what="MARGE checkpoint", hint=HINT, error=CheckpointError)
+    if not isinstance(manifest["sha256"], dict):
+        raise CheckpointError(f"{directory / artifacts.MANIFEST}: field 'sha256' is {manifest['sha256']!r}, expected "
+                              "a mapping of file name to sha256")
+    if manifest["format"] == FINETUNED_FORMAT and manifest["version"] != 1:
+        raise CheckpointError(f"{directory / artifacts.MANIFEST}: field 'version' is {manifest['version']!r}; this "
+                              "marge reads fine-tuned model folders of version 1")
+    if sharded(manifest):
+        for field in ("parts", "tensors"):
+            if not isinstance(manifest.get(field), dict):
+                raise CheckpointError(f"{directory / artifacts.MANIFEST}: field {field!r} is {manifest.get(field)!r}, "
+                                      "expected a mapping (a format 2 checkpoint's parts and tensor digests)")
+    if verify:
+        artifacts.verify_checksums(directory, manifest["sha256"], what="MARGE checkpoint", error=CheckpointError)
+        for name, info in manifest.get("parts", {}).items() if sharded(manifest) else ():
+            path = directory / name
+            size = path.stat().st_size if path.is_file() else None
+            if size != info["bytes"]:
+                raise CheckpointError(f"{path}: {'missing' if size is None else f'{size} bytes'}, the manifest says "
+                                      f"{info['bytes']} bytes: the checkpoint is incomplete{HINT}")
+        if parts and sharded(manifest):
+            verify_state_tensors(directory, manifest)
+    return manifest
+
+
+def checkpoint_order(path: Path) -> tuple[int, int]:
+    """(update, attempt) of a checkpoint folder `step-<update>[-<attempt>]`: a run resumed from an older
+    checkpoint writes the update again as `step-<update>-1` (then -2, ...), never over the folder it abandoned."""
+    parts = Path(path).name.split("-")
+    try:
+        return int(parts[1]), int(parts[2]) if len(parts) > 2 else 0
+    except (IndexError, ValueError):
+        raise CheckpointError(f"{path}: not a checkpoint folder name (step-<update>[-<attempt>])") from None
+
+
+def checkpoint_dir_name(root: Path, step: int) -> str:
+    """The folder name for the checkpoint of `step` under `root`: `step-<step>`, or the next free attempt."""
+    name, attempt = f"step-{step:08d}", 0
+    while (Path(root) / (name if attempt == 0 else f"{name}-{attempt}")).exists():
+        attempt += 1
+    return name if attempt == 0 else f"{name}-{attempt}"
+
+
+CHECKPOINTS = artifacts.Series("step-*", checkpoint_order, what="checkpoint", error=CheckpointError)
+"""Checkpoint folders under a run's checkpoint root: no LATEST (the newest good one is searched for), and Ray
+Train, or the single process, prunes them."""
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The `step-*` checkpoints under `root` that have a manifest, oldest first (not verified); of two attempts at
+    one update, the later one last."""
+    return CHECKPOINTS.versions(root)
+
+
+def newest_good_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint under `root` whose files match its manifest (every part hashed); older ones are tried
+    when the newest is corrupt or incomplete (each one skipped is logged)."""
+    for path in reversed(complete_checkpoints(root)):
+        try:
+            read_manifest(path, verify=True, parts=True)
+            return path
+        except (CheckpointError, OSError) as e:
+            log.warning("skipping checkpoint %s: %s", path, e)
+    return None
+
+
+def load_training_state(directory: Path, verify: bool = True) -> dict[str, Any]:
+    read_manifest(directory, verify=verify)
+    return torch.load(Path(directory) / "training_state.pt", map_location="cpu", weights_only=True)
+
+
+def _state_reader(directory: Path):
+    """A DCP reader of a checkpoint's state/ that counts the bytes it reads from storage (`bytes_read`): the
+    metadata once, then each item's byte range (FileSystemReader reads exactly those)."""
+    import torch.distributed.checkpoint as dcp
+
+    class CountingReader(dcp.FileSystemReader):
+        def __init__(self, path):
+            super().__init__(path)
+            self.bytes_read, self._metadata = 0, None
+
+        def read_metadata(self, *args, **kwargs):
+            if self._metadata is None:
+                self._metadata = super().read_metadata(*args, **kwargs)
+                self.bytes_read += (Path(self.path) / ".metadata").stat().st_size
+            return self._metadata
+
+        def read_data(self, plan, planner):
+            self.bytes_read += sum(self.storage_data[item.storage_index].length for item in plan.items)
+            return super().read_data(plan, planner)
+
+    return CountingReader(str(Path(directory) / STATE_DIR))
+
+
+def read_state_tensors(directory: Path, manifest: dict[str, Any], keys=None, group=None,
+                       stats: dict | None = None) -> dict[str, torch.Tensor]:
+    """A format 2 checkpoint's tensors (the keys `keys` selects, all by default) on the host, each checked against
+    its sha256. In a process group (every rank calls it) each rank reads its share of the keys from storage, by
+    size for this world, and the ranks broadcast their shares to each other: size / world read per rank."""
+    import torch.distributed as dist
+
+    distributed = _distributed(group)
+    rank, world = _rank_world(group)
+    reader = _state_reader(directory)
+    metadata = reader.read_metadata()
+    entries = {k: md for k, md in metadata.state_dict_metadata.items() if keys is None or keys(k)}
+    sizes = {k: md.size.numel() * md.properties.dtype.itemsize for k, md in entries.items()}
+    owners = partition(sizes, world)
+    mine = {k: torch.empty(entries[k].size, dtype=entries[k].properties.dtype) for k in owners[rank]}
+    _load(mine, reader, directory, group, distributed)
+    bad = mismatched(mine, manifest["tensors"])
+    if distributed:
+        flag = torch.tensor([len(bad)])
+        dist.all_reduce(flag, group=group)
+        failed = int(flag)
+    else:
+        failed = len(bad)
+    if failed:
+        raise CheckpointError(f"{Path(directory) / STATE_DIR}: {failed} tensor(s) do not match the manifest's sha256 "
+                              f"({', '.join(bad[:3]) or 'on another rank'}): the checkpoint is corrupt{HINT}")
+    loaded = dict(mine)
+    if distributed:
+        for owner, owned in enumerate(owners):
+            by_dtype: dict[torch.dtype, list[str]] = {}
+            for k in owned:
+                by_dtype.setdefault(entries[k].properties.dtype, []).append(k)
+            for dtype, ks in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+                numel = [entries[k].size.numel() for k in ks]
+                flat = torch.cat([mine[k].reshape(-1) for k in ks]) if owner == rank else \
+                    torch.empty(sum(numel), dtype=dtype)
+                dist.broadcast(flat, src=dist.get_global_rank(group, owner) if group is not None else owner,
+                               group=group)
+                if owner != rank:
+                    for k, piece in zip(ks, torch.split(flat, numel)):
+                        loaded[k] = piece.view(entries[k].size)
+    if stats is not None:
+        stats["state_bytes_read"] = stats.get("state_bytes_read", 0) + reader.bytes_read
+        stats["state_bytes"] = sum(sizes.values())
+    return loaded
+
+
+def _load(tensors: dict[str, torch.Tensor], reader, directory: Path, group, distributed: bool) -> None:
+    """dcp.load into `tensors`; a part that cannot be read raises CheckpointError (on every rank: DCP gathers any
+    rank's error to all)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        dcp.load(tensors, storage_reader=reader, process_group=group if distributed else None, no_dist=not distributed)
+    except CheckpointException as e:
+        raise CheckpointError(f"{Path(directory) / STATE_DIR}: a part cannot be read ({e}): the checkpoint is "
+                              f"corrupt{HINT}") from None
+
+
+def mismatched(tensors: dict[str, torch.Tensor], digests: dict[str, str]) -> list[str]:
+    """The keys of `tensors` whose sha256 is not the manifest's."""
+    return [k for k, t in tensors.items() if digests.get(k) != tensor_sha256(t)]
+
+
+def verify_state_tensors(directory: Path, manifest: dict[str, Any], batch_bytes: int = 256 << 20) -> None:
+    """Every tensor of a format 2 checkpoint read and checked against its sha256, in this process, `batch_bytes`
+    of them at a time (the memory it takes); raises CheckpointError naming the first that differs or is missing."""
+
+    reader = _state_reader(directory)
+    entries = reader.read_metadata().state_dict_metadata
+    if set(entries) != set(manifest["tensors"]):
+        missing = sorted(set(manifest["tensors"]) ^ set(entries))
+        raise CheckpointError(f"{Path(directory) / STATE_DIR}: its tensors are not the manifest's ({missing[:3]}): the "
+                              f"checkpoint is incomplete{HINT}")
+    batch: list[str] = []
+    size = 0
+    keys = sorted(entries)
+    for i, key in enumerate(keys):
+        batch.append(key)
+        size += entries[key].size.numel() * entries[key].properties.dtype.itemsize
+        if size < batch_bytes and i + 1 < len(keys):
+            continue
+        loaded = {k: torch.empty(entries[k].size, dtype=entries[k].properties.dtype) for k in batch}
+        _load(loaded, reader, directory, None, False)
+        bad = mismatched(loaded, manifest["tensors"])
+        if bad:
+            raise CheckpointError(f"{Path(directory) / STATE_DIR}: tensor {bad[0]!r} does not match the manifest's "
+                                  f"sha256: the checkpoint is corrupt{HINT}")
+        batch, size = [], 0
+
+
+def joined(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix` by their own name, row blocks `<key>#<i>` joined back into one tensor."""
+    blocks: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for key, t in tensors.items():
+        if key.startswith(prefix):
+            name, _, index = key[len(prefix):].partition("#")
+            blocks.setdefault(name, []).append((int(index or 0), t))
+    return {name: pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])])
+            for name, pieces in blocks.items()}
+
+
+def restore_training(directory: Path, model: Marge, optimizer, scheduler, device: str | torch.device = "cpu",
+                     verify: bool = True, group=None, stats: dict | None = None) -> dict[str, Any]:
+    """Put a checkpoint's weights, optimizer, schedule and RNG back (verified against the manifest unless `verify`
+    is False: a DDP rank whose rank 0 verified it); returns the rest of its training state (step, consumed batches,
+    and whatever the trainer saved).
+
+    A format 2 checkpoint in a process group: every rank calls it, reads its share and gets the rest from the
+    others (`read_state_tensors`), whatever the world that saved it; `stats` gets the bytes read from storage."""
+    directory = Path(directory)
+    manifest = read_manifest(directory, verify=verify)
+    if stats is not None:  # the files read whole: the manifest, the verified ones, the training state (and weights)
+        files = ["manifest.json"] + (list(manifest["sha256"]) if verify else [])
+        files += ["training_state.pt"] + ([] if sharded(manifest) else ["model.safetensors"])
+        stats["small_bytes_read"] = sum((directory / n).stat().st_size for n in files)
+    state = torch.load(directory / "training_state.pt", map_location="cpu", weights_only=True)
+    if not sharded(manifest):
+        model.load_state_dict(load_file(str(directory / "model.safetensors"), device=str(device)))
+        optimizer.load_state_dict(state.pop("optimizer"))
+        scheduler.load_state_dict(state.pop("scheduler"))
+        set_rng_state(state.pop("rng"))
+        return state
+    tensors = read_state_tensors(directory, manifest, group=group, stats=stats)
+    model.load_state_dict(joined(tensors, "model/"))
+    index = {name: i for i, name in enumerate(param_names(model, optimizer))}
+    moments: dict[int, dict[str, Any]] = {int(i): dict(other) for i, other in state.pop("optimizer_other").items()}
+    for key, t in joined(tensors, "optim/").items():
+        name, _, field = key.rpartition("/")
+        if name not in index:
+            raise CheckpointError(f"{directory}: the optimizer state of parameter {name!r} has no parameter of that "
+                                  "name in this model")
+        moments.setdefault(index[name], {})[field] = t
+    saved_names = state.pop("param_names")
+    if saved_names != list(index):
+        raise CheckpointError(f"{directory}: the optimizer's parameters differ from this model's "
+                              f"({len(saved_names)} saved, {len(index)} here)")
+    optimizer.load_state_dict({"state": moments, "param_groups": state.pop("param_groups")})
+    scheduler.load_state_dict(state.pop("scheduler"))
+    set_rng_state(state.pop("rng"))
+    return state
+
+
+def load_model(directory: Path, device: str | torch.device = "cpu") -> nn.Module:
+    """The trained model in a checkpoint folder (eval mode): a `Marge`, or a `Veco` for a VECO run.
+
+    A fine-tuned model folder (`marge finetune`) loads too, as its MARGE model without a classifier head
+    (`marge.model.finetuned.load` gives the whole fine-tuned model). Of a format 2 checkpoint, the model's keys alone
+    are read (not the optimizer's), in this process."""
+    directory = Path(directory)
+    manifest = read_manifest(directory, formats=(CHECKPOINT_FORMAT, FINETUNED_FORMAT))
+    model = build_model(config_from_saved(json.loads((directory / "model_config.json").read_text(encoding="utf-8"))))
+    if sharded(manifest):
+        weights = joined(read_state_tensors(directory, manifest, keys=lambda k: k.startswith("model/"),
+                                            group=LOCAL), "model/")
+    else:
+        weights = load_file(str(directory / "model.safetensors"), device="cpu")
+    if manifest["format"] == FINETUNED_FORMAT:
+        weights = {k: v for k, v in weights.items() if not k.startswith("classifier.")}
+    model.load_state_dict(weights)
+    return model.to(device).eval()
+
+
+def save_model_weights(path: Path, model: nn.Module) -> None:
+    """Weights alone plus config next to them (the run's initial model)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path))
+    atomic_write_text(path.with_suffix(".json"), json.dumps(saved_config(model.cfg), indent=2) + "\n")
+
+
+def load_model_weights(path: Path) -> nn.Module:
+    path = Path(path)
+    model = load_model_shell(path)
+    model.load_state_dict(load_file(str(path), device="cpu"))
+    return model
+
+
+def load_model_shell(path: Path) -> nn.Module:
+    """The model `path` (a `model.safetensors` beside its `model.json`) holds, built from its config with freshly
+    initialised weights and without reading the weights file: for a rank that loads a checkpoint over it."""
+    return build_model(config_from_saved(json.loads(Path(path).with_suffix(".json").read_text(encoding="utf-8"))))
