@@ -12,7 +12,7 @@ the chosen languages), then measured on the held-out pages' aligned paragraphs (
   bigrams): how much lexical signal the pieces themselves carry, which is what g starts from;
 * the char n-gram TF-IDF P@1 of the same pairs (independent of the tokenizer, for scale).
 
-    python benchmarks/vocab_choice.py --sizes 2000,4000,8000 --out docs/learning/ceiling/vocab.json
+    python benchmarks/vocab_choice.py --sizes 2000,4000,8000 --out experiments/ceiling/results/vocab.json
 """
 
 from __future__ import annotations

@@ -264,9 +264,9 @@ def test_the_study_trains_measures_and_reports_arms_at_equal_updates(paragraph_c
 
 
 def test_the_committed_report_holds_the_schema_and_the_figures_the_readme_quotes():
-    """docs/learning/mechanism/report.json is what a reader's script reads and what README.md quotes: every arm at
+    """experiments/mechanism/results/report.json is what a reader's script reads and what README.md quotes: every arm at
     equal updates over at least 3 seeds with all five evidence conditions, and the named contrasts."""
-    report = json.loads((REPO / "docs/learning/mechanism/report.json").read_text(encoding="utf-8"))
+    report = json.loads((REPO / "experiments/mechanism/results/report.json").read_text(encoding="utf-8"))
     for name, arm in report["arms"].items():
         assert len(arm["seeds"]) >= 3, name
         assert {"none", "retrieved", "gold", "wrong_page", "self_copy"} <= set(arm["nll"]), name

@@ -24,7 +24,7 @@ those. What the run needs follows from them (`ObjectivesConfig.needs_index`, `.b
   language (mBART). Alone it needs no index: the batcher packs documents. With marge it denoises the targets
   of MARGE's batches (the batcher counts that work in the token budget): the mixture this project compares,
   because denoising teaches the decoder to read its encoder from the first update, which MARGE's retrieved
-  evidence does not (experiments/copy-race/README.md).
+  evidence does not (experiments/copy_race/README.md).
 * **veco** (Luo et al. 2020) — cross-attention masked LM on pairs (x, y), its own model (`marge.model.veco`):
   `pairs: halves` splits each document at the sentence end nearest its middle (VECO's rule for monolingual
   text: adjacent segments of one document; no index); `pairs: index` pairs each target of a MARGE batch with

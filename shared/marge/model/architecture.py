@@ -105,7 +105,7 @@ class MargeConfig(ArchitectureConfig):
     measured: embeddings are drawn at std 0.02, and without this norm the pre-LayerNorm residual stream
     starts at that scale, which kept a 2+2-layer model on a copy task at 8.09 nats/token
     after 300 updates while HF BART reached 0.85; with it, 0.66 (3 seeds; post-LN instead: 1.34, a 4.4x
-    larger embedding init instead: 0.97; benchmarks/copy_race.py, experiments/copy-race/README.md). False: the
+    larger embedding init instead: 0.97; experiments/copy_race/copy_race.py, experiments/copy_race/README.md). False: the
     model before that change (and the `paper` preset: with it the paper's BOS-pooled g starts collapsed)."""
 
     def __post_init__(self) -> None:

@@ -27,16 +27,16 @@ infilling + sentence permutation), i.e. a denoising race. With one linked docume
 marge objective's relevance bias is the same on all of a target's keys, so our loss is the `bart` objective's
 (tests/test_objectives.py checks the two paths agree).
 
-Variants (`--variants`) switch ONE thing of a model, for the diagnosis in experiments/copy-race/README.md; they are
+Variants (`--variants`) switch ONE thing of a model, for the diagnosis in experiments/copy_race/README.md; they are
 built here, as subclasses or module swaps, and are not options of the model. `--list` prints them.
 `before` is our model as it was before the embedding LayerNorm; `before:*` switch one thing of it.
 
-    python benchmarks/copy_race.py                     # ours, before, BART: random tokens, 3 seeds, 700 updates
-    python benchmarks/copy_race.py --source text --steps 700
-    python benchmarks/copy_race.py --evidence infilled --steps 700
-    python benchmarks/copy_race.py --source text --evidence bart --variants ours,bart --steps 700
-    python benchmarks/copy_race.py --variants before,before:post_ln,bart:our_old_norms --steps 300 --jobs 2
-    python benchmarks/copy_race.py --g-at-init         # how alike a fresh model's g vectors are
+    python -m experiments.copy_race                     # ours, before, BART: random tokens, 3 seeds, 700 updates
+    python -m experiments.copy_race --source text --steps 700
+    python -m experiments.copy_race --evidence infilled --steps 700
+    python -m experiments.copy_race --source text --evidence bart --variants ours,bart --steps 700
+    python -m experiments.copy_race --variants before,before:post_ln,bart:our_old_norms --steps 300 --jobs 2
+    python -m experiments.copy_race --g-at-init         # how alike a fresh model's g vectors are
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ from services.trainer.noising import BartNoise, bart_noise, sentence_end_ids, te
 from services.trainer.objectives import MargeObjectiveConfig, Objectives, ObjectivesConfig
 from services.trainer.step import build_optimizer, build_scheduler, forward_backward, optimizer_step
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO / "data/prepared/demo"
-DEFAULT_OUT = REPO / "benchmarks/results/copy_race.json"
+DEFAULT_OUT = REPO / "experiments/copy_race/results/copy_race.json"
 
 # The shape of the copy race.
 D_MODEL, HEADS, LAYERS, FFN, POSITIONS = 128, 4, 2, 512, 64
@@ -557,7 +557,7 @@ def _train_in_worker(job: tuple) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m experiments.copy_race", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="ours,before,bart", help="comma-separated; --list shows them")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -589,7 +589,7 @@ def main(argv: list[str] | None = None) -> None:
     task = load_task(args.source, args.evidence, args.corpus)
     report_steps = sorted({*[s for s in REPORT_STEPS if s <= args.steps], args.steps})
     result = {
-        "command": " ".join(["python", "benchmarks/copy_race.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python", "-m", "experiments.copy_race", *(argv if argv is not None else sys.argv[1:])]),
         "commit": git_commit(), "torch": torch.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "threads_per_training": 1 if args.jobs > 1 else args.threads, "trainings_side_by_side": args.jobs,
