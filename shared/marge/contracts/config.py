@@ -89,7 +89,7 @@ def resumable(default: Any = dataclasses.MISSING, *, default_factory: Any = data
 
 def section_type(typ: Any) -> type | None:
     """The config dataclass a field's annotated type holds (`X`, `X | None`), or None for a plain value."""
-    return next((t for t in (typ, *get_args(typ)) if dataclasses.is_dataclass(t)), None)
+    return next((t for t in (typ, *get_args(typ)) if isinstance(t, type) and dataclasses.is_dataclass(t)), None)
 
 
 def resumable_keys(cls: type, prefix: str = "", comparable: bool = False) -> tuple[str, ...]:
@@ -142,8 +142,9 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             raise ConfigError(f"{key} must be a {names}, got {value!r}") from None
     if value is None:
         raise ConfigError(f"{key} may not be null")
-    if dataclasses.is_dataclass(typ):
+    if isinstance(typ, type) and dataclasses.is_dataclass(typ):
         return build(typ, value, key)
+
     if typ is Any:
         return value
     if origin is None and typ in (int, float, str, bool):

@@ -29,6 +29,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, overload
+
 
 from marge.contracts.batch import SpecialTokens, as_decoder_input, as_encoder_input, as_labels, max_text_tokens
 
@@ -73,6 +75,14 @@ class ClassificationExample:
 Example = GenerationExample | ClassificationExample
 
 
+@overload
+def _text_field(row: dict, name: str, where: str, required: Literal[True] = ...) -> str: ...
+
+
+@overload
+def _text_field(row: dict, name: str, where: str, required: bool) -> str | None: ...
+
+
 def _text_field(row: dict, name: str, where: str, required: bool = True) -> str | None:
     if name not in row or row[name] is None:
         if required:
@@ -84,6 +94,16 @@ def _text_field(row: dict, name: str, where: str, required: bool = True) -> str 
     if not value.strip():
         raise TaskDataError(f"{where}: field {name!r} is empty")
     return value
+
+
+@overload
+def _language_field(row: dict, name: str, where: str, languages: Iterable[str] | None,
+                    required: Literal[True]) -> str: ...
+
+
+@overload
+def _language_field(row: dict, name: str, where: str, languages: Iterable[str] | None,
+                    required: bool) -> str | None: ...
 
 
 def _language_field(row: dict, name: str, where: str, languages: Iterable[str] | None,
@@ -158,7 +178,9 @@ def label_set(examples: list[Example]) -> list[str]:
 
 
 def label_counts(examples: list[Example]) -> dict[str, int]:
-    return dict(sorted(Counter(e.label for e in examples if isinstance(e, ClassificationExample)).items()))
+    # Training examples always carry a label (read with require_label); the check only tells the type so.
+    return dict(sorted(Counter(e.label for e in examples
+                               if isinstance(e, ClassificationExample) and e.label is not None).items()))
 
 
 # ----------------------------------------------------------------------------------------------------

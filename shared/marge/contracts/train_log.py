@@ -34,6 +34,8 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, overload
+
 
 from marge.contracts.paths import TRAIN_LOG
 from marge.util.files import atomic_write_text, fsync_dir
@@ -182,7 +184,7 @@ class TrainLog:
         """Append one update's line; roll the live file into a segment once it holds `segment_updates` records."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self._live_count is None:
-            self._count_live()
+            self._live_count = self._count_live()
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(record.to_json() + "\n")
         if self._live_count == 0:
@@ -191,14 +193,15 @@ class TrainLog:
         if self._live_count >= self.segment_updates:
             self._roll(record.step)
 
-    def _count_live(self) -> None:
+    def _count_live(self) -> int:
         """Count the live file's records and note its first update: bounded by the segment size, read once."""
-        self._live_count, self._live_first = 0, None
+        count, self._live_first = 0, None
         for _, line in self._numbered_lines(self.path):
             if self._live_first is None:
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     self._live_first = int(json.loads(line)["step"])
-            self._live_count += 1
+            count += 1
+        return count
 
     def _roll(self, last_step: int) -> None:
         first = self._live_first if self._live_first is not None else last_step
@@ -294,9 +297,18 @@ class TrainLog:
                     yield record
             pending = numbered
         if pending is not None:
-            record = TrainLog._parse(path, *pending, last=torn_last_line_allowed)
-            if record is not None and (through_step is None or record.step <= through_step):
-                yield record
+            last = TrainLog._parse(path, *pending, last=torn_last_line_allowed)
+            if last is not None and (through_step is None or last.step <= through_step):
+                yield last
+
+
+    @overload
+    @staticmethod
+    def _parse(path: Path, number: int, line: str, last: Literal[False]) -> UpdateRecord: ...
+
+    @overload
+    @staticmethod
+    def _parse(path: Path, number: int, line: str, last: bool) -> UpdateRecord | None: ...
 
     @staticmethod
     def _parse(path: Path, number: int, line: str, last: bool) -> UpdateRecord | None:
