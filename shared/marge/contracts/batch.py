@@ -16,7 +16,9 @@ Framing, defined here once and used by every stage:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+
 
 import numpy as np
 
@@ -146,7 +148,7 @@ def as_labels(tokens: np.ndarray | list[int], specials: SpecialTokens) -> list[i
     return [*map(int, tokens), specials.eos_id]
 
 
-def framed_rows(docs: list[np.ndarray] | tuple[np.ndarray, ...], pad_id: int, first: np.ndarray | int | None = None,
+def framed_rows(docs: Sequence[np.ndarray | Sequence[int]], pad_id: int, first: np.ndarray | int | None = None,
                 last: int | None = None) -> np.ndarray:
     """Documents as one (rows, longest) int64 array, each row `first`, the document's tokens, `last`, then `pad_id`:
     one concatenation and one scatter over the whole batch, no per-token Python (what `as_encoder_input`,

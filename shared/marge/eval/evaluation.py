@@ -13,6 +13,8 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, overload
+
 
 import numpy as np
 import torch
@@ -117,6 +119,8 @@ def load_eval_model(checkpoint: str | Path | None = None, snapshot: str | Path |
     if model_config is not None:
         from marge.contracts.corpus import Corpus
 
+        if corpus is None:
+            raise ValueError("--config --random-init needs --corpus (the tokenizer lives with the corpus)")
         tokenizer = Corpus.open(corpus).tokenizer()
         torch.manual_seed(seed)
         return build_model(model_config(vocab_size=tokenizer.vocab_size)).eval(), tokenizer, "random init"
@@ -174,9 +178,8 @@ def encode_texts(tokenizer, texts: list[str], max_positions: int) -> list[list[i
 def mean_layer_vectors(model: Marge | RelevanceEncoder, rows: list[list[int]], specials: SpecialTokens, layer: int,
                        batch_size: int = 64, device: str = "cpu") -> np.ndarray:
     """Mean of encoder layer `layer`'s states over each row's text tokens (BOS, EOS and padding excluded)."""
-    out = []
     order = np.argsort([len(r) for r in rows], kind="stable")
-    vectors = [None] * len(rows)
+    vectors: list[Any] = [None] * len(rows)  # `order` covers every row: each slot holds its vector below
     for start in range(0, len(rows), batch_size):
         idx = order[start:start + batch_size]
         tokens = pad_rows([rows[i] for i in idx], specials.pad_id).to(device)
@@ -220,6 +223,14 @@ def available_layers(model: Marge | RelevanceEncoder) -> int:
     return len(model.encoder_layers)
 
 
+@overload
+def resolve_layer(model: Marge | RelevanceEncoder, layer: int | None, paper_layer: int = 5) -> int: ...
+
+
+@overload
+def resolve_layer(model: Marge | RelevanceEncoder, layer: int | str | None, paper_layer: int = 5) -> int | str: ...
+
+
 def resolve_layer(model: Marge | RelevanceEncoder, layer: int | str | None, paper_layer: int = 5) -> int | str:
     """The encoder layer to pool: the given one, else the paper's 5 (or the deepest the model has); or "g"."""
     if layer == "g":
@@ -231,7 +242,7 @@ def resolve_layer(model: Marge | RelevanceEncoder, layer: int | str | None, pape
             log.info("the model has %d encoder layers: pooling layer %d (the paper's choice is %d)",
                      depth, chosen, paper_layer)
         return chosen
-    if not 0 <= layer <= depth:
+    if isinstance(layer, str) or not 0 <= layer <= depth:
         raise ValueError(f"--layer {layer} is out of range: this model has encoder layers 1..{depth} "
                          "(0 = the embedding layer)")
     return layer
@@ -245,7 +256,7 @@ def evaluate_model(model: Marge | RelevanceEncoder, tokenizer, pairs: list[PairS
 
     def vectors(texts: list[str]) -> np.ndarray:
         rows = encode_texts(tokenizer, texts, model.cfg.max_positions)
-        if layer == "g":
+        if isinstance(layer, str):  # "g": resolve_layer gives no other string
             return relevance_unit_vectors(model, rows, tokenizer.specials, device=device)
         return mean_layer_vectors(model, rows, tokenizer.specials, layer, device=device)
 

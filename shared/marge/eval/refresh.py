@@ -122,8 +122,11 @@ class RefreshCost:
                                 "shards_embedded": b.get("shards_rebuilt"),
                                 "shards_trained": len(self.trained_shards.get(b["version"], ())),
                                 "staleness_at_first_use": None if used is None else used - b["snapshot_step"]})
-        wall = (self.last_end - self.first_start) if self.first_start is not None else 0.0
-        share = union_seconds(self.intervals, self.first_start, self.last_end) / wall if wall > 0 else None
+        first, last = self.first_start, self.last_end  # both set by the first step, or neither
+        wall = (last - first) if first is not None and last is not None else 0.0
+        share = union_seconds(self.intervals, first, last) / wall if wall > 0 and first is not None and \
+            last is not None else None
+
         return {"per_version": per_version, "build_share": share,
                 "steps_building": self.building.updates, "steps_idle": self.idle.updates,
                 "tokens_per_s_building": self.building.tokens_per_s(), "tokens_per_s_idle": self.idle.tokens_per_s()}

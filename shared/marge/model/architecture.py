@@ -5,7 +5,7 @@ shares with it), the named presets (`tiny`, `base`, `paper`) and parameter initi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
 import torch.utils.checkpoint
@@ -17,7 +17,15 @@ class ArchitectureConfig:
     (a frozen dataclass's, with `d_model` and `num_heads`): its head width, its plain values to save, a saved config
     read back, field overrides and the named presets."""
 
+    if TYPE_CHECKING:
+        # what each subclass, a dataclass, has: the fields head_dim reads and the marker `asdict`, `fields` and
+        # `replace` take (declared for the type checker only, so the dataclasses' fields stay their own)
+        __dataclass_fields__: ClassVar[dict[str, Any]]
+        d_model: int
+        num_heads: int
+
     @property
+
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 

@@ -274,7 +274,7 @@ class CheckpointWrite:
         self.bytes_written = sum(p["bytes"] for p in parts.values())
         mine = {"parts": parts, "tensors": {k: tensor_sha256(t) for k, t in self.staged.items()}}
         self.staged = {}
-        gathered = [None] * self.world
+        gathered: list[Any] = [None] * self.world  # all_gather_object fills each rank's slot with its dict
         if distributed:
             dist.all_gather_object(gathered, mine, group=self.group)
         else:
@@ -385,7 +385,8 @@ def read_manifest(directory: Path, verify: bool = True, formats: tuple[str, ...]
     return manifest
 
 
-def checkpoint_order(path: Path) -> tuple[int, int]:
+def checkpoint_order(path: Path | str) -> tuple[int, int]:
+
     """(update, attempt) of a checkpoint folder `step-<update>[-<attempt>]`: a run resumed from an older
     checkpoint writes the update again as `step-<update>-1` (then -2, ...), never over the folder it abandoned."""
     parts = Path(path).name.split("-")

@@ -27,7 +27,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
 
 import numpy as np
 import torch
@@ -129,8 +130,11 @@ class TaskTensors:
     label_ids_N: Tensor | None = None
 
     def to(self, device: torch.device | str) -> "TaskTensors":
-        fields = ("encoder_input_NS", "decoder_input_NT", "labels_NT", "last_N", "label_ids_N")
-        return TaskTensors(*(None if getattr(self, f) is None else getattr(self, f).to(device) for f in fields))
+        def moved(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        return TaskTensors(self.encoder_input_NS.to(device), self.decoder_input_NT.to(device), moved(self.labels_NT),
+                           moved(self.last_N), moved(self.label_ids_N))
 
     @property
     def num_rows(self) -> int:
@@ -142,7 +146,9 @@ def collate(encoded: list[EncodedExample], pad_id: int) -> TaskTensors:
     tensors = TaskTensors(pad_rows([e.encoder_input for e in encoded], pad_id),
                           pad_rows([e.decoder_input for e in encoded], pad_id))
     if encoded[0].labels is not None:
-        tensors.labels_NT = pad_rows([e.labels for e in encoded], pad_id)
+        # one task's examples: generation frames every one with labels
+        tensors.labels_NT = pad_rows(cast(list[list[int]], [e.labels for e in encoded]), pad_id)
+
     else:
         tensors.last_N = torch.tensor([len(e.decoder_input) - 1 for e in encoded])
         if all(e.label_id is not None for e in encoded):
@@ -205,6 +211,13 @@ class FineTunedModel:
         self.pair_input: str = self.config.get("pair_input", "both")
         """How text pairs are fed (`marge.contracts.tasks.PAIR_INPUTS`)."""
 
+    def _class_labels(self) -> list[str]:
+        """A classifier's labels (class i is label i); any other model is refused as `_require` refuses it."""
+        self._require("classification")
+        if self.labels is None:  # read with a classifier's config: None only for the other tasks
+            raise ValueError(f"{self.path}: a classifier whose fine-tuning config names no labels")
+        return self.labels
+
     def _require(self, task: str) -> None:
         if task == "classification" and self.task != "classification":
             raise ValueError(f"{self.path} is a {self.task or 'pre-training'} model: classify needs a model from "
@@ -244,7 +257,7 @@ class FineTunedModel:
             batch = collate(encoded, specials.pad_id).to(self.device)
             out.append(torch.softmax(self.model(batch.encoder_input_NS, batch.decoder_input_NT, batch.last_N).logits_NC,
                                      dim=-1).cpu().numpy())
-        return np.concatenate(out) if out else np.zeros((0, len(self.labels)))
+        return np.concatenate(out) if out else np.zeros((0, len(self._class_labels())))
 
     @torch.no_grad()
     def relevance(self, texts: list[str] | str, batch_size: int = 64) -> np.ndarray:
@@ -272,7 +285,8 @@ class FineTunedModel:
         """The predicted label of each text (or text pair) and its probability, as Hugging Face's
         text-classification pipeline returns them: [{"label": ..., "score": ...}]."""
         probs = self.predict_proba(texts, pairs, batch_size)
-        return [{"label": self.labels[int(p.argmax())], "score": float(p.max())} for p in probs]
+        labels = self._class_labels()
+        return [{"label": labels[int(p.argmax())], "score": float(p.max())} for p in probs]
 
 
 class PretrainedModel(FineTunedModel):
@@ -350,26 +364,36 @@ def evaluate(model: FineTunedModel, examples: list[Example], num_beams: int = 6,
     chrF (generation), over all examples and per language where the data names languages (`by_language`).
     `progress(n)` is called as examples are done."""
     if isinstance(examples[0], ClassificationExample):
-        probs = model.predict_proba([e.text for e in examples],
-                                    None if examples[0].text_pair is None else [e.text_pair for e in examples])
-        predicted = [model.labels[int(i)] for i in probs.argmax(1)]
+        # a task file holds one task's examples (read_task_file): all of them are the first one's kind
+        classified = cast(list[ClassificationExample], examples)
+        labels = model._class_labels()
+        # a file where only some examples have a text_pair gives fewer pairs than texts, which predict_proba refuses
+        probs = model.predict_proba([e.text for e in classified],
+                                    None if classified[0].text_pair is None else
+                                    [e.text_pair for e in classified if e.text_pair is not None])
+
+        predicted = [labels[int(i)] for i in probs.argmax(1)]
         if progress:
             progress(len(examples))
-        gold = [e.label for e in examples]
-        result = classification_scores(predicted, gold, model.labels)
-        result["by_language"] = {g: classification_scores([predicted[i] for i in idx], [gold[i] for i in idx],
-                                                          model.labels) for g, idx in by_group(examples).items()}
+        gold = [e.label for e in classified]
+        if None in gold:
+            raise ValueError(f"{classified[gold.index(None)].where}: no label; evaluation needs labelled examples")
+        scored = cast(list[str], gold)  # checked just above
+        result: dict[str, Any] = dict(classification_scores(predicted, scored, labels))
+        result["by_language"] = {g: classification_scores([predicted[i] for i in idx], [scored[i] for i in idx],
+                                                          labels) for g, idx in by_group(examples).items()}
         return result
+    generated = cast(list[GenerationExample], examples)  # one task's examples, as above
     hypotheses = []
-    for e in examples:
+    for e in generated:
         hypotheses.extend(model.generate([e.source], e.target_language, num_beams, no_repeat_ngram_size))
         if progress:
             progress(1)
-    languages = {e.target_language for e in examples}
-    result = generation_scores(hypotheses, [e.target for e in examples],
-                               next(iter(languages)) if len(languages) == 1 else "multi")
-    result["by_language"] = {g: generation_scores([hypotheses[i] for i in idx], [examples[i].target for i in idx],
-                                                  examples[idx[0]].target_language)
+    languages = {e.target_language for e in generated}
+    result = dict(generation_scores(hypotheses, [e.target for e in generated],
+                                    next(iter(languages)) if len(languages) == 1 else "multi"))
+    result["by_language"] = {g: generation_scores([hypotheses[i] for i in idx], [generated[i].target for i in idx],
+                                                  generated[idx[0]].target_language)
                              for g, idx in by_group(examples).items()}
     result["hypotheses"] = hypotheses
     return result

@@ -107,8 +107,9 @@ def generate(model: Marge, evidence_docs: list[list[int]], tgt_lang_id: int, spe
             next_tokens.append(specials.pad_id)
             next_scores.append(float("-inf"))
         origin_t = torch.tensor(next_beams, device=device)
-        if cfg.use_cache:
+        if caches is not None:  # made when cfg.use_cache
             for cache in caches:
+
                 cache.reorder(origin_t)
         tokens = torch.cat([tokens[origin_t], torch.tensor(next_tokens, device=device)[:, None]], dim=1)
         scores = torch.tensor(next_scores, device=device)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
+
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +90,7 @@ FOLD_WIDTH = 8
 which the fused attention kernels want)."""
 
 
-def is_key_bias(attn_bias: Tensor | None) -> bool:
+def is_key_bias(attn_bias: Tensor | None) -> TypeGuard[Tensor]:
     """Whether `attn_bias` depends on the key alone ((rows, 1, 1, keys)): what `fold_key_bias` can fold."""
     return attn_bias is not None and attn_bias.dim() == 4 and attn_bias.shape[1] == 1 and attn_bias.shape[2] == 1
 
@@ -226,7 +227,9 @@ class RealTokens:
         return self.index_U, self.row_U, self.position_U, self.first_R, self.lengths_R
 
     def map(self, fn) -> "RealTokens":
-        return RealTokens(*(fn(t) for t in self.tensors()), self.rows, self.width)
+        index_U, row_U, position_U, first_R, lengths_R = (fn(t) for t in self.tensors())
+        return RealTokens(index_U, row_U, position_U, first_R, lengths_R, self.rows, self.width)
+
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "RealTokens":
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -426,19 +429,26 @@ class DecoderLayer(nn.Module):
         h = self.self_attn_norm(x_NTD)
         k, v = self.self_attn.project_kv(h, real)
         if cache is not None:
-            if cache.self_k is not None:
+            if cache.self_k is not None and cache.self_v is not None:  # set together, below
                 k, v = torch.cat([cache.self_k, k], dim=2), torch.cat([cache.self_v, v], dim=2)
             cache.self_k, cache.self_v = k, v
         positions = x_NTD.shape[1] if real is None else real.width  # rows are right-padded: causal covers padding
         x_NTD = x_NTD + self.dropout(self.self_attn(h, k, v, **causal_attention(positions, k.shape[2], k.device),
                                                     real=real))
-        if self.cross_attn is not None:
+        # cross_attn and cross_attn_norm are made together (`cross_attention`): either both or neither
+        if self.cross_attn is not None and self.cross_attn_norm is not None:
+            if cross is None or beta is None:
+                raise ValueError("a decoder layer with cross-attention needs the evidence's CrossMemory and beta")
             h = self.cross_attn_norm(x_NTD)
-            if cache is not None and cache.cross_k is not None:
+            if cache is not None and cache.cross_k is not None and cache.cross_v is not None:
                 k, v = cache.cross_k, cache.cross_v
             else:
+                if memory_1LD is None:
+                    raise ValueError("a decoder layer with cross-attention needs the evidence memory when no "
+                                     "cached cross keys are given")
                 # project the memory once, then give each target its own keys: never N copies of the projection
                 k_1HLE, v_1HLE = self.cross_attn.project_kv(memory_1LD)
+
                 k, v = cross.gather(k_1HLE), cross.gather(v_1HLE)
                 if cache is not None:
                     cache.cross_k, cache.cross_v = k, v

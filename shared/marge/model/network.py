@@ -64,6 +64,8 @@ class MargeOutput:
 
 
 class Marge(nn.Module):
+    relevance_center: Tensor  # a buffer (register_buffer below); named here so its type is a tensor's
+
     def __init__(self, cfg: MargeConfig):
         super().__init__()
         self.cfg = cfg
@@ -127,7 +129,7 @@ class Marge(nn.Module):
         """g(x): the BOS state after the first `relevance_layers` encoder layers (R D), or their mean. `real`: the
         rows' real tokens (host-made), run without their padding."""
         if real is not None:
-            return self.encode_real(tokens_RS, real, self.cfg.relevance_layers)[1]
+            return _reached(self.encode_real(tokens_RS, real, self.cfg.relevance_layers)[1])
         states = self.encoder_states(tokens_RS, self.cfg.relevance_layers)
         return pool_relevance(states, tokens_RS != self.cfg.pad_id, self.cfg.relevance_pooling)
 
@@ -301,7 +303,8 @@ class Marge(nn.Module):
         """`forward` on real tokens (`UnpaddedLayout`): the memory is the evidence's real tokens (L of them), each
         target reads its documents' keys there, and the loss is taken over the targets' real tokens."""
         memory_LD, relevance_MD = self.encode_real(evidence_MS, layout.evidence)
-        relevance_NM = self._target_relevance(target_enc_NS, relevance_MD, allowed_NM.shape, detach_relevance,
+        relevance_NM = self._target_relevance(target_enc_NS, _reached(relevance_MD), allowed_NM.shape, detach_relevance,
+
                                               layout.targets)
         n = allowed_NM.shape[0]
         cross = CrossMemory(layout.key_index_NK, relevance_NM.gather(1, layout.key_doc_NK.expand(n, -1)),
@@ -318,6 +321,13 @@ class Marge(nn.Module):
         nll_N = nll_U.new_zeros(n).index_add_(0, real.row_U, nll_U)
         loss = (nll_N.sum() if nll_sum is None else nll_sum) / tokens_N.sum().clamp(min=1)
         return MargeOutput(loss, nll_N, tokens_N, relevance_NM)
+
+
+def _reached(relevance_RD: Tensor | None) -> Tensor:
+    """g from `encode_real`, which is None only when its layers stop short of g's layer."""
+    if relevance_RD is None:
+        raise ValueError("the encoder layers run stop before model.relevance_layers, so g was not computed")
+    return relevance_RD
 
 
 def layout_width(allowed_NM: Tensor) -> int:
@@ -347,7 +357,11 @@ class RelevanceEncoder(nn.Module):
 
     Its parameter names are those of `Marge`, so a snapshot of these tensors from a training model
     loads here directly. Indexers and the retrieval service run this, not the whole model.
+
     """
+
+    relevance_center: Tensor  # a buffer (register_buffer below); named here so its type is a tensor's
+
 
     def __init__(self, cfg: MargeConfig):
         super().__init__()
