@@ -10,6 +10,8 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
+
 from pathlib import Path
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -73,7 +75,8 @@ class BudgetCache:
     loaded always stays, so memory is bounded by the largest value and the budget. One load at a time (a lock):
     callers in several threads share it."""
 
-    def __init__(self, budget_bytes: int, load: Callable, size: Callable[[object], int]):
+    def __init__(self, budget_bytes: int, load: Callable, size: Callable[[Any], int]):
+
         self.budget_bytes, self._load, self._size = budget_bytes, load, size
         self._cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
