@@ -19,7 +19,6 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
 import numpy as np
 
 ENCODER_SPECIALS = 2

@@ -144,7 +144,6 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         raise ConfigError(f"{key} may not be null")
     if isinstance(typ, type) and dataclasses.is_dataclass(typ):
         return build(typ, value, key)
-
     if typ is Any:
         return value
     if origin is None and typ in (int, float, str, bool):

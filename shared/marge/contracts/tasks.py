@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, overload
 
-
 from marge.contracts.batch import SpecialTokens, as_decoder_input, as_encoder_input, as_labels, max_text_tokens
 
 TASKS = ("generation", "classification")

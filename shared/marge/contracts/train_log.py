@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, overload
 
-
 from marge.contracts.paths import TRAIN_LOG
 from marge.util.files import atomic_write_text, fsync_dir
 
@@ -300,7 +299,6 @@ class TrainLog:
             last = TrainLog._parse(path, *pending, last=torn_last_line_allowed)
             if last is not None and (through_step is None or last.step <= through_step):
                 yield last
-
 
     @overload
     @staticmethod

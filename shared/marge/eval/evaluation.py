@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
 
-
 import numpy as np
 import torch
 

@@ -126,7 +126,6 @@ class RefreshCost:
         wall = (last - first) if first is not None and last is not None else 0.0
         share = union_seconds(self.intervals, first, last) / wall if wall > 0 and first is not None and \
             last is not None else None
-
         return {"per_version": per_version, "build_share": share,
                 "steps_building": self.building.updates, "steps_idle": self.idle.updates,
                 "tokens_per_s_building": self.building.tokens_per_s(), "tokens_per_s_idle": self.idle.tokens_per_s()}

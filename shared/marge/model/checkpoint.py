@@ -386,7 +386,6 @@ def read_manifest(directory: Path, verify: bool = True, formats: tuple[str, ...]
 
 
 def checkpoint_order(path: Path | str) -> tuple[int, int]:
-
     """(update, attempt) of a checkpoint folder `step-<update>[-<attempt>]`: a run resumed from an older
     checkpoint writes the update again as `step-<update>-1` (then -2, ...), never over the folder it abandoned."""
     parts = Path(path).name.split("-")

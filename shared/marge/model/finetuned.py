@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -148,7 +147,6 @@ def collate(encoded: list[EncodedExample], pad_id: int) -> TaskTensors:
     if encoded[0].labels is not None:
         # one task's examples: generation frames every one with labels
         tensors.labels_NT = pad_rows(cast(list[list[int]], [e.labels for e in encoded]), pad_id)
-
     else:
         tensors.last_N = torch.tensor([len(e.decoder_input) - 1 for e in encoded])
         if all(e.label_id is not None for e in encoded):
@@ -371,7 +369,6 @@ def evaluate(model: FineTunedModel, examples: list[Example], num_beams: int = 6,
         probs = model.predict_proba([e.text for e in classified],
                                     None if classified[0].text_pair is None else
                                     [e.text_pair for e in classified if e.text_pair is not None])
-
         predicted = [labels[int(i)] for i in probs.argmax(1)]
         if progress:
             progress(len(examples))

@@ -109,7 +109,6 @@ def generate(model: Marge, evidence_docs: list[list[int]], tgt_lang_id: int, spe
         origin_t = torch.tensor(next_beams, device=device)
         if caches is not None:  # made when cfg.use_cache
             for cache in caches:
-
                 cache.reorder(origin_t)
         tokens = torch.cat([tokens[origin_t], torch.tensor(next_tokens, device=device)[:, None]], dim=1)
         scores = torch.tensor(next_scores, device=device)

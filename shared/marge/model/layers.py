@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -230,7 +229,6 @@ class RealTokens:
         index_U, row_U, position_U, first_R, lengths_R = (fn(t) for t in self.tensors())
         return RealTokens(index_U, row_U, position_U, first_R, lengths_R, self.rows, self.width)
 
-
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "RealTokens":
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))
 
@@ -448,7 +446,6 @@ class DecoderLayer(nn.Module):
                                      "cached cross keys are given")
                 # project the memory once, then give each target its own keys: never N copies of the projection
                 k_1HLE, v_1HLE = self.cross_attn.project_kv(memory_1LD)
-
                 k, v = cross.gather(k_1HLE), cross.gather(v_1HLE)
                 if cache is not None:
                     cache.cross_k, cache.cross_v = k, v

@@ -304,7 +304,6 @@ class Marge(nn.Module):
         target reads its documents' keys there, and the loss is taken over the targets' real tokens."""
         memory_LD, relevance_MD = self.encode_real(evidence_MS, layout.evidence)
         relevance_NM = self._target_relevance(target_enc_NS, _reached(relevance_MD), allowed_NM.shape, detach_relevance,
-
                                               layout.targets)
         n = allowed_NM.shape[0]
         cross = CrossMemory(layout.key_index_NK, relevance_NM.gather(1, layout.key_doc_NK.expand(n, -1)),
@@ -357,11 +356,9 @@ class RelevanceEncoder(nn.Module):
 
     Its parameter names are those of `Marge`, so a snapshot of these tensors from a training model
     loads here directly. Indexers and the retrieval service run this, not the whole model.
-
     """
 
     relevance_center: Tensor  # a buffer (register_buffer below); named here so its type is a tensor's
-
 
     def __init__(self, cfg: MargeConfig):
         super().__init__()

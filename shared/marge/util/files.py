@@ -76,7 +76,6 @@ class BudgetCache:
     callers in several threads share it."""
 
     def __init__(self, budget_bytes: int, load: Callable, size: Callable[[Any], int]):
-
         self.budget_bytes, self._load, self._size = budget_bytes, load, size
         self._cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
