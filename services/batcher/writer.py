@@ -52,6 +52,8 @@ def write_slots(queue: BatchQueue, batch_for: Callable[[int, int], Batch | None]
                 return  # (the cursor moved while it waited: the next offer says so, and the position is read again)
         if status == Offer.WRITTEN:
             on_written(batch, slot)
+            if queue.slots is None:
+                raise ValueError("a batch builder's queue needs the run's slot layout (BatchQueue.connect slots=)")
             position = (queue.slots.next_in_group(slot), None, placements)
         else:
             position = None

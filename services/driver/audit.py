@@ -267,8 +267,8 @@ class _SlotAccount:
         self.update: int | None = None
         self.from_log_in_update = 0
         self.from_log_count = 0
-        self.lost_count, self.lost = 0, []
-        self.disagree_count, self.disagree = 0, []
+        self.lost_count, self.lost = 0, list[int]()
+        self.disagree_count, self.disagree = 0, list[int]()
         self.retired_disagree: list[int] = []
 
     def settle_through(self, first: int, last: int, logged: dict[int, str | None], step: int, source: str) -> None:
@@ -319,7 +319,7 @@ class _SlotAccount:
         """An update's slots are settled: the log holds as many of its batches as the ledger retired."""
         u = self.update
         retired = self.retired.get(u) if u is not None and u < self.step else None
-        if retired is not None:
+        if retired is not None and u is not None:  # retired is found only for an update u
             self.retired_total += retired
             if retired != self.from_log_in_update:
                 self.retired_disagree.append(u)

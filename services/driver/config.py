@@ -29,7 +29,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from marge.contracts.batch import encoder_cost, max_text_tokens
 from marge.contracts.config import (ConfigError, FieldError, at_least, build, load_tree, may_change_on_resume, one_of, positive,
@@ -390,8 +390,8 @@ def for_command_line_corpus(cfg: PipelineConfig, path: str | Path | None, overri
         log.info("data.corpus is given on the command line: the probe files %s of %s belong to its own corpus and "
                  "are not used (the corpus's held-out split is, if it has one; name them on the command line to "
                  "choose)", dropped, path)
-    unset = {section: {key.split(".")[1]: None for key in dropped if key.startswith(section + ".")}
-             for section in ("data", "health")}
+    unset: dict[str, dict[str, Any]] = {section: {key.split(".")[1]: None for key in dropped
+                                                  if key.startswith(section + ".")} for section in ("data", "health")}
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, raw=raw, **unset["data"]),
                                health=dataclasses.replace(cfg.health, **unset["health"]))
 
@@ -445,6 +445,12 @@ def environment_endpoints(cfg: PipelineConfig) -> PipelineConfig:
 
 def with_absolute_paths(cfg: PipelineConfig) -> PipelineConfig:
     """Ray workers do not share the driver's working directory: give them absolute paths."""
+    @overload
+    def absolute(path: str) -> str: ...
+
+    @overload
+    def absolute(path: str | None) -> str | None: ...
+
     def absolute(path: str | None) -> str | None:
         return None if path is None else str(Path(path).resolve())
 

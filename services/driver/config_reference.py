@@ -56,7 +56,7 @@ def type_name(typ: Any) -> str:
 
 
 def show(value: Any) -> str:
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a section's value, never its class
         value = dataclasses.asdict(value)
     text = json.dumps(value, default=str)
     return "`" + (text if len(text) <= 40 else text[:37] + "...") + "`"
@@ -69,7 +69,8 @@ def rows(cls: type, prefix: str, paper: Any, learning: Any) -> list[tuple[str, s
     out = []
     for f in dataclasses.fields(cls):
         key, typ = f"{prefix}.{f.name}", hints[f.name]
-        nested = next((a for a in (typ, *typing.get_args(typ)) if dataclasses.is_dataclass(a)), None)
+        nested = next((a for a in (typ, *typing.get_args(typ)) if isinstance(a, type) and dataclasses.is_dataclass(a)),
+                      None)
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         paper_value = getattr(paper, f.name, None) if paper is not None else None

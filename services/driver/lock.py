@@ -15,6 +15,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TextIO
 
 
 class RunLocked(RuntimeError):
@@ -24,7 +25,7 @@ class RunLocked(RuntimeError):
 class DriverLock:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / "driver.lock"
-        self._file = None
+        self._file: TextIO | None = None
 
     def acquire(self) -> "DriverLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)

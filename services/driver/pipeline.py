@@ -81,12 +81,13 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             with running_stages(cfg, paths, redis.url, floor) as stages:
                 deadline = started + 60 * cfg.run.max_minutes if cfg.run.max_minutes else None
                 job = trainer_job(cfg, redis.url, deadline, resume_from=point.checkpoint)
-                progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batchers,
-                                    RunBoard(paths.run_dir, "index", cfg.run.tensorboard), point.step, deadline)
+                board = RunBoard(paths.run_dir, "index", cfg.run.tensorboard)
+                progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batchers, board, point.step,
+                                    deadline)
                 try:
                     result = supervise(make_trainer(cfg, job), stages, queue, progress, cfg.run.progress_every_s)
                 finally:
-                    progress.board.close()
+                    board.close()
                 summary = {**summarize(paths, queue, stages, result, started, point, redis),
                            "objectives": list(cfg.objectives.enabled), "capacity_plan": capacity}
         summary["g_health"] = final_g_health(cfg, paths, corpus)
@@ -280,7 +281,7 @@ def with_probes(cfg: PipelineConfig, corpus: Corpus) -> PipelineConfig:
         check_probe_languages(key, Path(given), corpus.languages)
     documents = cfg.health.documents or (str(corpus.heldout_file("documents")) if corpus.heldout_file("documents") else None)
     pairs = cfg.data.heldout_pairs or (str(corpus.heldout_file("pairs")) if corpus.heldout_file("pairs") else None)
-    for what, path, given, key in (("evidence-gain probes", documents, cfg.health.documents, "health.documents"),
+    for what, path, named, key in (("evidence-gain probes", documents, cfg.health.documents, "health.documents"),
                                    ("held-out retrieval P@1", pairs, cfg.data.heldout_pairs or cfg.health.pairs,
                                     "data.heldout_pairs")):
         if cfg.health.pairs and key == "data.heldout_pairs":
@@ -288,7 +289,7 @@ def with_probes(cfg: PipelineConfig, corpus: Corpus) -> PipelineConfig:
         if path is None:
             log.info("%s: off (%s is not set and %s has no held-out split: `marge prepare --heldout-permille N`)",
                      what, key, corpus.root)
-        elif given is None:
+        elif named is None:
             log.info("%s: from the corpus's held-out split (%s)", what, path)
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, heldout_pairs=pairs),
                                health=dataclasses.replace(cfg.health, documents=documents))
@@ -371,10 +372,10 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: 
         # sized for); only a coordinator that Ray restarts within this driver keeps a scaled size.
         write_pool_size(paths, ix.num_workers)
         workers = [start_worker(ix, paths, cfg.run.seed, i, namespace, cfg.faults) for i in range(ix.num_workers)]
-        coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(
+        coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(  # type: ignore[attr-defined]  # @ray.remote makes it an actor class; mypy does not apply class decorators
             ix, paths, cfg.version_plan(), len(workers), floor, cfg.run.seed, cfg.faults)
         runs["indexer"] = coordinator.run.remote()
-    batchers = [Batcher.options(name=f"marge-batcher-{group}", namespace=namespace).remote(
+    batchers = [Batcher.options(name=f"marge-batcher-{group}", namespace=namespace).remote(  # type: ignore[attr-defined]  # @ray.remote makes it an actor class; mypy does not apply class decorators
         cfg.batcher, cfg.queue, paths, cfg.run.seed, redis_url, cfg.slots(), cfg.version_plan(), cfg.faults,
         cfg.batch_shape(), group) for group in range(cfg.batcher.builders)]
     for group, batcher in enumerate(batchers):

@@ -47,6 +47,8 @@ import torch
 
 from services.driver.config import PipelineConfig
 from marge.model.architecture import MargeConfig
+from marge.model.veco import VecoConfig
+
 from marge.model.sizes import training_flops_per_token
 
 log = logging.getLogger("marge.plan")
@@ -133,7 +135,7 @@ def embed_flops_per_document(cfg: MargeConfig, tokens: float) -> float:
     return 2.0 * encoder_layer_macs(cfg) * cfg.relevance_layers * (tokens + 2)
 
 
-def link_flops(documents: int, docs_per_shard: float, languages: int, d_model: int) -> float:
+def link_flops(documents: float, docs_per_shard: float, languages: int, d_model: int) -> float:
     """Exact top-k within each shard: every document against every document of each language of its shard."""
     return 2.0 * documents * docs_per_shard * d_model  # summed over languages: n_shard x sum(n_lang) = n_shard^2
 
@@ -264,14 +266,24 @@ def describe(plan: dict, cfg: PipelineConfig) -> list[str]:
     return lines
 
 
-def warn_if_behind(cfg: PipelineConfig, model_cfg: MargeConfig, corpus, rates: Throughput | None) -> dict | None:
+def indexed_architecture(cfg: PipelineConfig, model_cfg: MargeConfig | VecoConfig) -> MargeConfig:
+    """The architecture the plan sizes: MARGE's (its g is what the indexer embeds); VECO builds no index."""
+    if not isinstance(model_cfg, MargeConfig):
+        raise ValueError(f"the capacity plan sizes an index, and objectives.model_family "
+                         f"{cfg.objectives.model_family!r} builds none: plan a MARGE config")
+    return model_cfg
+
+
+def warn_if_behind(cfg: PipelineConfig, model_cfg: MargeConfig | VecoConfig, corpus,
+                   rates: Throughput | None) -> dict | None:
     """The driver's start-up check: a warning naming the settings to change when the pool cannot keep up."""
     if rates is None:
         log.info("no capacity estimate: the workers use GPUs this machine lacks (`marge plan --measured FILE` "
                  "with throughput measured on a worker node)")
         return None
     m = corpus.manifest
-    plan = plan_capacity(cfg, model_cfg, m["num_documents"], m["num_tokens"] / max(1, m["num_documents"]),
+    plan = plan_capacity(cfg, indexed_architecture(cfg, model_cfg), m["num_documents"],
+                         m["num_tokens"] / max(1, m["num_documents"]),
                          len(m["languages"]), rates)
     if not plan["keeps_up"]:
         # A warning only from measured throughputs: the start-up estimate (one matrix product's FLOP/s for both
@@ -320,7 +332,7 @@ def corpus_batches(corpus, max_tokens: int, count: int, seed: int = 0) -> list:
     shard = corpus.read_shard(0)
     out = []
     for b in range(count):
-        targets, evidence, cost = [], [], 0
+        targets, evidence, cost = list[int](), list[int](), 0
         for i in rng.permutation(len(shard)):
             if len(shard.tokens[i]) < 2:
                 continue
@@ -347,7 +359,7 @@ def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps:
     from services.trainer.step import build_optimizer, build_scheduler, train_step
 
     tokenizer = corpus.tokenizer()
-    model_cfg = cfg.model_config(vocab_size=tokenizer.vocab_size)
+    model_cfg = indexed_architecture(cfg, cfg.model_config(vocab_size=tokenizer.vocab_size))
     torch.manual_seed(cfg.run.seed)
     model = Marge(model_cfg).to(device)
     encoder = RelevanceEncoder.from_model(model).eval()
@@ -451,7 +463,8 @@ def plan_run(cfg: PipelineConfig, documents: int | None = None, document_tokens:
         raise ValueError("this config's workers use GPUs and this machine has none: measure on a worker "
                          "(`marge plan --measure --device cuda --out FILE`) and pass --measured FILE")
     vocab = corpus.tokenizer().vocab_size if corpus is not None else cfg.data.vocab_size
-    return plan_capacity(cfg, cfg.model_config(vocab_size=vocab), documents, tokens, languages, rates)
+    return plan_capacity(cfg, indexed_architecture(cfg, cfg.model_config(vocab_size=vocab)), documents, tokens,
+                         languages, rates)
 
 
 def measure_prepared(cfg: PipelineConfig, device: str) -> dict:

@@ -140,17 +140,20 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     cfg = load_config(run_dir / "config.yaml")  # the run's own settings, every field of them
     corpus = Corpus.open(cfg.data.corpus)
-    lang_of = {}
+    lang_of: dict[str, str] = {}
     for s in range(corpus.num_shards):
         table = corpus.read_table(s).select(["doc_id", "lang"])
         lang_of.update(zip(table.column("doc_id").to_pylist(), table.column("lang").to_pylist()))
     with tempfile.TemporaryDirectory() as tmp:
         if checkpoint:
             from marge.model.checkpoint import load_model
-            from marge.model.network import RelevanceEncoder
+            from marge.model.network import Marge, RelevanceEncoder
             from services.indexer.core import index_corpus
 
-            encoder = RelevanceEncoder.from_model(load_model(Path(checkpoint)))
+            model = load_model(Path(checkpoint))
+            if not isinstance(model, Marge):
+                raise ValueError(f"{checkpoint}: a {type(model).__name__} checkpoint; the index holds a MARGE model's g")
+            encoder = RelevanceEncoder.from_model(model)
             index = index_corpus(corpus, encoder.eval(), corpus.tokenizer().specials, Path(tmp), 0, -1, cfg.indexer,
                                  seed=cfg.run.seed)
             source = f"index of checkpoint {checkpoint}"

@@ -300,7 +300,7 @@ class IndexCoordinator:
 def start_worker(cfg: IndexerConfig, paths: RunPaths, seed: int, index: int, namespace: str,
                  faults: FaultsConfig = FaultsConfig()):
     """`IndexerWorker` as the run names and sizes it: `marge-indexer-<index>` in the run's namespace."""
-    return IndexerWorker.options(name=f"marge-indexer-{index}", namespace=namespace, num_cpus=cfg.num_cpus_per_worker,
+    return IndexerWorker.options(name=f"marge-indexer-{index}", namespace=namespace, num_cpus=cfg.num_cpus_per_worker,  # type: ignore[attr-defined]  # @ray.remote makes it an actor class; mypy does not apply class decorators
                                  num_gpus=cfg.num_gpus_per_worker if cfg.use_gpu else 0,
                                  resources=dict(cfg.resources)).remote(cfg, paths, seed, index, faults)
 

@@ -89,6 +89,9 @@ def scored_neighbours(unit: np.ndarray | None, lexical, members: np.ndarray, k: 
         stop = min(n, start + block)
         sims = np.asarray((lexical[start:stop] @ lexical[members].T).todense(), dtype=np.float32)
         if lexical_weight is not None:
+            if unit is None:
+                raise ValueError("a lexical_weight adds tfidf to cos(g): give the unit vectors too (or None to rank "
+                                 "by tfidf alone)")
             sims = unit[start:stop] @ unit[members].T + np.float32(lexical_weight) * sims
         top = np.argpartition(-sims, k - 1, axis=1)[:, :k] if k < sims.shape[1] else np.tile(np.arange(sims.shape[1]), (len(sims), 1))
         top_scores = np.take_along_axis(sims, top, axis=1)
@@ -120,6 +123,9 @@ def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray | None,
         if use_lexical:
             sims, rows = scored_neighbours(unit, lexical, members, k, lexical_weight)
         else:
+            if unit is None:
+                raise ValueError("ranking by cos(g) needs the unit vectors; without them give `lexical` and "
+                                 "lexical_weight None (tfidf alone)")
             sims, rows = nearest_neighbours(unit[members], unit, k, search, cfg.use_gpu, device)
         nbrs = np.where(rows >= 0, members[np.clip(rows, 0, None)], -1)
         targets.append(np.repeat(all_rows, k))
@@ -153,18 +159,20 @@ def shard_links(doc_ids: np.ndarray, langs: np.ndarray, unit: np.ndarray | None,
 def aligned_partners(docs: ShardDocuments) -> list[list[int]]:
     """Each document's aligned translations in the shard (positions, sorted): the corpus's alignment labels, which the
     diagnostic oracles link by and nothing else reads."""
-    if not docs.aligned:
+    paragraph_ids = docs.paragraph_ids
+    if paragraph_ids is None or not docs.aligned:  # aligned: paragraph ids present, and some not empty
         raise ValueError(f"shard {docs.shard}: indexer.links 'aligned' needs a corpus prepared from input with "
                          "paragraph_ids (see `marge prepare`); this one has none")
     by_key: dict[tuple[str, str], list[int]] = {}
     for i in range(len(docs)):
-        for pid in docs.paragraph_ids[i]:
+        for pid in paragraph_ids[i]:
             by_key.setdefault((docs.groups[i], pid), []).append(i)
-    return [sorted({j for pid in docs.paragraph_ids[i] for j in by_key[(docs.groups[i], pid)]
+    return [sorted({j for pid in paragraph_ids[i] for j in by_key[(docs.groups[i], pid)]
                     if docs.langs[j] != docs.langs[i]}) for i in range(len(docs))]
 
 
-def scored_links(docs: ShardDocuments, chosen: list[tuple[int, list[int], list[int]]]) -> dict[str, np.ndarray]:
+def scored_links(docs: ShardDocuments,
+                 chosen: list[tuple[int, list[int], np.ndarray | list[int]]]) -> dict[str, np.ndarray]:
     """Links from (target, evidence scored 1, evidence scored 0) positions, in that order per target."""
     targets, evidence, scores = [], [], []
     for i, partners, others in chosen:
@@ -182,7 +190,7 @@ def aligned_links(docs: ShardDocuments, distractors: int, rng: np.random.Generat
     score 1) and to `distractors` random other documents of the shard that are not its translations (score 0).
     Uses the corpus's alignment labels: never MARGE, only the ceiling a retriever could reach."""
     n = len(docs)
-    chosen = []
+    chosen: list[tuple[int, list[int], np.ndarray | list[int]]] = []
     for i, partners in enumerate(aligned_partners(docs)):
         others = np.setdiff1d(np.arange(n), [i, *partners])
         chosen.append((i, partners, rng.choice(others, size=min(distractors, len(others)), replace=False)

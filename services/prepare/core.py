@@ -204,6 +204,8 @@ def train_tokenizer(sample: TokenizerSample, languages: list[str], opts: Prepare
 
 def load_tokenizer(opts: PrepareOptions, languages: list[str]) -> MargeTokenizer:
     """The tokenizer given with --tokenizer, checked to have a language token for each of `languages`."""
+    if opts.tokenizer_dir is None:  # callers come here only when --tokenizer is given
+        raise PrepareError("no tokenizer to load: give --tokenizer DIR")
     tokenizer = MargeTokenizer.load(opts.tokenizer_dir)
     missing = sorted(set(languages) - set(tokenizer.languages))
     if missing:

@@ -391,7 +391,7 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
                  .map_batches(checked_documents, batch_size=None, batch_format="pyarrow",
                               compute=task_pool(workers, workers), fn_kwargs={"opts": opts}))
     rejected = Rejected()
-    per_language, languages = Counter(), set()
+    per_language, languages = Counter[str](), set[str]()
     clean_files, heldout_files = [], []  # the clean files with their row groups
     clean_bytes = heldout_bytes = 0
     for row in shuffled_tasks(documents, DEDUPLICATION_KEYS, partitions, _deduplicate_documents, workers=workers,
@@ -472,7 +472,7 @@ def _prepare(opts: PrepareOptions, work: Path, workers: int) -> dict:
                                  per_shard=per_shard))
         infos = sorted((json.loads(r["info"]) for r in written), key=lambda i: i["shard"])
         clock.lap("write_shards")
-        lang_counts = Counter()
+        lang_counts = Counter[str]()
         for r in written:
             lang_counts.update(json.loads(r["languages"]))
         return corpus_manifest(

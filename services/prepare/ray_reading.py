@@ -264,7 +264,7 @@ def raw_blocks(batch: pa.Table, tasks: list[dict]) -> Iterator[pa.Table]:
         try:
             if task["kind"] == "jsonl":
                 path = Path(task["path"])
-                lines = (jsonl_range_lines(path, *task["byte_range"], task["first_line"])
+                lines = (jsonl_range_lines(path, task["byte_range"][0], task["byte_range"][1], task["first_line"])
                          if "byte_range" in task else jsonl_lines(path))
                 items = ((line_no, task["path"], None, raw) for line_no, raw in lines)
             else:
