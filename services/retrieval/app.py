@@ -17,7 +17,9 @@ import contextlib
 import hmac
 import logging
 import threading
+from typing import cast
 
+import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -153,6 +155,8 @@ def create_app(settings: ServeSettings, holder: IndexHolder | None = None) -> Fa
     @app.get("/v1/index", dependencies=[Depends(authorize)])
     def index_info() -> dict:
         current = holder.current
+        if current is None:
+            raise HTTPException(503, "the index is still loading; retry shortly", headers={"Retry-After": "1"})
         return {"index_version": current.version, "snapshot_step": current.snapshot_step,
                 "created_unix": current.created_unix, "documents": current.documents, "dim": current.dim,
                 "index_type": current.kind, "recall_at_10": current.recall_at_10,
@@ -176,15 +180,19 @@ def create_app(settings: ServeSettings, holder: IndexHolder | None = None) -> Fa
         if not in_flight.acquire(blocking=False):
             raise HTTPException(503, "too many searches in flight; retry shortly", headers={"Retry-After": "1"})
         try:
-            current = holder.current  # one version answers the whole request
+            current, docs = holder.current, holder.docs  # one version answers the whole request
+            if current is None or docs is None:
+                raise HTTPException(503, "the index is still loading; retry shortly", headers={"Retry-After": "1"})
+            vector: np.ndarray | None
             if request.query is not None:
                 vector, exclude = current.embed(request.query), None
             else:
-                vector, exclude = current.vector_of(request.doc_id), request.doc_id
+                # exactly one of query and doc_id is given (checked above): here it is doc_id
+                vector, exclude = current.vector_of(cast(int, request.doc_id)), request.doc_id
                 if vector is None:
                     raise HTTPException(404, f"doc_id {request.doc_id} is not in index v{current.version}")
             hits = current.search(vector, request.k, request.lang, exclude)
-            results = [Hit(score=score, **holder.docs.describe(doc_id, settings.snippet_chars)) for doc_id, score in hits]
+            results = [Hit(score=score, **docs.describe(doc_id, settings.snippet_chars)) for doc_id, score in hits]
             return SearchResponse(index_version=current.version, snapshot_step=current.snapshot_step,
                                   query_doc_id=request.doc_id, results=results)
         finally:

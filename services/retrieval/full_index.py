@@ -197,7 +197,7 @@ def build_serving_index(run_dir: Path, corpus: Corpus, snapshot: SnapshotInfo, o
     # pass 2: every shard added, the exact top 10 of the queries kept as the shards stream past
     best_scores, best_ids = _empty_top(len(queries))
     for shard in track(range(corpus.num_shards), "serving index: embedding shards", unit="shard"):
-        ids, vectors = sample.pop(shard, None) or _embed_shard(corpus, shard, encoder, specials, opts)
+        ids, vectors = sample.pop(shard) if shard in sample else _embed_shard(corpus, shard, encoder, specials, opts)
         index.add_with_ids(np.ascontiguousarray(vectors - mean), ids)
         best_scores, best_ids = _merge_top(best_scores, best_ids, queries @ vectors.T, ids)
     return _commit(run_dir, snapshot, opts, plan, index, mean, queries, best_ids, started, {"name": "local"})
@@ -411,7 +411,7 @@ def build_serving_index_ray(run_dir: Path, corpus: Corpus, snapshot: SnapshotInf
     common = (str(corpus.root.absolute()), str(snapshot.path.absolute()))
     try:
         # pass 1: the training sample embedded by the tasks, the quantisers trained here
-        calls = [(*common, shards, str(work), opts) for shards in _groups(plan.sample_shards, workers)]
+        calls: list[tuple] = [(*common, shards, str(work), opts) for shards in _groups(plan.sample_shards, workers)]
         peaks = _run_tasks(embed_sample_task, calls, workers, "serving index: embedding the training sample",
                            lambda call: len(call[2]), gpus)
         training = []

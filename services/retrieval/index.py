@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
@@ -37,6 +38,9 @@ from marge.contracts.paths import INDEX, SNAPSHOTS
 from marge.model.layers import pad_rows
 from marge.model.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
 from marge.util.files import BudgetCache
+
+if TYPE_CHECKING:  # full_index imports this module: the name is only an annotation here
+    from services.retrieval.full_index import FullCorpusIndex
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +230,12 @@ class LoadedIndex:
     def measure_recall(self, version: IndexVersion, queries: int, k: int = 10, seed: int = 0) -> float:
         """recall@k of this index against exact inner-product search, `queries` documents' own vectors as queries
         (exact top-k computed shard by shard, so no second copy of the vectors is held)."""
+        index = self.index
+        if index is None:
+            raise ValueError(f"index v{version.version} holds no vectors: there is no recall to measure")
         rng = np.random.default_rng(seed)
         picked = rng.choice(len(self.ids), size=min(queries, len(self.ids)), replace=False)
-        q = np.stack([self.index.reconstruct(int(self.ids[i])) for i in picked]).astype(np.float32)
+        q = np.stack([index.reconstruct(int(self.ids[i])) for i in picked]).astype(np.float32)
         best_scores = np.full((len(q), k), -np.inf, dtype=np.float32)
         best_ids = np.full((len(q), k), -1, dtype=np.int64)
         for entry in version.shards:
@@ -240,13 +247,15 @@ class LoadedIndex:
             both = np.concatenate([best_ids, np.broadcast_to(shard_ids, (len(q), len(shard_ids)))], axis=1)
             top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
             best_scores, best_ids = np.take_along_axis(scores, top, 1), np.take_along_axis(both, top, 1)
-        _, found = self.index.search(q, k)
+        _, found = index.search(q, k)
         return float(np.mean([len(set(a[a >= 0]) & set(b[b >= 0])) / k for a, b in zip(found, best_ids)]))
 
     def embed(self, text: str) -> np.ndarray:
         return unit_vector(self.encoder, self.tokenizer, self.tokenizer.encode(text))
 
     def vector_of(self, doc_id: int) -> np.ndarray | None:
+        if self.index is None:  # a version without vectors holds no id
+            return None
         try:
             return self.index.reconstruct(int(doc_id))
         except (RuntimeError, AssertionError):  # FAISS: an id this version does not hold
@@ -290,7 +299,7 @@ class IndexHolder:
         self.languages: list[str] = []
         self.choice = choice
         self.poll_s = poll_s
-        self.current: LoadedIndex | None = None
+        self.current: LoadedIndex | FullCorpusIndex | None = None
         self.swaps = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -305,6 +314,11 @@ class IndexHolder:
         self.tokenizer = self.corpus.tokenizer()
         self.docs = DocumentTable(self.corpus, self.text_cache_mb)
         self.languages = list(self.docs.lang_names)
+
+    def _opened_corpus(self) -> Corpus:
+        if self.corpus is None:
+            raise RuntimeError(f"{self.corpus_dir}: the corpus is not open yet (open_corpus)")
+        return self.corpus
 
     def refresh(self) -> bool:
         """Load a newer committed version if there is one. True when a swap happened."""
@@ -321,7 +335,7 @@ class IndexHolder:
             if self.current is not None and latest.version <= self.current.version:
                 return False
             started = time.perf_counter()
-            loaded = LoadedIndex(latest, self.run_dir, self.corpus, self.tokenizer, self.docs, self.choice)
+            loaded = LoadedIndex(latest, self.run_dir, self._opened_corpus(), self.tokenizer, self.docs, self.choice)
             self.current = loaded  # one reference assignment: requests see the old or the new, never a mix
             self.swaps += 1
             log.info("serving index v%d (snapshot step %d, %d documents, %s), loaded in %.2fs",
@@ -340,7 +354,7 @@ class IndexHolder:
         if self.current is not None and BUILDS.order(path.name) <= self.current.version:
             return False
         started = time.perf_counter()
-        self.current = FullCorpusIndex(path, self.run_dir, self.corpus, self.tokenizer, self.docs)
+        self.current = FullCorpusIndex(path, self.run_dir, self._opened_corpus(), self.tokenizer, self.docs)
         self.swaps += 1
         log.info("serving the whole corpus: serving index b%d (snapshot step %d, %d documents, %s, recall@10 %.3f "
                  "at build), loaded in %.2fs", self.current.version, self.current.snapshot_step, self.current.documents,

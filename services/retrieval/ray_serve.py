@@ -23,4 +23,4 @@ def deployment(settings: ServeSettings, num_replicas: int = 1, num_cpus: float =
         def __init__(self):
             app.state.holder.start()  # also run by the app's lifespan; starting twice is harmless
 
-    return Retrieval.bind()
+    return Retrieval.bind()  # type: ignore[attr-defined]  # @serve.deployment makes it a deployment; mypy applies no class decorator
