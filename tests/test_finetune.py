@@ -321,7 +321,13 @@ def test_the_finetune_experiment_compares_each_checkpoint_with_random_init_and_k
     write_jsonl(tasks / "pawsx" / "train.jsonl", pawsx_rows("train", 16))
     write_jsonl(tasks / "pawsx" / "valid.jsonl", pawsx_rows("valid", 8))
     write_jsonl(tasks / "pawsx" / "test.jsonl", pawsx_rows("test", 4, "de") + pawsx_rows("test", 4, "ru"))
-    args = ["experiment", "finetune", "--checkpoint", f"pretrained={checkpoint}", "--tasks", str(tasks),
+    from experiments.command import run_study
+    from experiments.finetune.__main__ import cmd_experiment_finetune, parser
+
+    def main(argv: list[str]) -> int:
+        return run_study(parser(), cmd_experiment_finetune, argv)
+
+    args = ["--checkpoint", f"pretrained={checkpoint}", "--tasks", str(tasks),
             "--out", str(tmp_path / "report"), "--work", str(tmp_path / "work"), "--only", "pawsx",
             "--steps", "pawsx=2"]
     assert main(args) == 0

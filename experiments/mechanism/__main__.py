@@ -1,4 +1,4 @@
-"""`python -m experiments.mechanism` (also `marge experiment mechanism`): the study of what teaches g to retrieve.
+"""`python -m experiments.mechanism`: the study of what teaches g to retrieve.
 
     run       every arm on every seed to --updates (resumable), then the measures and the report
     run-one   one arm on one seed (what `run --jobs N` starts in each worker process)

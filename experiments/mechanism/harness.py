@@ -1,6 +1,6 @@
 """`marge experiment mechanism`: does the reconstruction loss teach g to retrieve through beta * f?
 
-Every arm is a single-process run (`experiments.learning.single_process`) of the learning recipe
+Every arm is a single-process run (`services.driver.single_process`) of the learning recipe
 (`deploy/configs/learning.yaml`) with the study's common settings and the arm's own, for the same number of
 **updates** (`--updates`), on several seeds (`--seeds`: the seed draws the initial weights and the batch stream).
 Arms differ in three things only, each named in the arm:
@@ -149,7 +149,7 @@ def finished_updates(folder: Path) -> int:
 def run_arm(config: Path | None, arm: Arm, seed: int, updates: int, out: Path, device: str = "auto",
             extra: tuple[str, ...] = ()) -> Path:
     """One arm on one seed to `updates` updates: started, resumed (also to raise its updates), or kept."""
-    from experiments.learning.single_process import run_single_process
+    from services.driver.single_process import run_single_process
 
     folder = run_dir(out, arm.name, seed)
     if finished_updates(folder) >= updates:

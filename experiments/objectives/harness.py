@@ -1,6 +1,6 @@
 """`marge experiment objectives`: MARGE, BART, VECO and a mixture, trained on the same data for the same minutes.
 
-Each variant is a single-process learning run (`experiments.learning.single_process`: the pipeline's batcher and
+Each variant is a single-process learning run (`services.driver.single_process`: the pipeline's batcher and
 trainer cores, and for MARGE its indexer, in one process) of the same base config (the learning recipe,
 `deploy/configs/learning.yaml`: the demo corpus in 128-token chunks, the `tiny` depth, the same optimizer
 and schedule) with only the `objectives:` section (and, for VECO, its own model) changed:
@@ -36,7 +36,7 @@ from marge.model.generate import GenerationConfig, generate
 from marge.contracts.tokenizer import MargeTokenizer
 from marge.contracts.train_log import UpdateRecord, read_train_log
 from marge.util.files import atomic_write_text
-from experiments.learning.single_process import train_for_minutes
+from services.driver.single_process import train_for_minutes
 
 log = logging.getLogger("marge.objectives_experiment")
 

@@ -8,7 +8,6 @@ One module per group of commands, each with the parsers of its commands (`add_<c
     evaluate.py     eval retrieval | translate | finetuned, translate
     serve.py        serve
     ops.py          audit, queue, scale
-    experiment.py   experiment learning | objectives | ceiling | mechanism | finetune
 
 What a command needs is imported inside its `cmd_*` function: building the parser imports no torch, so `marge
 --help` and a bad flag answer at once.
@@ -22,18 +21,18 @@ import os
 import sys
 
 from marge.util.files import setup_logging
-from services.cli import data, evaluate, experiment, ops, serve, train
+from services.cli import data, evaluate, ops, serve, train
 from services.driver.lock import RunLocked
 
 log = logging.getLogger("marge")
 
 # The commands in the order `marge --help` lists them.
 COMMANDS = (data.add_prepare, train.add_pretrain, serve.add_serve, serve.add_index, evaluate.add_eval, train.add_finetune,
-            ops.add_scale, data.add_prepare_tasks, evaluate.add_translate, train.add_report, experiment.add_experiment,
+            ops.add_scale, data.add_prepare_tasks, evaluate.add_translate, train.add_report,
             train.add_config, train.add_plan, ops.add_audit, ops.add_queue, ops.add_redis_user, data.add_info)
 
 # Commands that start processes (a private redis-server, a local Ray, Ray Train workers) that a SIGTERM must stop.
-STARTS_PROCESSES = ("pretrain", "experiment", "finetune")
+STARTS_PROCESSES = ("pretrain", "finetune")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -44,7 +44,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         print(json.dumps(dry_run(cfg), indent=2, default=str), flush=True)
         return 0
     if args.single_process:
-        from experiments.learning.single_process import pretrain_single_process
+        from services.driver.single_process import pretrain_single_process
 
         report = pretrain_single_process(cfg, args.device)
         print(json.dumps({key: report[key] for key in ("pipeline", "g_health", "checkpoint", "curves") if key in report}

@@ -1,4 +1,5 @@
-"""`marge experiment learning --single-process`: the pipeline's indexer, batcher and trainer cores in one process.
+"""The single-process training host (`marge pretrain --single-process`; `python -m experiments.learning
+--single-process` runs it for the learning study): the pipeline's indexer, batcher and trainer cores in one process.
 
 What runs is the code the Ray stages run, without the transport between them:
 
@@ -18,8 +19,7 @@ and the differences one process implies, each on purpose:
   training and its batches lag by up to a queue's depth, here the first batch after a rebuild comes from it.
 
 It needs torch, numpy, pyarrow, sentencepiece, safetensors, PyYAML, scikit-learn and matplotlib, and no Ray,
-Redis, FAISS or FastAPI, so it runs on a GPU machine where only torch is installed (`scripts/marge_from_tree.py`
-runs the CLI from a checkout without installing it).
+Redis, FAISS or FastAPI.
 
 A run folder is resumable: `--resume` continues it for `--minutes` more of training from its newest
 checkpoint (same step count, same batch stream, curves and report extended; baselines measured once).
@@ -68,12 +68,14 @@ from services.batcher.core import DocumentStore
 from services.batcher.schedule import RunSchedule, wait_for_version
 from marge.contracts.config import ConfigError, resumable_keys
 from services.driver.config import PipelineConfig, config_drift, load_config, with_absolute_paths
-from experiments.learning.harness import assemble_report, checkpoint_evaluation, heldout_pairs_path, measure_baselines
+from services.driver.learning_report import (assemble_report, checkpoint_evaluation, heldout_pairs_path,
+                                             measure_baselines)
 from services.driver.pipeline import ensure_corpus, final_g_health, with_probes
 from services.indexer.core import build_version, describe_build, index_shard, prune_unneeded_snapshots
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
+from services.trainer.prefetch import Prefetcher
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
 from services.trainer.step import (Item, apply_execution_settings, build_optimizer, build_scheduler, compile_cache_env,
                                    compiled, device_peak_flops, seed_key)
@@ -108,26 +110,21 @@ class StepInput:
     prepared: list[PreparedBatch]
 
 
-class Prefetcher:
-    """Draws the next update's batches from the batch schedule and prepares them in a thread while the device
-    trains on this one.
+class ScheduleReader:
+    """Draws each update's batches from the batch schedule, in order, and prepares them: what the prefetch thread
+    (services.trainer.prefetch) runs while the device trains the update before.
 
     The schedule (services.batcher.schedule) is the pipeline batcher's: slot n holds the same batch here as in
-    the pipeline's Redis streams, given the same index versions. Preparing (augmentation, tensors, pinned
-    copies) is Python and numpy work that would otherwise leave a GPU idle. When the schedule needs an index
-    version that is not built yet, the thread waits for the main thread to build it.
+    the pipeline's Redis streams, given the same index versions. When the schedule needs an index version that is
+    not built yet, the thread waits for the main thread to build it.
     """
 
     def __init__(self, schedule: RunSchedule, start_step: int, prepare, pin: bool):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.slots = schedule.slots
         self.batches = schedule.batches(start_step * self.slots.per_step)
         self.prepare, self.pin = prepare, pin
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="marge-prefetch")
-        self.pending = self.pool.submit(self._produce, start_step)
 
-    def _produce(self, step: int) -> StepInput | None:
+    def read(self, step: int) -> StepInput | None:
         batches = []
         for expected in range(step * self.slots.per_step, (step + 1) * self.slots.per_step):
             slot, batch = next(self.batches, (None, None))
@@ -140,17 +137,6 @@ class Prefetcher:
         if self.pin:
             prepared = [p.pin_memory() for p in prepared]
         return StepInput(step, batches, prepared)
-
-    def take(self, step: int) -> StepInput:
-        item = self.pending.result()
-        if item is None or item.step != step:
-            raise RuntimeError(f"prefetched batches are for update {item and item.step}, not {step}")
-        self.pending = self.pool.submit(self._produce, step + 1)
-        return item
-
-    def close(self) -> None:
-        self.pending.cancel()
-        self.pool.shutdown(wait=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -297,7 +283,9 @@ class SingleProcessRun:
 
         step = state["step"]
         board = RunBoard(cfg.run.dir, "trainer", cfg.run.tensorboard)
-        prefetcher = Prefetcher(self.schedule, step, prepare, pin=device.type == "cuda")
+        prefetcher: Prefetcher[StepInput | None] = Prefetcher(
+            ScheduleReader(self.schedule, step, prepare, pin=device.type == "cuda").read)
+        prefetcher.start(step)
         host = InProcessHost(self, model, optimizer, scheduler, state, prefetcher, minutes)
         # what the updates run is the model under torch.compile (trainer.compile); probes and snapshots use the model
         if t.compile:
@@ -409,6 +397,9 @@ class InProcessHost:
         if time.perf_counter() >= self.deadline:
             return None
         item = self.prefetcher.take(step)
+        if item is None or item.step != step:
+            raise RuntimeError(f"prefetched batches are for update {item and item.step}, not {step}")
+        self.prefetcher.start(step + 1)  # drawn and prepared while this update trains
         base = step * self.run.slots.per_step
         return UpdateInput([Item(base + k, batch, None, prepared)
                             for k, (batch, prepared) in enumerate(zip(item.batches, item.prepared))])

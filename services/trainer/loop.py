@@ -1,5 +1,5 @@
 """The training loop around the step, written once for both hosts: a DDP rank of the pipeline
-(`services.trainer.rank`) and the single process (`experiments.learning.single_process`).
+(`services.trainer.rank`) and the single process (`services.driver.single_process`).
 
 Each update s, told top to bottom in `TrainingLoop.run`:
 

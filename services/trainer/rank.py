@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 
@@ -43,11 +42,11 @@ from marge.util.files import setup_logging
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.job import TrainerJob
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
+from services.trainer.prefetch import Prefetcher
 from services.trainer.objectives import apply_objective_settings, objectives_for
 from services.trainer.source import source_for
 from services.trainer.state import begin_checkpoint, report_checkpoint, resume
 from services.trainer.inputs import untrainable
-from services.trainer.source import BatchSource
 from services.trainer.step import (DDP_SETTINGS, Backward, Item, apply_execution_settings, build_optimizer,
                                    build_scheduler, compile_cache_env, compiled, device_peak_flops, seed_key)
 
@@ -85,47 +84,6 @@ def process_group_backend(use_gpu: bool) -> str:
     NCCL-only group refuses a CPU tensor, "No backend type associated with device type cpu", and picklable
     objects gathered with `all_gather_object` are CPU-side); on CPUs: gloo."""
     return "cpu:gloo,cuda:nccl" if use_gpu else "gloo"
-
-
-class DeliveryPrefetcher:
-    """Reads a rank's deliveries of the next update from its source and prepares them (`Objectives.prepare` with the
-    slot's seed key; pinned for a GPU) in a thread, while the device trains on the current update.
-
-    A daemon thread per update: a read that waits for a batch never keeps the process from exiting. Reading a slot
-    does not consume it (marge.contracts.protocol), so batches read ahead and never trained are simply read again by the
-    resumed run."""
-
-    def __init__(self, source: BatchSource, slots: Slots, rank: int, prepare, pin: bool):
-        self.source, self.slots, self.rank, self.prepare, self.pin = source, slots, rank, prepare, pin
-        self.step: int | None = None
-        self.result: list[tuple[Delivery, object]] | None = None
-        self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
-
-    def start(self, step: int) -> None:
-        self.step, self.result, self.error = step, None, None
-        self.thread = threading.Thread(target=self._produce, args=(step,), name=f"marge-prefetch-{step}", daemon=True)
-        self.thread.start()
-
-    def _produce(self, step: int) -> None:
-        try:
-            out = []
-            for micro in range(self.slots.grad_accum):
-                delivery = self.source.get(self.slots.slot(step, self.rank, micro))
-                if delivery is None:
-                    break
-                out.append((delivery, self.prepare(delivery)))
-            self.result = out
-        except BaseException as e:  # handed to the main thread, which raises it
-            self.error = e
-
-    def take(self, step: int) -> list[tuple[Delivery, object]]:
-        if self.step != step:
-            self.start(step)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.result or []
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -205,8 +163,8 @@ class Rank:
         """(slot, batch id) this rank trained since the last durable checkpoint."""
         self.uncommitted_dead: list[tuple[Delivery, str]] = []
         """Deliveries this rank could not train since the last durable checkpoint, and why."""
-        self.prefetcher = DeliveryPrefetcher(self.source, self.slots, self.rank, self.prepare,
-                                             pin=self.device.type == "cuda") if t.prefetch else None
+        self.prefetcher = Prefetcher(self.read_prepared) if t.prefetch else None
+        """Reads and prepares the next update's deliveries while this one trains (trainer.prefetch)."""
         self.last_metrics: dict = {}
         """What rank 0 reports to Ray Train with a checkpoint (step, loss, throughput)."""
         wrapped = ray.train.torch.prepare_model(self.model, parallel_strategy_kwargs=DDP_SETTINGS)
@@ -246,6 +204,18 @@ class Rank:
             return None
         prepared = self.objectives.prepare(delivery.batch, seed_key(self.job.seed, self.slots, delivery.slot))
         return prepared.pin_memory() if self.device.type == "cuda" else prepared
+
+    def read_prepared(self, step: int) -> list[tuple[Delivery, object]]:
+        """This rank's deliveries of update `step`, each prepared, in a prefetch thread. Reading a slot does not
+        consume it (marge.contracts.protocol), so batches read ahead and never trained are read again by the
+        resumed run."""
+        out = []
+        for micro in range(self.slots.grad_accum):
+            delivery = self.source.get(self.slots.slot(step, self.rank, micro))
+            if delivery is None:
+                break
+            out.append((delivery, self.prepare(delivery)))
+        return out
 
     def next_update(self, step: int) -> UpdateInput | None:
         """This rank's deliveries of update `step`, or None when any rank cannot get its own (all stop)."""
