@@ -52,14 +52,26 @@ def test_no_stage_imports_the_driver_or_the_command_line():
     assert not offenders, sorted(offenders)
 
 
-def test_the_stages_and_the_driver_import_no_experiment_and_no_tool():
-    """Experiments (`experiments/<study>/`) and the demo-data tools sit above the product: they import it, never
-    the other way (the command line is the one place that starts them, importing them only when asked)."""
-    files = [path for part in (*STAGES, "driver") for path in sorted((REPO / "services" / part).rglob("*.py"))]
+def test_the_product_imports_no_experiment_and_no_tool():
+    """Experiments (`experiments/<study>/`) and the demo-corpus tool sit above the product: they import it, never
+    the other way. Nothing of `services` (the stages, the driver, the command line) imports them, so the wheel,
+    which ships `marge` and `services` only, runs without them."""
+    files = sorted((REPO / "services").rglob("*.py"))
     offenders = {f"{path.relative_to(REPO)} imports {name}" for path in files for name in imported_modules(path)
                  if name.split(".")[0] in ("experiments", "tools")}
     assert not offenders, sorted(offenders)
-    assert len(files) > 30
+    assert any(path.parts[-2] == "cli" for path in files) and len(files) > 30
+
+
+def test_the_wheel_ships_the_library_and_services_only():
+    """pyproject's packages: every package folder of shared/marge and services, and nothing else."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"marge": "shared/marge", "services": "services"}
+    folders = {".".join(("marge", *p.parent.relative_to(LIBRARY).parts)) for p in LIBRARY.rglob("__init__.py")}
+    folders |= {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "services").rglob("__init__.py")}
+    assert set(setuptools["packages"]) == folders
 
 
 def test_stages_import_each_other_only_through_the_library():

@@ -1,4 +1,5 @@
-"""`tools.demo_tasks`: the demo fine-tuning tasks are deterministic, split by page, balanced and well formed."""
+"""`services.prepare.demo_tasks` (`marge prepare-tasks`): the demo fine-tuning tasks are deterministic, split by
+page, balanced and well formed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.demo_tasks import DemoTasksOptions, build_demo_tasks, main
+from services.prepare.demo_tasks import DemoTasksOptions, build_demo_tasks, main
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "demo" / "libreoffice-help"

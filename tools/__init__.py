@@ -1,3 +1,4 @@
-"""Programs that build the demo data sets, kept out of the library: `tools.demo_corpus` (the LibreOffice Help
-corpus, `scripts/build_demo_corpus.sh`) and `tools.demo_tasks` (the fine-tuning tasks, `marge prepare-tasks`).
-They import the library `marge`; neither the library nor the stages import them."""
+"""The program that builds the demo corpus, run from a checkout: `python -m tools.demo_corpus` (the LibreOffice
+Help corpus, `scripts/build_demo_corpus.sh`). It imports the library `marge`; neither the library nor `services`
+imports it, and the wheel does not ship it. (The demo fine-tuning tasks are built by `marge prepare-tasks`,
+`services.prepare.demo_tasks`.)"""

@@ -79,7 +79,7 @@ def add_prepare_tasks(sub) -> None:
 
 
 def cmd_prepare_tasks(args: argparse.Namespace) -> int:
-    from tools.demo_tasks import DemoTasksOptions, build_demo_tasks
+    from services.prepare.demo_tasks import DemoTasksOptions, build_demo_tasks
 
     info = build_demo_tasks(DemoTasksOptions(corpus=Path(args.corpus), out=Path(args.out), seed=args.seed,
                                              overwrite=args.overwrite))
