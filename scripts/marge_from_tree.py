@@ -3,12 +3,12 @@
 
 For a machine where nothing can be installed (a GPU machine with torch and no package index to install from). Import paths
 match folders: the library `marge` is shared/marge, the stages are services/<stage> (`services.indexer`,
-...), the command line services/cli and the demo-data programs tools/, so putting shared/ and the checkout itself
+...) and the command line services/cli, so putting shared/ and the checkout itself
 on the import path is all an install would do.
 
-    python3 scripts/marge_from_tree.py experiment learning --single-process ...
+    python3 scripts/marge_from_tree.py pretrain --single-process ...
 
-Commands that need Ray, Redis, FAISS or FastAPI still need them installed; `experiment learning
+Commands that need Ray, Redis, FAISS or FastAPI still need them installed; `pretrain
 --single-process`, `eval`, `info`, `plan` and `prepare --no-lid` need none of them.
 """
 

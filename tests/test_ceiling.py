@@ -1,4 +1,4 @@
-"""`marge experiment ceiling`: the loop against its aligned oracle, arm by arm, and the ratio between them."""
+"""`python -m experiments.ceiling`: the loop against its aligned oracle, arm by arm, and the ratio between them."""
 
 from __future__ import annotations
 

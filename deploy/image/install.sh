@@ -18,7 +18,7 @@ python - <<'PY'
 import importlib, shutil, sys
 for name in ("marge", "marge.model.model", "services.cli", "services.driver.pipeline", "services.trainer.rank",
              "services.indexer.actor", "services.batcher.actor", "services.retrieval.app",
-             "experiments.mechanism.harness", "faiss", "ray.train", "ray.serve", "redis", "pyarrow", "fastapi",
+             "services.driver.single_process", "faiss", "ray.train", "ray.serve", "redis", "pyarrow", "fastapi",
              "uvicorn"):
     importlib.import_module(name)
 if shutil.which("marge") is None:

@@ -1,4 +1,4 @@
-"""`marge experiment ceiling`: the recipe's held-out evidence gain against an index built from alignment labels.
+"""`python -m experiments.ceiling`: the recipe's held-out evidence gain against an index built from alignment labels.
 
 Every arm is a single-process run (`services.driver.single_process`) of one base config (the learning recipe,
 `deploy/configs/learning.yaml`, which keeps self-evidence and the denoising-contrastive loss on g unless an arm
@@ -10,7 +10,7 @@ removes it), with the same model, data, probes and seed, for the same wall-clock
     recipe                version 0 from char n-gram TF-IDF within each shard, then cos(g) + lambda * tfidf with
                           lambda annealed to 0 (the lexical bootstrap), rebuilt every `indexer.reindex_every`
     recipe_random_index   the recipe with version 0 from the random-init g, then g (its auxiliaries kept: not the
-                          paper's loop, which `marge experiment mechanism` runs as its `paper` arm)
+                          paper's loop, which `python -m experiments.mechanism` runs as its `paper` arm)
     recipe_tfidf_frozen   the recipe with a TF-IDF index built once and never rebuilt
     aligned_supervised    aligned_translations without the auxiliary loss on g: batches built from the labels,
                           self-evidence kept, f not detached (so it does not isolate beta * f: see
@@ -359,7 +359,7 @@ def write_report(out_dir: Path, summaries: dict[str, dict], sweep: dict | None, 
         "headline_ratios": headline,
         "targets": judge_targets(summaries, ratio_loop, ratio_paper),
         "sweep": sweep, "elapsed_s": round(elapsed_s, 1),
-        "command": f"marge experiment ceiling --minutes {minutes:g} --out DIR"
+        "command": f"python -m experiments.ceiling --minutes {minutes:g} --out DIR"
                    + (f" --sweep-minutes {sweep['minutes_per_size']:g}" if sweep else "")
                    + (f" --size {size}" if size and not sweep else ""),
     }

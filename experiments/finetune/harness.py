@@ -1,4 +1,4 @@
-"""`marge experiment finetune`: what pre-training buys downstream. The demo task set, fine-tuned from each given
+"""`python -m experiments.finetune`: what pre-training buys downstream. The demo task set, fine-tuned from each given
 checkpoint and from random weights of the same shape, with one recipe and one budget, then scored on test.
 
     translation   en<->de paragraphs (data/demo/tasks/translation): fine-tuned for a fixed number of updates,

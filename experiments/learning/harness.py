@@ -1,4 +1,4 @@
-"""`marge experiment learning`: does the retrieval loop learn? One command, one run, every comparison.
+"""`python -m experiments.learning`: does the retrieval loop learn? One command, one run, every comparison.
 
 1. Baselines, measured in this run before training: held-out retrieval P@1 of the run's own initial
    (random) model at every encoder layer, 0 (the embeddings) to the last, keeping the best per

@@ -1,4 +1,4 @@
-"""`marge experiment mechanism`: does the reconstruction loss teach g to retrieve through beta * f?
+"""`python -m experiments.mechanism`: does the reconstruction loss teach g to retrieve through beta * f?
 
 Every arm is a single-process run (`services.driver.single_process`) of the learning recipe
 (`deploy/configs/learning.yaml`) with the study's common settings and the arm's own, for the same number of

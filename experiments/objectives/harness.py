@@ -1,4 +1,4 @@
-"""`marge experiment objectives`: MARGE, BART, VECO and a mixture, trained on the same data for the same minutes.
+"""`python -m experiments.objectives`: MARGE, BART, VECO and a mixture, trained on the same data for the same minutes.
 
 Each variant is a single-process learning run (`services.driver.single_process`: the pipeline's batcher and
 trainer cores, and for MARGE its indexer, in one process) of the same base config (the learning recipe,
@@ -183,7 +183,7 @@ def run_objectives_experiment(config: Path | None, overrides: list[str], minutes
         rows.append(summarize_variant(variant, out_dir / variant.name, report, eval_device, chrf_pairs))
         log.info("%s: %s", variant.name, {k: rows[-1][k] for k in ("updates", "final_losses", "p_at_1_best_layer")})
     result = {"minutes_per_variant": minutes, "variants": rows, "elapsed_s": round(time.time() - started, 1),
-              "command": f"marge experiment objectives --minutes {minutes:g} --out {out_dir}"}
+              "command": f"python -m experiments.objectives --minutes {minutes:g} --out {out_dir}"}
     result["plot"] = str(plot_comparison(rows, out_dir / "comparison.png"))
     atomic_write_text(out_dir / "report.json", json.dumps(result, indent=2) + "\n")
     return result

@@ -61,7 +61,7 @@ def run_queue(run_dir: Path, redis_url: str | None = None) -> Iterator[tuple[Pip
         return
     data_dir, conf_dir = Path(run_dir) / "redis", private_conf_dir(Path(run_dir))
     if not (conf_dir / "redis.conf").exists() and single_process_run(Path(run_dir)):
-        raise ValueError(f"{run_dir} was trained in a single process (`marge experiment learning --single-process`: "
+        raise ValueError(f"{run_dir} was trained in a single process (`marge pretrain --single-process`: "
                          "its checkpoints are in checkpoints/, not ray_train/): it had no batch queue, so there is "
                          "nothing to audit; its train_log.jsonl lists the batches of every update")
     if not (conf_dir / "redis.conf").exists():

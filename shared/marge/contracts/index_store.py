@@ -7,7 +7,7 @@
         manifest.json              written last: version, snapshot step, shards, checksums, stats
         shard-00000.faiss          IndexIDMap2(IndexFlatIP) over g(z) of the shard's documents (cosine);
                                    absent (index_file null) in a version built without FAISS
-                                   (`marge experiment learning --single-process`)
+                                   (`marge pretrain --single-process`)
         graph-00000.parquet        the shard's kept links: target_id, evidence_id, score, cross_lingual
 
 A version is published the way every artifact is (marge.contracts.artifacts), except that its folder is a fixed
