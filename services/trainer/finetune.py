@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -126,7 +126,8 @@ class FinetuneConfig(OptimizerConfig):
         return self.metric or METRICS[self.task][0]
 
     def total_steps(self, num_examples: int) -> int:
-        return self.steps or max(1, math.ceil(self.epochs * num_examples / self.batch_size))
+        # exactly one of steps and epochs is set (__post_init__): epochs whenever steps is not
+        return self.steps or max(1, math.ceil(cast(float, self.epochs) * num_examples / self.batch_size))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -150,6 +151,8 @@ def load_start_model(cfg: FinetuneConfig, labels: list[str] | None) -> tuple[Mar
     if cfg.task == "generation":
         return body.train(), tokenizer, origin
     torch.manual_seed(cfg.seed + 1)
+    if labels is None:
+        raise ValueError("a classifier needs the training file's labels (label_set)")
     model = MargeForClassification(body.cfg, len(labels), cfg.classifier_dropout)
     missing, unexpected = model.load_state_dict(body.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("classifier.") for k in missing), (missing, unexpected)
@@ -314,6 +317,8 @@ class Finetuning:
     def validation_loss(self) -> float:
         self.model.eval()
         total, weight = 0.0, 0
+        if self.valid_encoded is None:  # evaluations run only with a validation file
+            raise ValueError("no validation examples to take the loss on (give --valid)")
         encoded = self.valid_encoded[: self.cfg.valid_limit]
         for start in range(0, len(encoded), 32):
             batch = collate(encoded[start:start + 32], self.tokenizer.specials.pad_id).to(self.device)
@@ -326,6 +331,8 @@ class Finetuning:
     def evaluate(self, step: int) -> Evaluation:
         """Validation metrics (rank 0 only). Generation decodes greedily here (beam 1): the choice between
         evaluations needs a ranking, not the final score; `marge eval finetuned` uses the full beam."""
+        if self.valid_examples is None:  # evaluations run only with a validation file
+            raise ValueError("no validation examples to evaluate on (give --valid)")
         examples = self.valid_examples[: self.cfg.valid_limit]
         metrics = {k: v for k, v in evaluate(self.view, examples, num_beams=1).items()
                    if k in METRICS[self.cfg.task]}
@@ -364,9 +371,10 @@ class Finetuning:
                     stop = self.should_stop()
                 if agree_to_stop(stop, self.device) and step < self.total_steps:
                     stopped_early = True
-                    log.info("stopping early at update %d: %d evaluations without a better %s than %.4f (update %d)",
-                             step, self.cfg.patience, self.cfg.stop_metric, self.best.metrics[self.cfg.stop_metric],
-                             self.best.step)
+                    if self.best is not None:  # rank 0 evaluates; the other ranks follow its decision, knowing no best
+                        log.info("stopping early at update %d: %d evaluations without a better %s than %.4f (update "
+                                 "%d)", step, self.cfg.patience, self.cfg.stop_metric,
+                                 self.best.metrics[self.cfg.stop_metric], self.best.step)
                     break
         bar.close()
         seconds = time.time() - start
@@ -506,6 +514,7 @@ def finetune_on_ray(cfg: FinetuneConfig) -> dict[str, Any]:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     storage = Path(cfg.out).absolute().parent / f".{Path(cfg.out).name}.ray"  # Ray Train's run folder, removed after
+    cluster: contextlib.AbstractContextManager
     if ray.is_initialized():  # embedded in a program (or a test) that runs Ray
         cluster = contextlib.nullcontext()
     elif cfg.ray_address:

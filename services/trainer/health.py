@@ -104,7 +104,8 @@ def evidence_gain(model: Marge, probe: list[ProbeItem], specials: SpecialTokens,
     model.eval()
     device = torch.device(device)
     sums = {"true": [0.0, 0], "shuffled": [0.0, 0], "copy": [0.0, 0]}
-    gold_cos, other_cos = [], []
+    gold_cos: list[float] = []
+    other_cos: list[float] = []
     rng = np.random.default_rng(0)
     for i, item in enumerate(probe):
         copy = _self_copy(item, rng)
@@ -225,7 +226,9 @@ def unrelated_partner(items: list[AlignedItem]) -> list[int]:
 
 def _aligned_batch(pairs: list[tuple[AlignedItem, tuple[np.ndarray, ...], tuple[str, ...]]]) -> Batch:
     """One batch of targets, each linked to its own evidence documents only (read with attend_to 'linked')."""
-    tokens, langs, targets, evidence, edges = [], [], [], [], []
+    tokens: list[np.ndarray] = []
+    evidence: list[int] = []
+    langs, targets, edges = [], [], []
     for t, (item, docs, doc_langs) in enumerate(pairs):
         targets.append(len(tokens))
         tokens.append(item.target)
@@ -352,12 +355,15 @@ def centre_rows(corpus, size: int = CENTRE_DOCUMENTS, seed: int = 0) -> list[lis
 def random_encoders(model_cfg, seeds: list[int]):
     """g of freshly initialised models of `model_cfg`, one per seed (the initialisation baselines)."""
     from marge.model.checkpoint import build_model
-    from marge.model.network import RelevanceEncoder
+    from marge.model.network import Marge, RelevanceEncoder
 
     out = []
     for seed in seeds:
         torch.manual_seed(seed)
-        out.append(RelevanceEncoder.from_model(build_model(model_cfg)).eval())
+        model = build_model(model_cfg)
+        if not isinstance(model, Marge):
+            raise ValueError(f"g's initialisations need a MARGE config, got {type(model_cfg).__name__}")
+        out.append(RelevanceEncoder.from_model(model).eval())
     return out
 
 
@@ -372,7 +378,7 @@ def spread_of(vectors: np.ndarray) -> float:
 @torch.no_grad()
 def relevance_spread(encoder, tokenizer, texts: list[str], device: str | torch.device = "cpu") -> float:
     """Mean cosine between g of different documents among `texts`, as the index compares them (1.0: collapsed)."""
-    from marge.eval.evaluation import encode_texts, relevance_unit_vectors
+    from marge.model.embedding import encode_texts, relevance_unit_vectors
 
     rows = encode_texts(tokenizer, texts, encoder.cfg.max_positions)
     return spread_of(relevance_unit_vectors(encoder, rows, tokenizer.specials, device=str(device)).astype(np.float64))
@@ -390,12 +396,13 @@ def g_health(trained, initials: list, tokenizer, pairs, centre: list[list[int]],
     * 'not above initialisation': within the interval.
 
     A warning says what the verdict means when it is not 'learning'."""
-    from marge.eval.evaluation import (centred_unit, clustered_bootstrap, encode_texts, fitted_centre, page_sums,
-                                  raw_relevance_vectors, retrieval_hits)
+    from marge.eval.evaluation import (centred_unit, clustered_bootstrap, fitted_centre, page_sums, raw_relevance_vectors,
+                                       retrieval_hits)
+    from marge.model.embedding import encode_texts
 
     device = str(device)
 
-    def scored(model) -> tuple[dict, np.ndarray]:
+    def scored(model) -> tuple[dict, np.ndarray | None]:
         c = fitted_centre(model, centre, tokenizer.specials, device=device)
         return retrieval_hits(model, tokenizer, pairs, c, device=device), c
 

@@ -12,6 +12,7 @@ from marge.model.checkpoint import build_model, load_model_weights, save_model_w
 from marge.contracts.config import ConfigError
 from marge.contracts.corpus import Corpus
 from marge.model.architecture import MargeConfig
+from marge.model.network import Marge
 from marge.contracts.paths import RunPaths
 from marge.model.snapshot import latest_snapshot, publish_snapshot
 
@@ -37,4 +38,7 @@ def ensure_initial_model(model_cfg, paths: RunPaths, corpus: Corpus, seed: int) 
         torch.manual_seed(seed)
         save_model_weights(path, build_model(model_cfg))
     if isinstance(model_cfg, MargeConfig) and latest_snapshot(paths.snapshots) is None:
-        publish_snapshot(paths.snapshots, load_model_weights(path), 0, tokenizer.sha256)
+        model = load_model_weights(path)
+        if not isinstance(model, Marge):  # a MargeConfig's weights load as a Marge
+            raise ValueError(f"{path}: a {type(model).__name__}, not the MARGE model its config names")
+        publish_snapshot(paths.snapshots, model, 0, tokenizer.sha256)

@@ -37,12 +37,15 @@ class ModelInputs:
                 self.linked_NM)
 
     def to(self, device: torch.device | str) -> "ModelInputs":
-        return ModelInputs(*(t.to(device, non_blocking=True) for t in self.tensors()), width=self.width,
+        evidence, target_enc, decoder_in, labels, allowed, linked = (t.to(device, non_blocking=True)
+                                                                     for t in self.tensors())
+        return ModelInputs(evidence, target_enc, decoder_in, labels, allowed, linked, width=self.width,
                            layout=None if self.layout is None else self.layout.to(device))
 
     def pin_memory(self) -> "ModelInputs":
         """Page-locked copies, so that `.to(cuda, non_blocking=True)` overlaps with the device's work."""
-        return ModelInputs(*(t.pin_memory() for t in self.tensors()), width=self.width,
+        evidence, target_enc, decoder_in, labels, allowed, linked = (t.pin_memory() for t in self.tensors())
+        return ModelInputs(evidence, target_enc, decoder_in, labels, allowed, linked, width=self.width,
                            layout=None if self.layout is None else self.layout.pin_memory())
 
     def as_kwargs(self) -> dict[str, Tensor]:

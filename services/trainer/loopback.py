@@ -64,8 +64,9 @@ def install() -> None:
             start_loopback_server(hostname, port, world_size, timeout, use_libuv)
         return original(hostname, port, rank, world_size, timeout, use_libuv)
 
-    create_c10d_store.loopback_guarded = True
-    rendezvous._create_c10d_store = create_c10d_store
+    # a mark on the function and a private torch name, neither of which the types declare
+    setattr(create_c10d_store, "loopback_guarded", True)
+    setattr(rendezvous, "_create_c10d_store", create_c10d_store)
     bind_gloo_to_node_address()
 
 

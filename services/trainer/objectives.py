@@ -47,6 +47,7 @@ way on a DDP rank, in the reference loop and in the single-process run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -328,7 +329,7 @@ class Tensors(dict):
 
 def core_model(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside a DDP wrapper (for methods other than forward, which DDP does not wrap)."""
-    return model.module if hasattr(model, "module") else model
+    return cast(torch.nn.Module, model.module) if hasattr(model, "module") else model  # DDP's .module: the Module
 
 
 class MargeObjective:
@@ -454,7 +455,9 @@ class DenoisingContrastiveObjective:
 
     def loss(self, model: torch.nn.Module, views: Tensors) -> tuple[Tensor, Tensor]:
         real = (views["first_real"], views["second_real"]) if "first_real" in views else None
-        loss = denoising_loss(core_model(model), (views["first"], views["second"]), self.cfg.temperature, real)
+        # the trainer's model is a Marge (or a compiled one, which forwards its methods)
+        loss = denoising_loss(cast(Marge, core_model(model)), (views["first"], views["second"]), self.cfg.temperature,
+                              real)
         return loss, torch.zeros((), dtype=torch.long)
 
 
@@ -472,7 +475,7 @@ class PreparedBatch:
     """
 
     batch_id: str
-    parts: dict[str, object]
+    parts: dict[str, Any]  # each objective's own inputs (ModelInputs, Tensors, ...), or None
 
     def pin_memory(self) -> "PreparedBatch":
         return PreparedBatch(self.batch_id, {k: None if v is None else v.pin_memory() for k, v in self.parts.items()})
@@ -527,10 +530,12 @@ class Objectives:
         self.plugins: list = []
         if cfg.marge is not None:
             self.plugins.append(MargeObjective(cfg.marge, specials, unpadded))
+        # both given when bart or veco is on (checked above)
+        ends, vocab = cast(np.ndarray, sentence_ends), cast(int, vocab_size)
         if cfg.bart is not None:
-            self.plugins.append(BartObjective(cfg.bart, specials, sentence_ends, vocab_size))
+            self.plugins.append(BartObjective(cfg.bart, specials, ends, vocab))
         if cfg.veco is not None:
-            self.plugins.append(VecoObjective(cfg.veco, specials, sentence_ends, vocab_size))
+            self.plugins.append(VecoObjective(cfg.veco, specials, ends, vocab))
         if cfg.denoising_contrastive is not None:
             self.plugins.append(DenoisingContrastiveObjective(cfg.denoising_contrastive, specials, corpus_tokens,
                                                               unpadded))
@@ -558,6 +563,9 @@ class Objectives:
             parts[plugin.name] = loss.detach()
             if plugin.name == self.primary:
                 tokens = predicted
+        if objective is None or tokens is None:  # the step backpropagates the objective and counts these tokens
+            raise ValueError(f"batch {prepared.batch_id}: the primary objective {self.primary!r} has nothing to "
+                             "train on (untrainable() should have set this batch aside)")
         return Losses(objective, parts, tokens)
 
 

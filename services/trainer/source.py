@@ -49,6 +49,8 @@ class RedisSource:
     def __init__(self, job: TrainerJob, rank: int, resumed_step: int = 0):
         self.job, self.rank, self.resumed_step = job, rank, resumed_step
         self.slots = Slots(job.trainer.num_workers, job.trainer.grad_accum, job.batch_builders)
+        if job.redis_url is None:
+            raise ValueError("a trainer fed from Redis needs the run's redis_url (TrainerJob.redis_url)")
         self.queue = BatchQueue.connect(job.redis_url, job.paths.name, self.slots)
 
     def stopping(self) -> bool:

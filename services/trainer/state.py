@@ -66,8 +66,10 @@ def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None,
     loaded = None
     for key in order[0]:
         path = next((p for s, pref, p in candidates if (s, pref) == tuple(key)), None)
-        verdict = [None]
+        verdict: list[str | None] = [None]
         if rank == 0:
+            if path is None:  # rank 0's order is made from its own candidates
+                raise RuntimeError(f"rank 0 lost its own checkpoint candidate {key}")
             try:
                 with_io_retries(lambda: read_manifest(Path(path), verify=True), f"verifying checkpoint {path}")
                 verdict = [path]
@@ -153,16 +155,20 @@ def begin_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenize
     import torch.distributed as dist
 
     root = Path(job.paths.checkpoints)
-    name = [None]
+    name: list[str | None] = [None]
     if rank == 0:
-        name = [checkpoint_dir_name(root, step)]
-        shutil.rmtree(root / staging_name(name[0]), ignore_errors=True)  # left by an attempt cut short
+        own = checkpoint_dir_name(root, step)
+        name = [own]
+        shutil.rmtree(root / staging_name(own), ignore_errors=True)  # left by an attempt cut short
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
     extra = {"trained_since_previous": trained, "dead_since_previous": dead, "rng_by_rank": rng_by_rank,
              "tokens_seen": tokens_seen}
-    return CheckpointWrite(root / name[0], model, optimizer, scheduler, step, tokenizer_dir, extra, group=group,
-                           background=True, staging=root / staging_name(name[0]),
+    folder = name[0]
+    if folder is None:  # every rank has rank 0's name once the broadcast returns
+        raise RuntimeError(f"rank {rank}: no checkpoint folder name from rank 0 for update {step}")
+    return CheckpointWrite(root / folder, model, optimizer, scheduler, step, tokenizer_dir, extra, group=group,
+                           background=True, staging=root / staging_name(folder),
                            before_manifest=crash_point(job, step) if rank == 0 else None)
 
 

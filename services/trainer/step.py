@@ -17,12 +17,14 @@ import contextlib
 import math
 import os
 import time
+from typing import cast
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from marge.contracts.batch import Batch
 from marge.model.network import Marge
@@ -71,7 +73,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, fused: bool | None =
     the step counters back to the host); on CPU the default for-each implementation, whose results the fused one
     matches to rounding (`fused=True` takes the fused CPU kernel: what CPU tests of the GPU path use).
     """
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -79,7 +82,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, fused: bool | None =
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if fused is None:
         fused = all(p.is_cuda for p in decay + no_decay) or None
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=fused)
+    betas = cast(tuple[float, float], tuple(cfg.adam_betas))  # two numbers: TrainerConfig checks it
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, fused=fused)
 
 
 def apply_execution_settings(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
@@ -89,7 +93,7 @@ def apply_execution_settings(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
     from marge.model.layers import Attention
 
     if hasattr(model, "loss_chunk_tokens"):
-        model.loss_chunk_tokens = cfg.loss_chunk_tokens
+        setattr(model, "loss_chunk_tokens", cfg.loss_chunk_tokens)  # an int attribute, which Module's typing cannot say
     for module in model.modules():
         if isinstance(module, Attention):
             module.key_bias = cfg.key_bias
@@ -120,7 +124,7 @@ def compiled(model: nn.Module, enabled: bool, scope: str = "layers", backend: st
     if not enabled:
         return model
     if scope == "model":
-        return torch.compile(model, dynamic=True, backend=backend)
+        return cast(nn.Module, torch.compile(model, dynamic=True, backend=backend))  # a Module compiles to a Module
     if scope != "layers":
         raise ValueError(f"trainer.compile_scope {scope!r} is not one of {COMPILE_SCOPES}")
     for module in list(model.modules()):
@@ -223,16 +227,22 @@ def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], 
     out = Backward()
     for i, item in enumerate(items):
         key = seed_key(seed, slots, item.slot)
-        problem = (item.problem or (excluded or {}).get(item.slot)
-                   or untrainable(item.batch, specials, model_cfg.vocab_size, model_cfg.max_positions))
+        batch = item.batch
+        problem = item.problem or (excluded or {}).get(item.slot)
+        if not problem:
+            if batch is None:  # a batch that could not be decoded comes with its problem (Item)
+                raise ValueError(f"slot {item.slot}: no batch, and no problem saying why")
+            problem = untrainable(batch, specials, model_cfg.vocab_size, model_cfg.max_positions)
         with maybe_no_sync(model, i < len(items) - 1):
             if problem is None:
-                item.prepared = item.prepared or objectives.prepare(item.batch, key)  # kept for a second pass
+                if batch is None:  # (cannot be: a batch-less item has its problem, checked above)
+                    raise ValueError(f"slot {item.slot}: no batch, and no problem saying why")
+                item.prepared = item.prepared or objectives.prepare(batch, key)  # kept for a second pass
                 losses = objectives.losses(model, item.prepared, device, cfg.bf16)
                 if item.slot == nan_loss_slot:  # test-only fault (marge.contracts.faults)
                     losses.objective = losses.objective * float("nan")
                 (losses.objective / len(items)).backward()
-                out.trained.append((item.slot, item.batch.batch_id))
+                out.trained.append((item.slot, batch.batch_id))
                 out.losses.append(losses.parts)
                 out.target_tokens.append(losses.target_tokens)
                 out.objective.append(losses.objective.detach())
@@ -252,7 +262,7 @@ def gradient_norm(model: nn.Module, clip_norm: float) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
     if clip_norm > 0:
         return torch.nn.utils.clip_grad_norm_(params, clip_norm)
-    return torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params]))
+    return torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params if p.grad is not None]))
 
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -402,7 +412,7 @@ def reference_train(model: Marge, step_batches: Iterable[list[Batch]], objective
 def maybe_no_sync(model: nn.Module, skip_sync: bool):
     """Inside gradient accumulation, DDP need not all-reduce until the last micro-batch."""
     if skip_sync and hasattr(model, "no_sync"):
-        with model.no_sync():
+        with cast(DistributedDataParallel, model).no_sync():  # only DDP has no_sync
             yield
     else:
         yield

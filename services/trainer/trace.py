@@ -42,5 +42,5 @@ def trace_collectives(folder: str | Path, rank: int, model_device: torch.device)
                 f.write(json.dumps(record) + "\n")
             return __original(*args, **kwargs)
 
-        traced.__marge_traced__ = True
+        setattr(traced, "__marge_traced__", True)  # a mark on a function object, which its type does not declare
         setattr(dist, name, traced)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -27,12 +28,15 @@ DECODER_SPECIALS = 1
 """Tokens the decoder predicts besides a target's text: EOS (its input has the language token instead)."""
 
 
-def encoder_cost(text_tokens: int) -> int:
+Cost = TypeVar("Cost", int, np.ndarray)  # the costs below take a count, or an array of counts (element-wise)
+
+
+def encoder_cost(text_tokens: Cost) -> Cost:
     """Encoder positions of a document with `text_tokens` text tokens."""
     return text_tokens + ENCODER_SPECIALS
 
 
-def decoder_cost(text_tokens: int) -> int:
+def decoder_cost(text_tokens: Cost) -> Cost:
     """Decoder positions of a target with `text_tokens` text tokens."""
     return text_tokens + DECODER_SPECIALS
 
