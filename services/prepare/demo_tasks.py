@@ -158,7 +158,7 @@ def is_valid_page(group: str, permille: int) -> bool:
 
 def index_aligned(pages: Pages, language: str) -> list[tuple[str, int, str, str]]:
     """(group, index, English, translation) for every paragraph of the pages whose counts match."""
-    out = []
+    out: list[tuple[str, int, str, str]] = []
     for group in sorted(pages):
         page = pages[group]
         if PIVOT in page and language in page and len(page[PIVOT]) == len(page[language]):
@@ -198,7 +198,8 @@ def check_alignment(heldout: Pages, reference: dict[str, dict[str, str]], opts: 
     def norm(s: str) -> str:  # the corpus wrote the tsv with runs of whitespace collapsed
         return " ".join(s.split())
 
-    per_language, unequal = {}, Counter()
+    per_language: dict[str, dict[str, int]] = {}
+    unequal = Counter[str]()
     checked = confirmed = 0
     for language in (SUPERVISED, *ZERO_SHOT):
         ref = reference.get(language, {})
@@ -313,7 +314,7 @@ def pawsx_rows(pairs: list[AlignedPair], pages: Pages, split: str, cap: int, opt
     position = {g: i for i, g in enumerate(order)}
     shuffled = list(pairs)
     seeded_rng(opts.seed, "pawsx", split, language).shuffle(shuffled)
-    chosen = []
+    chosen: list[tuple[AlignedPair, str]] = []
     for p in shuffled:
         if len(chosen) >= cap // 2:
             break

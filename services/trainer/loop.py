@@ -267,7 +267,8 @@ def update_statistics(items: list[Item], done: Backward, names: list[str], devic
     def filled(value: float) -> torch.Tensor:
         return torch.full((1,), value, dtype=torch.float64, device=device)
 
-    cost = filled(float(sum(i.batch.cost_tokens() for i in items if i.slot in kept)))
+    # a trained slot's item has its batch: one without is set aside, never trained
+    cost = filled(float(sum(i.batch.cost_tokens() for i in items if i.slot in kept and i.batch is not None)))
     counts = [filled(float(sum(1 for p in done.losses if n in p))) for n in names]
     target = sum((torch.as_tensor(n, device=device).to(torch.float64) for n in done.target_tokens), zero)
     sums = [sum((p[n].to(torch.float64) for p in done.losses if n in p), zero) for n in names]
