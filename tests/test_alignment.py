@@ -327,7 +327,8 @@ def test_aligned_gain_is_zero_without_cross_attention_and_its_split_adds_up(alig
 
 
 def test_g_health_calls_g_learning_only_above_its_initialisations_by_more_than_the_interval(latin_tokenizer, few_pairs):
-    from marge.eval.evaluation import encode_texts, read_pairs
+    from marge.model.embedding import encode_texts
+    from marge.eval.evaluation import read_pairs
     from services.trainer.health import describe_g_health, g_health
 
     pairs = read_pairs(few_pairs, latin_tokenizer.languages)
@@ -362,7 +363,8 @@ def test_g_health_calls_g_learning_only_above_its_initialisations_by_more_than_t
 
 
 def test_every_g_is_centred_on_the_same_documents_whatever_its_own_running_centre(latin_tokenizer, few_pairs):
-    from marge.eval.evaluation import encode_texts, fitted_centre, read_pairs, retrieval_hits
+    from marge.model.embedding import encode_texts
+    from marge.eval.evaluation import fitted_centre, read_pairs, retrieval_hits
 
     pairs = read_pairs(few_pairs, latin_tokenizer.languages)
     torch.manual_seed(0)

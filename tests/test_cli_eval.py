@@ -207,7 +207,7 @@ def test_the_python_api_example_in_the_docs_runs(trained, capsys):
     pairs = read_pairs(trained["pairs"], model.tokenizer.languages)[0]
     g = model.relevance(pairs.sources[:4])
     assert g.shape == (4, model.model.cfg.d_model) and np.allclose(np.linalg.norm(g, axis=1), 1.0, atol=1e-5)
-    from marge.eval.evaluation import encode_texts, relevance_unit_vectors
+    from marge.model.embedding import encode_texts, relevance_unit_vectors
 
     rows = encode_texts(model.tokenizer, pairs.sources[:4], model.model.cfg.max_positions)
     assert np.allclose(g, relevance_unit_vectors(model.model, rows, model.tokenizer.specials), atol=1e-6)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from marge.eval.evaluation import (PairSet, PairsError, cosine_matrix, evaluate_model, evaluate_tfidf, margin_matrix,
-                              mean_layer_vectors, precision_at_1, read_pairs)
+                                   precision_at_1, read_pairs)
+from marge.model.embedding import mean_layer_vectors
 
 
 def test_identity_encoder_gives_p_at_1_of_one_and_shuffled_pairs_give_chance():

@@ -326,7 +326,7 @@ def test_asking_a_veco_model_for_g_names_what_to_read_instead():
     """VECO has no relevance encoder: retrieval by g is refused with the layers it can be read from, not an
     AttributeError from deep inside the model."""
     from marge.contracts.batch import SpecialTokens
-    from marge.eval.evaluation import has_relevance_encoder, relevance_unit_vectors
+    from marge.model.embedding import has_relevance_encoder, relevance_unit_vectors
 
     model = small()
     assert not has_relevance_encoder(model)

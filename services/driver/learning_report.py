@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from marge.contracts.train_log import UpdateRecord
-from marge.eval.evaluation import evaluate_model, evaluate_tfidf, has_relevance_encoder, mean_score
+from marge.eval.evaluation import evaluate_model, evaluate_tfidf, mean_score
+from marge.model.embedding import has_relevance_encoder
 from marge.util.files import atomic_write_text
 from services.driver.config import PipelineConfig
 from services.driver.report import ema, plot_curves

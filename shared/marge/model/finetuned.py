@@ -261,7 +261,7 @@ class FineTunedModel:
     def relevance(self, texts: list[str] | str, batch_size: int = 64) -> np.ndarray:
         """g of each text as the index stores it and the retrieval service searches it: unit vectors (N x d_model,
         float32), centred as the model centres; `relevance(a) @ relevance(b).T` is f, the relevance score."""
-        from marge.eval.evaluation import encode_texts, relevance_unit_vectors
+        from marge.model.embedding import encode_texts, relevance_unit_vectors
 
         texts = [texts] if isinstance(texts, str) else list(texts)
         rows = encode_texts(self.tokenizer, texts, self.model.cfg.max_positions)
@@ -271,7 +271,7 @@ class FineTunedModel:
     def embed(self, texts: list[str] | str, layer: int | None = None, batch_size: int = 64) -> np.ndarray:
         """The mean of encoder layer `layer`'s states over each text's tokens (N x d_model): the sentence vectors of
         the paper's zero-shot retrieval (§4.1; default layer 5, or the deepest the model has; 0 is the embeddings)."""
-        from marge.eval.evaluation import encode_texts, mean_layer_vectors, resolve_layer
+        from marge.model.embedding import encode_texts, mean_layer_vectors, resolve_layer
 
         texts = [texts] if isinstance(texts, str) else list(texts)
         rows = encode_texts(self.tokenizer, texts, self.model.cfg.max_positions)
