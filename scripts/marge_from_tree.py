@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Run the `marge` command from this checkout without installing it.
 
-For a machine where nothing can be installed (a GPU machine with torch and no package index to install from). Import paths
-match folders: the library `marge` is shared/marge, the stages are services/<stage> (`services.indexer`,
-...) and the command line services/cli, so putting shared/ and the checkout itself
+For a machine where the package cannot be installed (for example a GPU node that has torch but no package index to
+install from). Import paths match folders: the library `marge` is shared/marge, the stages are services/<stage>
+(`services.indexer`, ...) and the command line services/cli, so putting shared/ and the checkout itself
 on the import path is all an install would do.
 
     python3 scripts/marge_from_tree.py pretrain --single-process ...
