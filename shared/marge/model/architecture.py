@@ -5,27 +5,46 @@ shares with it), the named presets (`tiny`, `base`, `paper`) and parameter initi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import Any, Self
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
 
+@dataclass(frozen=True, kw_only=True)
 class ArchitectureConfig:
-    """What every architecture's config (`MargeConfig`, `marge.model.veco.VecoConfig`) does besides holding its fields
-    (a frozen dataclass's, with `d_model` and `num_heads`): its head width, its plain values to save, a saved config
-    read back, field overrides and the named presets."""
+    """What every architecture's config (`MargeConfig`, `marge.model.veco.VecoConfig`) shares: the fields of a
+    Transformer's embeddings and attention, declared once here, and what each config does besides holding its
+    fields: its head width, its plain values to save, a saved config read back, field overrides and the named
+    presets. Each family adds its own layers' fields."""
 
-    if TYPE_CHECKING:
-        # what each subclass, a dataclass, has: the fields head_dim reads and the marker `asdict`, `fields` and
-        # `replace` take (declared for the type checker only, so the dataclasses' fields stay their own)
-        __dataclass_fields__: ClassVar[dict[str, Any]]
-        d_model: int
-        num_heads: int
+    vocab_size: int
+    """Rows of the (tied) token embedding. Must be >= the tokenizer's vocabulary."""
+    d_model: int
+    """Width of every layer (paper: 1024)."""
+    num_heads: int
+    """Attention heads of every attention layer; divides d_model."""
+    max_positions: int = 512
+    """Longest document, target or input in tokens, specials included (paper: 512-token chunks)."""
+    dropout: float = 0.1
+    """Dropout on embeddings, residual branches and feed-forward hidden states."""
+    attention_dropout: float = 0.0
+    """Dropout on attention weights."""
+    pad_id: int = 0
+    """The tokenizer's padding id: padded positions are masked as keys everywhere and never predicted."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of every weight matrix and embedding."""
+    embedding_layernorm: bool = True
+    """A LayerNorm on token + position embedding before the first layer (BART's and mBART's `layernorm_embedding`;
+    the paper does not say). Chosen because it learned fastest of the fixes measured: embeddings are drawn at std
+    0.02, and without this norm the pre-LayerNorm residual stream starts at that scale, which kept a 2+2-layer
+    model on a copy task at 8.09 nats/token after 300 updates while HF BART reached 0.85; with it, 0.66 (3 seeds;
+    post-LN instead: 1.34, a 4.4x larger embedding init instead: 0.97; experiments/copy_race/copy_race.py,
+    experiments/copy_race/README.md). False: the model before that change (and the `paper` preset: with it the
+    paper's BOS-pooled g starts collapsed). The two families differ in their objective, not in this."""
 
     @property
-
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
@@ -63,12 +82,6 @@ class ArchitectureConfig:
 class MargeConfig(ArchitectureConfig):
     """Architecture of one MARGE model. Built only through `MargeConfig(...)`/`preset()`, validated there."""
 
-    vocab_size: int
-    """Rows of the (tied) token embedding. Must be >= the tokenizer's vocabulary."""
-    d_model: int
-    """Width of every layer (paper: 1024)."""
-    num_heads: int
-    """Attention heads of every attention layer; divides d_model."""
     encoder_layers: int
     """Bidirectional encoder layers (paper: 12); the first `relevance_layers` of them are g."""
     encoder_ffn: int
@@ -83,14 +96,6 @@ class MargeConfig(ArchitectureConfig):
     """Decoder layers with cross-attention over the evidence (paper: 12)."""
     decoder_ffn: int
     """Hidden width of the cross-attention decoder layers' feed-forward layers (paper: 16536)."""
-    max_positions: int = 512
-    """Longest document / target in tokens, specials included (paper: 512-token chunks)."""
-    dropout: float = 0.1
-    """Dropout on embeddings, residual branches and feed-forward hidden states."""
-    attention_dropout: float = 0.0
-    """Dropout on attention weights."""
-    pad_id: int = 0
-    """The tokenizer's padding id: padded positions are masked everywhere and never predicted."""
     beta_init: float = 1.0
     """Initial value of the relevance-bias weight beta (the paper does not give one)."""
     relevance_centering: bool = False
@@ -105,16 +110,6 @@ class MargeConfig(ArchitectureConfig):
     """True (as BART and the paper's preset): one token embedding for encoder input, decoder input and
     output. Deviation False: the encoder (and so g) gets its own input embedding, which the decoder's
     language-modelling softmax does not reshape."""
-    init_std: float = 0.02
-    """Standard deviation of the normal initialisation of every weight matrix and embedding."""
-    embedding_layernorm: bool = True
-    """A LayerNorm on token + position embedding before the first encoder and decoder layer (BART's and
-    mBART's `layernorm_embedding`; the paper does not say). Chosen because it learned fastest of the fixes
-    measured: embeddings are drawn at std 0.02, and without this norm the pre-LayerNorm residual stream
-    starts at that scale, which kept a 2+2-layer model on a copy task at 8.09 nats/token
-    after 300 updates while HF BART reached 0.85; with it, 0.66 (3 seeds; post-LN instead: 1.34, a 4.4x
-    larger embedding init instead: 0.97; experiments/copy_race/copy_race.py, experiments/copy_race/README.md). False: the
-    model before that change (and the `paper` preset: with it the paper's BOS-pooled g starts collapsed)."""
 
     def __post_init__(self) -> None:
         check_shared_fields(self, ("vocab_size", "d_model", "num_heads", "encoder_layers", "encoder_ffn",

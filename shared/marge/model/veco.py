@@ -48,23 +48,10 @@ FAMILY = "veco"
 class VecoConfig(ArchitectureConfig):
     """Architecture of one VECO model. Built only through `VecoConfig(...)`/`veco_preset()`, validated there."""
 
-    vocab_size: int
-    """Rows of the (tied) token embedding. Must be >= the tokenizer's vocabulary."""
-    d_model: int
-    num_heads: int
     layers: int
     """Layers, each with self-attention, a cross-attention module and an FFN (paper, VECO-large: 24)."""
     ffn: int
-    max_positions: int = 512
-    """Longest input in tokens, specials included."""
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
-    pad_id: int = 0
-    """Padding token: masked as a key everywhere, and the label of every position the loss ignores."""
-    init_std: float = 0.02
-    embedding_layernorm: bool = True
-    """A LayerNorm on token + position embedding, as `MargeConfig.embedding_layernorm` (chosen there by
-    measurement): the two families differ in their objective, not in this."""
+    """Hidden width of every layer's feed-forward layers."""
 
     def __post_init__(self) -> None:
         check_shared_fields(self, ("vocab_size", "d_model", "num_heads", "layers", "ffn", "max_positions"))
