@@ -49,7 +49,7 @@ import numpy as np
 
 from marge.contracts import artifacts
 from marge.contracts.corpus import Corpus
-from marge.model.embedding import embed_documents
+from marge.model.embedding import embed_documents, unit_vector
 from marge.util.progress import Progress, track
 from marge.model.snapshot import SnapshotInfo, load_relevance_encoder
 from marge.util.files import sha256_file
@@ -517,13 +517,9 @@ class FullCorpusIndex:
             del ids, codes
 
     def embed(self, text: str) -> np.ndarray:
-        from services.retrieval.index import unit_vector
-
         return unit_vector(self.encoder, self.tokenizer, self.tokenizer.encode(text))
 
     def vector_of(self, doc_id: int) -> np.ndarray | None:
-        from services.retrieval.index import unit_vector
-
         if self.docs is None:
             return None
         try:

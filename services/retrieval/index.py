@@ -28,14 +28,12 @@ import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from marge.contracts import artifacts
-from marge.contracts.batch import as_encoder_input, max_text_tokens
 from marge.contracts.corpus import Corpus, CorpusError
 from marge.contracts.index_store import IndexVersion, latest_version
 from marge.contracts.paths import INDEX, SNAPSHOTS
-from marge.model.layers import pad_rows
+from marge.model.embedding import unit_vector
 from marge.model.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
 from marge.util.files import BudgetCache
 
@@ -156,14 +154,6 @@ class DocumentTable:
         text = texts[int(self.row[i])].as_py()
         return {"doc_id": doc_id, "lang": self.lang_names[self.lang[i]], "group": groups[int(self.row[i])].as_py(),
                 "text": text if len(text) <= snippet_chars else text[:snippet_chars] + "…"}
-
-
-@torch.no_grad()
-def unit_vector(encoder, tokenizer, token_ids) -> np.ndarray:
-    """One text's g as the indexer stores documents and the service searches them (cut to the encoder's length)."""
-    ids = list(token_ids)[: max_text_tokens(encoder.cfg.max_positions)]
-    rows = pad_rows([as_encoder_input(ids, tokenizer.specials)], tokenizer.specials.pad_id)
-    return encoder.unit_vectors(rows)[0].numpy()
 
 
 class LoadedIndex:

@@ -125,3 +125,11 @@ def resolve_layer(model: Marge | RelevanceEncoder, layer: int | str | None, pape
         raise ValueError(f"--layer {layer} is out of range: this model has encoder layers 1..{depth} "
                          "(0 = the embedding layer)")
     return layer
+
+
+@torch.no_grad()
+def unit_vector(encoder, tokenizer, token_ids) -> np.ndarray:
+    """One text's g as the indexer stores documents and the service searches them (cut to the encoder's length)."""
+    ids = list(token_ids)[: max_text_tokens(encoder.cfg.max_positions)]
+    rows = pad_rows([as_encoder_input(ids, tokenizer.specials)], tokenizer.specials.pad_id)
+    return encoder.unit_vectors(rows)[0].numpy()
