@@ -21,6 +21,16 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO_RAW = REPO / "data" / "demo" / "libreoffice-help"
 
 
+TIERS = ("unit", "integration", "cluster")
+
+
+def pytest_collection_modifyitems(items):
+    """Each test carries its tier's marker (its folder under tests/), so `-m "not cluster"` selects across tiers."""
+    for item in items:
+        if item.path.parent.name in TIERS:
+            item.add_marker(item.path.parent.name)
+
+
 @pytest.fixture(scope="session")
 def demo_raw() -> Path:
     return DEMO_RAW

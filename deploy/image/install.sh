@@ -4,7 +4,7 @@
 #   bash deploy/image/install.sh cpu     # FAISS on CPU
 # torch is pinned first (constraints.txt), then the project (not editable: the image holds a copy) with its FAISS
 # extra and Ray Serve for the retrieval service; then it checks that every entry point imports. The same script
-# runs in a fresh virtual environment in the tests (tests/test_deploy.py), so the image's contents are tested
+# runs in a fresh virtual environment in the tests (tests/unit/test_deploy.py), so the image's contents are tested
 # without a Docker daemon.
 set -euo pipefail
 flavour="${1:-gpu}"

@@ -25,7 +25,7 @@ Tasks (`--source`, `--evidence`): random tokens (default) or 48-token windows of
 `--evidence bart`: the `bart` objective's own noise with its defaults (services.trainer.noising: text
 infilling + sentence permutation), i.e. a denoising race. With one linked document per target the
 marge objective's relevance bias is the same on all of a target's keys, so our loss is the `bart` objective's
-(tests/test_objectives.py checks the two paths agree).
+(tests/unit/test_objectives.py checks the two paths agree).
 
 Variants (`--variants`) switch ONE thing of a model, for the diagnosis in experiments/copy_race/README.md; they are
 built here, as subclasses or module swaps, and are not options of the model. `--list` prints them.

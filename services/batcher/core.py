@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 PER_DOCUMENT_BYTES = 200
 """Memory of one cached document besides its tokens (doc id, offset, position entry, language string): about
-150 bytes measured with tracemalloc on the demo shards; `tests/test_batcher.py` keeps the estimate above it."""
+150 bytes measured with tracemalloc on the demo shards; `tests/integration/test_batcher.py` keeps the estimate above it."""
 
 
 @dataclass

@@ -39,7 +39,7 @@ lines, and the one merged tokenizer sample (at most --tokenizer-sample-lines lin
 held-out documents never come to it. What a task holds is one partition (`partition_bytes`), one block of lines, a
 shuffle's map batch (SHUFFLE_MAP_BYTES), a tokenizer sample or two, or HELDOUT_READ_ROWS rows of each staged
 held-out file: the peak memory does not grow with the corpus (measured in `benchmarks/prepare_scale.py`). The documents and their tokens are the single-process engine's
-(tests/test_prepare_ray.py); the shards they are in, and so the doc ids, differ.
+(tests/integration/test_prepare_ray.py); the shards they are in, and so the doc ids, differ.
 
 Reading and checking the input, with the Ray setup and the schemas every step shares, is
 `services.prepare.ray_reading`.

@@ -59,19 +59,19 @@ class TrainerConfig(OptimizerConfig):
     gradients are made chunk by chunk in one pass (`marge.model.losses.fused_linear_nll`: 3 matmuls a chunk, as the
     unchunked loss), so memory holds one chunk x vocabulary of logits, not every target token's: for the 250k
     vocabulary of `paper` the logits are the largest tensor of a step. The loss and gradients are those of the
-    unchunked loss (tests/test_model.py). An execution setting."""
+    unchunked loss (tests/unit/test_model.py). An execution setting."""
     unpadded: bool = resumable(False)
     """MARGE batches (and the denoising loss's views) run on their real tokens only: every projection, feed-forward
     layer and norm skips the padding, the attention alone lays the tokens out in rows, and each target reads only
     its evidence's real keys (`marge.model.layers.UnpaddedLayout`). False: every row padded to its batch's longest
-    document, as before. The loss and gradients are those of the padded batch (tests/test_unpadded.py); the FLOPs
+    document, as before. The loss and gradients are those of the padded batch (tests/unit/test_unpadded.py); the FLOPs
     executed fall to near those credited (benchmarks/recipe_efficiency.py). An execution setting."""
     key_bias: str = resumable("folded")
     """How attention adds beta * f (and the encoder's padding), a bias of the key alone: `folded` into an extra
     head dimension (heads 64 -> 72 wide, no mask: flash kernels), `mask` (SDPA's additive mask: on a GPU the
     memory-efficient kernel, heads 64 wide) or `flex` (FlexAttention's score_mod, heads 64 wide: fused under
     `trainer.compile`; needs model.attention_dropout 0 and, to train, a GPU). `mask` gives folded's values and
-    gradients, `flex` its values (tests/test_gpu_readiness.py, tests/test_unpadded.py; flex's gradients are tested
+    gradients, `flex` its values (tests/unit/test_gpu_readiness.py, tests/unit/test_unpadded.py; flex's gradients are tested
     only where a GPU is). On one H200 `folded` was the fastest eager path (the recipe's update 0.37 s, `mask`
     1.03 s; docs/gpu.md). An execution setting."""
     compile: bool = resumable(False)

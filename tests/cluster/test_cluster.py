@@ -29,7 +29,7 @@ from processes import LOOPBACK, listening_addresses, pids_in_session  # tests/pr
 from services.driver.redis_server import LocalRedis, free_port
 from marge.util.local_ray import LOCAL_RAY_ENV
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 RUN = "cluster"
 STEPS = 60

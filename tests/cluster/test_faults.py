@@ -25,7 +25,7 @@ import torch
 
 from processes import LOOPBACK, listening_addresses, pids_in_session  # tests/processes.py
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 SCHEDULE = ("run.max_steps=24", "trainer.num_workers=2", "trainer.snapshot_every=6", "indexer.reindex_every=6",
             "trainer.checkpoint_every=6", "trainer.max_failures=3", "trainer.warmup_steps=2", "trainer.lr=2e-3",

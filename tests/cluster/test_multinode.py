@@ -38,7 +38,7 @@ import yaml
 from netns import NamespacedNetwork, NamespacesUnavailable, NetNode, remove_stale  # tests/netns.py
 from processes import listening_addresses  # tests/processes.py
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 GCS_PORT, DASHBOARD_PORT, REDIS_PORT = 6380, 8265, 6390
 HEALTH_CHECKS = {"health_check_period_ms": 2000, "health_check_timeout_ms": 2000, "health_check_failure_threshold": 5}

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_service import centred_run  # tests/test_service.py
+from test_service import centred_run  # tests/integration/test_service.py
 
 
 @pytest.fixture(scope="module")

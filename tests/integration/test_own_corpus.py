@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "deploy" / "configs" / "own-corpus.yaml"
 
 # word-for-word translations: enough for a tokenizer, held-out pairs in every direction, and retrieval to score

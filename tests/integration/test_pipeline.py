@@ -19,7 +19,7 @@ from services.driver.config import load_config
 from services.trainer.objectives import objectives_for
 from services.trainer.step import reference_train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def small_config(tmp_path: Path, corpus: Path, redis_url: str, name: str, *extra: str):

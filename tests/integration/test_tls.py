@@ -17,10 +17,10 @@ import pytest
 
 from marge.contracts.protocol import BatchQueue
 from marge.contracts.slots import Slots
-from test_queue import fill  # tests/test_queue.py
-from test_service import build_run, free_port  # tests/test_service.py
+from test_queue import fill  # tests/integration/test_queue.py
+from test_service import build_run, free_port  # tests/integration/test_service.py
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 

@@ -1,4 +1,4 @@
-"""Faults on purpose, for the fault suite (tests/test_faults.py): the `faults:` section of a run's config.
+"""Faults on purpose, for the fault suite (tests/cluster/test_faults.py): the `faults:` section of a run's config.
 
 Test-only switches, off (null) in every shipped config: they make a stage misbehave at a chosen slot or
 update the way real faults do (a batch that cannot be trained, a loss that is not finite, a process that

@@ -130,8 +130,8 @@ mask    as SDPA's additive float mask of (B 1 1 K), heads E wide: on a GPU the m
         the bias and returns its gradient (flash kernels take no mask);
 flex    as FlexAttention's `score_mod` (logit + bias[b, key]), heads E wide: fused only under torch.compile
         (`trainer.compile`), eager it materialises the logits; no attention dropout; its backward needs a GPU.
-`mask` gives the folded path's values and gradients; `flex` its values (tests/test_gpu_readiness.py,
-tests/test_unpadded.py), its gradients tested only where a GPU is."""
+`mask` gives the folded path's values and gradients; `flex` its values (tests/unit/test_gpu_readiness.py,
+tests/unit/test_unpadded.py), its gradients tested only where a GPU is."""
 
 
 def key_biased_attention(q_BHQE: Tensor, k_BHKE: Tensor, v_BHKE: Tensor, bias_B11K: Tensor, path: str,
@@ -240,7 +240,7 @@ class RealTokens:
 class UnpaddedLayout:
     """How a host-prepared batch runs without padding (`trainer.unpadded`): the real tokens of the evidence, of the
     targets' encoder rows (their g) and of the decoder rows, and the keys each target reads in a memory made of the
-    evidence's real tokens only. The loss and gradients are those of the padded batch (tests/test_unpadded.py):
+    evidence's real tokens only. The loss and gradients are those of the padded batch (tests/unit/test_unpadded.py):
     padding keys weigh exactly 0 in every softmax, and nothing else mixes tokens."""
 
     evidence: RealTokens

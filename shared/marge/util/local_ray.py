@@ -34,7 +34,7 @@ def keeping_sigterm_handler() -> Iterator[None]:
 
     Ray replaces the handler while it starts: its own Python handlers (`sys.exit` from wherever the main thread is;
     once in CI that exit was lost inside `ray.init` and the run trained to its end with exit code 0 — where it was
-    lost is not known, tests/test_shutdown.py) and its core worker's C++ failure handler, which aborts the process
+    lost is not known, tests/integration/test_shutdown.py) and its core worker's C++ failure handler, which aborts the process
     (exit -6) without running Python's `finally` blocks. So the program's handler is put back as soon as Ray is up,
     and a SIGTERM that arrived in between (seen on a wakeup fd, which records every signal Python's own C handler
     receives whatever Python handler is set) is handed to it then."""

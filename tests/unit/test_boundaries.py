@@ -1,0 +1,97 @@
+"""The boundaries the README promises: the library knows no stage and no tool, no stage knows the driver, the command
+line or another stage, the batch contract needs no torch, and every consumer of g computes the same vectors.
+
+The tests of this subject that need a server or take long are in tests/integration/test_boundaries_g.py."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parents[2]
+LIBRARY = REPO / "shared" / "marge"
+STAGES = ("indexer", "batcher", "trainer", "retrieval")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (function-level imports included); `from a import b` counts as
+    both `a` and `a.b`, so that `from services import driver` is seen as importing services.driver."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def stage_imports() -> list[tuple[str, Path, list[str]]]:
+    """(stage, file, the dotted parts of one module it imports) for every import of every stage."""
+    stage_files = [(stage, path) for stage in STAGES for path in sorted((REPO / "services" / stage).rglob("*.py"))]
+    assert len(stage_files) > 20  # the walk saw the stages
+    return [(stage, path, name.split(".")) for stage, path in stage_files for name in sorted(imported_modules(path))]
+
+
+def test_no_library_module_imports_a_stage_or_a_tool():
+    """The library (shared/marge) imports nothing of `services` (the stages, the driver, the command line) nor of
+    `tools` (the programs that build the demo data)."""
+    offenders = {f"{path.relative_to(REPO)} imports {name}" for path in LIBRARY.rglob("*.py")
+                 for name in imported_modules(path) if name.split(".")[0] in ("services", "tools", "experiments")}
+    assert not offenders, sorted(offenders)
+    assert len(list(LIBRARY.rglob("*.py"))) > 15  # the walk saw the library
+
+
+def test_no_stage_imports_the_driver_or_the_command_line():
+    """The driver and the command line compose the stages; a stage never reaches back into either."""
+    offenders = {f"{path.relative_to(REPO)} imports {'.'.join(parts)}" for _, path, parts in stage_imports()
+                 if parts[:2] in (["services", "driver"], ["services", "cli"])}
+    assert not offenders, sorted(offenders)
+
+
+def test_the_product_imports_no_experiment_and_no_tool():
+    """Experiments (`experiments/<study>/`) and the demo-corpus tool sit above the product: they import it, never
+    the other way. Nothing of `services` (the stages, the driver, the command line) imports them, so the wheel,
+    which ships `marge` and `services` only, runs without them."""
+    files = sorted((REPO / "services").rglob("*.py"))
+    offenders = {f"{path.relative_to(REPO)} imports {name}" for path in files for name in imported_modules(path)
+                 if name.split(".")[0] in ("experiments", "tools")}
+    assert not offenders, sorted(offenders)
+    assert any(path.parts[-2] == "cli" for path in files) and len(files) > 30
+
+
+def test_the_wheel_ships_the_library_and_services_only():
+    """pyproject's packages: every package folder of shared/marge and services, and nothing else."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"marge": "shared/marge", "services": "services"}
+    folders = {".".join(("marge", *p.parent.relative_to(LIBRARY).parts)) for p in LIBRARY.rglob("__init__.py")}
+    folders |= {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "services").rglob("__init__.py")}
+    assert set(setuptools["packages"]) == folders
+
+
+def test_stages_import_each_other_only_through_the_library():
+    """Stages meet only through the library's contracts: no stage imports another stage (nor anything of
+    `services` that is not its own)."""
+    offenders = {f"{path.relative_to(REPO)} imports {'.'.join(parts)}" for stage, path, parts in stage_imports()
+                 if parts[0] == "services" and len(parts) > 1 and parts[1] != stage}
+    assert not offenders, sorted(offenders)
+
+
+def test_import_paths_match_folders():
+    import marge
+    import services.indexer.core
+
+    assert Path(marge.__file__).parent == LIBRARY
+    assert Path(services.indexer.core.__file__) == REPO / "services" / "indexer" / "core.py"
+
+
+def test_the_batch_contract_and_the_queue_protocol_need_no_torch():
+    code = ("import sys; import marge.contracts.batch, marge.contracts.protocol, marge.contracts.config; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,191 @@
+"""What teaches g to retrieve (experiments/mechanism): the detach and freeze switches, the oracle with the loop's
+budget, held-out data that training never saw, and statistics that do not call noise an effect.
+
+The tests of this subject that need a server or take long are in tests/integration/test_mechanism_study.py."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from marge.model.network import Marge
+from marge.model.architecture import preset
+from services.trainer.objectives import MargeObjectiveConfig, ObjectivesConfig, apply_objective_settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_inputs(vocab: int = 100, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    evidence = torch.randint(5, vocab, (4, 9), generator=g)
+    evidence[:, 0] = 1
+    targets = torch.randint(5, vocab, (3, 9), generator=g)
+    targets[:, 0] = 1
+    decoder_in, labels = torch.randint(5, vocab, (3, 7), generator=g), torch.randint(5, vocab, (3, 7), generator=g)
+    return dict(evidence_MS=evidence, target_enc_NS=targets, decoder_in_NT=decoder_in, labels_NT=labels,
+                allowed_NM=torch.ones(3, 4, dtype=torch.bool))
+
+
+def gradients(model: Marge, detach: bool) -> tuple[float, dict]:
+    model.zero_grad()
+    model.relevance_center.zero_()
+    out = model(**tiny_inputs(), detach_relevance=detach)
+    out.loss.backward()
+    return float(out.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_detached_relevance_keeps_every_value_and_stops_only_the_gradient_through_f():
+    torch.manual_seed(0)
+    cfg = preset("tiny", vocab_size=100, max_positions=32, relevance_pooling="mean", relevance_layers=1,
+                 relevance_centering=True, tie_encoder_embeddings=False)
+    model = Marge(cfg).train()
+    loss, full = gradients(model, detach=False)
+    loss_detached, detached = gradients(model, detach=True)
+    assert loss_detached == loss  # beta * f still biases the attention: the same forward
+    assert torch.equal(full["beta"], detached["beta"])  # beta's gradient needs f's value, not its graph
+    # the decoder's own parameters see the same f, so the same gradient; g's layer gets less (no path through f)
+    assert torch.allclose(full["decoder_norm.weight"], detached["decoder_norm.weight"])
+    g_layer = "encoder_layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(full[g_layer], detached[g_layer])
+    # the part that differs is exactly the gradient that reaches g through f: with beta at 0, f carries no signal
+    with torch.no_grad():
+        model.beta.zero_()
+    _, zero_full = gradients(model, detach=False)
+    _, zero_detached = gradients(model, detach=True)
+    assert torch.allclose(zero_full[g_layer], zero_detached[g_layer], atol=1e-7)
+
+
+def test_the_marge_objective_passes_the_switch_and_freezing_beta_takes_it_out_of_training(paragraph_corpus):
+    from marge.contracts.batch import Batch
+    from marge.contracts.corpus import Corpus
+    from services.trainer.config import TrainerConfig
+    from services.trainer.objectives import objectives_for
+    from services.trainer.step import reference_train
+
+    corpus = Corpus.open(paragraph_corpus)
+    tokenizer = corpus.tokenizer()
+    shard = corpus.read_shard(0)
+    n = 6
+    batch = Batch("b", 0, 0, shard.doc_ids[:n], tuple(shard.langs[:n]), tuple(shard.tokens[:n]),
+                  np.array([0, 1, 2], dtype=np.int32), np.array([3, 4, 5], dtype=np.int32),
+                  np.array([[0, 0], [1, 1], [2, 2]], dtype=np.int32), np.ones(3, dtype=np.float32))
+    cfg = ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked", detach_relevance=True, train_beta=False))
+    objectives = objectives_for(cfg, tokenizer)
+    torch.manual_seed(0)
+    model = Marge(preset("tiny", vocab_size=tokenizer.vocab_size, max_positions=64))
+    records = reference_train(model, [[batch], [batch]], objectives, TrainerConfig(lr=1e-2, warmup_steps=1), 2)
+    assert [r.beta for r in records] == [[1.0], [1.0]] and not model.beta.requires_grad
+    assert all(np.isfinite(r.loss) for r in records)
+    assert apply_objective_settings(Marge(model.cfg), ObjectivesConfig()).beta.requires_grad  # the default trains beta
+
+
+def test_the_budget_oracle_fills_the_loops_link_budget_with_translations_first(paragraph_corpus):
+    from marge.contracts.corpus import Corpus
+    from services.indexer.config import IndexerConfig
+    from services.indexer.core import budget_aligned_links, version_links
+
+    docs = Corpus.open(paragraph_corpus).read_shard(0)
+    cfg = IndexerConfig(links="aligned", aligned_layout="budget", links_monolingual=2, links_crosslingual=4,
+                        link_rule="document")
+    first = budget_aligned_links(docs, cfg, np.random.default_rng([0, 0]))
+    pos = {int(d): i for i, d in enumerate(docs.doc_ids)}
+    rows = [(pos[int(t)], pos[int(e)], float(s), bool(c)) for t, e, s, c in
+            zip(first["target_id"], first["evidence_id"], first["score"], first["cross_lingual"])]
+    for i in range(len(docs)):
+        mine = [r for r in rows if r[0] == i]
+        mono = [r for r in mine if not r[3]]
+        cross = [r for r in mine if r[3]]
+        assert len(mono) <= 2 and all(docs.langs[e] == docs.langs[i] for _, e, _, _ in mono)
+        others = int((docs.langs != docs.langs[i]).sum())
+        assert len(cross) == min(4, others) and all(docs.langs[e] != docs.langs[i] for _, e, _, _ in cross)
+        translations = [docs.translations(i, e) for _, e, _, _ in cross]
+        assert translations == sorted(translations, reverse=True)  # aligned translations first, then random ones
+        assert all(t == (s == 1.0) for t, (_, _, s, _) in zip(translations, cross))
+    # a rebuild draws new random cross-lingual links and keeps the translations and the TF-IDF neighbours
+    again = version_links(docs, np.zeros((len(docs), 4), dtype=np.float32), cfg, snapshot_step=250)
+    later = {(int(t), int(e)) for t, e in zip(again["target_id"], again["evidence_id"])}
+    before = {(int(t), int(e)) for t, e in zip(first["target_id"], first["evidence_id"])}
+    kept = {(int(t), int(e)) for t, e, score, cross in
+            zip(first["target_id"], first["evidence_id"], first["score"], first["cross_lingual"]) if score > 0 or not cross}
+    assert kept <= later and later != before
+
+
+def test_the_heldout_probe_is_disjoint_from_the_training_text(demo_raw):
+    """The held-out pages are never training pages; the held-out pairs, and the mechanism study's targets, never
+    have a text a training document has (boilerplate paragraphs that held-out pages share with training pages are
+    dropped from the targets)."""
+    from marge.contracts.corpus import split_paragraphs
+    from marge.eval.evaluation import read_pairs
+
+    training, heldout = ({r["group"]: r for r in map(json.loads, gzip.open(demo_raw / name, "rt", encoding="utf-8"))}
+                         for name in ("documents.jsonl.gz", "heldout_documents.jsonl.gz"))
+    training_rows = [json.loads(line) for line in gzip.open(demo_raw / "documents.jsonl.gz", "rt", encoding="utf-8")]
+    assert not set(training) & set(heldout)
+    seen = {(r["language"], p) for r in training_rows for p in split_paragraphs(r["text"])}
+    for pair in read_pairs(demo_raw / "heldout_pairs.tsv"):
+        assert not any((pair.src_lang, s) in seen for s in pair.sources)
+        assert not any((pair.tgt_lang, t) in seen for t in pair.targets)
+    overlap = sum(1 for r in map(json.loads, gzip.open(demo_raw / "heldout_documents.jsonl.gz", "rt", encoding="utf-8"))
+                  for p in split_paragraphs(r["text"]) if (r["language"], p) in seen)
+    assert overlap > 0  # held-out pages do share paragraphs with training pages: the probe must drop them
+
+
+def test_mechanism_targets_drop_every_text_training_has(paragraph_corpus, demo_raw):
+    from marge.contracts.corpus import Corpus
+    from experiments.mechanism.measures import training_documents
+    from services.trainer.health import build_aligned_probe
+
+    corpus = Corpus.open(paragraph_corpus)
+    tokenizer = corpus.tokenizer()
+    seen = training_documents(corpus)
+    # the paragraph corpus trains on 12 demo pages: held out from it, treat the whole demo training file as "held out"
+    items = build_aligned_probe(demo_raw / "documents.jsonl.gz", tokenizer, 400, max_tokens=64, exclude=seen)
+    assert items and not any((item.target_lang, tuple(item.target.tolist())) in seen for item in items)
+    everything = build_aligned_probe(demo_raw / "documents.jsonl.gz", tokenizer, 400, max_tokens=64)
+    assert len(everything) == 400 and len(items) == 400  # the draw continues past dropped targets
+    assert {i.group for i in everything} != {i.group for i in items}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The report's statistics
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_the_bootstrap_resamples_pages_not_paragraphs():
+    from marge.eval.evaluation import clustered_bootstrap
+
+    # 20 pages of 50 paragraphs each; within a page every paragraph has the page's value: 20 observations, not 1,000
+    rng = np.random.default_rng(0)
+    page_values = rng.normal(0.0, 1.0, size=20)
+    sums, counts = page_values * 50, np.full(20, 50.0)
+    by_page = clustered_bootstrap(sums, counts)
+    width = by_page["ci95"][1] - by_page["ci95"][0]
+    assert width == pytest.approx(2 * 1.96 * page_values.std() / np.sqrt(20), rel=0.25)
+    paragraphs = clustered_bootstrap(np.repeat(page_values, 50), np.ones(1000))
+    assert paragraphs["ci95"][1] - paragraphs["ci95"][0] < width / 4  # as if 1,000 were independent
+
+
+def test_the_committed_report_holds_the_schema_and_the_figures_the_readme_quotes():
+    """experiments/mechanism/results/report.json is what a reader's script reads and what README.md quotes: every arm at
+    equal updates over at least 3 seeds with all five evidence conditions, and the named contrasts."""
+    report = json.loads((REPO / "experiments/mechanism/results/report.json").read_text(encoding="utf-8"))
+    for name, arm in report["arms"].items():
+        assert len(arm["seeds"]) >= 3, name
+        assert {"none", "retrieved", "gold", "wrong_page", "self_copy"} <= set(arm["nll"]), name
+        assert {"mean", "ci95"} <= set(arm["p_at_1"]) and {"mean", "ci95"} <= set(arm["p_at_1_init"]), name
+        assert isinstance(arm["aux_loss"], bool) and isinstance(arm["detached_f"], bool) and arm["index"], name
+        assert arm["aligned_link_precision"], name
+    assert len({arm["updates"] for arm in report["arms"].values()}) == 1  # equal updates
+    for name in ("beta_f_vs_detached_loop", "beta_f_vs_detached_tfidf", "loop_vs_lexical_frozen"):
+        contrast = report["contrasts"][name]
+        lo, hi = contrast["ci95"]
+        assert lo <= contrast["delta"] <= hi, name
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    loop = report["contrasts"]["beta_f_vs_detached_loop"]
+    quoted = f"{loop['delta']:.3f} in the loop (95% CI {loop['ci95'][0]:.3f} to {loop['ci95'][1]:.3f})"
+    assert quoted in readme, quoted
