@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def parser() -> argparse.ArgumentParser:
-    from experiments.mechanism.harness import ARM_NAMES
+    from experiments.mechanism.arms import ARM_NAMES
 
     p = argparse.ArgumentParser(prog="python -m experiments.mechanism", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def add_study_arguments(q: argparse.ArgumentParser) -> None:
-    from experiments.mechanism.harness import ARM_NAMES
+    from experiments.mechanism.arms import ARM_NAMES
 
     q.add_argument("--out", type=Path, required=True, help="folder of the study (finished runs are kept)")
     q.add_argument("--updates", type=int, default=1500, help="updates of every arm (equal updates, not minutes)")

@@ -133,7 +133,7 @@ def shown(summary: dict) -> bool:
 
 
 def arm_summary(name: str, seeds: dict[int, dict], pages: Pages) -> dict:
-    from experiments.mechanism.harness import ARM_NAMES, arm_named
+    from experiments.mechanism.arms import ARM_NAMES, arm_named
 
     steps = common_steps(seeds)
     if not steps:
@@ -263,7 +263,7 @@ def judge(arms: dict, contrasts: dict) -> dict:
 
 
 def write_report(out: Path) -> dict:
-    from experiments.mechanism.harness import ARM_NAMES, COMMON, CONTRASTS
+    from experiments.mechanism.arms import ARM_NAMES, COMMON, CONTRASTS
 
     out = Path(out)
     runs = read_runs(out)
