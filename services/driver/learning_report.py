@@ -121,7 +121,7 @@ def plot_learning(report: dict, records: list[UpdateRecord], path: Path) -> Path
     hsteps = [h["step"] for h in health]
     over = report["p_at_1_over_time"]
     builds = report["index_builds"]
-    panels = [
+    panels: list[dict] = [
         {"title": "training loss (nats/token)", "ylabel": "loss",
          "series": [{"label": "per step", "x": steps, "y": losses, "color": "0.8"},
                     {"label": "EMA", "x": steps, "y": ema(losses, 0.05), "color": "C0"}]},

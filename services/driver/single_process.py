@@ -45,6 +45,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -125,13 +126,15 @@ class ScheduleReader:
         self.prepare, self.pin = prepare, pin
 
     def read(self, step: int) -> StepInput | None:
-        batches = []
+        batches: list[Batch] = []
         for expected in range(step * self.slots.per_step, (step + 1) * self.slots.per_step):
             slot, batch = next(self.batches, (None, None))
             if slot is None:
                 return None  # stopped while waiting for an index version
             if slot != expected:
                 raise RuntimeError(f"the batch schedule gave slot {slot} where slot {expected} was due")
+            if batch is None:  # the schedule gives a slot with its batch
+                raise RuntimeError(f"the batch schedule gave slot {slot} without its batch")
             batches.append(batch)
         prepared = [self.prepare(b, step, k) for k, b in enumerate(batches)]
         if self.pin:
@@ -492,8 +495,8 @@ def train_chunk(cfg: PipelineConfig, out_dir: Path, resume: bool, minutes: float
     `minutes` (None: to run.max_steps) from its newest checkpoint (`resume`) or from step 0, and report."""
     started = time.time()
     meta_path = out_dir / EXPERIMENT_FILE
-    experiment = (json.loads(meta_path.read_text(encoding="utf-8")) if resume
-                  else {"mode": "single-process", "chunks": []})
+    experiment: dict[str, Any] = (json.loads(meta_path.read_text(encoding="utf-8")) if resume
+                                  else {"mode": "single-process", "chunks": []})
     if resume:
         atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))
     torch_device = resolve_device(device)

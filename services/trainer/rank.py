@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from services.trainer.health import HealthMonitor, loggable
 from services.trainer.job import TrainerJob
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
 from services.trainer.prefetch import Prefetcher
-from services.trainer.objectives import apply_objective_settings, objectives_for
+from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
 from services.trainer.source import source_for
 from services.trainer.state import begin_checkpoint, report_checkpoint, resume
 from services.trainer.inputs import untrainable
@@ -139,6 +140,8 @@ class Rank:
         generation = [self.source.start_generation() if self.rank == 0 else None]  # fences the replaced group's ranks
         if dist.is_initialized():
             dist.broadcast_object_list(generation, src=0)
+        if generation[0] is None:  # every rank has rank 0's generation once the broadcast returns
+            raise RuntimeError(f"rank {self.rank}: no queue generation from rank 0")
         self.source.join_generation(generation[0])
         if self.rank == 0:
             self.source.agree_with(self.step)  # resumed below the last commit: the queue is reset to the checkpoint
@@ -196,7 +199,7 @@ class Rank:
 
     # --- the loop's host -----------------------------------------------------------------------------
 
-    def prepare(self, delivery: Delivery):
+    def prepare(self, delivery: Delivery) -> PreparedBatch | None:
         """A delivery prepared ahead (None: one the model cannot take, left to the step to dead-letter)."""
         cfg = self.model.cfg
         if delivery.problem is not None or delivery.batch is None or untrainable(
@@ -205,7 +208,7 @@ class Rank:
         prepared = self.objectives.prepare(delivery.batch, seed_key(self.job.seed, self.slots, delivery.slot))
         return prepared.pin_memory() if self.device.type == "cuda" else prepared
 
-    def read_prepared(self, step: int) -> list[tuple[Delivery, object]]:
+    def read_prepared(self, step: int) -> list[tuple[Delivery, PreparedBatch | None]]:
         """This rank's deliveries of update `step`, each prepared, in a prefetch thread. Reading a slot does not
         consume it (marge.contracts.protocol), so batches read ahead and never trained are read again by the
         resumed run."""
@@ -241,7 +244,7 @@ class Rank:
         return UpdateInput([Item(d.slot, d.batch, d.problem, prepared) for d, prepared in taken],
                            [d for d, _ in taken])
 
-    def gather(self, part: list) -> list[list]:
+    def gather(self, part: Any) -> list[Any]:
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, part)
         return gathered
@@ -285,9 +288,10 @@ class Rank:
         m.set("marge_trainer_step", record.step)
         m.set("marge_trainer_tokens_per_second", record.tokens_per_s)
         m.set("marge_trainer_wait_share", record.wait_share)
+        health = record.health or {}
         for name in HEALTH_GAUGES:
-            if name in (record.health or {}):
-                m.set(f"marge_{name}", record.health[name])
+            if name in health:
+                m.set(f"marge_{name}", health[name])
         self.source.publish(record.to_dict())
 
     def fault_point(self, point: str, step: int) -> None:
