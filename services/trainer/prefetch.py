@@ -48,7 +48,7 @@ class Prefetcher(Generic[T]):
         self.close()
         if self.error is not None:
             raise self.error
-        return self.result  # type: ignore[return-value]
+        return self.result  # type: ignore[return-value]  # set by the production just waited for: a T
 
     def close(self) -> None:
         """Wait for the production in flight, if any."""
