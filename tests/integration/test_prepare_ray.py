@@ -18,7 +18,7 @@ from marge.contracts.corpus import Corpus
 from marge.contracts.documents import PrepareError, RawDocument
 from services.prepare.options import PrepareOptions
 from services.prepare.run import prepare
-from test_prepare import ENGLISH, GERMAN, assert_nothing_written, good_rows, write_jsonl  # tests/unit/test_prepare.py
+from prepare_inputs import ENGLISH, GERMAN, assert_nothing_written, good_rows, write_jsonl  # tests/prepare_inputs.py
 
 
 def corpus_documents(path: Path) -> set[tuple]:

@@ -18,31 +18,11 @@ from marge.contracts.documents import PrepareError
 from services.prepare.options import PrepareOptions
 from services.prepare.run import prepare
 from marge.util.files import sha256_file
-
-GERMAN = "Die Tabellenkalkulation berechnet die Summe aller Zellen in der ausgewählten Spalte automatisch."
-ENGLISH = "The spreadsheet automatically calculates the sum of all cells in the selected column."
-CHINESE = "电子表格会自动计算所选列中所有单元格的总和。"
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def good_rows() -> list[dict]:
-    return [{"id": "p1-en", "group": "p1", "language": "en", "text": ENGLISH},
-            {"id": "p1-de", "group": "p1", "language": "de", "text": GERMAN},
-            {"id": "p1-zh", "group": "p1", "language": "zh", "text": CHINESE}]
+from prepare_inputs import CHINESE, ENGLISH, GERMAN, assert_nothing_written, good_rows, write_jsonl  # tests/prepare_inputs.py
 
 
 def opts(inputs, out, **kw) -> PrepareOptions:
     return PrepareOptions(inputs=inputs, out=out, vocab_size=kw.pop("vocab_size", 600), **kw)
-
-
-def assert_nothing_written(out: Path) -> None:
-    assert not out.exists()
-    leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
-    assert leftovers == []
 
 
 # --- round trip --------------------------------------------------------------------------------

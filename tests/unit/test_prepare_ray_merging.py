@@ -20,7 +20,7 @@ from services.prepare.options import PrepareOptions
 from services.prepare.core import TokenizerSample
 from services.prepare.run import prepare
 from services.prepare.ray_reading import Rejected, first_lines, jsonl_range_lines, line_starts, read_tasks
-from test_prepare import ENGLISH, GERMAN, good_rows, write_jsonl  # tests/unit/test_prepare.py
+from prepare_inputs import ENGLISH, GERMAN, good_rows, write_jsonl  # tests/prepare_inputs.py
 
 
 def test_the_byte_ranges_of_a_file_give_its_lines_and_their_numbers(tmp_path):
