@@ -236,7 +236,7 @@ class SingleProcessRun:
             cfg.objectives)
         optimizer = build_optimizer(model, cfg.trainer)
         scheduler = build_scheduler(optimizer, cfg.trainer, cfg.run.max_steps)
-        state = {"step": 0, "tokens_seen": 0, "target_tokens_seen": 0, "train_seconds": 0.0}
+        state: dict[str, Any] = {"step": 0, "tokens_seen": 0, "target_tokens_seen": 0, "train_seconds": 0.0}
         checkpoint = newest_good_checkpoint(checkpoint_root(cfg)) if self.resume else None
         if checkpoint is not None:
             saved = restore_training(checkpoint, model, optimizer, scheduler, self.device)

@@ -135,7 +135,8 @@ class _Throughput:
     """Tokens and seconds of a set of updates, summed in update order."""
 
     def __init__(self):
-        self.updates, self.tokens, self.seconds = 0, 0, 0
+        self.updates, self.tokens = 0, 0
+        self.seconds: float = 0
 
     def add(self, r: UpdateRecord) -> None:
         self.updates += 1

@@ -557,7 +557,7 @@ def joined(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Ten
             for name, pieces in blocks.items()}
 
 
-def restore_training(directory: Path, model: Marge, optimizer, scheduler, device: str | torch.device = "cpu",
+def restore_training(directory: Path, model: nn.Module, optimizer, scheduler, device: str | torch.device = "cpu",
                      verify: bool = True, group=None, stats: dict | None = None) -> dict[str, Any]:
     """Put a checkpoint's weights, optimizer, schedule and RNG back (verified against the manifest unless `verify`
     is False: a DDP rank whose rank 0 verified it); returns the rest of its training state (step, consumed batches,
