@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,20 @@ def train_loop_per_worker(config: dict) -> None:
     """Ray Train's entry point on every rank: `config["job"]` is the `TrainerJob`."""
     setup_logging()
     Rank(config["job"]).run()
+
+
+def deliveries_prepared(source, slots: Slots, rank: int, prepare: Callable[[Delivery], PreparedBatch | None],
+                        step: int) -> list[tuple[Delivery, PreparedBatch | None]]:
+    """Rank `rank`'s deliveries of update `step` in micro-batch order, each prepared, up to the first slot `source`
+    does not hold. Reading a slot does not consume it (marge.contracts.protocol), so batches read ahead and never
+    trained are read again by the resumed run."""
+    out = []
+    for micro in range(slots.grad_accum):
+        delivery = source.get(slots.slot(step, rank, micro))
+        if delivery is None:
+            break
+        out.append((delivery, prepare(delivery)))
+    return out
 
 
 class Rank:
@@ -209,16 +224,8 @@ class Rank:
         return prepared.pin_memory() if self.device.type == "cuda" else prepared
 
     def read_prepared(self, step: int) -> list[tuple[Delivery, PreparedBatch | None]]:
-        """This rank's deliveries of update `step`, each prepared, in a prefetch thread. Reading a slot does not
-        consume it (marge.contracts.protocol), so batches read ahead and never trained are read again by the
-        resumed run."""
-        out = []
-        for micro in range(self.slots.grad_accum):
-            delivery = self.source.get(self.slots.slot(step, self.rank, micro))
-            if delivery is None:
-                break
-            out.append((delivery, self.prepare(delivery)))
-        return out
+        """This rank's deliveries of update `step`, each prepared (`deliveries_prepared`), in a prefetch thread."""
+        return deliveries_prepared(self.source, self.slots, self.rank, self.prepare, step)
 
     def next_update(self, step: int) -> UpdateInput | None:
         """This rank's deliveries of update `step`, or None when any rank cannot get its own (all stop)."""

@@ -219,10 +219,12 @@ def test_the_chunked_loss_makes_its_gradients_with_three_matmuls_a_chunk():
 def test_a_rank_reads_and_prepares_the_next_update_while_this_one_trains():
     """`trainer.prefetch`: the DDP rank's prefetcher reads its slots of the next update from the source and prepares
     them in a thread (as the single process does); a read that fails is raised in the loop, not lost in the thread."""
+    import functools
     import threading
 
     from marge.contracts.slots import Slots
-    from services.trainer.rank import DeliveryPrefetcher
+    from services.trainer.prefetch import Prefetcher
+    from services.trainer.rank import deliveries_prepared
     from services.trainer.source import MemorySource
 
     slots = Slots(2, 2)  # 2 ranks x 2 micro-batches: this rank (1) holds slots 2, 3 of update 0 and 6, 7 of update 1
@@ -233,7 +235,7 @@ def test_a_rank_reads_and_prepares_the_next_update_while_this_one_trains():
         prepared_in.append(threading.current_thread().name)
         return ("prepared", delivery.slot)
 
-    prefetcher = DeliveryPrefetcher(MemorySource(batches, slots, rank=1), slots, 1, prepare, pin=False)
+    prefetcher = Prefetcher(functools.partial(deliveries_prepared, MemorySource(batches, slots, rank=1), slots, 1, prepare))
     prefetcher.start(1)
     taken = prefetcher.take(1)
     assert [d.slot for d, _ in taken] == [6, 7] and [p for _, p in taken] == [("prepared", 6), ("prepared", 7)]
@@ -245,7 +247,7 @@ def test_a_rank_reads_and_prepares_the_next_update_while_this_one_trains():
         def get(self, slot):
             raise ConnectionError("redis went away")
 
-    broken = DeliveryPrefetcher(Broken(batches, slots, rank=1), slots, 1, prepare, pin=False)
+    broken = Prefetcher(functools.partial(deliveries_prepared, Broken(batches, slots, rank=1), slots, 1, prepare))
     broken.start(0)
     with pytest.raises(ConnectionError, match="redis went away"):
         broken.take(0)
