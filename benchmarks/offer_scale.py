@@ -37,7 +37,7 @@ from services.driver.redis_server import LocalRedis  # noqa: E402
 
 WORLDS = (8, 64, 256, 1024, 2048)
 SECONDS_PER_UPDATE = 0.3
-"""The paper-scale update the need is priced at (shared/notes of the scale review: 0.3 s an update on GPUs)."""
+"""The paper-scale update the need is priced at (an assumed 0.3 s an update on GPUs)."""
 
 PER_RANK_KEYS_OFFER = """
         local slot, per_step, lookahead, known = tonumber(ARGV[1]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
