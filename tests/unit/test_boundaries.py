@@ -13,7 +13,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LIBRARY = REPO / "shared" / "marge"
-STAGES = ("indexer", "batcher", "trainer", "retrieval")
+STAGES = ("indexer", "batcher", "trainer", "retrieval", "prepare")
+ROOMS = ("util", "contracts", "model", "eval")
+"""The library's rooms from the bottom up: a module imports only its own room and the rooms below it."""
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -82,6 +84,22 @@ def test_stages_import_each_other_only_through_the_library():
     assert not offenders, sorted(offenders)
 
 
+def test_the_library_rooms_import_only_downwards():
+    """marge.util < marge.contracts < marge.model < marge.eval: no room imports a room above it, so each can be read
+    (and tested) with only what lies below it."""
+    offenders, seen = [], 0
+    for level, room in enumerate(ROOMS):
+        for path in sorted((LIBRARY / room).rglob("*.py")):
+            seen += 1
+            for name in imported_modules(path):
+                parts = name.split(".")
+                if parts[0] == "marge" and len(parts) > 1 and parts[1] in ROOMS and ROOMS.index(parts[1]) > level:
+                    offenders.append(f"{path.relative_to(REPO)} ({room}) imports {name}")
+    assert not offenders, offenders
+    assert seen > 25 and sorted(p.name for p in LIBRARY.iterdir() if p.suffix == ".py") == ["__init__.py"], \
+        "every library module lives in a room"
+
+
 def test_import_paths_match_folders():
     import marge
     import services.indexer.core
@@ -90,8 +108,12 @@ def test_import_paths_match_folders():
     assert Path(services.indexer.core.__file__) == REPO / "services" / "indexer" / "core.py"
 
 
-def test_the_batch_contract_and_the_queue_protocol_need_no_torch():
-    code = ("import sys; import marge.contracts.batch, marge.contracts.protocol, marge.contracts.config; "
+def test_the_contracts_and_the_plumbing_need_no_torch():
+    """Every module of marge.contracts and marge.util imports without torch: a program that reads a corpus, a batch
+    or the queue (a batcher, a data tool) needs no deep-learning stack."""
+    code = ("import sys, importlib, pkgutil, marge.contracts, marge.util\n"
+            "for room in (marge.contracts, marge.util):\n"
+            "    for m in pkgutil.iter_modules(room.__path__): importlib.import_module(f'{room.__name__}.{m.name}')\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
