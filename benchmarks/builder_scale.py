@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO), str(REPO / "benchmarks")]
 
 from batcher_scale import write_synthetic  # noqa: E402
+
 from marge.util.files import atomic_write_text  # noqa: E402
 
 log = logging.getLogger("builder_scale")

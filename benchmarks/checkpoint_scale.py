@@ -62,8 +62,8 @@ def training(preset: str, seed: int = 0):
     """(model, optimizer, scheduler) of `preset` after one AdamW update (moments and a step per parameter)."""
     import torch
 
-    from marge.model.network import Marge
     from marge.model.architecture import preset as model_preset
+    from marge.model.network import Marge
 
     torch.manual_seed(seed)
     model = Marge(model_preset(preset, dropout=0.0))
@@ -231,8 +231,8 @@ def main() -> None:
 
     import torch
 
-    from marge.model.network import Marge
     from marge.model.architecture import preset as model_preset
+    from marge.model.network import Marge
 
     params = sum(p.numel() for p in Marge(model_preset(ns.preset)).parameters())
     report: dict = {"date": time.strftime("%Y-%m-%d"), "machine": {"cpus": os.cpu_count(),

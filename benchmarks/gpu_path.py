@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_vs_hf_bart import OurStep, compare, describe, shape, sync, synthetic_batch, time_steps  # noqa: E402
 
-from marge.model.network import RelevanceEncoder  # noqa: E402
 from marge.model.architecture import preset  # noqa: E402
+from marge.model.network import RelevanceEncoder  # noqa: E402
 from marge.model.sizes import training_flops_per_token  # noqa: E402
 from services.trainer.step import device_peak_flops as peak  # noqa: E402
 
@@ -83,9 +83,10 @@ def corpus_documents(limit: int) -> tuple[list[np.ndarray], str]:
 
 
 def indexer_embedding(device: torch.device, documents: int) -> dict:
+    from trainer_vs_hf_bart import SPECIALS
+
     from marge.model.network import Marge
     from services.indexer.core import embed_documents
-    from trainer_vs_hf_bart import SPECIALS
 
     docs, source = corpus_documents(documents)
     cfg = preset("base", max_positions=512, vocab_size=32000)

@@ -45,17 +45,22 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO), str(REPO / "benchmarks")]
 
-from marge.contracts.batch import SpecialTokens  # noqa: E402
-from marge.model.network import Marge  # noqa: E402
-from marge.model.sizes import build_on_meta  # noqa: E402
-from marge.model.architecture import preset  # noqa: E402
 from recipe_batches import LANGUAGES, recipe_batches  # noqa: E402
 from recipe_efficiency import executed_and_credited  # noqa: E402
+
+from marge.contracts.batch import SpecialTokens  # noqa: E402
+from marge.model.architecture import preset  # noqa: E402
+from marge.model.network import Marge  # noqa: E402
+from marge.model.sizes import build_on_meta  # noqa: E402
 from services.trainer.config import TrainerConfig  # noqa: E402
-from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,  # noqa: E402
-                                         ObjectivesConfig, SelfEvidenceConfig)
-from services.trainer.step import (apply_execution_settings, build_optimizer, build_scheduler, compiled,  # noqa: E402
-                                   train_step)
+from services.trainer.objectives import (  # noqa: E402
+    DenoisingContrastiveConfig,
+    MargeObjectiveConfig,
+    Objectives,
+    ObjectivesConfig,
+    SelfEvidenceConfig,
+)
+from services.trainer.step import apply_execution_settings, build_optimizer, build_scheduler, compiled, train_step  # noqa: E402
 
 PARTS = ("bench", "recipe", "prefetch", "profile", "ablations", "compile")
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM

@@ -61,14 +61,19 @@ def measure(compile_host: bool) -> dict:
     import numpy as np
 
     from marge.contracts.batch import Batch, SpecialTokens
-    from marge.model.network import Marge
-    from marge.model.architecture import preset
     from marge.contracts.slots import Slots
+    from marge.model.architecture import preset
+    from marge.model.network import Marge
     from services.trainer.config import TrainerConfig
-    from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
-                                             ObjectivesConfig, SelfEvidenceConfig)
-    from services.trainer.step import build_optimizer, build_scheduler, seed_key, train_step
     from services.trainer.inputs import to_model_inputs
+    from services.trainer.objectives import (
+        DenoisingContrastiveConfig,
+        MargeObjectiveConfig,
+        Objectives,
+        ObjectivesConfig,
+        SelfEvidenceConfig,
+    )
+    from services.trainer.step import build_optimizer, build_scheduler, seed_key, train_step
 
     torch.set_num_threads(1)
     specials = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 5, "de": 6, "fr": 7})

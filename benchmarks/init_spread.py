@@ -30,8 +30,8 @@ sys.path[:0] = [str(ROOT / "shared"), str(ROOT)]
 
 from marge.contracts.corpus import Corpus  # noqa: E402
 from marge.eval.evaluation import PairSet, evaluate_model, mean_score, read_pairs  # noqa: E402
-from marge.model.network import RelevanceEncoder  # noqa: E402
 from marge.model.architecture import init_parameters, preset  # noqa: E402
+from marge.model.network import RelevanceEncoder  # noqa: E402
 from services.trainer.health import relevance_spread  # noqa: E402
 
 

@@ -105,9 +105,9 @@ def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
 def indexer_speed(corpus_dir: str, threads: int, device: str) -> dict:
     from marge.contracts.batch import as_encoder_input
     from marge.contracts.corpus import Corpus
-    from marge.model.network import Marge, RelevanceEncoder
-    from marge.model.layers import pad_rows
     from marge.model.architecture import preset
+    from marge.model.layers import pad_rows
+    from marge.model.network import Marge, RelevanceEncoder
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_shard
 

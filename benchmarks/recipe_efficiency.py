@@ -49,9 +49,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from host_overhead import REPO, Launches, exported, write_result
+from torch.utils._python_dispatch import TorchDispatchMode
 
 PER_UPDATE = 2
 META = torch.device("meta")
@@ -114,11 +113,17 @@ def recipe_setup(unpadded: bool, narrow: bool, count: int, max_tokens: int):
     """The recipe's special tokens, `count` recipe-shaped batches of `max_tokens`, its objectives (self-evidence and
     the denoising loss of learning-gpu.yaml; `unpadded` where the tree has it) and its model's config (`base`, 4k
     vocabulary, 128 positions, g = 1 mean-pooled layer; `narrow`: d_model 64). For this tree or an exported one."""
+    from recipe_batches import LANGUAGES, recipe_batches
+
     from marge.contracts.batch import SpecialTokens
     from marge.model.architecture import preset
-    from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
-                                             ObjectivesConfig, SelfEvidenceConfig)
-    from recipe_batches import LANGUAGES, recipe_batches
+    from services.trainer.objectives import (
+        DenoisingContrastiveConfig,
+        MargeObjectiveConfig,
+        Objectives,
+        ObjectivesConfig,
+        SelfEvidenceConfig,
+    )
 
     specials = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={lang: 4 + k for k, lang in enumerate(LANGUAGES)})
     made = recipe_batches(count, max_tokens=max_tokens)
@@ -142,6 +147,7 @@ def recipe_setup(unpadded: bool, narrow: bool, count: int, max_tokens: int):
 def measure(unpadded: bool, smoke: bool) -> dict:
     """Every figure for the code importable here (this tree's, or the exported commit's)."""
     import numpy as np
+
     from marge.model.sizes import build_on_meta
     from services.trainer.loop import update_statistics
 

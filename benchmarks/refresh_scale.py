@@ -143,9 +143,9 @@ def main() -> int:
     sys.path[:0] = [str(REPO / "shared"), str(REPO)]
     import torch
 
-    from marge.model.checkpoint import build_model
-    from marge.contracts.corpus import Corpus
     from benchmarks.serve_scale import replicate_corpus
+    from marge.contracts.corpus import Corpus
+    from marge.model.checkpoint import build_model
     from services.driver.config import load_config
 
     sizes = [int(s) for s in args.sizes.split(",")]

@@ -83,15 +83,14 @@ def replicate_corpus(source: Path, target: Path, times: int) -> Path:
 def build_run(run: Path, corpus_dir: Path, seed: int = 0) -> float:
     """A snapshot of a tiny model and index version 0 of every document with it; returns the build seconds."""
     import torch
+    import yaml
 
     from marge.contracts.corpus import Corpus
-    from marge.model.network import Marge
     from marge.model.architecture import preset
+    from marge.model.network import Marge
     from marge.model.snapshot import load_relevance_encoder, publish_snapshot
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus
-
-    import yaml
 
     corpus = Corpus.open(corpus_dir)
     tok = corpus.tokenizer()

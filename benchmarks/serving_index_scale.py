@@ -142,10 +142,10 @@ def main() -> None:
     args = p.parse_args()
 
     import yaml
+    from serve_scale import replicate_corpus
 
     from marge.contracts.corpus import Corpus
     from marge.model.snapshot import latest_snapshot
-    from serve_scale import replicate_corpus
     from services.retrieval.full_index import read_build
 
     source = Path(yaml.safe_load((args.run / "config.yaml").read_text())["data"]["corpus"])

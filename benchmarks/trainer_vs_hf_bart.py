@@ -39,11 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO)]  # runnable from a checkout without an install (a GPU machine)
 
 from marge.contracts.batch import Batch, SpecialTokens  # noqa: E402
-from marge.model.network import Marge  # noqa: E402
 from marge.model.architecture import MargeConfig, preset  # noqa: E402
+from marge.model.network import Marge  # noqa: E402
 from services.trainer.config import TrainerConfig  # noqa: E402
 from services.trainer.objectives import MargeObjectiveConfig, Objectives, ObjectivesConfig  # noqa: E402
-from services.trainer.step import (build_optimizer, build_scheduler, compiled, forward_backward, optimizer_step)  # noqa: E402
+from services.trainer.step import build_optimizer, build_scheduler, compiled, forward_backward, optimizer_step  # noqa: E402
 
 SPECIALS = SpecialTokens(pad_id=0, bos_id=1, eos_id=2, lang_ids={"en": 3})
 OPTIM = TrainerConfig(lr=1e-4, warmup_steps=0, weight_decay=0.01, clip_norm=1.0)

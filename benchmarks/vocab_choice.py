@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "shared"), str(ROOT)]
 
 from marge.contracts.corpus import split_paragraphs  # noqa: E402
-from marge.eval.evaluation import both_directions, evaluate_tfidf, mean_score, read_pairs  # noqa: E402
 from marge.contracts.tokenizer import MargeTokenizer  # noqa: E402
+from marge.eval.evaluation import both_directions, evaluate_tfidf, mean_score, read_pairs  # noqa: E402
 
 LATIN = ("en", "de", "fr", "es", "it")
 

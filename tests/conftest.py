@@ -122,8 +122,8 @@ def small_index(small_corpus, tmp_path_factory):
     import torch
 
     from marge.contracts.corpus import Corpus
-    from marge.model.network import Marge, RelevanceEncoder
     from marge.model.architecture import preset
+    from marge.model.network import Marge, RelevanceEncoder
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus
 

@@ -9,8 +9,8 @@ def tiny_training(seed: int = 0):
     """(model, optimizer, scheduler) of the `tiny` preset at a 64-token vocabulary."""
     import torch
 
-    from marge.model.network import Marge
     from marge.model.architecture import preset
+    from marge.model.network import Marge
 
     torch.manual_seed(seed)
     model = Marge(preset("tiny", vocab_size=64, max_positions=32))

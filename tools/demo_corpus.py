@@ -35,10 +35,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from marge.contracts.html_text import extract_paragraphs
-from services.prepare.langid import identify
 from marge.contracts.artifacts import atomic_directory
+from marge.contracts.html_text import extract_paragraphs
 from marge.util.files import setup_logging
+from services.prepare.langid import identify
 
 log = logging.getLogger(__name__)
 

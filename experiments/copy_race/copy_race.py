@@ -61,9 +61,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from marge.contracts.batch import Batch, SpecialTokens
+from marge.model.architecture import MargeConfig
 from marge.model.layers import Attention, CrossMemory, DecoderLayer, EncodedEvidence, EncoderLayer
 from marge.model.network import Marge
-from marge.model.architecture import MargeConfig
 from services.trainer.config import TrainerConfig
 from services.trainer.inputs import to_model_inputs
 from services.trainer.noising import BartNoise, bart_noise, sentence_end_ids, text_infilling

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from marge.model.finetuned import evaluate, load
 from marge.contracts.tasks import read_task_file
+from marge.model.finetuned import evaluate, load
 from marge.util.files import atomic_write_text
 from services.trainer.finetune import FinetuneConfig, run_finetune
 

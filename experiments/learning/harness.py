@@ -22,8 +22,13 @@ from marge.contracts.train_log import read_train_log
 from marge.eval.evaluation import read_pairs
 from marge.model.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
-from services.driver.learning_report import (assemble_report, build_run_probe, checkpoint_evaluation,
-                                             heldout_pairs_path, measure_baselines)
+from services.driver.learning_report import (
+    assemble_report,
+    build_run_probe,
+    checkpoint_evaluation,
+    heldout_pairs_path,
+    measure_baselines,
+)
 
 
 def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) -> dict:

@@ -43,16 +43,22 @@ import numpy as np
 import torch
 
 from marge.contracts.batch import max_text_tokens
-from marge.model.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
 from marge.contracts.corpus import Corpus, ShardDocuments
 from marge.eval.evaluation import fitted_centre, pair_pages, read_pairs, retrieval_hits
+from marge.model.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
 from marge.model.network import Marge, RelevanceEncoder
-from services.prepare.core import assign_shards
 from marge.util.files import atomic_write_text
 from services.driver.config import PipelineConfig, load_config
 from services.indexer.core import embed_documents, version_links
-from services.trainer.health import (AlignedItem, build_aligned_probe, centre_rows, read_aligned_paragraphs,
-                                     token_losses, unrelated_partner)
+from services.prepare.core import assign_shards
+from services.trainer.health import (
+    AlignedItem,
+    build_aligned_probe,
+    centre_rows,
+    read_aligned_paragraphs,
+    token_losses,
+    unrelated_partner,
+)
 from services.trainer.objectives import noised
 
 log = logging.getLogger("marge.mechanism")

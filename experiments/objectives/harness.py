@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from marge.model.checkpoint import complete_checkpoints, load_model
-from marge.eval.evaluation import mean_score, read_pairs
-from marge.model.generate import GenerationConfig, generate
 from marge.contracts.tokenizer import MargeTokenizer
 from marge.contracts.train_log import UpdateRecord, read_train_log
+from marge.eval.evaluation import mean_score, read_pairs
+from marge.model.checkpoint import complete_checkpoints, load_model
+from marge.model.generate import GenerationConfig, generate
 from marge.util.files import atomic_write_text
 from services.driver.single_process import train_for_minutes
 

@@ -24,10 +24,10 @@ from marge.contracts.batch import Batch
 from marge.contracts.corpus import Corpus
 from marge.contracts.faults import FaultsConfig
 from marge.contracts.index_store import IndexVersion
-from marge.eval.metrics import StageMetrics
 from marge.contracts.paths import RunPaths
-from marge.contracts.slots import BatchId, QueueConfig, Slots, VersionPlan
 from marge.contracts.protocol import BatchQueue
+from marge.contracts.slots import BatchId, QueueConfig, Slots, VersionPlan
+from marge.eval.metrics import StageMetrics
 from marge.util.files import setup_logging
 from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.core import DocumentStore

@@ -155,9 +155,9 @@ def cmd_eval_translate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_finetuned(args: argparse.Namespace) -> int:
+    from marge.contracts.tasks import read_task_file
     from marge.model.finetuned import evaluate, load
     from marge.util.progress import Progress
-    from marge.contracts.tasks import read_task_file
 
     model = load(args.model)
     task = model.task or "generation"  # a pre-training checkpoint generates zero-shot

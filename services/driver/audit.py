@@ -36,10 +36,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from marge.model.checkpoint import newest_good_checkpoint, read_manifest
-from marge.contracts.slots import BatchId, Slots
 from marge.contracts.protocol import BatchQueue
+from marge.contracts.slots import BatchId, Slots
 from marge.contracts.train_log import TrainLog, TrainLogError, UpdateRecord
+from marge.model.checkpoint import newest_good_checkpoint, read_manifest
 from services.driver.config import PipelineConfig, load_config, redis_url_from_environment
 from services.driver.redis_server import LocalRedis, private_conf_dir
 

@@ -32,15 +32,26 @@ from pathlib import Path
 from typing import Any, overload
 
 from marge.contracts.batch import encoder_cost, max_text_tokens
-from marge.contracts.config import (ConfigError, FieldError, at_least, build, load_tree, may_change_on_resume, one_of, positive,
-                          resumable, resumable_keys, within)
+from marge.contracts.config import (
+    ConfigError,
+    FieldError,
+    at_least,
+    build,
+    load_tree,
+    may_change_on_resume,
+    one_of,
+    positive,
+    resumable,
+    resumable_keys,
+    within,
+)
 from marge.contracts.faults import FaultsConfig
-from marge.model.architecture import EXECUTION_FIELDS, MargeConfig, preset
-from marge.model.veco import VecoConfig, veco_preset
 from marge.contracts.paths import RunPaths
 from marge.contracts.slots import QueueConfig, Slots, VersionPlan
 from marge.contracts.tokenizer import DEFAULT_VOCAB_SIZE
-from services.batcher.config import BatchShape, BatcherConfig
+from marge.model.architecture import EXECUTION_FIELDS, MargeConfig, preset
+from marge.model.veco import VecoConfig, veco_preset
+from services.batcher.config import BatcherConfig, BatchShape
 from services.indexer.config import IndexerConfig
 from services.trainer.config import HealthConfig, TrainerConfig
 from services.trainer.objectives import ObjectivesConfig

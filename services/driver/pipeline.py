@@ -25,25 +25,30 @@ from typing import Any
 
 import yaml
 
-from marge.model.checkpoint import newest_good_checkpoint, read_manifest
 from marge.contracts.config import ConfigError
 from marge.contracts.corpus import Corpus
 from marge.contracts.index_store import drop_versions_after, latest_version
 from marge.contracts.paths import RunPaths
 from marge.contracts.protocol import BatchQueue
+from marge.contracts.train_log import RunFigures, TrainLog, feed
 from marge.eval.refresh import RefreshCost
 from marge.eval.tensorboard import RunBoard
-from marge.contracts.train_log import RunFigures, TrainLog, feed
+from marge.model.checkpoint import newest_good_checkpoint, read_manifest
 from marge.model.snapshot import drop_snapshots_after, latest_snapshot
 from marge.util.files import atomic_write_text
 from services.batcher.stats import combined_stats
-from services.driver.config import (PipelineConfig, config_drift, environment_endpoints, probe_files,
-                                   with_absolute_paths)
+from services.driver.config import PipelineConfig, config_drift, environment_endpoints, probe_files, with_absolute_paths
 from services.driver.lock import DriverLock
 from services.driver.plan import estimated_throughput, warn_if_behind
 from services.driver.progress import Progress, log_progress
-from services.driver.resources import (RedisEndpoint, apply_local_ray_env, check_local_fit, ray_for, ray_running,
-                                       redis_for)
+from services.driver.resources import (
+    RedisEndpoint,
+    apply_local_ray_env,
+    check_local_fit,
+    ray_for,
+    ray_running,
+    redis_for,
+)
 from services.trainer.init import ensure_initial_model
 from services.trainer.job import TrainerJob
 from services.trainer.rank import process_group_backend, train_loop_per_worker
@@ -298,8 +303,8 @@ def with_probes(cfg: PipelineConfig, corpus: Corpus) -> PipelineConfig:
 def check_probe_languages(key: str, path: Path, languages: list[str]) -> None:
     """A probe file must speak the corpus's languages: pairs with at least one direction between two of them,
     documents with at least two of them (the probes pair a page across languages)."""
-    from marge.eval.evaluation import PairsError, read_pairs
     from marge.contracts.documents import PrepareError, read_documents
+    from marge.eval.evaluation import PairsError, read_pairs
 
     try:
         if key == "health.documents":

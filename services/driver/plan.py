@@ -45,11 +45,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.driver.config import PipelineConfig
 from marge.model.architecture import MargeConfig
-from marge.model.veco import VecoConfig
-
 from marge.model.sizes import training_flops_per_token
+from marge.model.veco import VecoConfig
+from services.driver.config import PipelineConfig
 
 log = logging.getLogger("marge.plan")
 
@@ -352,8 +351,8 @@ def corpus_batches(corpus, max_tokens: int, count: int, seed: int = 0) -> list:
 def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps: int = 6) -> dict:
     """One indexer worker's and one trainer worker's achieved FLOP/s on this machine, with the config's model,
     thread counts and batch budget, on corpus documents (random-init weights: speed does not depend on them)."""
-    from services.indexer.core import embed_documents
     from marge.model.network import Marge, RelevanceEncoder
+    from services.indexer.core import embed_documents
     from services.trainer.config import TrainerConfig
     from services.trainer.objectives import Objectives, ObjectivesConfig
     from services.trainer.step import build_optimizer, build_scheduler, train_step

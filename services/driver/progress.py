@@ -5,11 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
-from marge.util.progress import eta_seconds, format_seconds
 from marge.contracts.protocol import BatchQueue
 from marge.eval.tensorboard import RunBoard
+from marge.util.progress import eta_seconds, format_seconds
 from services.batcher.stats import combined_stats
-
 
 log = logging.getLogger("marge.pipeline")  # the run's lines, as `marge pretrain` logs them
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from marge.eval.refresh import RefreshCost, read_builds
 from marge.contracts.paths import INDEX, SNAPSHOTS
-from marge.util.progress import track
 from marge.contracts.train_log import TrainLog
+from marge.eval.refresh import RefreshCost, read_builds
+from marge.util.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,9 @@ def plot_curves(panels: list[dict], out_path: Path, title: str) -> Path:
 
 def snapshot_curve(run_dir: Path, pairs_path: Path, corpus_dir: Path, max_snapshots: int) -> list[dict]:
     """Held-out retrieval P@1 of each snapshot's g, searched as the index searches it (`unit_relevance`)."""
+    from marge.contracts.tokenizer import MargeTokenizer
     from marge.eval.evaluation import evaluate_model, mean_score, read_pairs
     from marge.model.snapshot import load_relevance_encoder, read_snapshot
-    from marge.contracts.tokenizer import MargeTokenizer
 
     snapshots = sorted(p for p in (Path(run_dir) / SNAPSHOTS).glob("step-*") if (p / "manifest.json").exists())
     if len(snapshots) > max_snapshots:  # evenly spaced, always the first and the last

@@ -51,35 +51,59 @@ import numpy as np
 import torch
 import yaml
 
+from marge.contracts.artifacts import atomic_directory
 from marge.contracts.batch import Batch
-from marge.model.checkpoint import (checkpoint_order, complete_checkpoints, load_model_weights, newest_good_checkpoint,
-                              restore_training, save_checkpoint)
+from marge.contracts.config import ConfigError, resumable_keys
 from marge.contracts.corpus import Corpus
-from marge.eval.evaluation import read_pairs
 from marge.contracts.index_store import IndexVersion, drop_versions_after, version_dirname
-from marge.model.network import Marge
+from marge.contracts.train_log import TrainLog, UpdateRecord
+from marge.eval.evaluation import read_pairs
 from marge.eval.refresh import INDEX_BUILDS
 from marge.eval.tensorboard import RunBoard
-from marge.contracts.train_log import TrainLog, UpdateRecord
-from marge.model.snapshot import (SnapshotInfo, drop_snapshots_after, load_relevance_encoder, publish_snapshot, read_snapshot,
-                            snapshot_dirname)
-from marge.contracts.artifacts import atomic_directory
+from marge.model.checkpoint import (
+    checkpoint_order,
+    complete_checkpoints,
+    load_model_weights,
+    newest_good_checkpoint,
+    restore_training,
+    save_checkpoint,
+)
+from marge.model.network import Marge
+from marge.model.snapshot import (
+    SnapshotInfo,
+    drop_snapshots_after,
+    load_relevance_encoder,
+    publish_snapshot,
+    read_snapshot,
+    snapshot_dirname,
+)
 from marge.util.files import atomic_write_text
 from services.batcher.core import DocumentStore
 from services.batcher.schedule import RunSchedule, wait_for_version
-from marge.contracts.config import ConfigError, resumable_keys
 from services.driver.config import PipelineConfig, config_drift, load_config, with_absolute_paths
-from services.driver.learning_report import (assemble_report, checkpoint_evaluation, heldout_pairs_path,
-                                             measure_baselines)
+from services.driver.learning_report import (
+    assemble_report,
+    checkpoint_evaluation,
+    heldout_pairs_path,
+    measure_baselines,
+)
 from services.driver.pipeline import ensure_corpus, final_g_health, with_probes
 from services.indexer.core import build_version, describe_build, index_shard, prune_unneeded_snapshots
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
+from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
 from services.trainer.prefetch import Prefetcher
-from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
-from services.trainer.step import (Item, apply_execution_settings, build_optimizer, build_scheduler, compile_cache_env,
-                                   compiled, device_peak_flops, seed_key)
+from services.trainer.step import (
+    Item,
+    apply_execution_settings,
+    build_optimizer,
+    build_scheduler,
+    compile_cache_env,
+    compiled,
+    device_peak_flops,
+    seed_key,
+)
 
 log = logging.getLogger("marge.single_process")
 

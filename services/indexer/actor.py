@@ -28,9 +28,9 @@ import ray
 from marge.contracts.corpus import Corpus
 from marge.contracts.faults import FaultsConfig
 from marge.contracts.index_store import latest_version, staging_dir, version_dirname
-from marge.eval.metrics import StageMetrics
 from marge.contracts.paths import RunPaths
 from marge.contracts.slots import VersionPlan
+from marge.eval.metrics import StageMetrics
 from marge.model.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
 from marge.util.files import atomic_write_text, setup_logging
 from services.indexer.config import IndexerConfig

@@ -27,8 +27,8 @@ import torch
 from marge.contracts.batch import SpecialTokens
 from marge.contracts.corpus import ShardDocuments
 from marge.contracts.index_store import flat_ip_index, write_graph
-from marge.model.network import RelevanceEncoder
 from marge.model.embedding import embed_documents
+from marge.model.network import RelevanceEncoder
 from marge.util.progress import track
 from services.indexer.config import IndexerConfig
 
@@ -357,8 +357,8 @@ def prune_unneeded_snapshots(paths, plan, checkpoints: Path, keep_last: int) -> 
     run's verdict compares with), those of the index versions on disk (the service encodes queries with a version's
     own snapshot), every one from the snapshot of the index version the oldest kept checkpoint resumes with on (a
     resume rebuilds the versions it needs from them), and the newest `keep_last`. Returns the steps deleted."""
-    from marge.model.checkpoint import checkpoint_order, complete_checkpoints
     from marge.contracts.index_store import VERSIONS, read_version
+    from marge.model.checkpoint import checkpoint_order, complete_checkpoints
     from marge.model.snapshot import SNAPSHOTS, prune_snapshots
 
     kept_checkpoints = complete_checkpoints(checkpoints)

@@ -19,15 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from marge import __version__
+from marge.contracts.artifacts import publish_dir, write_manifest
 from marge.contracts.batch import max_text_tokens
 from marge.contracts.corpus import CORPUS_FORMAT, CORPUS_SCHEMA_VERSION, split_paragraphs, write_shard
-from services.prepare.langid import identify
+from marge.contracts.documents import PrepareError, RawDocument, check_input, folder_files
 from marge.contracts.languages import normalize_language
 from marge.contracts.tokenizer import MargeTokenizer
-from marge.contracts.artifacts import publish_dir, write_manifest
-from marge.contracts.documents import PrepareError, RawDocument, check_input, folder_files
+from services.prepare.langid import identify
 from services.prepare.options import PrepareOptions
-
 
 log = logging.getLogger(__name__)
 

@@ -46,8 +46,8 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from marge.contracts.documents import read_documents
 from marge.contracts.artifacts import atomic_directory
+from marge.contracts.documents import read_documents
 from marge.util.files import setup_logging, sha256_file
 
 log = logging.getLogger(__name__)

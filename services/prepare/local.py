@@ -9,14 +9,25 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from marge.util.progress import track
-
 from marge.contracts.documents import BadLine, PrepareError, RawDocument, read_inputs
+from marge.util.progress import track
+from services.prepare.core import (
+    Chunk,
+    PrepareStats,
+    TokenizerSample,
+    assign_shards,
+    check_document,
+    corpus_manifest,
+    document_pieces,
+    is_heldout_group,
+    load_tokenizer,
+    normalized_hash,
+    publish_corpus,
+    shard_columns,
+    train_tokenizer,
+    write_corpus_shard,
+)
 from services.prepare.options import PrepareOptions
-from services.prepare.core import (TokenizerSample, Chunk, PrepareStats, assign_shards, check_document,
-                                   corpus_manifest, document_pieces, is_heldout_group, load_tokenizer,
-                                   normalized_hash, publish_corpus, shard_columns, train_tokenizer, write_corpus_shard)
-
 
 log = logging.getLogger(__name__)
 

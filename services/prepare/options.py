@@ -5,11 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-
+from marge.contracts.documents import PrepareError
 from marge.contracts.languages import normalize_language
 from marge.contracts.tokenizer import DEFAULT_VOCAB_SIZE
-from marge.contracts.documents import PrepareError
-
 
 DOCUMENT_UNITS = ("chunk", "paragraph")
 ENGINES = ("auto", "local", "ray")

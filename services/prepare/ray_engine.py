@@ -68,20 +68,56 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from marge.contracts.documents import PrepareError, RawDocument, check_input
-from services.prepare.options import PrepareOptions
-from services.prepare.ray_reading import (CHUNK_PARTITION_SCHEMA, CHUNK_SCHEMA, DEDUPLICATION_KEYS, DOCUMENT_COLUMNS,
-                                          DOCUMENT_PARTITION_SCHEMA, GZIP_EXPANSION, HELDOUT_PARTITION_SCHEMA,
-                                          HELDOUT_READ_ROWS, LINES_PER_BLOCK, NOT_A_DOCUMENT, PAIR_SCHEMA,
-                                          READ_SPLIT_BYTES, Rejected, SAMPLE_FAN_IN, SHARD_COLUMNS,
-                                          SHARD_WRITTEN_SCHEMA, checked_documents, data_context, items_dataset,
-                                          number_lines, raw_blocks, ray_for_preparation, read_tasks, run_tasks,
-                                          shuffled_tasks, spread_key, task_pool)
-from services.prepare.core import (TokenizerSample, Chunk, PrepareStats, corpus_manifest, document_pieces,
-                                   heldout_manifest, heldout_pairs_by_direction, heldout_row, input_bytes,
-                                   is_heldout_group, load_tokenizer, normalized_hash, pair_line, publish_corpus,
-                                   shard_columns, train_tokenizer, write_corpus_shard)
 from marge.contracts.tokenizer import MargeTokenizer
-
+from services.prepare.core import (
+    Chunk,
+    PrepareStats,
+    TokenizerSample,
+    corpus_manifest,
+    document_pieces,
+    heldout_manifest,
+    heldout_pairs_by_direction,
+    heldout_row,
+    input_bytes,
+    is_heldout_group,
+    load_tokenizer,
+    normalized_hash,
+    pair_line,
+    publish_corpus,
+    shard_columns,
+    train_tokenizer,
+    write_corpus_shard,
+)
+from services.prepare.options import PrepareOptions
+from services.prepare.ray_reading import (
+    CHUNK_PARTITION_SCHEMA,
+    CHUNK_SCHEMA,
+    DEDUPLICATION_KEYS,
+    DOCUMENT_COLUMNS,
+    DOCUMENT_PARTITION_SCHEMA,
+    GZIP_EXPANSION,
+    HELDOUT_PARTITION_SCHEMA,
+    HELDOUT_READ_ROWS,
+    LINES_PER_BLOCK,
+    NOT_A_DOCUMENT,
+    PAIR_SCHEMA,
+    READ_SPLIT_BYTES,
+    SAMPLE_FAN_IN,
+    SHARD_COLUMNS,
+    SHARD_WRITTEN_SCHEMA,
+    Rejected,
+    checked_documents,
+    data_context,
+    items_dataset,
+    number_lines,
+    raw_blocks,
+    ray_for_preparation,
+    read_tasks,
+    run_tasks,
+    shuffled_tasks,
+    spread_key,
+    task_pool,
+)
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,17 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from marge.contracts.documents import (PrepareError, check_input, folder_files, input_order, jsonl_lines,
-                                       parse_jsonl_line, read_folder_file)
-from services.prepare.options import PrepareOptions
+from marge.contracts.documents import (
+    PrepareError,
+    check_input,
+    folder_files,
+    input_order,
+    jsonl_lines,
+    parse_jsonl_line,
+    read_folder_file,
+)
 from services.prepare.core import check_document, normalized_hash
-
+from services.prepare.options import PrepareOptions
 
 LINES_PER_BLOCK = 1000
 """Raw lines (or files) per block the reader hands the checkers, and documents per block the chunkers take: a block

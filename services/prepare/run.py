@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import logging
 
-
 from marge.contracts.documents import PrepareError, check_input
-from services.prepare.options import PrepareOptions
 from services.prepare.core import input_bytes
 from services.prepare.local import prepare_locally
-
+from services.prepare.options import PrepareOptions
 
 log = logging.getLogger(__name__)
 

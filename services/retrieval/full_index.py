@@ -50,9 +50,9 @@ import numpy as np
 from marge.contracts import artifacts
 from marge.contracts.corpus import Corpus
 from marge.model.embedding import embed_documents, unit_vector
-from marge.util.progress import Progress, track
 from marge.model.snapshot import SnapshotInfo, load_relevance_encoder
 from marge.util.files import sha256_file
+from marge.util.progress import Progress, track
 
 log = logging.getLogger(__name__)
 

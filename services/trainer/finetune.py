@@ -32,16 +32,26 @@ import numpy as np
 import torch
 from torch import nn
 
-from marge.model.checkpoint import load_model
+from marge.contracts.artifacts import atomic_directory
 from marge.contracts.config import FieldError, at_least, positive
-from marge.model.finetuned import (FineTunedModel, MargeForClassification, TaskTensors, collate, encode_for, evaluate,
-                             label_config, labels_of, save_finetuned, task_loss)
-from marge.model.network import Marge
 from marge.contracts.tasks import PAIR_INPUTS, TASKS, Example, label_counts, label_set, read_task_file
 from marge.contracts.tokenizer import MargeTokenizer
-from marge.contracts.artifacts import atomic_directory
-from services.trainer.config import OptimizerConfig
+from marge.model.checkpoint import load_model
+from marge.model.finetuned import (
+    FineTunedModel,
+    MargeForClassification,
+    TaskTensors,
+    collate,
+    encode_for,
+    evaluate,
+    label_config,
+    labels_of,
+    save_finetuned,
+    task_loss,
+)
+from marge.model.network import Marge
 from services.trainer import loopback
+from services.trainer.config import OptimizerConfig
 from services.trainer.step import build_optimizer, lr_factor
 
 log = logging.getLogger("marge.finetune")
@@ -456,7 +466,7 @@ def check_before_start(cfg: FinetuneConfig) -> None:
     """Everything that can fail in seconds: the output folder, the checkpoint, both data files."""
     if Path(cfg.out).exists() and not cfg.overwrite:
         raise FileExistsError(f"{cfg.out} already exists; choose another --out or pass --overwrite to replace it")
-    from marge.model.checkpoint import read_manifest, CHECKPOINT_FORMAT, FINETUNED_FORMAT
+    from marge.model.checkpoint import CHECKPOINT_FORMAT, FINETUNED_FORMAT, read_manifest
 
     read_manifest(Path(cfg.checkpoint), formats=(CHECKPOINT_FORMAT, FINETUNED_FORMAT))
     read_data(cfg)

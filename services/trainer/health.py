@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from marge.contracts.batch import Batch, SpecialTokens, max_text_tokens
-from marge.model.network import Marge
 from marge.contracts.documents import read_documents
+from marge.model.network import Marge
 from services.trainer.config import HealthConfig
 from services.trainer.inputs import to_model_inputs
 
@@ -396,8 +396,14 @@ def g_health(trained, initials: list, tokenizer, pairs, centre: list[list[int]],
     * 'not above initialisation': within the interval.
 
     A warning says what the verdict means when it is not 'learning'."""
-    from marge.eval.evaluation import (centred_unit, clustered_bootstrap, fitted_centre, page_sums, raw_relevance_vectors,
-                                       retrieval_hits)
+    from marge.eval.evaluation import (
+        centred_unit,
+        clustered_bootstrap,
+        fitted_centre,
+        page_sums,
+        raw_relevance_vectors,
+        retrieval_hits,
+    )
     from marge.model.embedding import encode_texts
 
     device = str(device)

@@ -8,12 +8,12 @@ import logging
 
 import torch
 
-from marge.model.checkpoint import build_model, load_model_weights, save_model_weights, saved_config
 from marge.contracts.config import ConfigError
 from marge.contracts.corpus import Corpus
-from marge.model.architecture import MargeConfig
-from marge.model.network import Marge
 from marge.contracts.paths import RunPaths
+from marge.model.architecture import MargeConfig
+from marge.model.checkpoint import build_model, load_model_weights, save_model_weights, saved_config
+from marge.model.network import Marge
 from marge.model.snapshot import latest_snapshot, publish_snapshot
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from marge.contracts.batch import (Batch, SpecialTokens, decoder_cost, decoder_rows, encoder_cost, encoder_rows,
-                         label_rows)
+from marge.contracts.batch import (
+    Batch,
+    SpecialTokens,
+    decoder_cost,
+    decoder_rows,
+    encoder_cost,
+    encoder_rows,
+    label_rows,
+)
 from marge.model.layers import RealTokens, UnpaddedLayout
 from marge.model.network import check_inputs
 

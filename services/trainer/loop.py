@@ -33,10 +33,10 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from marge.model.sizes import training_flops, training_flops_per_token
 from marge.contracts.slots import Slots
-from marge.eval.tensorboard import RunBoard
 from marge.contracts.train_log import TrainLog, UpdateRecord
+from marge.eval.tensorboard import RunBoard
+from marge.model.sizes import training_flops, training_flops_per_token
 from marge.model.veco import VecoConfig, veco_training_flops_per_token
 from services.trainer.config import TrainerConfig
 from services.trainer.objectives import Objectives

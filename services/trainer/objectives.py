@@ -54,11 +54,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from marge.contracts.batch import (ENCODER_SPECIALS, Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels,
-                         encoder_rows_flat)
+from marge.contracts.batch import (
+    ENCODER_SPECIALS,
+    Batch,
+    SpecialTokens,
+    as_decoder_input,
+    as_encoder_input,
+    as_labels,
+    encoder_rows_flat,
+)
 from marge.contracts.config import ConfigError, FieldError, at_least, one_of, positive, within
-from marge.model.network import Marge
 from marge.model.layers import RealTokens, pad_rows
+from marge.model.network import Marge
 from marge.model.veco import mlm_mask
 from services.trainer.inputs import ATTEND_TO, ModelInputs, real_tokens, to_model_inputs
 from services.trainer.noising import BartNoise, bart_noise

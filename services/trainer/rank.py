@@ -31,26 +31,42 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from marge.model.checkpoint import (CheckpointWrite, complete_checkpoints, load_model_shell, load_model_weights,
-                                    rng_state, set_rng_state)
 from marge.contracts.corpus import Corpus
-from marge.eval.metrics import StageMetrics
 from marge.contracts.protocol import Delivery
 from marge.contracts.slots import Slots
-from marge.model.snapshot import publish_snapshot
-from marge.eval.tensorboard import RunBoard
 from marge.contracts.train_log import TrainLog, UpdateRecord
+from marge.eval.metrics import StageMetrics
+from marge.eval.tensorboard import RunBoard
+from marge.model.checkpoint import (
+    CheckpointWrite,
+    complete_checkpoints,
+    load_model_shell,
+    load_model_weights,
+    rng_state,
+    set_rng_state,
+)
+from marge.model.snapshot import publish_snapshot
 from marge.util.files import setup_logging
 from services.trainer.health import HealthMonitor, loggable
+from services.trainer.inputs import untrainable
 from services.trainer.job import TrainerJob
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
-from services.trainer.prefetch import Prefetcher
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
+from services.trainer.prefetch import Prefetcher
 from services.trainer.source import source_for
 from services.trainer.state import begin_checkpoint, report_checkpoint, resume
-from services.trainer.inputs import untrainable
-from services.trainer.step import (DDP_SETTINGS, Backward, Item, apply_execution_settings, build_optimizer,
-                                   build_scheduler, compile_cache_env, compiled, device_peak_flops, seed_key)
+from services.trainer.step import (
+    DDP_SETTINGS,
+    Backward,
+    Item,
+    apply_execution_settings,
+    build_optimizer,
+    build_scheduler,
+    compile_cache_env,
+    compiled,
+    device_peak_flops,
+    seed_key,
+)
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from marge.model.checkpoint import (CheckpointError, CheckpointWrite, checkpoint_dir_name, complete_checkpoints,
-                              read_manifest, restore_training)
+from marge.model.checkpoint import (
+    CheckpointError,
+    CheckpointWrite,
+    checkpoint_dir_name,
+    complete_checkpoints,
+    read_manifest,
+    restore_training,
+)
 
 log = logging.getLogger(__name__)
 

@@ -17,18 +17,18 @@ import contextlib
 import math
 import os
 import time
-from typing import cast
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from marge.contracts.batch import Batch
-from marge.model.network import Marge
 from marge.contracts.slots import Slots
+from marge.model.network import Marge
 from services.trainer.config import COMPILE_SCOPES, OptimizerConfig, TrainerConfig
 from services.trainer.inputs import substitute_batch, untrainable
 from services.trainer.objectives import Objectives, PreparedBatch, apply_objective_settings

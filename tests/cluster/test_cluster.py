@@ -23,11 +23,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from processes import LOOPBACK, listening_addresses, pids_in_session  # tests/processes.py
 
-from services.driver.redis_server import LocalRedis, free_port
 from marge.util.local_ray import LOCAL_RAY_ENV
+from services.driver.redis_server import LocalRedis, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent

@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from processes import LOOPBACK, listening_addresses, pids_in_session  # tests/processes.py
 
 REPO = Path(__file__).resolve().parents[2]
@@ -380,9 +379,9 @@ def test_a_bad_batch_is_left_out_of_its_update_with_a_zero_weight_stand_in(small
     batch's stand-in weighs 0), and on [good, NaN loss] the same: its one read finds the loss not finite and the
     update is computed again without that batch. Both name the slot and the reason."""
     from marge.contracts.corpus import Corpus
-    from marge.model.network import Marge
-    from marge.model.architecture import preset
     from marge.contracts.slots import Slots
+    from marge.model.architecture import preset
+    from marge.model.network import Marge
     from services.batcher.actor import poisoned
     from services.batcher.config import BatcherConfig
     from services.batcher.core import DocumentStore, epoch_batches
@@ -433,8 +432,14 @@ def test_the_newest_good_checkpoint_skips_torn_and_half_uploaded_ones_and_orders
     """Storage copies a checkpoint's files in no fixed order: a crash mid-upload can leave a torn manifest or
     a manifest without its files. Both are skipped (never an exception that stops every resume), and a second
     attempt at an update (`step-N-1`, written after resuming from an older checkpoint) is newer than the first."""
-    from marge.model.checkpoint import (checkpoint_dir_name, complete_checkpoints, newest_good_checkpoint, save_checkpoint)
     from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
+
+    from marge.model.checkpoint import (
+        checkpoint_dir_name,
+        complete_checkpoints,
+        newest_good_checkpoint,
+        save_checkpoint,
+    )
 
     model, optimizer, scheduler = tiny_training()
     tokenizer_dir = stand_in_tokenizer(tmp_path / "tok")

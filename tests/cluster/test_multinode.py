@@ -34,7 +34,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from netns import NamespacedNetwork, NamespacesUnavailable, NetNode, remove_stale  # tests/netns.py
 from processes import listening_addresses  # tests/processes.py
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from marge.contracts.corpus import Corpus, ShardDocuments
-from marge.model.network import Marge, RelevanceEncoder
 from marge.model.architecture import preset
+from marge.model.network import Marge, RelevanceEncoder
 from services.indexer.config import IndexerConfig
 from services.indexer.core import index_shard, lexical_vectors, shard_links
 
@@ -128,8 +128,8 @@ def test_aligned_gain_is_zero_without_cross_attention_and_its_split_adds_up(alig
 
 
 def test_g_health_calls_g_learning_only_above_its_initialisations_by_more_than_the_interval(latin_tokenizer, few_pairs):
-    from marge.model.embedding import encode_texts
     from marge.eval.evaluation import read_pairs
+    from marge.model.embedding import encode_texts
     from services.trainer.health import describe_g_health, g_health
 
     pairs = read_pairs(few_pairs, latin_tokenizer.languages)

@@ -8,11 +8,11 @@ import time
 import numpy as np
 import pytest
 
-from services.batcher.config import BatcherConfig
-from services.batcher.core import DocumentStore, epoch_batches
 from marge.contracts.corpus import Corpus
 from marge.contracts.index_store import IndexStoreError, latest_version
 from marge.contracts.slots import BatchId
+from services.batcher.config import BatcherConfig
+from services.batcher.core import DocumentStore, epoch_batches
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +135,9 @@ def test_the_schedule_is_a_function_of_the_slot_and_switches_versions_at_fixed_s
 
     import torch
 
-    from marge.model.network import Marge, RelevanceEncoder
-    from marge.model.architecture import preset
     from marge.contracts.slots import Slots, VersionPlan
+    from marge.model.architecture import preset
+    from marge.model.network import Marge, RelevanceEncoder
     from services.batcher.schedule import BatchSchedule, wait_for_version
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus

@@ -20,9 +20,9 @@ def test_indexer_service_and_trainer_compute_the_same_unit_g(small_corpus, tmp_p
     retrieval service computes from the documents' text, and the trainer model's g agree (centring included)."""
     from marge.contracts.batch import as_encoder_input
     from marge.contracts.corpus import Corpus
-    from marge.model.network import Marge
-    from marge.model.layers import pad_rows
     from marge.model.architecture import preset
+    from marge.model.layers import pad_rows
+    from marge.model.network import Marge
     from marge.model.snapshot import load_relevance_encoder, publish_snapshot
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus

@@ -13,10 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-from marge.model.checkpoint import (CheckpointWrite, load_model, newest_good_checkpoint, read_manifest, restore_training,
-                              save_checkpoint, save_checkpoint_v1, tensor_sha256, training_tensors)
 from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
+
+from marge.model.checkpoint import (
+    CheckpointWrite,
+    load_model,
+    newest_good_checkpoint,
+    read_manifest,
+    restore_training,
+    save_checkpoint,
+    save_checkpoint_v1,
+    tensor_sha256,
+    training_tensors,
+)
 
 
 def free_port() -> int:

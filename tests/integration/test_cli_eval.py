@@ -12,17 +12,17 @@ import pytest
 import torch
 import yaml
 
-from services.cli import main
 from marge.contracts.train_log import TRAIN_LOG, TrainLog, UpdateRecord
+from services.cli import main
 
 
 @pytest.fixture(scope="module")
 def trained(small_corpus, tmp_path_factory, demo_raw):
     """A run directory and checkpoint from a few in-process steps on the small corpus."""
-    from marge.model.checkpoint import save_checkpoint
     from marge.contracts.corpus import Corpus
-    from marge.model.network import Marge
     from marge.model.architecture import preset
+    from marge.model.checkpoint import save_checkpoint
+    from marge.model.network import Marge
     from marge.model.snapshot import load_relevance_encoder, publish_snapshot
     from services.batcher.config import BatcherConfig
     from services.batcher.core import DocumentStore, epoch_batches
@@ -103,8 +103,8 @@ def test_eval_retrieval_errors(trained, tmp_path, capsys):
 
 
 def test_eval_translate_and_translate(trained, capsys, monkeypatch, tmp_path):
-    from marge.model.finetuned import generation_scores
     from marge.eval.evaluation import read_document_pairs
+    from marge.model.finetuned import generation_scores
 
     hypotheses = tmp_path / "hyp.txt"
     monkeypatch.setenv("MARGE_PROGRESS", "bar")  # as on a terminal: a bar while it translates, not minutes of silence
@@ -166,8 +166,8 @@ def test_report_shows_what_each_index_refresh_cost(trained, tmp_path, capsys):
 def test_a_veco_checkpoint_is_evaluated_for_retrieval_and_refused_for_translation(small_corpus, few_pairs, tmp_path,
                                                                                  capsys, monkeypatch):
     """`load_model` builds a VECO checkpoint as `Veco`: the retrieval sweep takes it, translation says why not."""
-    from marge.model.checkpoint import save_checkpoint
     from marge.contracts.corpus import Corpus
+    from marge.model.checkpoint import save_checkpoint
     from marge.model.veco import Veco, veco_preset
     from services.trainer.config import TrainerConfig
     from services.trainer.step import build_optimizer, build_scheduler

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from marge.contracts.tasks import TaskDataError, read_task_file
+from marge.model.architecture import preset
 from marge.model.finetuned import MargeForClassification, load, own_input_memory
 from marge.model.network import Marge
-from marge.model.architecture import preset
-from marge.contracts.tasks import TaskDataError, read_task_file
 from services.cli import main
-from services.trainer.finetune import Finetuning, FinetuneConfig, run_finetune
+from services.trainer.finetune import FinetuneConfig, Finetuning, run_finetune
 
 TASKS = Path(__file__).resolve().parents[2] / "data" / "demo" / "tasks"
 
@@ -25,8 +25,8 @@ TASKS = Path(__file__).resolve().parents[2] / "data" / "demo" / "tasks"
 @pytest.fixture(scope="module")
 def checkpoint(small_corpus, tmp_path_factory) -> Path:
     """A tiny random-init MARGE saved as `marge pretrain` saves its checkpoints."""
-    from marge.model.checkpoint import save_checkpoint
     from marge.contracts.corpus import Corpus
+    from marge.model.checkpoint import save_checkpoint
     from services.trainer.config import TrainerConfig
     from services.trainer.step import build_optimizer, build_scheduler
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_service import centred_run  # tests/integration/test_service.py
 
 

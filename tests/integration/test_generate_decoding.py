@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from marge.contracts.batch import SpecialTokens
+from marge.model.architecture import preset
 from marge.model.generate import GenerationConfig, generate
 from marge.model.network import Marge
-from marge.model.architecture import preset
 
 SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 10, "de": 11})
 

@@ -11,8 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from marge.contracts.batch import Batch, SpecialTokens
-from marge.model.network import Marge
 from marge.model.architecture import preset
+from marge.model.network import Marge
 from services.trainer.inputs import to_model_inputs
 
 SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 5, "de": 6, "fr": 7})

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from marge.contracts.batch import Batch, SpecialTokens
-from services.trainer.inputs import to_model_inputs
-from marge.model.network import Marge
 from marge.model.architecture import preset
+from marge.model.network import Marge
+from services.trainer.inputs import to_model_inputs
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
@@ -87,8 +87,8 @@ def test_the_papers_g_does_not_start_collapsed_and_our_embedding_layernorm_would
     paragraphs must not all look alike. With a LayerNorm on the embeddings (our choice elsewhere, not the paper's)
     they would (benchmarks/init_spread.py measures it on the held-out pairs)."""
     from marge.contracts.corpus import Corpus
-    from marge.model.network import RelevanceEncoder
     from marge.model.architecture import init_parameters
+    from marge.model.network import RelevanceEncoder
     from services.trainer.health import COLLAPSED_SPREAD, relevance_spread
 
     tok = Corpus.open(paragraph_corpus).tokenizer()

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from marge.contracts.batch import Batch, SpecialTokens
+from marge.contracts.config import build
 from marge.contracts.corpus import Corpus
 from marge.model.veco import Veco, veco_preset
 from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.core import DocumentStore, epoch_batches
-from services.trainer.objectives import (Objectives, ObjectivesConfig)
+from services.trainer.objectives import Objectives, ObjectivesConfig
 from services.trainer.step import reference_train
-from marge.contracts.config import build
 
 SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 4, "de": 5}, mask_id=1)
 SENTENCE_END = 9

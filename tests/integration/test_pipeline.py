@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from marge.model.checkpoint import load_model_weights, read_manifest
 from marge.contracts.corpus import Corpus
-from marge.contracts.slots import BatchId
 from marge.contracts.protocol import BatchQueue
+from marge.contracts.slots import BatchId
+from marge.model.checkpoint import load_model_weights, read_manifest
 from services.batcher.config import BatcherConfig
 from services.batcher.core import DocumentStore, epoch_batches
 from services.driver.config import load_config
@@ -140,8 +140,8 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
 @pytest.mark.slow
 def test_learning_experiment_writes_a_complete_report(ray_cluster, redis_server, small_corpus, few_pairs, tmp_path,
                                                      capsys):
-    from services.cli import main
     from experiments.learning.harness import run_learning_experiment
+    from services.cli import main
 
     pairs = few_pairs
     cfg = small_config(tmp_path, small_corpus, redis_server.url, "learning", "run.max_steps=12",

@@ -12,13 +12,13 @@ import logging
 from pathlib import Path
 
 import pytest
+from prepare_inputs import ENGLISH, GERMAN, assert_nothing_written, good_rows, write_jsonl  # tests/prepare_inputs.py
 
-from services.prepare import ray_engine, ray_reading
 from marge.contracts.corpus import Corpus
 from marge.contracts.documents import PrepareError, RawDocument
+from services.prepare import ray_engine, ray_reading
 from services.prepare.options import PrepareOptions
 from services.prepare.run import prepare
-from prepare_inputs import ENGLISH, GERMAN, assert_nothing_written, good_rows, write_jsonl  # tests/prepare_inputs.py
 
 
 def corpus_documents(path: Path) -> set[tuple]:

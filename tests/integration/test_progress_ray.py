@@ -13,7 +13,8 @@ def test_a_stage_that_does_not_answer_costs_a_progress_report_not_the_run(ray_cl
     `answer_timeout_s` and says so, and the run goes on (the stage's own `run` says whether it failed for good)."""
     import ray
 
-    from services.driver.progress import Progress as RunProgress, log_progress
+    from services.driver.progress import Progress as RunProgress
+    from services.driver.progress import log_progress
 
     @ray.remote(num_cpus=0)
     class Unresponsive:

@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from marge.contracts.batch import Batch
-from marge.contracts.slots import BatchId, Slots
 from marge.contracts.protocol import BatchQueue, ProtocolError, decode_batch, encode_batch, entry_id, slot_of_entry
+from marge.contracts.slots import BatchId, Slots
 
 
 def make_batch(i: int, rng=np.random.default_rng(0)) -> Batch:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from marge.eval.refresh import append_build, read_builds, refresh_cost, union_seconds
 from marge.contracts.train_log import UpdateRecord
+from marge.eval.refresh import append_build, read_builds, refresh_cost, union_seconds
 
 
 def step(n: int, end: float, seconds: float, tokens: int, versions: list[int]) -> UpdateRecord:
@@ -77,8 +77,8 @@ def test_a_sampled_refresh_re_embeds_its_window_and_carries_the_other_shards_wit
 
     from marge.contracts.corpus import Corpus
     from marge.contracts.index_store import commit_version, read_version, staging_dir
-    from marge.model.network import Marge, RelevanceEncoder
     from marge.model.architecture import preset
+    from marge.model.network import Marge, RelevanceEncoder
     from services.indexer.config import IndexerConfig
     from services.indexer.core import carry_shards, index_shard, plan_refresh
 
@@ -136,9 +136,9 @@ def test_a_sampled_version_holds_its_sample_and_its_batches_come_only_from_it(sm
     import torch
 
     from marge.contracts.corpus import Corpus
-    from marge.model.network import Marge, RelevanceEncoder
-    from marge.model.architecture import preset
     from marge.contracts.slots import BatchId
+    from marge.model.architecture import preset
+    from marge.model.network import Marge, RelevanceEncoder
     from services.batcher.config import BatcherConfig
     from services.batcher.core import DocumentStore, epoch_batches
     from services.indexer.config import IndexerConfig

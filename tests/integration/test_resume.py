@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
 
 from marge.model.checkpoint import checkpoint_dir_name, save_checkpoint, save_checkpoint_v1
-from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
 
 
 def free_port() -> int:
@@ -25,8 +25,8 @@ def free_port() -> int:
 
 
 def resume_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
-    import torch.distributed as dist
     import ray.train
+    import torch.distributed as dist
 
     import marge.contracts.artifacts as artifacts
     from services.trainer.state import resume

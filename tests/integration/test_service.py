@@ -11,10 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from services.driver.redis_server import free_port
 import torch
 import yaml
+
+from services.driver.redis_server import free_port
 
 TOKEN = "test-token-0123456789"
 
@@ -22,8 +22,8 @@ TOKEN = "test-token-0123456789"
 def build_run(run: Path, corpus_dir: Path, version: int, seed: int) -> None:
     """Publish a snapshot and commit index `version` built with it, like the pipeline does."""
     from marge.contracts.corpus import Corpus
-    from marge.model.network import Marge
     from marge.model.architecture import preset
+    from marge.model.network import Marge
     from marge.model.snapshot import load_relevance_encoder, publish_snapshot
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus
@@ -260,9 +260,9 @@ def centred_run(run: Path, corpus_dir: Path, seed: int) -> None:
     that nearest neighbours mean something (an uncentred untrained g puts every document within 0.01 degree)."""
     from marge.contracts.batch import as_encoder_input
     from marge.contracts.corpus import Corpus
-    from marge.model.network import Marge
-    from marge.model.layers import pad_rows
     from marge.model.architecture import preset
+    from marge.model.layers import pad_rows
+    from marge.model.network import Marge
     from marge.model.snapshot import load_relevance_encoder, publish_snapshot
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus

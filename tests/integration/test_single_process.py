@@ -87,12 +87,12 @@ def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cl
     """The same batches through the pipeline's trainer loop (2 DDP ranks on Ray Train, fed from memory) give the
     single process's per-step losses: self-evidence and the denoising loss included."""
     from marge.contracts.corpus import Corpus
+    from marge.contracts.index_store import read_version, version_dirname
     from services.batcher.core import DocumentStore, epoch_batches
     from services.driver.config import load_config
     from services.driver.pipeline import make_trainer, trainer_job
-    from services.trainer.init import ensure_initial_model
     from services.driver.single_process import run_single_process
-    from marge.contracts.index_store import read_version, version_dirname
+    from services.trainer.init import ensure_initial_model
 
     args = overrides(small_corpus, few_pairs, "trainer.num_workers=2", "run.max_steps=6", "trainer.snapshot_every=100",
                      "indexer.reindex_every=100", "trainer.checkpoint_every=100",

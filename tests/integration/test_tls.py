@@ -14,11 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_queue import fill  # tests/integration/test_queue.py
+from test_service import build_run, free_port  # tests/integration/test_service.py
 
 from marge.contracts.protocol import BatchQueue
 from marge.contracts.slots import Slots
-from test_queue import fill  # tests/integration/test_queue.py
-from test_service import build_run, free_port  # tests/integration/test_service.py
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,6 @@ from marge.contracts.slots import BatchId, Slots
 from marge.contracts.train_log import TrainLog, UpdateRecord
 from services.driver.audit import CheckpointState, QueueState, account
 
-
 # -- segments: a long run's log, rolled every `segment_updates` records
 
 

@@ -8,7 +8,9 @@ import numpy as np
 import torch
 
 from marge.model.veco import (
-    Veco, VecoConfig, mlm_mask,
+    Veco,
+    VecoConfig,
+    mlm_mask,
 )
 
 PAD, MASK = 0, 1

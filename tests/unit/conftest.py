@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import subprocess
 
-import pytest
-
 import no_servers  # tests/no_servers.py
+import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)

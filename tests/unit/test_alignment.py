@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from marge.contracts.corpus import Corpus, ShardDocuments
-from marge.model.network import Marge, RelevanceEncoder
-from marge.model.architecture import preset
 from marge.contracts.documents import PrepareError
-from services.prepare.options import PrepareOptions
-from services.prepare.run import prepare
+from marge.model.architecture import preset
+from marge.model.network import Marge, RelevanceEncoder
 from services.indexer.config import IndexerConfig
 from services.indexer.core import index_shard, lexical_vectors, shard_links
+from services.prepare.options import PrepareOptions
+from services.prepare.run import prepare
 
 LATIN = ("en", "de", "fr", "es", "it")
 
@@ -271,8 +271,8 @@ def test_aligned_probe_items_are_held_out_paragraphs_with_their_translations(ali
 
 
 def test_every_g_is_centred_on_the_same_documents_whatever_its_own_running_centre(latin_tokenizer, few_pairs):
-    from marge.model.embedding import encode_texts
     from marge.eval.evaluation import fitted_centre, read_pairs, retrieval_hits
+    from marge.model.embedding import encode_texts
 
     pairs = read_pairs(few_pairs, latin_tokenizer.languages)
     torch.manual_seed(0)

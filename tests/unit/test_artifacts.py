@@ -257,8 +257,14 @@ def test_a_series_without_a_pointer_lists_but_never_writes_latest(tmp_path):
 
 
 def test_index_versions_keep_their_manifest_and_latest(tmp_path):
-    from marge.contracts.index_store import (IndexStoreError, commit_version, drop_versions_after, latest_version, read_version,
-                                   staging_dir)
+    from marge.contracts.index_store import (
+        IndexStoreError,
+        commit_version,
+        drop_versions_after,
+        latest_version,
+        read_version,
+        staging_dir,
+    )
 
     def stage(version: int, faiss: bool = True) -> list[dict]:
         staging = staging_dir(tmp_path, version)

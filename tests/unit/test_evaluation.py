@@ -6,8 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from marge.eval.evaluation import (PairSet, PairsError, cosine_matrix, evaluate_model, evaluate_tfidf, margin_matrix,
-                                   precision_at_1, read_pairs)
+from marge.eval.evaluation import (
+    PairsError,
+    PairSet,
+    cosine_matrix,
+    evaluate_model,
+    evaluate_tfidf,
+    margin_matrix,
+    precision_at_1,
+    read_pairs,
+)
 from marge.model.embedding import mean_layer_vectors
 
 
@@ -54,8 +62,8 @@ def test_read_pairs_groups_by_language_pair_and_names_bad_lines(tmp_path, demo_r
 
 def test_mean_pooling_ignores_padding_and_specials(small_corpus):
     from marge.contracts.corpus import Corpus
-    from marge.model.network import Marge
     from marge.model.architecture import preset
+    from marge.model.network import Marge
 
     tok = Corpus.open(small_corpus).tokenizer()
     torch.manual_seed(0)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from marge.contracts.tasks import encode_examples
+from marge.model.architecture import preset
 from marge.model.finetuned import collate, task_loss
 from marge.model.network import Marge
-from marge.model.architecture import preset
-from marge.contracts.tasks import encode_examples
 from services.trainer.finetune import ExampleOrder, freeze
 
 TASKS = Path(__file__).resolve().parents[2] / "data" / "demo" / "tasks"

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from marge.contracts.batch import SpecialTokens
+from marge.model.architecture import preset
 from marge.model.generate import GenerationConfig, banned_tokens, generate
 from marge.model.network import Marge
-from marge.model.architecture import preset
 
 SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 10, "de": 11})
 

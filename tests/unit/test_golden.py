@@ -23,8 +23,8 @@ UPDATES = 20
 
 def first_losses(corpus_dir: Path, index_root: Path) -> dict:
     from marge.contracts.corpus import Corpus
-    from marge.model.network import Marge, RelevanceEncoder
     from marge.contracts.slots import Slots
+    from marge.model.network import Marge, RelevanceEncoder
     from services.batcher.core import DocumentStore, epoch_batches
     from services.driver.config import load_config
     from services.indexer.core import index_corpus

@@ -13,8 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from marge.contracts.batch import Batch, SpecialTokens
-from marge.model.network import Marge
 from marge.model.architecture import preset
+from marge.model.network import Marge
 from services.trainer.inputs import to_model_inputs
 
 SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 5, "de": 6, "fr": 7})
@@ -88,8 +88,13 @@ def test_an_update_reads_the_device_back_once_on_the_fused_adamw_path(monkeypatc
     from marge.contracts.slots import Slots
     from services.trainer import step as step_module
     from services.trainer.config import TrainerConfig
-    from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
-                                             ObjectivesConfig, SelfEvidenceConfig)
+    from services.trainer.objectives import (
+        DenoisingContrastiveConfig,
+        MargeObjectiveConfig,
+        Objectives,
+        ObjectivesConfig,
+        SelfEvidenceConfig,
+    )
 
     rng = np.random.default_rng(3)
     corpus_tokens = [rng.integers(10, 60, size=n).astype(np.int32) for n in (5, 9, 7, 11, 6, 8)]

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from marge.contracts.corpus import Corpus
-from services.trainer.health import build_probe, g_spread, probe_health
-from marge.model.network import Marge
 from marge.model.architecture import preset
+from marge.model.network import Marge
+from services.trainer.health import build_probe, g_spread, probe_health
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from marge.model.network import Marge
 from marge.model.architecture import preset
+from marge.model.network import Marge
 from services.trainer.objectives import MargeObjectiveConfig, ObjectivesConfig, apply_objective_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,8 +136,8 @@ def test_the_heldout_probe_is_disjoint_from_the_training_text(demo_raw):
 
 
 def test_mechanism_targets_drop_every_text_training_has(paragraph_corpus, demo_raw):
-    from marge.contracts.corpus import Corpus
     from experiments.mechanism.measures import training_documents
+    from marge.contracts.corpus import Corpus
     from services.trainer.health import build_aligned_probe
 
     corpus = Corpus.open(paragraph_corpus)

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from marge.contracts.batch import Batch, SpecialTokens
-from services.trainer.inputs import to_model_inputs
 from marge.contracts.config import ConfigError
+from marge.model.architecture import MargeConfig, preset
 from marge.model.layers import CrossMemory
 from marge.model.network import Marge
-from marge.model.architecture import MargeConfig, preset
 from marge.model.sizes import build_on_meta, count_parameters
 from services.trainer.config import TrainerConfig
+from services.trainer.inputs import to_model_inputs
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 

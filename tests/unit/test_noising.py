@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 
 from marge.contracts.config import FieldError
-from services.trainer.noising import (BartNoise, bart_noise, document_rotation, sentence_end_ids,
-                                      sentence_permutation, text_infilling, token_deletion, token_masking)
+from services.trainer.noising import (
+    BartNoise,
+    bart_noise,
+    document_rotation,
+    sentence_end_ids,
+    sentence_permutation,
+    text_infilling,
+    token_deletion,
+    token_masking,
+)
 
 MASK = 1
 FIRST_TEXT_ID = 10  # documents use ids from here on, so the mask never occurs in them

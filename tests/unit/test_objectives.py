@@ -10,19 +10,25 @@ import pytest
 import torch
 
 from marge.contracts.batch import Batch, SpecialTokens
-from marge.contracts.config import ConfigError
+from marge.contracts.config import ConfigError, build
 from marge.contracts.corpus import Corpus
-from marge.model.network import Marge
-from marge.model.architecture import preset
 from marge.contracts.slots import BatchId, Slots, VersionPlan
+from marge.model.architecture import preset
+from marge.model.network import Marge
 from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.core import DocumentStore, corpus_epoch_batches
 from services.batcher.schedule import BatchSchedule
 from services.driver.config import load_config
-from services.trainer.objectives import (BartObjectiveConfig, MargeObjectiveConfig, Objectives, ObjectivesConfig,
-                                         VecoObjectiveConfig, objectives_for, split_in_halves)
 from services.trainer.noising import SENTENCE_END_CHARACTERS
-from marge.contracts.config import build
+from services.trainer.objectives import (
+    BartObjectiveConfig,
+    MargeObjectiveConfig,
+    Objectives,
+    ObjectivesConfig,
+    VecoObjectiveConfig,
+    objectives_for,
+    split_in_halves,
+)
 
 SPECIALS = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 4, "de": 5}, mask_id=1)
 SENTENCE_END = 9
@@ -148,8 +154,8 @@ def test_bart_loss_without_relevance_equals_the_biased_loss_when_each_target_see
     batch = toy_batch(np.random.default_rng(1))
     inputs = toy_objectives(objectives(bart={})).prepare(batch, (0, 0, 0)).parts["bart"]
     model = marge_model()
-    from marge.model.layers import pad_rows
     from marge.contracts.batch import as_encoder_input
+    from marge.model.layers import pad_rows
 
     targets_enc = pad_rows([as_encoder_input(batch.doc_tokens[t], SPECIALS) for t in batch.targets], 0)
     free = model(inputs["evidence_MS"], None, inputs["decoder_in_NT"], inputs["labels_NT"], inputs["allowed_NM"])

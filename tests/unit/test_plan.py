@@ -81,8 +81,8 @@ def test_the_gpu_configs_give_a_gpu_sized_update_and_the_plan_says_how_to_get_on
 
 
 def test_the_paper_scale_figures_builders_redis_restarts_and_shard_coverage():
-    from services.driver.plan import BUILDER_BATCHES_PER_S, CHECKPOINT_BYTES_PER_PARAMETER
     from marge.model.sizes import build_on_meta, count_parameters
+    from services.driver.plan import BUILDER_BATCHES_PER_S, CHECKPOINT_BYTES_PER_PARAMETER
 
     rates = Throughput(embed_flops_per_s=35e12, train_flops_per_s=9e12, source="test")
     cfg = paper()

@@ -11,14 +11,21 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from prepare_inputs import (  # tests/prepare_inputs.py
+    CHINESE,
+    ENGLISH,
+    GERMAN,
+    assert_nothing_written,
+    good_rows,
+    write_jsonl,
+)
 
-from services.cli import main as marge_main
 from marge.contracts.corpus import Corpus, CorpusError
 from marge.contracts.documents import PrepareError
+from marge.util.files import sha256_file
+from services.cli import main as marge_main
 from services.prepare.options import PrepareOptions
 from services.prepare.run import prepare
-from marge.util.files import sha256_file
-from prepare_inputs import CHINESE, ENGLISH, GERMAN, assert_nothing_written, good_rows, write_jsonl  # tests/prepare_inputs.py
 
 
 def opts(inputs, out, **kw) -> PrepareOptions:

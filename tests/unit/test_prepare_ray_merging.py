@@ -13,14 +13,14 @@ import random
 from pathlib import Path
 
 import pytest
-
-from services.prepare import ray_engine, ray_reading
-from marge.contracts.documents import PrepareError, RawDocument, jsonl_lines
-from services.prepare.options import PrepareOptions
-from services.prepare.core import TokenizerSample
-from services.prepare.run import prepare
-from services.prepare.ray_reading import Rejected, first_lines, jsonl_range_lines, line_starts, read_tasks
 from prepare_inputs import ENGLISH, GERMAN, good_rows, write_jsonl  # tests/prepare_inputs.py
+
+from marge.contracts.documents import PrepareError, RawDocument, jsonl_lines
+from services.prepare import ray_engine, ray_reading
+from services.prepare.core import TokenizerSample
+from services.prepare.options import PrepareOptions
+from services.prepare.ray_reading import Rejected, first_lines, jsonl_range_lines, line_starts, read_tasks
+from services.prepare.run import prepare
 
 
 def test_the_byte_ranges_of_a_file_give_its_lines_and_their_numbers(tmp_path):

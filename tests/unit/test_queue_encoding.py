@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from marge.contracts.batch import Batch
-from marge.contracts.slots import Slots, VersionPlan
 from marge.contracts.protocol import ProtocolError, decode_batch, encode_batch
+from marge.contracts.slots import Slots, VersionPlan
 
 
 def make_batch(i: int, rng=np.random.default_rng(0)) -> Batch:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 import no_servers  # tests/no_servers.py
+import pytest
 
 
 def test_a_redis_server_or_a_ray_start_is_refused_and_other_programs_run():

@@ -9,8 +9,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from marge.contracts.batch import Batch, SpecialTokens, as_decoder_input, as_encoder_input, as_labels
-from marge.model.network import Marge
 from marge.model.architecture import preset
+from marge.model.network import Marge
 from services.trainer.inputs import to_model_inputs
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
@@ -156,8 +156,13 @@ def test_the_trainers_step_trains_the_same_unpadded():
     """`train_step` (the single process's and the reference loop's update) with `trainer.unpadded`: the same losses
     and weights as padded, the recipe's auxiliaries included."""
     from services.trainer.config import TrainerConfig
-    from services.trainer.objectives import (DenoisingContrastiveConfig, MargeObjectiveConfig, Objectives,
-                                             ObjectivesConfig, SelfEvidenceConfig)
+    from services.trainer.objectives import (
+        DenoisingContrastiveConfig,
+        MargeObjectiveConfig,
+        Objectives,
+        ObjectivesConfig,
+        SelfEvidenceConfig,
+    )
     from services.trainer.step import reference_train
 
     batches = [[skewed_batch(seed=s)] for s in range(3)]

@@ -9,11 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from marge.model.layers import EncoderLayer, pad_rows, run_layers
 from marge.model.architecture import MargeConfig, preset
+from marge.model.layers import EncoderLayer, pad_rows, run_layers
 from marge.model.veco import (
-    CA_MLM_TERMS, FAMILY, VECO_PRESETS, Veco, VecoConfig, build_veco_on_meta, count_veco_parameters, mlm_mask,
-    veco_preset, veco_training_flops_per_token,
+    CA_MLM_TERMS,
+    FAMILY,
+    VECO_PRESETS,
+    Veco,
+    VecoConfig,
+    build_veco_on_meta,
+    count_veco_parameters,
+    mlm_mask,
+    veco_preset,
+    veco_training_flops_per_token,
 )
 
 PAD, MASK = 0, 1

@@ -13,11 +13,9 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from marge.contracts.corpus import split_paragraphs
 from marge.contracts.html_text import extract_text
 from marge.contracts.languages import normalize_language
-
 
 log = logging.getLogger(__name__)
 

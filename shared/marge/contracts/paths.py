@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-
 SNAPSHOTS = "snapshots"
 INDEX = "index"
 TRAIN_LOG = "train_log.jsonl"

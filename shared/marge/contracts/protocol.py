@@ -65,7 +65,6 @@ import numpy as np
 from marge.contracts.batch import Batch
 from marge.contracts.slots import BatchId, RunKeys, Slots
 
-
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = b"2"

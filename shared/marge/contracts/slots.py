@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-
 from marge.contracts.batch import Batch
 from marge.contracts.config import positive
 

@@ -19,9 +19,9 @@ import torch
 
 from marge.contracts.batch import SpecialTokens
 from marge.contracts.languages import normalize_language
-from marge.model.network import Marge, RelevanceEncoder
-from marge.model.layers import pad_rows
 from marge.model.embedding import encode_texts, mean_layer_vectors, relevance_unit_vectors, resolve_layer
+from marge.model.layers import pad_rows
+from marge.model.network import Marge, RelevanceEncoder
 from marge.util.progress import track
 
 log = logging.getLogger(__name__)
@@ -98,9 +98,9 @@ def load_eval_model(checkpoint: str | Path | None = None, snapshot: str | Path |
     model of the checkpoint's family and shape, with its tokenizer; an untrained model of `model_config(vocab_size=)`
     (a run config's `model_config`) with the prepared `corpus`'s tokenizer. Untrained weights are drawn with `seed`.
     The label says which: "snapshot step N", "trained" or "random init"."""
+    from marge.contracts.tokenizer import MargeTokenizer
     from marge.model.checkpoint import build_model, load_model
     from marge.model.snapshot import load_relevance_encoder, read_snapshot
-    from marge.contracts.tokenizer import MargeTokenizer
 
     if snapshot:
         info = read_snapshot(Path(snapshot))

@@ -45,14 +45,13 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-
 from torch import nn
 
 from marge.contracts import artifacts
-from marge.model.network import Marge
 from marge.model.architecture import MargeConfig
-from marge.util.files import atomic_write_text
+from marge.model.network import Marge
 from marge.model.veco import FAMILY, Veco, VecoConfig
+from marge.util.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 

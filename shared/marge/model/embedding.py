@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from marge.contracts.batch import SpecialTokens, as_encoder_input, encoder_cost, max_text_tokens
-from marge.model.network import Marge, RelevanceEncoder
 from marge.model.layers import pad_rows
+from marge.model.network import Marge, RelevanceEncoder
 
 log = logging.getLogger(__name__)
 

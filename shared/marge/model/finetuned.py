@@ -35,15 +35,28 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from marge.model.checkpoint import (CHECKPOINT_FORMAT, FINETUNED_FORMAT, config_from_saved, load_model, read_manifest,
-                              saved_config, write_manifest)
-from marge.model.generate import GenerationConfig, translate
-from marge.model.network import Marge
-from marge.model.architecture import MargeConfig
-from marge.model.layers import pad_rows
-from marge.contracts.tasks import (ClassificationExample, EncodedExample, Example, GenerationExample, classification_inputs,
-                         encode_examples)
+from marge.contracts.tasks import (
+    ClassificationExample,
+    EncodedExample,
+    Example,
+    GenerationExample,
+    classification_inputs,
+    encode_examples,
+)
 from marge.contracts.tokenizer import MargeTokenizer
+from marge.model.architecture import MargeConfig
+from marge.model.checkpoint import (
+    CHECKPOINT_FORMAT,
+    FINETUNED_FORMAT,
+    config_from_saved,
+    load_model,
+    read_manifest,
+    saved_config,
+    write_manifest,
+)
+from marge.model.generate import GenerationConfig, translate
+from marge.model.layers import pad_rows
+from marge.model.network import Marge
 
 FINETUNED_FILES = ("model.safetensors", "model_config.json", "finetune_config.json", "tokenizer.model",
                    "tokenizer.json", "metrics.json")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from marge.contracts.batch import SpecialTokens, as_encoder_input, max_text_tokens
-from marge.model.network import Marge
 from marge.model.layers import pad_rows
+from marge.model.network import Marge
 
 
 @dataclass(frozen=True)

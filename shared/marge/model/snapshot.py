@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from marge.contracts import artifacts
-from marge.model.network import Marge, RelevanceEncoder, relevance_state_dict
 from marge.model.architecture import MargeConfig
+from marge.model.network import Marge, RelevanceEncoder, relevance_state_dict
 from marge.util.files import sha256_file
 
 SNAPSHOT_FORMAT = "marge-relevance-snapshot"

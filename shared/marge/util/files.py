@@ -10,9 +10,8 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
