@@ -133,3 +133,19 @@ def small_index(small_corpus, tmp_path_factory):
     model = Marge(preset("tiny", vocab_size=tok.vocab_size, max_positions=128))
     root = tmp_path_factory.mktemp("index")
     return index_corpus(corpus, RelevanceEncoder.from_model(model).eval(), tok.specials, root, 0, 0, IndexerConfig())
+
+
+@pytest.fixture(scope="module")
+def latin_tokenizer(paragraph_corpus):
+    """The tokenizer of the paragraph corpus (its languages are Latin-script)."""
+    from marge.contracts.corpus import Corpus
+
+    return Corpus.open(paragraph_corpus).tokenizer()
+
+
+@pytest.fixture(scope="module")
+def aligned_items(latin_tokenizer, demo_raw):
+    """The aligned probe built from the demo's held-out documents (24 items of up to 64 tokens)."""
+    from services.trainer.health import build_aligned_probe
+
+    return build_aligned_probe(demo_raw / "heldout_documents.jsonl.gz", latin_tokenizer, size=24, max_tokens=64)

@@ -13,31 +13,13 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 import torch
+from alignment_inputs import encoder_for, pairs_of
 
 from marge.contracts.corpus import Corpus, ShardDocuments
 from marge.model.architecture import preset
 from marge.model.network import Marge, RelevanceEncoder
 from services.indexer.config import IndexerConfig
 from services.indexer.core import index_shard, lexical_vectors, shard_links
-
-LATIN = ("en", "de", "fr", "es", "it")
-
-
-PAGE = [
-    {"id": "en:p", "group": "p", "language": "en", "paragraph_ids": ["a", "b", "c"],
-     "text": "Insert a table into the current document.\n\nChoose Table - Insert Table.\n\nOK"},
-    {"id": "de:p", "group": "p", "language": "de", "paragraph_ids": ["a", "c"],
-     "text": "Fügt eine Tabelle in das aktuelle Dokument ein.\n\nOK"},
-]
-
-
-def encoder_for(corpus: Corpus, seed: int = 0) -> RelevanceEncoder:
-    torch.manual_seed(seed)
-    tok = corpus.tokenizer()
-    model = Marge(preset("tiny", vocab_size=tok.vocab_size, max_positions=64, relevance_pooling="mean",
-                         relevance_layers=1))
-    return RelevanceEncoder.from_model(model).eval()
-
 
 # --- prepare and the corpus ------------------------------------------------------------------------
 
@@ -66,10 +48,6 @@ def reference_tfidf_links(docs: ShardDocuments, per_doc: dict[bool, int]) -> set
     return out
 
 
-def pairs_of(links: dict) -> set[tuple[int, int]]:
-    return set(zip(links["target_id"].tolist(), links["evidence_id"].tolist()))
-
-
 def test_bootstrap_version_0_links_are_exactly_tfidfs_top_k(shard, paragraph_corpus, tmp_path):
     corpus = Corpus.open(paragraph_corpus)
     cfg = IndexerConfig(link_rule="document", links_monolingual=2, links_crosslingual=3, bootstrap="tfidf",
@@ -88,18 +66,6 @@ def test_bootstrap_version_0_links_are_exactly_tfidfs_top_k(shard, paragraph_cor
 
 
 # --- the aligned probe and g's health --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def latin_tokenizer(paragraph_corpus):
-    return Corpus.open(paragraph_corpus).tokenizer()
-
-
-@pytest.fixture(scope="module")
-def aligned_items(latin_tokenizer, demo_raw):
-    from services.trainer.health import build_aligned_probe
-
-    return build_aligned_probe(demo_raw / "heldout_documents.jsonl.gz", latin_tokenizer, size=24, max_tokens=64)
 
 
 def test_aligned_gain_is_zero_without_cross_attention_and_its_split_adds_up(aligned_items, latin_tokenizer):

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from alignment_inputs import LATIN, PAGE, encoder_for, pairs_of
 
 from marge.contracts.corpus import Corpus, ShardDocuments
 from marge.contracts.documents import PrepareError
@@ -27,28 +28,10 @@ from services.indexer.core import index_shard, lexical_vectors, shard_links
 from services.prepare.options import PrepareOptions
 from services.prepare.run import prepare
 
-LATIN = ("en", "de", "fr", "es", "it")
-
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     return path
-
-
-PAGE = [
-    {"id": "en:p", "group": "p", "language": "en", "paragraph_ids": ["a", "b", "c"],
-     "text": "Insert a table into the current document.\n\nChoose Table - Insert Table.\n\nOK"},
-    {"id": "de:p", "group": "p", "language": "de", "paragraph_ids": ["a", "c"],
-     "text": "Fügt eine Tabelle in das aktuelle Dokument ein.\n\nOK"},
-]
-
-
-def encoder_for(corpus: Corpus, seed: int = 0) -> RelevanceEncoder:
-    torch.manual_seed(seed)
-    tok = corpus.tokenizer()
-    model = Marge(preset("tiny", vocab_size=tok.vocab_size, max_positions=64, relevance_pooling="mean",
-                         relevance_layers=1))
-    return RelevanceEncoder.from_model(model).eval()
 
 
 # --- prepare and the corpus ------------------------------------------------------------------------
@@ -143,10 +126,6 @@ def shard(paragraph_corpus) -> ShardDocuments:
     return max((corpus.read_shard(s) for s in range(corpus.num_shards)), key=len)
 
 
-def pairs_of(links: dict) -> set[tuple[int, int]]:
-    return set(zip(links["target_id"].tolist(), links["evidence_id"].tolist()))
-
-
 def test_lambda_0_is_todays_index_and_lambda_anneals_to_it(shard, paragraph_corpus, tmp_path):
     corpus = Corpus.open(paragraph_corpus)
     encoder, specials = encoder_for(corpus), corpus.tokenizer().specials
@@ -231,18 +210,6 @@ def test_link_source_settings_are_checked():
 
 
 # --- the aligned probe and g's health --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def latin_tokenizer(paragraph_corpus):
-    return Corpus.open(paragraph_corpus).tokenizer()
-
-
-@pytest.fixture(scope="module")
-def aligned_items(latin_tokenizer, demo_raw):
-    from services.trainer.health import build_aligned_probe
-
-    return build_aligned_probe(demo_raw / "heldout_documents.jsonl.gz", latin_tokenizer, size=24, max_tokens=64)
 
 
 def test_aligned_probe_items_are_held_out_paragraphs_with_their_translations(aligned_items, latin_tokenizer, demo_raw):
