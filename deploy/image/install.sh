@@ -18,8 +18,8 @@ python - <<'PY'
 import importlib, shutil, sys
 for name in ("marge", "marge.model.network", "marge.contracts.protocol", "services.cli", "services.prepare.run",
              "services.driver.pipeline", "services.trainer.rank", "services.indexer.actor", "services.batcher.actor",
-             "services.retrieval.app", "services.driver.single_process", "faiss", "ray.train", "ray.serve", "redis", "pyarrow", "fastapi",
-             "uvicorn"):
+             "services.retrieval.app", "services.driver.single_process", "faiss", "ray.train", "ray.serve", "redis",
+             "pyarrow", "fastapi", "uvicorn"):
     importlib.import_module(name)
 if shutil.which("marge") is None:
     sys.exit("install.sh: the marge command is not on PATH")
