@@ -309,8 +309,6 @@ class PrepareStats:
     skipped: list[str] = field(default_factory=list)
 
 
-
-
 HELDOUT_DIR = "heldout"
 
 

@@ -62,8 +62,6 @@ def _collect(opts: PrepareOptions, stats: PrepareStats) -> list[RawDocument]:
     return docs
 
 
-
-
 def prepare_locally(opts: PrepareOptions) -> dict:
     """The single-process engine: the whole corpus in this process's memory; for inputs of up to a few hundred MB."""
     started = time.time()

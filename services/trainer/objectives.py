@@ -311,7 +311,6 @@ def denoising_loss(model: Marge, views: tuple[Tensor, Tensor], temperature: floa
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
 
-
 # ----------------------------------------------------------------------------------------------------
 # The objectives as plug-ins
 # ----------------------------------------------------------------------------------------------------

@@ -104,8 +104,6 @@ class SlotGone(RuntimeError):
         self.slot, self.rank, self.later_slot = slot, rank, later_slot
 
 
-
-
 def encode_batch(batch: Batch) -> dict[bytes, bytes]:
     lengths = [len(t) for t in batch.doc_tokens]
     header = {

@@ -349,7 +349,6 @@ def check_inputs(evidence_MS: Tensor, allowed_NM: Tensor, pad_id: int) -> int:
     return layout_width(allowed_NM)
 
 
-
 class RelevanceEncoder(nn.Module):
     """g alone: token/position embeddings (and their LayerNorm), the first `relevance_layers` encoder layers and
     the running centre.

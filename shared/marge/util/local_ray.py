@@ -27,7 +27,6 @@ LOCAL_RAY_ENV = {
 (nobody else can reach it), no usage stats, a quick shutdown and a lighter Ray Train V2 controller."""
 
 
-
 @contextlib.contextmanager
 def keeping_sigterm_handler() -> Iterator[None]:
     """Keep this program's SIGTERM handler across `ray.init`, and never lose a SIGTERM that arrives during it.
