@@ -53,7 +53,7 @@ from services.trainer.job import TrainerJob
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
 from services.trainer.prefetch import Prefetcher
-from services.trainer.source import source_for
+from services.trainer.source import BatchSource, source_for
 from services.trainer.state import begin_checkpoint, report_checkpoint, resume
 from services.trainer.step import (
     DDP_SETTINGS,
@@ -110,7 +110,7 @@ def train_loop_per_worker(config: dict) -> None:
     Rank(config["job"]).run()
 
 
-def deliveries_prepared(source, slots: Slots, rank: int, prepare: Callable[[Delivery], PreparedBatch | None],
+def deliveries_prepared(source: BatchSource, slots: Slots, rank: int, prepare: Callable[[Delivery], PreparedBatch | None],
                         step: int) -> list[tuple[Delivery, PreparedBatch | None]]:
     """Rank `rank`'s deliveries of update `step` in micro-batch order, each prepared, up to the first slot `source`
     does not hold. Reading a slot does not consume it (marge.contracts.protocol), so batches read ahead and never
