@@ -28,6 +28,7 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--updates", type=int, required=True)
     q.add_argument("--config", type=Path, default=None)
     q.add_argument("--device", default="auto")
+    q.add_argument("--measure", action="store_true", help="also measure the run once it is trained")
     q.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE")
     q = sub.add_parser("measure", help="held-out measures of the trained runs in --out")
     q.add_argument("--out", type=Path, required=True)

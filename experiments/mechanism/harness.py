@@ -79,8 +79,8 @@ def run_arm(config: Path | None, arm: Arm, seed: int, updates: int, out: Path, d
 
 def run_study(config: Path | None, arms: list[str], seeds: list[int], updates: int, out: Path, jobs: int = 1,
               device: str = "auto", extra: tuple[str, ...] = (), measure: bool = True) -> dict:
-    """Every (arm, seed) to `updates`, `jobs` at a time (each a process with cores / jobs threads), then the
-    held-out measures of each run and the report."""
+    """Every (arm, seed) to `updates`, `jobs` at a time (each a process with cores / jobs threads, which also
+    measures its run when it is trained), then the held-out measures of any run not measured yet and the report."""
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     todo = [(arm_named(a), s) for a in arms for s in seeds]  # arm by arm: the first arms' seeds finish first
@@ -92,11 +92,11 @@ def run_study(config: Path | None, arms: list[str], seeds: list[int], updates: i
 
         def launch(item: tuple[Arm, int]) -> int:
             arm, seed = item
-            if finished_updates(run_dir(out, arm.name, seed)) >= updates:
+            if finished_updates(run_dir(out, arm.name, seed)) >= updates and not measure:
                 return 0
             cmd = [sys.executable, "-m", "experiments.mechanism", "run-one", "--out", str(out), "--arm", arm.name,
                    "--seed", str(seed), "--updates", str(updates), "--device", device,
-                   *(["--config", str(config)] if config else []), *extra]
+                   *(["--config", str(config)] if config else []), *(["--measure"] if measure else []), *extra]
             env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
             log_path = run_dir(out, arm.name, seed).parent / f"seed-{seed}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,6 +126,12 @@ def main_run_one(args) -> int:
     if threads:
         torch.set_num_threads(threads)
     t0 = time.time()
-    run_arm(args.config, arm_named(args.arm), args.seed, args.updates, args.out, args.device, tuple(args.overrides))
-    log.info("%s seed %d: done in %.1f min", args.arm, args.seed, (time.time() - t0) / 60)
+    folder = run_arm(args.config, arm_named(args.arm), args.seed, args.updates, args.out, args.device,
+                     tuple(args.overrides))
+    log.info("%s seed %d: trained in %.1f min", args.arm, args.seed, (time.time() - t0) / 60)
+    if args.measure:
+        from experiments.mechanism.measures import measure_run
+
+        measure_run(folder, device=args.device)
+        log.info("%s seed %d: measured, %.1f min in all", args.arm, args.seed, (time.time() - t0) / 60)
     return 0

@@ -66,7 +66,7 @@ log = logging.getLogger("marge.mechanism")
 MEASURES_FILE = "measures.json"
 MEASURES_VERSION = 1
 """Bumped when a measure changes meaning: stored measures of another version are measured again."""
-MEASURE_EVERY = 500
+MEASURE_EVERY = 250
 """Checkpoints measured: update 0 (the initial weights), every multiple of this, and the run's last."""
 PROBE_TARGETS = 256
 """Held-out targets drawn for the evidence conditions (before those whose text occurs in training are dropped)."""

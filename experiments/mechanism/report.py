@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from marge.eval.evaluation import clustered_bootstrap, page_sums
 from marge.util.files import atomic_write_text
@@ -54,10 +55,16 @@ def read_runs(out: Path) -> dict[str, dict[int, dict]]:
         builds = [json.loads(line) for line in builds_path.read_text(encoding="utf-8").splitlines()
                   if line.strip()] if builds_path.exists() else []
         report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+        log_path = folder / "run" / "train_log.jsonl"
+        updates = [json.loads(line) for line in log_path.read_text(encoding="utf-8").splitlines()
+                   if line.strip()] if log_path.exists() else []
+        config_path = folder / "config.yaml"
+        config = yaml.safe_load(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
         runs.setdefault(folder.parent.name, {})[int(folder.name.split("-", 1)[1])] = {
             "measures": json.loads(measures.read_text(encoding="utf-8")), "builds": builds,
             "baselines": json.loads((folder / "baselines.json").read_text(encoding="utf-8")),
-            "updates": int(report["pipeline"]["steps"]), "minutes": report["pipeline"]["train_seconds"] / 60}
+            "updates": int(report["pipeline"]["steps"]), "minutes": report["pipeline"]["train_seconds"] / 60,
+            "train_log": updates, "beta_lr_scale": float(((config or {}).get("trainer") or {}).get("beta_lr_scale", 1.0))}
     return runs
 
 
@@ -152,6 +159,12 @@ def arm_summary(name: str, seeds: dict[int, dict], pages: Pages) -> dict:
     for step in steps:
         rs = [seeds[s]["measures"]["steps"][str(step)] for s in order]
         over[str(step)] = {"p_at_1": summarise([pages.hits(r) for r in rs]),
+                           "p_at_1_over_init": summarise([pages.hits(r, minus=i) for r, i in zip(rs, inits)]),
+                           "headroom": {
+                               "retrieved_minus_gold": summarise([pages.gain(r, "gold", baseline="retrieved")
+                                                                  for r in rs]),
+                               "wrong_page_minus_retrieved": summarise([pages.gain(r, "retrieved", baseline="wrong_page")
+                                                                        for r in rs])},
                            "gain_retrieved": summarise([pages.gain(r, "retrieved") for r in rs]),
                            "gain_gold": summarise([pages.gain(r, "gold") for r in rs]),
                            "retrieved_over_wrong_page": summarise([pages.gain(r, "retrieved", baseline="wrong_page")
@@ -175,6 +188,7 @@ def arm_summary(name: str, seeds: dict[int, dict], pages: Pages) -> dict:
     tfidf = [float(np.mean(list(seeds[s]["baselines"]["tfidf"].values()))) for s in order]
     return {
         "why": arm.why if arm else None, "overrides": list(arm.overrides) if arm else None,
+        "lever": arm.lever if arm else None,
         "seeds": order, "updates": steps[-1], "aux_loss": arm.aux_loss if arm else None,
         "detached_f": arm.detached_f if arm else None, "index": arm.index if arm else None,
         "minutes_by_seed": [round(seeds[s]["minutes"], 1) for s in order],
@@ -190,8 +204,57 @@ def arm_summary(name: str, seeds: dict[int, dict], pages: Pages) -> dict:
         "beta": round(float(np.mean([r["beta"] for r in records])), 4),
         "aligned_link_precision": precision,
         "over_updates": over,
+        "p_at_1_over_updates": {"init": over[str(steps[0])]["p_at_1"] if steps[0] == 0 else None,
+                                **{k: v["p_at_1"] for k, v in over.items()}},
+        "headroom": {k: v["headroom"] for k, v in over.items()},
+        "f_gradient_share": gradient_shares(seeds, order, steps[-1]),
+        "beta_over_adam_max": beta_over_adam_max(seeds, order, steps),
         "extended": extended_seeds(seeds, steps[-1]),
     }
+
+
+GRADIENT_FIGURES = ("f_gradient_share", "f_gradient_share_embedding", "f_gradient_share_layers",
+                    "distillation_gradient_share", "g_gradient_norm")
+"""What `services.trainer.gradient_paths` puts in the health record of every snapshot update."""
+
+
+def gradient_shares(seeds: dict[int, dict], order: list[int], last: int) -> dict:
+    """{figure: {update: {mean, by_seed}}} of the gradient-path figures the runs logged at their snapshots, up to
+    update `last` (updates every seed logged)."""
+    out: dict[str, dict] = {}
+    for figure in GRADIENT_FIGURES:
+        by_step: dict[int, list[float]] = {}
+        for s in order:
+            for record in seeds[s]["train_log"]:
+                value = (record.get("health") or {}).get(figure)
+                if value is not None and record["step"] <= last:
+                    by_step.setdefault(int(record["step"]), []).append(float(value))
+        rows = {str(k): {"mean": round(float(np.mean(v)), 6), "by_seed": [round(x, 6) for x in v]}
+                for k, v in sorted(by_step.items()) if len(v) == len(order)}
+        if rows:
+            out[figure] = rows
+    return out
+
+
+def beta_over_adam_max(seeds: dict[int, dict], order: list[int], steps: list[int]) -> dict:
+    """For each span between measured updates, beta's rise (the checkpoints' beta) over the most Adam lets it rise
+    in that span (the sum of beta's learning rates over its updates: an Adam update moves a parameter by about its
+    learning rate at most), mean and by seed. Near 1: beta rises as fast as the optimizer allows, so the loss wants
+    a larger bias than it can take."""
+    out = {}
+    for start, end in zip(steps, steps[1:]):
+        ratios = []
+        for s in order:
+            lrs = {int(r["step"]): float(r["lr"]) for r in seeds[s]["train_log"]}
+            span = range(start + 1, end + 1)
+            if not all(k in lrs for k in span):
+                break
+            most = sum(lrs[k] for k in span) * seeds[s]["beta_lr_scale"]
+            measured = seeds[s]["measures"]["steps"]
+            ratios.append((measured[str(end)]["beta"] - measured[str(start)]["beta"]) / most)
+        if len(ratios) == len(order):
+            out[f"{start}-{end}"] = {"mean": round(float(np.mean(ratios)), 4), "by_seed": [round(r, 4) for r in ratios]}
+    return out
 
 
 def extended_seeds(seeds: dict[int, dict], common: int) -> dict:
@@ -235,13 +298,33 @@ def contrast(first: dict[int, dict], second: dict[int, dict], pages: Pages, step
 
 
 def judge(arms: dict, contrasts: dict) -> dict:
+    """The study's targets, each with the figure it is judged on. T2-T5 are judged on the chosen recipe's arms
+    (`arms.RECIPE`): its loop without the auxiliary loss, its detached and frozen-TF-IDF twins, its pair with the
+    auxiliary loss."""
+    from experiments.mechanism.arms import RECIPE
+
     def verdict(name: str):
         c = contrasts.get(name)
         return None if c is None else c["shown"]
 
-    out = {"beta_f_trains_g_in_the_loop": verdict("beta_f_vs_detached_loop"),
-           "loop_adds_to_g_beyond_the_aux_loss": verdict("loop_vs_lexical_frozen")}
-    for name in ("loop", "loop_aux", "loop_untied"):
+    out: dict = {"beta_f_trains_g_in_the_loop": verdict("beta_f_vs_detached_loop"),
+                 "loop_adds_to_g_beyond_the_aux_loss": verdict("beta_f_beyond_aux"),
+                 "recipe_arms": dict(RECIPE)}
+    loop = arms.get(RECIPE["loop"])
+    if loop:
+        at_500 = loop["over_updates"].get("500", {}).get("p_at_1_over_init")
+        if at_500:
+            below = at_500["ci95"][1] < 0 and (at_500["ci95_seeds_t"] or [0, 0])[1] < 0
+            out["T2_no_collapse_at_500"] = {"p_at_1_minus_init": at_500, "met": not below}
+        end = loop["p_at_1_over_init"]
+        out["T3_end_at_least_init_plus_0.10"] = {"p_at_1_minus_init": end, "met": end["mean"] >= 0.10 and shown(end)}
+    pair = [contrasts.get(RECIPE[k]) for k in ("loop_vs_tfidf_frozen", "beta_f_beyond_aux")]
+    out["T4_loop_adds_to_g"] = {"loop_vs_tfidf_frozen": pair[0] and {k: pair[0][k] for k in ("delta", "ci95",
+                                                                                              "ci95_seeds_t", "shown")},
+                                "beta_f_beyond_aux": pair[1] and {k: pair[1][k] for k in ("delta", "ci95",
+                                                                                          "ci95_seeds_t", "shown")},
+                                "met": bool(pair[0] and pair[1] and pair[0]["shown"] and pair[1]["shown"])}
+    for name in dict.fromkeys(("loop", "loop_aux", RECIPE["loop"], RECIPE["aux"])):
         arm = arms.get(name)
         if not arm:
             continue
@@ -251,11 +334,15 @@ def judge(arms: dict, contrasts: dict) -> dict:
         out[f"{name}_index_precision_after_handover_at_least_tfidf_start"] = (
             all(v["mean"] >= start for v in handed) if handed and start is not None else None)
         out[f"{name}_index_precision"] = {"tfidf_start": start, "after_handover": [v["mean"] for v in handed]}
+        if name == RECIPE["loop"] and handed and start is not None:
+            out["T5_own_index_at_least_tfidf_start"] = {"tfidf_start": start, "last_own_version": handed[-1]["mean"],
+                                                        "met": handed[-1]["mean"] >= start}
         for seed, longer in arm["extended"].items():
             out[f"{name}_seed_{seed}_to_{longer['updates']}_index_precision_after_handover"] = [
                 v["precision"] for v in longer["aligned_link_precision"] if v["version"] > 0 and not v["lexical_weight"]]
     best = max((a for a in arms.values() if a), key=lambda a: a["p_at_1"]["mean"], default=None)
     if best:
+        out["best_arm"] = next(k for k, a in arms.items() if a is best)
         out["best_arm_p_at_1"] = best["p_at_1"]["mean"]
         out["tfidf_p_at_1"] = best["p_at_1_tfidf"]
         out["best_g_at_least_tfidf"] = best["p_at_1"]["mean"] >= best["p_at_1_tfidf"]

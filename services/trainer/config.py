@@ -27,9 +27,13 @@ class OptimizerConfig:
     """AdamW's epsilon."""
     clip_norm: float = 1.0
     """Gradient-norm clipping (0 turns it off)."""
+    beta_lr_scale: float = 1.0
+    """Deviation (1 in `paper`): beta, the relevance bias's one scalar, learns at `lr` times this. Adam moves a
+    parameter by at most about its learning rate per update, so at 1 beta can rise by at most the sum of the
+    rates so far (experiments/mechanism measures how close it comes)."""
 
     def __post_init__(self) -> None:
-        positive(self, "lr", "adam_eps")
+        positive(self, "lr", "adam_eps", "beta_lr_scale")
         at_least(self, "weight_decay", 0)
         at_least(self, "clip_norm", 0)
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):

@@ -33,27 +33,33 @@ class ModelInputs:
     labels_NT: Tensor
     allowed_NM: Tensor
     linked_NM: Tensor  # the batch's retrieval links (target i -> evidence j): for objectives; the model takes none
+    crosslingual_NM: Tensor  # evidence j is in another language than target i: for objectives; the model takes none
     width: int | None = None
     """`marge.model.network.check_inputs` of these tensors, made on the host: the forward then reads nothing back from the
     device (None: the forward checks)."""
     layout: UnpaddedLayout | None = None
     """Where the real tokens are and which keys each target reads (`unpadded_layout`); None: run padded."""
+    detach_relevance: bool = False
+    """This batch trains with f detached (`MargeObjectiveConfig.detached_at` its update)."""
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.evidence_MS, self.target_enc_NS, self.decoder_in_NT, self.labels_NT, self.allowed_NM,
-                self.linked_NM)
+                self.linked_NM, self.crosslingual_NM)
 
     def to(self, device: torch.device | str) -> "ModelInputs":
-        evidence, target_enc, decoder_in, labels, allowed, linked = (t.to(device, non_blocking=True)
-                                                                     for t in self.tensors())
-        return ModelInputs(evidence, target_enc, decoder_in, labels, allowed, linked, width=self.width,
-                           layout=None if self.layout is None else self.layout.to(device))
+        evidence, target_enc, decoder_in, labels, allowed, linked, crosslingual = (t.to(device, non_blocking=True)
+                                                                                   for t in self.tensors())
+        return ModelInputs(evidence, target_enc, decoder_in, labels, allowed, linked, crosslingual, width=self.width,
+                           layout=None if self.layout is None else self.layout.to(device),
+                           detach_relevance=self.detach_relevance)
 
     def pin_memory(self) -> "ModelInputs":
         """Page-locked copies, so that `.to(cuda, non_blocking=True)` overlaps with the device's work."""
-        evidence, target_enc, decoder_in, labels, allowed, linked = (t.pin_memory() for t in self.tensors())
-        return ModelInputs(evidence, target_enc, decoder_in, labels, allowed, linked, width=self.width,
-                           layout=None if self.layout is None else self.layout.pin_memory())
+        evidence, target_enc, decoder_in, labels, allowed, linked, crosslingual = (t.pin_memory()
+                                                                                   for t in self.tensors())
+        return ModelInputs(evidence, target_enc, decoder_in, labels, allowed, linked, crosslingual, width=self.width,
+                           layout=None if self.layout is None else self.layout.pin_memory(),
+                           detach_relevance=self.detach_relevance)
 
     def as_kwargs(self) -> dict[str, Tensor]:
         """The arguments of `Marge.forward`."""
@@ -125,6 +131,8 @@ def to_model_inputs(batch: Batch, specials: SpecialTokens, attend_to: str = "all
     linked_NM = np.zeros_like(allowed_NM)
     linked_NM[batch.edges[:, 0], batch.edges[:, 1]] = True
     linked_NM &= allowed_NM
+    langs = np.asarray(batch.doc_langs, dtype=object)
+    crosslingual_NM = (langs[targets][:, None] != langs[evidence][None, :]).astype(bool)
     if attend_to == "linked":
         allowed_NM = allowed_NM & linked_NM
     target_docs = [batch.doc_tokens[i] for i in targets]
@@ -134,7 +142,7 @@ def to_model_inputs(batch: Batch, specials: SpecialTokens, attend_to: str = "all
     allowed = torch.from_numpy(allowed_NM)
     return ModelInputs(evidence_MS, target_enc_NS,
                        torch.from_numpy(decoder_rows(target_docs, [batch.doc_langs[i] for i in targets], specials)),
-                       labels_NT, allowed, torch.from_numpy(linked_NM),
+                       labels_NT, allowed, torch.from_numpy(linked_NM), torch.from_numpy(crosslingual_NM),
                        width=check_inputs(evidence_MS, allowed, specials.pad_id),
                        layout=unpadded_layout(text_lengths([batch.doc_tokens[i] for i in evidence]),
                                               text_lengths(target_docs), allowed_NM, evidence_MS.shape[1],

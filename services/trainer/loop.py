@@ -12,7 +12,8 @@ Each update s, told top to bottom in `TrainingLoop.run`:
     record        the update's `UpdateRecord` (marge.contracts.train_log) over every rank (`host.gather`)
     after         `host.after_update`: what the host keeps until the next checkpoint makes it count
     snapshot      every `trainer.snapshot_every` updates the writer (rank 0; the single process) publishes g and
-                  measures retrieval health (`host.snapshot`)
+                  measures retrieval health (`host.snapshot`), and the share of g's gradient that flows through f
+                  on the batches just trained (`services.trainer.gradient_paths`)
     log           the writer appends the record to train_log.jsonl and TensorBoard; `host.logged` (gauges, progress)
     checkpoint    every `trainer.checkpoint_every` updates, at the last update and when the loop stops early:
                   `host.checkpoint` (on DDP a collective: every rank takes part)
@@ -39,6 +40,7 @@ from marge.eval.tensorboard import RunBoard
 from marge.model.sizes import training_flops, training_flops_per_token
 from marge.model.veco import VecoConfig, veco_training_flops_per_token
 from services.trainer.config import TrainerConfig
+from services.trainer.gradient_paths import gradient_paths
 from services.trainer.objectives import Objectives
 from services.trainer.step import Backward, Item, UpdateFigures, run_update
 
@@ -161,7 +163,7 @@ class TrainingLoop:
 
     def __init__(self, trainee: Trainee, host: LoopHost, train_log: TrainLog, board: RunBoard, meter: UpdateMeter):
         self.t, self.host, self.train_log, self.board, self.meter = trainee, host, train_log, board, meter
-        self.names = [p.name for p in trainee.objectives.plugins]
+        self.names = list(trainee.objectives.part_names)
 
     def run(self, step: int) -> int:
         """Train from update `step`; returns the number of updates done when it stopped."""
@@ -191,7 +193,7 @@ class TrainingLoop:
                 for name, value in self.meter.rates().items():
                     setattr(record, name, value)
                 if step % t.cfg.snapshot_every == 0:
-                    record.health = host.snapshot(step) or None
+                    record.health = {**host.snapshot(step), **self.gradient_paths(update, done)} or None
                 self.train_log.append(record)
                 self.board.step(record)
                 host.logged(record)
@@ -226,6 +228,13 @@ class TrainingLoop:
             snapshot_steps=sorted(set(snapshot_steps)),
             staleness_max=max((step - 1 - s for s in snapshot_steps), default=0), step_seconds=seconds,
             tokens=0 if skipped else int(stats[0]), target_tokens=0 if skipped else int(stats[1]))
+
+    def gradient_paths(self, update: UpdateInput, done: Backward) -> dict[str, float]:
+        """The share of g's gradient that flows through f, on the batches this process just trained
+        (`services.trainer.gradient_paths`; nothing is applied)."""
+        kept = {slot for slot, _ in done.trained}
+        prepared = [item.prepared for item in update.items if item.slot in kept and item.prepared is not None]
+        return gradient_paths(self.t.model, self.t.objectives, prepared, self.t.device, self.t.cfg.bf16)
 
     def work(self, update: UpdateInput, done: Backward) -> dict[str, int] | None:
         """The passes this process's trained batches made (MFU's numerator), when MFU is measured."""

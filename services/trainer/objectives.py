@@ -39,6 +39,12 @@ those. What the run needs follows from them (`ObjectivesConfig.needs_index`, `.b
   negatives (embedded with the current parameters: a queue of stale vectors lets the encoder drift away
   from them, a degenerate solution), must find each other (SimCSE style). g learns which tokens identify a
   document, like a learned IDF, and across languages the tokens they share.
+* **relevance_distillation** (extension beyond the paper, with marge) — f is trained towards which documents the
+  decoder actually reads: KL(reading || softmax(f / temperature)) over each target's evidence (by default only
+  the evidence in other languages), where `reading` is the last cross-attention layer's attention without the
+  beta * f term, averaged over heads, target tokens and each document's keys, and given no gradient (ADist of
+  Izacard & Grave 2021 and Atlas). Its gradient reaches g through f whatever beta is, and under
+  `marge.detach_relevance` too (only beta * f's own path is cut): the control of what beta * f adds beyond it.
 
 Randomness is keyed by (run seed, step, slot of the batch in the step), so a batch is prepared the same
 way on a DDP rank, in the reference loop and in the single-process run.
@@ -46,7 +52,7 @@ way on a DDP rank, in the reference loop and in the single-process run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -65,7 +71,7 @@ from marge.contracts.batch import (
 )
 from marge.contracts.config import ConfigError, FieldError, at_least, one_of, positive, within
 from marge.model.layers import RealTokens, pad_rows
-from marge.model.network import Marge
+from marge.model.network import Marge, MargeOutput
 from marge.model.veco import mlm_mask
 from services.trainer.inputs import ATTEND_TO, ModelInputs, real_tokens, to_model_inputs
 from services.trainer.noising import BartNoise, bart_noise
@@ -92,12 +98,21 @@ class MargeObjectiveConfig:
     through f, so g learns only from what reaches it otherwise (the encoder's memory, an auxiliary loss). The
     difference in g's retrieval against the same run with false is what the relevance bias teaches g
     (experiments/mechanism)."""
+    detach_relevance_until: int = 0
+    """Deviation (0 in `paper`): f is detached as above for the updates before this one, then trains g. With
+    self-evidence over the same updates the decoder learns to read its evidence as text (copying from a noised
+    copy of the target) without g being rewarded for recognising a document's own copy."""
     train_beta: bool = True
     """A control: false keeps beta at `model.beta_init` for the whole run (no gradient, not in the optimizer)."""
 
     def __post_init__(self) -> None:
         positive(self, "weight")
         one_of(self, "attend_to", ATTEND_TO)
+        at_least(self, "detach_relevance_until", 0)
+
+    def detached_at(self, step: int) -> bool:
+        """Whether update `step` trains with f detached."""
+        return self.detach_relevance or step < self.detach_relevance_until
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +184,20 @@ class DenoisingContrastiveConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RelevanceDistillationConfig:
+    weight: float
+    """Weight of this loss in the sum the step backpropagates."""
+    temperature: float = 0.1
+    """f is divided by this before the softmax the decoder's reading is matched against (f is a cosine in [-1, 1])."""
+    crosslingual_only: bool = True
+    """Match only over each target's evidence in other languages (the documents retrieval is judged on), not over
+    same-language evidence, which the decoder reads for what it shares with the target's page."""
+
+    def __post_init__(self) -> None:
+        positive(self, "weight", "temperature")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ObjectivesConfig:
     """The run's objectives; an absent (null) entry is off. Naming none of marge, bart, veco means marge."""
 
@@ -182,6 +211,8 @@ class ObjectivesConfig:
     """Deviation: noised copies of targets as extra evidence early in training (with marge)."""
     denoising_contrastive: DenoisingContrastiveConfig | None = None
     """Deviation: a contrastive loss that makes g a fingerprint of its document (with marge)."""
+    relevance_distillation: RelevanceDistillationConfig | None = None
+    """Extension beyond the paper: f is trained to match which documents the decoder reads (with marge)."""
 
     def __post_init__(self) -> None:
         if all(getattr(self, name) is None for name in MAIN_OBJECTIVES):
@@ -193,7 +224,7 @@ class ObjectivesConfig:
                               "marge.model.veco); it cannot share a run with marge or bart (an encoder-decoder): "
                               "configure veco alone")
         if self.marge is None:
-            for aux in ("self_evidence", "denoising_contrastive"):
+            for aux in ("self_evidence", "denoising_contrastive", "relevance_distillation"):
                 if getattr(self, aux) is not None:
                     raise ConfigError(f"objectives.{aux} is an auxiliary of the marge objective: add "
                                       f"objectives.marge or remove {aux}")
@@ -201,7 +232,7 @@ class ObjectivesConfig:
     @property
     def enabled(self) -> tuple[str, ...]:
         """The configured objectives, main ones first."""
-        names = (*MAIN_OBJECTIVES, "self_evidence", "denoising_contrastive")
+        names = (*MAIN_OBJECTIVES, "self_evidence", "denoising_contrastive", "relevance_distillation")
         return tuple(name for name in names if getattr(self, name) is not None)
 
     @property
@@ -339,21 +370,54 @@ def core_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class MargeObjective:
-    """Paper Eq. 2: every target reconstructed from its batch's evidence, cross-attention biased by beta * f."""
+    """Paper Eq. 2: every target reconstructed from its batch's evidence, cross-attention biased by beta * f; with
+    `distillation`, also f matched to which documents the decoder reads (`relevance_distillation_loss`)."""
 
     name = "marge"
 
-    def __init__(self, cfg: MargeObjectiveConfig, specials: SpecialTokens, unpadded: bool = False):
-        self.cfg, self.specials, self.unpadded = cfg, specials, unpadded
+    def __init__(self, cfg: MargeObjectiveConfig, specials: SpecialTokens, unpadded: bool = False,
+                 distillation: RelevanceDistillationConfig | None = None):
+        self.cfg, self.specials, self.unpadded, self.distillation = cfg, specials, unpadded, distillation
 
-    def prepare(self, batch: Batch, rng: np.random.Generator) -> ModelInputs:
-        return to_model_inputs(batch, self.specials, self.cfg.attend_to, self.unpadded)
+    def prepare(self, batch: Batch, rng: np.random.Generator, step: int = 0) -> ModelInputs:
+        inputs = to_model_inputs(batch, self.specials, self.cfg.attend_to, self.unpadded)
+        inputs.detach_relevance = self.cfg.detached_at(step)
+        return inputs
+
+    def output(self, model: torch.nn.Module, inputs: ModelInputs) -> MargeOutput:
+        """The model's whole output on the prepared batch (f with its graph, per-target NLL): what `loss` sums and
+        diagnostics read (`services.trainer.gradient_paths`)."""
+        # width was checked on the host: no device read in the forward
+        return model(**inputs.as_kwargs(), width=inputs.width, detach_relevance=inputs.detach_relevance,
+                     layout=inputs.layout, reading=self.distillation is not None)
 
     def loss(self, model: torch.nn.Module, inputs: ModelInputs) -> tuple[Tensor, Tensor]:
-        # width was checked on the host: no device read in the forward
-        out = model(**inputs.as_kwargs(), width=inputs.width, detach_relevance=self.cfg.detach_relevance,
-                    layout=inputs.layout)
+        out = self.output(model, inputs)
         return out.loss, out.tokens_per_target_N.sum()
+
+    def companion_losses(self, out: MargeOutput, inputs: ModelInputs) -> dict[str, Tensor]:
+        """Losses made from the same forward as the reconstruction's (`output`): the relevance distillation."""
+        if self.distillation is None or out.reading_NM is None:
+            return {}
+        d = self.distillation
+        candidates_NM = inputs.allowed_NM & inputs.crosslingual_NM if d.crosslingual_only else inputs.allowed_NM
+        return {"relevance_distillation": relevance_distillation_loss(out.relevance_NM, out.reading_NM, candidates_NM,
+                                                                      d.temperature)}
+
+
+def relevance_distillation_loss(relevance_NM: Tensor, reading_NM: Tensor, candidates_NM: Tensor,
+                                temperature: float) -> Tensor:
+    """Mean over targets with at least two candidates of KL(reading || softmax(f / temperature)), both taken over
+    the target's candidate documents (the reading renormalised there); 0 (with f's graph) when no target has two."""
+    rows_N = candidates_NM.sum(1) >= 2
+    if not bool(rows_N.any()):
+        return relevance_NM.sum() * 0.0
+    f_RM, teacher_RM, ok_RM = relevance_NM[rows_N].float(), reading_NM[rows_N].float(), candidates_NM[rows_N]
+    teacher_RM = teacher_RM.masked_fill(~ok_RM, 0.0)
+    teacher_RM = teacher_RM / teacher_RM.sum(1, keepdim=True).clamp(min=1e-12)
+    log_student_RM = (f_RM / temperature).masked_fill(~ok_RM, float("-inf")).log_softmax(-1).masked_fill(~ok_RM, 0.0)
+    log_teacher_RM = teacher_RM.clamp(min=1e-12).log().masked_fill(~ok_RM, 0.0)
+    return (teacher_RM * (log_teacher_RM - log_student_RM)).sum(1).mean()
 
 
 class BartObjective:
@@ -518,6 +582,11 @@ class Losses:
     logged loss. Tensors, not floats: reading them waits for the device, which the step does once, at its end."""
     target_tokens: Tensor
     """Tokens the primary objective reconstructs (marge, bart: target text + EOS; veco: the pair's text)."""
+    weighted: dict[str, Tensor] = field(default_factory=dict)
+    """Each loss times its weight, with its graph (what `objective` sums): for diagnostics of where gradients come
+    from (`services.trainer.gradient_paths`)."""
+    relevance_NM: Tensor | None = None
+    """f of the marge forward, with its graph where it has one."""
 
 
 class Objectives:
@@ -535,7 +604,7 @@ class Objectives:
         self.cfg, self.specials, self.primary = cfg, specials, cfg.primary
         self.plugins: list = []
         if cfg.marge is not None:
-            self.plugins.append(MargeObjective(cfg.marge, specials, unpadded))
+            self.plugins.append(MargeObjective(cfg.marge, specials, unpadded, cfg.relevance_distillation))
         # both given when bart or veco is on (checked above)
         ends, vocab = cast(np.ndarray, sentence_ends), cast(int, vocab_size)
         if cfg.bart is not None:
@@ -546,33 +615,50 @@ class Objectives:
             self.plugins.append(DenoisingContrastiveObjective(cfg.denoising_contrastive, specials, corpus_tokens,
                                                               unpadded))
         self.weights = {p.name: getattr(cfg, p.name).weight for p in self.plugins}
+        if cfg.relevance_distillation is not None:
+            self.weights["relevance_distillation"] = cfg.relevance_distillation.weight
+        self.part_names = tuple(self.weights)
+        """Every loss the step sums, as logged: each plug-in's, and the marge objective's companions."""
 
     def prepare(self, batch: Batch, seed_key: tuple[int, ...]) -> PreparedBatch:
         """`seed_key` = (run seed, step, slot of the batch within the step)."""
         if self.cfg.self_evidence is not None:
             step = seed_key[1] if len(seed_key) > 1 else 0
             batch = with_self_evidence(batch, self.cfg.self_evidence, step, np.random.default_rng(list(seed_key)))
-        parts = {p.name: p.prepare(batch, np.random.default_rng([*seed_key, RNG_STREAM[p.name]])) for p in self.plugins}
+        step = seed_key[1] if len(seed_key) > 1 else 0
+        parts = {p.name: (p.prepare(batch, np.random.default_rng([*seed_key, RNG_STREAM[p.name]]), step)
+                          if isinstance(p, MargeObjective) else
+                          p.prepare(batch, np.random.default_rng([*seed_key, RNG_STREAM[p.name]])))
+                 for p in self.plugins}
         return PreparedBatch(batch.batch_id, parts)
 
     def losses(self, model: torch.nn.Module, prepared: PreparedBatch, device: torch.device, bf16: bool) -> Losses:
         """The weighted objective of one prepared batch (`model` may be DDP-wrapped: its forward runs the model)."""
-        objective, parts, tokens = None, {}, None
+        objective, parts, tokens, relevance = None, {}, None, None
+        weighted: dict[str, Tensor] = {}
         for plugin in self.plugins:
             inputs = prepared.parts[plugin.name]
             if inputs is None:
                 continue
+            companions: dict[str, Tensor] = {}
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
-                loss, predicted = plugin.loss(model, inputs.to(device))
-            weighted = self.weights[plugin.name] * loss
-            objective = weighted if objective is None else objective + weighted
-            parts[plugin.name] = loss.detach()
+                if isinstance(plugin, MargeObjective):
+                    moved = inputs.to(device)
+                    out = plugin.output(model, moved)
+                    loss, predicted, relevance = out.loss, out.tokens_per_target_N.sum(), out.relevance_NM
+                    companions = plugin.companion_losses(out, moved)
+                else:
+                    loss, predicted = plugin.loss(model, inputs.to(device))
+            for name, value in {plugin.name: loss, **companions}.items():
+                weighted[name] = self.weights[name] * value
+                objective = weighted[name] if objective is None else objective + weighted[name]
+                parts[name] = value.detach()
             if plugin.name == self.primary:
                 tokens = predicted
         if objective is None or tokens is None:  # the step backpropagates the objective and counts these tokens
             raise ValueError(f"batch {prepared.batch_id}: the primary objective {self.primary!r} has nothing to "
                              "train on (untrainable() should have set this batch aside)")
-        return Losses(objective, parts, tokens)
+        return Losses(objective, parts, tokens, weighted, relevance)
 
 
 def apply_objective_settings(model: torch.nn.Module, cfg: ObjectivesConfig) -> torch.nn.Module:

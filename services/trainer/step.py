@@ -66,8 +66,9 @@ class StepRecord:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, fused: bool | None = None) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; no weight decay on biases, LayerNorms, embeddings and beta. `cfg`:
-    pre-training's `TrainerConfig` or fine-tuning's `FinetuneConfig`, both an `OptimizerConfig`.
+    """AdamW over the trainable parameters; no weight decay on biases, LayerNorms, embeddings and beta, and beta in a
+    group of its own at `lr * beta_lr_scale` when that scale is not 1. `cfg`: pre-training's `TrainerConfig` or
+    fine-tuning's `FinetuneConfig`, both an `OptimizerConfig`.
 
     On CUDA it is the fused kernel (one launch for every parameter instead of several per tensor, and no read of
     the step counters back to the host); on CPU the default for-each implementation, whose results the fused one
@@ -75,13 +76,20 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, fused: bool | None =
     """
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
+    beta: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
+        if name == "beta" and cfg.beta_lr_scale != 1.0:
+            beta.append(p)
+            continue
         (decay if p.ndim == 2 and "embed" not in name and "positions" not in name else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups: list[dict] = [{"params": decay, "weight_decay": cfg.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}]
+    if beta:  # its own group only when its rate differs: a run without the option keeps its two groups
+        groups.append({"params": beta, "weight_decay": 0.0, "lr": cfg.lr * cfg.beta_lr_scale})
     if fused is None:
-        fused = all(p.is_cuda for p in decay + no_decay) or None
+        fused = all(p.is_cuda for p in decay + no_decay + beta) or None
     betas = cast(tuple[float, float], tuple(cfg.adam_betas))  # two numbers: TrainerConfig checks it
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, fused=fused)
 

@@ -189,3 +189,186 @@ def test_the_committed_report_holds_the_schema_and_the_figures_the_readme_quotes
     loop = report["contrasts"]["beta_f_vs_detached_loop"]
     quoted = f"{loop['delta']:.3f} in the loop (95% CI {loop['ci95'][0]:.3f} to {loop['ci95'][1]:.3f})"
     assert quoted in readme, quoted
+
+
+# ----------------------------------------------------------------------------------------------------
+# Where g's gradient comes from, and the levers on it
+# ----------------------------------------------------------------------------------------------------
+
+
+def crosslingual_batch(paragraph_corpus, n: int = 8):
+    """A batch of the paragraph corpus: targets 0..n/2-1 each linked to two documents, in several languages."""
+    from marge.contracts.batch import Batch
+    from marge.contracts.corpus import Corpus
+
+    corpus = Corpus.open(paragraph_corpus)
+    shard = corpus.read_shard(0)
+    half = n // 2
+    edges = np.array([[t, e] for t in range(half) for e in (t, (t + 1) % half)], dtype=np.int32)
+    batch = Batch("b", 0, 0, shard.doc_ids[:n], tuple(shard.langs[:n]), tuple(shard.tokens[:n]),
+                  np.arange(half, dtype=np.int32), np.arange(half, n, dtype=np.int32), edges,
+                  np.ones(len(edges), dtype=np.float32))
+    return corpus.tokenizer(), batch
+
+
+def tiny_model(vocab: int, **overrides) -> Marge:
+    torch.manual_seed(0)
+    cfg = preset("tiny", vocab_size=vocab, max_positions=64, relevance_pooling="mean", relevance_layers=1,
+                 relevance_centering=True, **overrides)
+    return Marge(cfg).train()
+
+
+def g_gradient(model: Marge, objectives, prepared) -> list[torch.Tensor]:
+    from services.trainer.gradient_paths import relevance_parameters
+
+    params = [p for ps in relevance_parameters(model).values() for p in ps]
+    centre = model.relevance_center.clone()
+    loss = objectives.losses(model, prepared, torch.device("cpu"), False).objective
+    grads = torch.autograd.grad(loss, params)
+    model.relevance_center.copy_(centre)
+    return list(grads)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_f_share_of_gs_gradient_is_exactly_what_detaching_f_removes(paragraph_corpus, tied):
+    from services.trainer.gradient_paths import gradient_paths
+    from services.trainer.objectives import objectives_for
+
+    tokenizer, batch = crosslingual_batch(paragraph_corpus)
+    model = tiny_model(tokenizer.vocab_size, tie_encoder_embeddings=tied)
+    with torch.no_grad():
+        model.beta.fill_(3.0)  # a bias large enough that the f path is far from rounding
+    attached = objectives_for(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked")), tokenizer)
+    detached = objectives_for(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked", detach_relevance=True)),
+                              tokenizer)
+    prepared, prepared_detached = attached.prepare(batch, (0, 3, 0)), detached.prepare(batch, (0, 3, 0))
+    full = g_gradient(model, attached, prepared)
+    without_f = g_gradient(model, detached, prepared_detached)
+    through_f = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(full, without_f)))
+    whole = torch.sqrt(sum((a ** 2).sum() for a in full))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    centre, rng = model.relevance_center.clone(), torch.get_rng_state()
+
+    paths = gradient_paths(model, attached, [prepared], torch.device("cpu"))
+    assert paths["f_gradient_share"] == pytest.approx(float(through_f / whole), rel=1e-4)
+    assert 0 < paths["f_gradient_share"] < 1 and paths["g_gradient_norm"] == pytest.approx(float(whole), rel=1e-5)
+    assert 0 < paths["f_gradient_share_embedding"] and 0 < paths["f_gradient_share_layers"]
+    # measuring changes nothing the run trains with: weights, gradients, the running centre, the random state
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+    assert torch.equal(model.relevance_center, centre) and torch.equal(torch.get_rng_state(), rng)
+    assert gradient_paths(model, detached, [prepared_detached], torch.device("cpu"))["f_gradient_share"] == 0.0
+
+
+def test_relevance_distillation_trains_g_through_f_even_with_beta_f_detached(paragraph_corpus):
+    from services.trainer.gradient_paths import gradient_paths
+    from services.trainer.objectives import RelevanceDistillationConfig, objectives_for, relevance_distillation_loss
+
+    tokenizer, batch = crosslingual_batch(paragraph_corpus)
+    model = tiny_model(tokenizer.vocab_size)
+    cfg = ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked", detach_relevance=True),
+                           relevance_distillation=RelevanceDistillationConfig(weight=1.0, crosslingual_only=False))
+    objectives = objectives_for(cfg, tokenizer)
+    prepared = objectives.prepare(batch, (0, 0, 0))
+    inputs = prepared.parts["marge"]
+    out = model(**inputs.as_kwargs(), width=inputs.width, detach_relevance=True, reading=True)
+    # the teacher: a distribution over the documents each target may read, with no gradient
+    assert out.reading_NM is not None and not out.reading_NM.requires_grad
+    assert torch.allclose(out.reading_NM.sum(1), torch.ones(len(out.reading_NM)))
+    assert bool((out.reading_NM[~inputs.allowed_NM] == 0).all()) and bool((out.reading_NM[inputs.allowed_NM] > 0).all())
+    # the same teacher on the unpadded layout
+    from services.trainer.inputs import to_model_inputs
+
+    unpadded = to_model_inputs(batch, tokenizer.specials, "linked", unpadded=True)
+    out_unpadded = model(**unpadded.as_kwargs(), layout=unpadded.layout, detach_relevance=True, reading=True)
+    assert torch.allclose(out_unpadded.reading_NM, out.reading_NM, atol=1e-5)
+    # f matched to the teacher: zero loss when f's softmax is the teacher, positive otherwise
+    teacher = out.reading_NM
+    exact = torch.where(inputs.allowed_NM, teacher.clamp(min=1e-12).log() * 0.1, torch.zeros_like(teacher))
+    assert float(relevance_distillation_loss(exact, teacher, inputs.allowed_NM, 0.1)) == pytest.approx(0, abs=1e-5)
+    assert float(relevance_distillation_loss(torch.zeros_like(teacher), teacher, inputs.allowed_NM, 0.1)) > 0
+    # with beta * f detached, the reconstruction sends g nothing through f; the distillation does
+    losses = objectives.losses(model, prepared, torch.device("cpu"), False)
+    assert set(losses.parts) == {"marge", "relevance_distillation"} and objectives.part_names == tuple(losses.parts)
+    paths = gradient_paths(model, objectives, [prepared], torch.device("cpu"))
+    assert paths["f_gradient_share"] == 0.0 and paths["distillation_gradient_share"] > 0
+
+
+def test_crosslingual_candidates_leave_out_same_language_evidence(paragraph_corpus):
+    from services.trainer.inputs import to_model_inputs
+
+    tokenizer, batch = crosslingual_batch(paragraph_corpus)
+    inputs = to_model_inputs(batch, tokenizer.specials, "linked")
+    langs = np.asarray(batch.doc_langs, dtype=object)
+    expected = langs[batch.targets][:, None] != langs[batch.evidence][None, :]
+    assert torch.equal(inputs.crosslingual_NM, torch.from_numpy(expected.astype(bool)))
+
+
+def test_f_detached_until_an_update_then_attached(paragraph_corpus):
+    from services.trainer.objectives import objectives_for
+
+    tokenizer, batch = crosslingual_batch(paragraph_corpus)
+    cfg = ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked", detach_relevance_until=100))
+    objectives = objectives_for(cfg, tokenizer)
+    assert objectives.prepare(batch, (0, 99, 0)).parts["marge"].detach_relevance
+    assert not objectives.prepare(batch, (0, 100, 0)).parts["marge"].detach_relevance
+    assert cfg.marge is not None and cfg.marge.detached_at(99) and not cfg.marge.detached_at(100)
+    with pytest.raises(Exception, match="detach_relevance_until"):
+        MargeObjectiveConfig(detach_relevance_until=-1)
+
+
+def test_beta_gets_a_learning_rate_of_its_own_only_when_asked():
+    from services.trainer.config import TrainerConfig
+    from services.trainer.step import build_optimizer, build_scheduler
+
+    model = tiny_model(100)
+    plain = build_optimizer(model, TrainerConfig(lr=1e-3))
+    assert len(plain.param_groups) == 2
+    scaled = build_optimizer(model, TrainerConfig(lr=1e-3, beta_lr_scale=20.0, warmup_steps=0))
+    beta_group = [g for g in scaled.param_groups if any(p is model.beta for p in g["params"])]
+    assert len(scaled.param_groups) == 3 and len(beta_group) == 1 and beta_group[0]["params"] == [model.beta]
+    scheduler = build_scheduler(scaled, TrainerConfig(lr=1e-3, beta_lr_scale=20.0, warmup_steps=0), 10)
+    scaled.step()  # (no gradients: nothing moves)
+    scheduler.step()  # the schedule scales every group alike
+    assert beta_group[0]["lr"] == pytest.approx(20 * scaled.param_groups[0]["lr"])
+    with pytest.raises(Exception, match="beta_lr_scale"):
+        TrainerConfig(beta_lr_scale=0)
+
+
+def test_an_own_relevance_encoder_is_trained_by_f_alone_and_indexed_as_g(paragraph_corpus):
+    from marge.model.network import RelevanceEncoder
+    from services.trainer.gradient_paths import gradient_paths
+    from services.trainer.inputs import to_model_inputs
+    from services.trainer.objectives import objectives_for
+
+    tokenizer, batch = crosslingual_batch(paragraph_corpus)
+    model = tiny_model(tokenizer.vocab_size, own_relevance_encoder=True)
+    tower = model.relevance_encoder
+    assert tower is not None
+    inputs = to_model_inputs(batch, tokenizer.specials, "linked")
+    # the indexer's g is the tower's, and the memory's encoder layers play no part in it
+    encoder = RelevanceEncoder.from_model(model).eval()
+    model.eval()
+    rows = inputs.evidence_MS
+    assert torch.allclose(encoder(rows), model.relevance_vectors(rows), atol=1e-6)
+    with torch.no_grad():
+        model.encoder_layers[0].ffn.fc_in.weight.mul_(3.0)
+        model.encoder_token_embedding.weight.mul_(2.0)
+    assert torch.allclose(encoder(rows), model.relevance_vectors(rows), atol=1e-6)
+    model.train()
+    # with f detached and no loss on g, nothing reaches the tower; attached, all of g's gradient comes through f
+    out = model(**inputs.as_kwargs(), width=inputs.width, detach_relevance=True)
+    out.loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in tower.parameters())
+    assert model.encoder_layers[0].ffn.fc_in.weight.grad.abs().sum() > 0  # the memory's layers still learn
+    model.zero_grad()
+    objectives = objectives_for(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked")), tokenizer)
+    paths = gradient_paths(model, objectives, [objectives.prepare(batch, (0, 0, 0))], torch.device("cpu"))
+    assert paths["f_gradient_share"] == pytest.approx(1.0, rel=1e-5) and paths["g_gradient_norm"] > 0
+    # the unpadded layout gives the padded loss and the same gradient on the tower
+    unpadded = to_model_inputs(batch, tokenizer.specials, "linked", unpadded=True)
+    padded_out = model(**inputs.as_kwargs(), width=inputs.width)
+    padded_grad = torch.autograd.grad(padded_out.loss, tower.layers[0].ffn.fc_in.weight)[0]
+    real_out = model(**unpadded.as_kwargs(), layout=unpadded.layout)
+    real_grad = torch.autograd.grad(real_out.loss, tower.layers[0].ffn.fc_in.weight)[0]
+    assert real_out.loss.item() == pytest.approx(padded_out.loss.item(), rel=1e-5)
+    assert torch.allclose(real_grad, padded_grad, rtol=1e-3, atol=1e-7)

@@ -1,8 +1,10 @@
 """TensorBoard event files of a run (`run.tensorboard`), what people open while a run trains:
 
-    RUN_DIR/tb/trainer   every update: loss, each objective's loss, lr, grad norm, beta, tokens/s, target tokens/s,
-                         the wait for batches, staleness; at every snapshot each health figure (evidence gains,
-                         cosines, spread of g, held-out P@1) -- written by trainer rank 0 (or the single process)
+    RUN_DIR/tb/trainer   every update: loss, each objective's loss, lr, grad norm, beta and its step over the
+                         update's lr (Adam moves it by at most about trainer.beta_lr_scale), tokens/s, target
+                         tokens/s, the wait for batches, staleness; at every snapshot each health figure (evidence
+                         gains, cosines, spread of g, held-out P@1, the share of g's gradient that flows through f) --
+                         written by trainer rank 0 (or the single process)
     RUN_DIR/tb/index     every index version, at the update of its snapshot: link precision (same page, aligned
                          translations), cross-lingual share, cosines of links and of random pairs, lambda of the lexical
                          bootstrap, build seconds -- written by the driver (or the single process)
@@ -38,6 +40,8 @@ class RunBoard:
 
     def __init__(self, run_dir: Path | str, name: str, enabled: bool = True):
         self.writer = None
+        self.previous_beta: tuple[int, float, float] | None = None
+        """(step, beta, lr) of the last update logged: beta's step is known one update later."""
         if not enabled:
             return
         try:
@@ -65,7 +69,12 @@ class RunBoard:
         for name, value in (record.get("objectives") or {}).items():
             self.add(f"objectives/{name}", value, step)
         if record.get("beta"):
-            self.add("train/beta", sum(record["beta"]) / len(record["beta"]), step)
+            beta = sum(record["beta"]) / len(record["beta"])
+            self.add("train/beta", beta, step)
+            # a record holds beta before its own update: the previous update's step is known now
+            if self.previous_beta is not None and self.previous_beta[0] == step - 1 and self.previous_beta[2] > 0:
+                self.add("train/beta_step_over_lr", (beta - self.previous_beta[1]) / self.previous_beta[2], step - 1)
+            self.previous_beta = (step, beta, float(record.get("lr") or 0.0))
         for name, value in (record.get("health") or {}).items():
             if name == "beta" and isinstance(value, list) and value:
                 value = sum(value) / len(value)

@@ -110,6 +110,12 @@ class MargeConfig(ArchitectureConfig):
     """True (as BART and the paper's preset): one token embedding for encoder input, decoder input and
     output. Deviation False: the encoder (and so g) gets its own input embedding, which the decoder's
     language-modelling softmax does not reshape."""
+    own_relevance_encoder: bool = False
+    """False (the paper, §2.2): g is the first `relevance_layers` layers of the encoder, which the evidence memory
+    the decoder reads runs through too. Deviation True: g gets an encoder of its own (token and position
+    embeddings, their norm and `relevance_layers` layers, shaped like the encoder's), which only f (and a loss on g,
+    where one is configured) trains: neither the decoder's reading of the memory nor its language model reaches
+    it. The first layers of the encoder then serve the memory alone."""
 
     def __post_init__(self) -> None:
         check_shared_fields(self, ("vocab_size", "d_model", "num_heads", "encoder_layers", "encoder_ffn",

@@ -294,6 +294,20 @@ class Attention(nn.Module):
         return (self.split_heads(real.to_rows(self.k_proj(memory_BLD))),
                 self.split_heads(real.to_rows(self.v_proj(memory_BLD))))
 
+    @torch.no_grad()
+    def key_mass(self, x_BQD: Tensor, k_BHKE: Tensor, visible_BK: Tensor, query_ok_BQ: Tensor,
+                 real: RealTokens | None = None) -> Tensor:
+        """How much attention each key gets with no bias on the logits (B K, float32): softmax(q.k / sqrt(E)) over
+        the keys a row may read, averaged over the heads and over the row's real queries (`query_ok_BQ`). What
+        the decoder reads whatever beta * f says: the relevance-distillation teacher (Izacard & Grave 2021)."""
+        q = self.q_proj(x_BQD)
+        q_BHQE = self.split_heads(q if real is None else real.to_rows(q)).float()
+        logits_BHQK = q_BHQE @ k_BHKE.float().transpose(-1, -2) / math.sqrt(q_BHQE.shape[-1])
+        logits_BHQK = logits_BHQK.masked_fill(~visible_BK[:, None, None, :], float("-inf"))
+        probs_BQK = logits_BHQK.softmax(-1).mean(1)
+        weights_BQ1 = query_ok_BQ[:, :probs_BQK.shape[1], None].float()
+        return (probs_BQK * weights_BQ1).sum(1) / weights_BQ1.sum(1).clamp(min=1)
+
     def forward(self, x_BQD: Tensor, k_BHLE: Tensor, v_BHLE: Tensor, attn_bias: Tensor | None = None,
                 is_causal: bool = False, real: RealTokens | None = None) -> Tensor:
         """`real`: x holds only the real tokens (U D) of the rows `real` describes; the projections run on those
@@ -384,6 +398,9 @@ class CrossMemory:
     key_index_NK: Tensor | None
     relevance_NK: Tensor
     visible_NK: Tensor
+    key_doc_NK: Tensor | None = None
+    """The evidence document of each key slot ((1, K) when every target reads the same keys): what turns a per-key
+    figure into a per-document one (`Marge.reading_distribution`). None where nothing needs it (decoding)."""
 
     def gather(self, projected_1HLE: Tensor) -> Tensor:
         """Each target's keys (or values) N H K E from keys projected once over the whole memory."""
@@ -405,7 +422,10 @@ class CrossMemory:
 
     def reorder(self, index_N: Tensor) -> "CrossMemory":
         key_index = None if self.key_index_NK is None else self.key_index_NK.index_select(0, index_N)
-        return CrossMemory(key_index, self.relevance_NK.index_select(0, index_N), self.visible_NK.index_select(0, index_N))
+        key_doc = (None if self.key_doc_NK is None or self.key_doc_NK.shape[0] == 1
+                   else self.key_doc_NK.index_select(0, index_N))
+        return CrossMemory(key_index, self.relevance_NK.index_select(0, index_N), self.visible_NK.index_select(0, index_N),
+                           key_doc if key_doc is not None else self.key_doc_NK)
 
 
 class DecoderLayer(nn.Module):
@@ -422,8 +442,10 @@ class DecoderLayer(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_NTD: Tensor, memory_1LD: Tensor | None, cross: CrossMemory | None, beta: Tensor | None,
-                cache: LayerCache | None = None, real: RealTokens | None = None) -> Tensor:
-        """`real`: x holds only the real tokens (U D) of the targets' rows (training; no cache)."""
+                cache: LayerCache | None = None, real: RealTokens | None = None, taps: dict | None = None) -> Tensor:
+        """`real`: x holds only the real tokens (U D) of the targets' rows (training; no cache). `taps`: given (with
+        the targets' real query positions as `query_ok_NT`), the cross-attention's unbiased mass on each key slot is
+        put there as `key_mass_NK` (`Attention.key_mass`)."""
         h = self.self_attn_norm(x_NTD)
         k, v = self.self_attn.project_kv(h, real)
         if cache is not None:
@@ -449,6 +471,8 @@ class DecoderLayer(nn.Module):
                 k, v = cross.gather(k_1HLE), cross.gather(v_1HLE)
                 if cache is not None:
                     cache.cross_k, cache.cross_v = k, v
+            if taps is not None:
+                taps["key_mass_NK"] = self.cross_attn.key_mass(h, k, cross.visible_NK, taps["query_ok_NT"], real)
             x_NTD = x_NTD + self.dropout(self.cross_attn(h, k, v, attn_bias=cross.bias(beta), real=real))
         return x_NTD + self.ffn(self.ffn_norm(x_NTD))
 

@@ -61,6 +61,7 @@ class MargeOutput:
     tokens_per_target_N: Tensor
     relevance_NM: Tensor  # f(x_i, z_j) = cos(g(x_i), g(z_j)), with gradient
     logits_NTV: Tensor | None = None
+    reading_NM: Tensor | None = None  # forward(reading=True): how the decoder spreads its attention over documents
 
 
 class Marge(nn.Module):
@@ -75,6 +76,8 @@ class Marge(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         self.encoder_embed_tokens = (None if cfg.tie_encoder_embeddings
                                      else nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id))
+        self.relevance_encoder = OwnRelevanceEncoder(cfg) if cfg.own_relevance_encoder else None
+        """g's own encoder (`model.own_relevance_encoder`); None: g is the first layers of the encoder."""
         self.encoder_positions = nn.Embedding(cfg.max_positions, cfg.d_model)
         self.decoder_positions = nn.Embedding(cfg.max_positions, cfg.d_model)
         self.encoder_embedding_norm = nn.LayerNorm(cfg.d_model) if cfg.embedding_layernorm else None
@@ -102,6 +105,20 @@ class Marge(nn.Module):
     def encoder_token_embedding(self) -> nn.Embedding:
         return self.embed_tokens if self.encoder_embed_tokens is None else self.encoder_embed_tokens
 
+    def relevance_parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """g's parameters in two parts: the token embedding it reads (`embedding`: the decoder's too when tied) and
+        the rest of g (`layers`: its layers, position embedding and embedding norm)."""
+        if self.relevance_encoder is not None:
+            tower = self.relevance_encoder
+            embedding, positions, norm, layers = (tower.embed_tokens, tower.positions, tower.embedding_norm,
+                                                  list(tower.layers))
+        else:
+            embedding, positions, norm = self.encoder_token_embedding, self.encoder_positions, self.encoder_embedding_norm
+            layers = list(self.encoder_layers[:self.cfg.relevance_layers])
+        rest = [*positions.parameters(), *(norm.parameters() if norm is not None else ()),
+                *(p for layer in layers for p in layer.parameters())]
+        return {"embedding": [embedding.weight], "layers": [p for p in rest if p.requires_grad]}
+
     # --- encoder and relevance ------------------------------------------------------------------
 
     def _embed_encoder(self, tokens_RS: Tensor) -> Tensor:
@@ -128,6 +145,9 @@ class Marge(nn.Module):
     def relevance_vectors(self, tokens_RS: Tensor, real: RealTokens | None = None) -> Tensor:
         """g(x): the BOS state after the first `relevance_layers` encoder layers (R D), or their mean. `real`: the
         rows' real tokens (host-made), run without their padding."""
+        if self.relevance_encoder is not None:
+            self._check_lengths(tokens_RS, "document")
+            return self.relevance_encoder(tokens_RS, real, self.dropout)
         if real is not None:
             return _reached(self.encode_real(tokens_RS, real, self.cfg.relevance_layers)[1])
         states = self.encoder_states(tokens_RS, self.cfg.relevance_layers)
@@ -161,6 +181,8 @@ class Marge(nn.Module):
             x = layer(x, key_ok_M11S)
             if i + 1 == self.cfg.relevance_layers:
                 relevance_MD = pool_relevance(x, key_ok_MS, self.cfg.relevance_pooling)
+        if self.relevance_encoder is not None:
+            relevance_MD = self.relevance_vectors(evidence_MS)
         m, s, d = x.shape
         memory_1LD = self.encoder_norm(x).reshape(1, m * s, d)
         key_doc_L = torch.arange(m, device=x.device).repeat_interleave(s)
@@ -177,7 +199,7 @@ class Marge(nn.Module):
         n, m = allowed_NM.shape
         if width == m:  # someone reads every document: one shared memory, masked per target
             return CrossMemory(None, relevance_NM[:, evidence.key_doc_L],
-                               allowed_NM[:, evidence.key_doc_L] & evidence.key_ok_L[None, :])
+                               allowed_NM[:, evidence.key_doc_L] & evidence.key_ok_L[None, :], evidence.key_doc_L[None])
         s = evidence.key_ok_L.shape[0] // m
         # each target's allowed documents first, in document order (a stable sort of the mask)
         order_NM = torch.sort(allowed_NM.to(torch.int8), dim=1, descending=True, stable=True).indices
@@ -186,16 +208,17 @@ class Marge(nn.Module):
         key_index_NK = (docs_NV[:, :, None] * s + torch.arange(s, device=docs_NV.device)).reshape(n, width * s)
         relevance_NK = relevance_NM.gather(1, docs_NV)[:, :, None].expand(n, width, s).reshape(n, width * s)
         visible_NK = (slot_ok_NV[:, :, None] & evidence.key_ok_L[key_index_NK].view(n, width, s)).reshape(n, width * s)
-        return CrossMemory(key_index_NK, relevance_NK, visible_NK)
+        return CrossMemory(key_index_NK, relevance_NK, visible_NK, docs_NV.repeat_interleave(s, dim=1))
 
     # --- decoder --------------------------------------------------------------------------------
 
     def decode(self, decoder_in_NT: Tensor, memory_1LD: Tensor | None, cross: CrossMemory | None,
-               caches: list[LayerCache] | None = None, start_position: int = 0) -> Tensor:
+               caches: list[LayerCache] | None = None, start_position: int = 0, taps: dict | None = None) -> Tensor:
         """Decoder states (N T D) for `decoder_in_NT`, cross-attending over the evidence memory.
 
         With `caches` the call is one step of incremental decoding: positions start at
-        `start_position` and every layer appends its keys/values to its cache.
+        `start_position` and every layer appends its keys/values to its cache. `taps`: the last cross-attention
+        layer's unbiased key mass is put there (`DecoderLayer.forward`).
         """
         n, t = decoder_in_NT.shape
         if start_position + t > self.cfg.max_positions:
@@ -203,7 +226,8 @@ class Marge(nn.Module):
         x = self._embed_decoder(decoder_in_NT, start_position)
         layers = [*self.decoder_local_layers, *self.decoder_layers]
         for i, layer in enumerate(layers):
-            x = layer(x, memory_1LD, cross, self.beta, None if caches is None else caches[i])
+            x = layer(x, memory_1LD, cross, self.beta, None if caches is None else caches[i],
+                      taps=taps if i == len(layers) - 1 else None)
         return self.decoder_norm(x)
 
     def logits(self, states_NTD: Tensor) -> Tensor:
@@ -216,7 +240,8 @@ class Marge(nn.Module):
 
     def forward(self, evidence_MS: Tensor, target_enc_NS: Tensor | None, decoder_in_NT: Tensor, labels_NT: Tensor,
                 allowed_NM: Tensor, return_logits: bool = False, width: int | None = None,
-                detach_relevance: bool = False, layout: UnpaddedLayout | None = None) -> MargeOutput:
+                detach_relevance: bool = False, layout: UnpaddedLayout | None = None,
+                reading: bool = False) -> MargeOutput:
         """Negative log-likelihood of each target given the evidence and relevance scores (paper Eq. 2).
 
         evidence_MS    evidence documents as encoder input (BOS ... EOS, padded)
@@ -232,6 +257,9 @@ class Marge(nn.Module):
         layout         where the real tokens are and which keys each target reads (`UnpaddedLayout`, made on the
                        host): every layer but the attention runs on real tokens only; the same loss (`width` is then
                        not needed)
+        reading        also return `reading_NM` (`reading_distribution`: which documents the decoder reads, no
+                       gradient), and f with its graph even under `detach_relevance` (the bias still gets f's value
+                       alone): what a loss that trains f on the decoder's reading needs
         """
         self._check_lengths(decoder_in_NT, "target")
         if decoder_in_NT.shape != labels_NT.shape:
@@ -240,13 +268,16 @@ class Marge(nn.Module):
             if return_logits:
                 raise ValueError("return_logits needs the padded layout (layout=None)")
             return self._forward_unpadded(evidence_MS, target_enc_NS, decoder_in_NT, labels_NT, allowed_NM, layout,
-                                          detach_relevance)
+                                          detach_relevance, reading)
         if width is None:
             width = check_inputs(evidence_MS, allowed_NM, self.cfg.pad_id)
         evidence = self.encode_evidence(evidence_MS)
-        relevance_NM = self._target_relevance(target_enc_NS, evidence.relevance_MD, allowed_NM.shape, detach_relevance)
-        cross = self.cross_memory(evidence, relevance_NM, allowed_NM, width)
-        states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, cross)
+        relevance_NM = self._target_relevance(target_enc_NS, evidence.relevance_MD, allowed_NM.shape,
+                                              detach_relevance and not reading)
+        bias_NM = relevance_NM.detach() if detach_relevance else relevance_NM
+        cross = self.cross_memory(evidence, bias_NM, allowed_NM, width)
+        taps = {"query_ok_NT": decoder_in_NT != self.cfg.pad_id} if reading else None
+        states_NTD = self.decode(decoder_in_NT, evidence.memory_1LD, cross, taps=taps)
         n, t, d = states_NTD.shape
         tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
         logits_NTV, nll_sum = None, None
@@ -257,7 +288,8 @@ class Marge(nn.Module):
             nll_sum, nll_R = self._row_nll(states_NTD.reshape(n * t, d), labels_NT.reshape(n * t))
         nll_N = nll_R.view(n, t).sum(1)
         loss = (nll_N.sum() if nll_sum is None else nll_sum) / tokens_N.sum().clamp(min=1)
-        return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV)
+        read_NM = reading_distribution(taps["key_mass_NK"], cross, allowed_NM) if taps is not None else None
+        return MargeOutput(loss, nll_N, tokens_N, relevance_NM, logits_NTV, read_NM)
 
     def _row_nll(self, states_RD: Tensor, labels_R: Tensor) -> tuple[Tensor | None, Tensor]:
         """Each row's NLL under the tied output projection, as `trainer.loss_chunk_tokens` says: with gradients on and
@@ -299,27 +331,78 @@ class Marge(nn.Module):
 
     def _forward_unpadded(self, evidence_MS: Tensor, target_enc_NS: Tensor | None, decoder_in_NT: Tensor,
                           labels_NT: Tensor, allowed_NM: Tensor, layout: UnpaddedLayout,
-                          detach_relevance: bool) -> MargeOutput:
+                          detach_relevance: bool, reading: bool = False) -> MargeOutput:
         """`forward` on real tokens (`UnpaddedLayout`): the memory is the evidence's real tokens (L of them), each
         target reads its documents' keys there, and the loss is taken over the targets' real tokens."""
         memory_LD, relevance_MD = self.encode_real(evidence_MS, layout.evidence)
-        relevance_NM = self._target_relevance(target_enc_NS, _reached(relevance_MD), allowed_NM.shape, detach_relevance,
-                                              layout.targets)
+        if self.relevance_encoder is not None:
+            relevance_MD = self.relevance_vectors(evidence_MS, layout.evidence)
+        relevance_NM = self._target_relevance(target_enc_NS, _reached(relevance_MD), allowed_NM.shape,
+                                              detach_relevance and not reading, layout.targets)
+        bias_NM = relevance_NM.detach() if detach_relevance else relevance_NM
         n = allowed_NM.shape[0]
-        cross = CrossMemory(layout.key_index_NK, relevance_NM.gather(1, layout.key_doc_NK.expand(n, -1)),
-                            layout.visible_NK)
+        cross = CrossMemory(layout.key_index_NK, bias_NM.gather(1, layout.key_doc_NK.expand(n, -1)),
+                            layout.visible_NK, layout.key_doc_NK)
+        taps = {"query_ok_NT": decoder_in_NT != self.cfg.pad_id} if reading else None
         real = layout.decoder
         x = self.dropout(embed_at(real.take(decoder_in_NT), real.position_U, self.embed_tokens,
                                     self.decoder_positions, self.decoder_embedding_norm))
         memory_1LD = memory_LD[None]
-        for layer in [*self.decoder_local_layers, *self.decoder_layers]:
-            x = layer(x, memory_1LD, cross, self.beta, None, real)
+        layers = [*self.decoder_local_layers, *self.decoder_layers]
+        for i, layer in enumerate(layers):
+            x = layer(x, memory_1LD, cross, self.beta, None, real, taps=taps if i == len(layers) - 1 else None)
         states_UD, labels_U = self.decoder_norm(x), real.take(labels_NT)
         tokens_N = (labels_NT != self.cfg.pad_id).sum(1)
         nll_sum, nll_U = self._row_nll(states_UD, labels_U)
         nll_N = nll_U.new_zeros(n).index_add_(0, real.row_U, nll_U)
         loss = (nll_N.sum() if nll_sum is None else nll_sum) / tokens_N.sum().clamp(min=1)
-        return MargeOutput(loss, nll_N, tokens_N, relevance_NM)
+        read_NM = reading_distribution(taps["key_mass_NK"], cross, allowed_NM) if taps is not None else None
+        return MargeOutput(loss, nll_N, tokens_N, relevance_NM, None, read_NM)
+
+
+@torch.no_grad()
+def reading_distribution(key_mass_NK: Tensor, cross: CrossMemory, allowed_NM: Tensor) -> Tensor:
+    """Which evidence documents the decoder reads (N M, rows sum to 1 over the documents a target may read): the
+    last cross-attention layer's unbiased attention (`Attention.key_mass`) averaged over each document's keys, so
+    that a long document does not count for more than a short one (Izacard & Grave 2021 average over a passage's
+    tokens too)."""
+    n, m = allowed_NM.shape
+    if cross.key_doc_NK is None:
+        raise ValueError("the cross memory does not say which document each key is from (key_doc_NK)")
+    doc_NK = cross.key_doc_NK.expand(n, -1)
+    visible_NK = cross.visible_NK.float()
+    mass_NM = key_mass_NK.new_zeros(n, m).scatter_add_(1, doc_NK, key_mass_NK * visible_NK)
+    keys_NM = key_mass_NK.new_zeros(n, m).scatter_add_(1, doc_NK, visible_NK)
+    per_key_NM = (mass_NM / keys_NM.clamp(min=1)).masked_fill(~allowed_NM, 0.0)
+    return per_key_NM / per_key_NM.sum(1, keepdim=True).clamp(min=1e-12)
+
+
+class OwnRelevanceEncoder(nn.Module):
+    """g's own encoder (`model.own_relevance_encoder`): token and position embeddings, their norm and
+    `relevance_layers` encoder layers, pooled as `relevance_pooling` says. `RelevanceEncoder` (what the indexer
+    runs) loads it under its own names (`relevance_state_dict`)."""
+
+    def __init__(self, cfg: MargeConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
+        self.positions = nn.Embedding(cfg.max_positions, cfg.d_model)
+        self.embedding_norm = nn.LayerNorm(cfg.d_model) if cfg.embedding_layernorm else None
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.relevance_layers))
+
+    def forward(self, tokens_RS: Tensor, real: RealTokens | None = None, dropout: nn.Module | None = None) -> Tensor:
+        """g of each row (R D); `real`: the rows' real tokens, run without their padding."""
+        drop = dropout if dropout is not None else nn.Identity()
+        if real is None:
+            x = drop(embed(tokens_RS, self.embed_tokens, self.positions, 0, self.embedding_norm))
+            return pool_relevance(run_layers(x, self.layers, tokens_RS != self.cfg.pad_id),
+                                  tokens_RS != self.cfg.pad_id, self.cfg.relevance_pooling)
+        x = drop(embed_at(real.take(tokens_RS), real.position_U, self.embed_tokens, self.positions,
+                          self.embedding_norm))
+        key_ok_R11S = (tokens_RS != self.cfg.pad_id)[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, key_ok_R11S, real)
+        return real.pool(x, self.cfg.relevance_pooling)
 
 
 def _reached(relevance_RD: Tensor | None) -> Tensor:
@@ -393,6 +476,14 @@ class RelevanceEncoder(nn.Module):
 
 def relevance_state_dict(model: Marge) -> dict[str, Tensor]:
     """The tensors `RelevanceEncoder` needs, taken from a full model (what a snapshot publishes)."""
+    if model.relevance_encoder is not None:
+        tower = {k: v.detach().clone() for k, v in model.relevance_encoder.state_dict().items()}
+        renamed = {"embed_tokens.": "embed_tokens.", "positions.": "encoder_positions.",
+                   "embedding_norm.": "encoder_embedding_norm.", "layers.": "encoder_layers."}
+        state = {next(new + k[len(old):] for old, new in renamed.items() if k.startswith(old)): v
+                 for k, v in tower.items()}
+        state["relevance_center"] = model.relevance_center.detach().clone()
+        return state
     prefixes = ("encoder_positions.", "encoder_embedding_norm.", "relevance_center",
                 *(f"encoder_layers.{i}." for i in range(model.cfg.relevance_layers)))
     state = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(prefixes)}
