@@ -39,10 +39,14 @@ def fake_measures(p_hit: float, gain: float, seed: int, pages: int = 40, per_pag
             "steps": {"0": record(0.1, 0.0), "500": record(p_hit, gain)}}
 
 
-def write_fake_run(out, arm: str, seed: int, measures: dict) -> None:
+def write_fake_run(out, arm: str, seed: int, measures: dict, train_log: list[dict] | None = None,
+                   beta_lr_scale: float = 1.0) -> None:
     folder = out / "runs" / arm / f"seed-{seed}"
     (folder / "run").mkdir(parents=True)
     (folder / "measures.json").write_text(json.dumps(measures))
+    (folder / "config.yaml").write_text(f"trainer:\n  beta_lr_scale: {beta_lr_scale}\n")
+    if train_log is not None:
+        (folder / "run" / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_log))
     (folder / "report.json").write_text(json.dumps({"pipeline": {"steps": 500, "train_seconds": 60.0}}))
     (folder / "baselines.json").write_text(json.dumps({"tfidf": {"en->de": 0.6, "de->en": 0.6}}))
     (folder / "run" / "index_builds.jsonl").write_text(json.dumps(
@@ -112,3 +116,27 @@ def test_the_study_trains_measures_and_reports_arms_at_equal_updates(paragraph_c
     assert report["arms"]["loop_detached"]["detached_f"] is True
     config = (out / "runs" / "loop_detached" / "seed-0" / "config.yaml").read_text()
     assert "detach_relevance: true" in config and "self_evidence: null" in config
+
+
+def test_the_report_follows_beta_against_adams_limit_the_f_share_and_the_headroom(tmp_path):
+    from experiments.mechanism.report import write_report
+
+    lr = 1e-3
+    for seed in range(3):
+        measures = fake_measures(0.3, 0.2, seed)
+        measures["steps"]["0"]["beta"], measures["steps"]["500"]["beta"] = 1.0, 1.0 + 0.8 * 500 * lr * 10
+        train_log = [{"step": k, "lr": lr, "beta": [1.0],
+                      "health": {"f_gradient_share": 0.01 * (seed + 1), "g_gradient_norm": 2.0} if k % 100 == 0 else None}
+                     for k in range(1, 501)]
+        write_fake_run(tmp_path, "loop", seed, measures, train_log, beta_lr_scale=10.0)
+    arm = write_report(tmp_path)["arms"]["loop"]
+    # beta rose by 0.8 of the most Adam allows at its own (10x) rate over updates 1-500
+    assert arm["beta_over_adam_max"]["0-500"]["mean"] == pytest.approx(0.8)
+    assert arm["f_gradient_share"]["f_gradient_share"]["500"]["mean"] == pytest.approx(0.02)
+    assert arm["f_gradient_share"]["f_gradient_share"]["100"]["by_seed"] == [0.01, 0.02, 0.03]
+    # headroom: NLL(retrieved) - NLL(gold) and NLL(wrong page) - NLL(retrieved), per measured update
+    headroom = arm["headroom"]["500"]
+    assert headroom["retrieved_minus_gold"]["mean"] == pytest.approx(0.0, abs=0.05)
+    assert headroom["wrong_page_minus_retrieved"]["mean"] == pytest.approx(0.2 - 0.05, abs=0.02)  # per token
+    assert set(arm["p_at_1_over_updates"]) == {"init", "0", "500"}
+    assert arm["over_updates"]["500"]["p_at_1_over_init"]["mean"] == pytest.approx(0.2, abs=0.05)
