@@ -53,12 +53,14 @@ from services.indexer.core import embed_documents, version_links
 from services.prepare.core import assign_shards
 from services.trainer.health import (
     AlignedItem,
+    aligned_batch,
     build_aligned_probe,
     centre_rows,
     read_aligned_paragraphs,
     token_losses,
     unrelated_partner,
 )
+from services.trainer.inputs import to_model_inputs
 from services.trainer.objectives import noised
 
 log = logging.getLogger("marge.mechanism")
@@ -203,6 +205,28 @@ def linked_evidence(shards: list[ShardDocuments], where: list[tuple[int, int]], 
 
 
 @torch.no_grad()
+def reading_prefers_gold(model: Marge, held: HeldOut, specials, device: str = "cpu",
+                         batch_targets: int = 32) -> dict[str, list[int]]:
+    """Per target, given its gold translations and another page's translations together as evidence: whether the
+    decoder's unbiased cross-attention (`reading_NM`, what relevance distillation would teach f) puts the most mass
+    on a gold document, and whether f ranks a gold document first. Equal numbers of each would make chance 1/2."""
+    partner = unrelated_partner(held.items)
+    reading, by_f = [], []
+    for start in range(0, len(held.items), batch_targets):
+        chunk = range(start, min(start + batch_targets, len(held.items)))
+        pairs = [(held.items[i], (*held.items[i].evidence, *held.items[partner[i]].evidence),
+                  (*held.items[i].evidence_langs, *held.items[partner[i]].evidence_langs)) for i in chunk]
+        inputs = to_model_inputs(aligned_batch(pairs), specials, attend_to="linked").to(device)
+        out = model(**inputs.as_kwargs(), reading=True)
+        for row, i in enumerate(chunk):
+            visible = inputs.allowed_NM[row].nonzero().flatten()  # its gold documents first, then the others
+            gold = len(held.items[i].evidence)
+            reading.append(int(int(out.reading_NM[row, visible].argmax()) < gold))
+            by_f.append(int(int(out.relevance_NM[row, visible].argmax()) < gold))
+    return {"reading_top_is_gold": reading, "f_top_is_gold": by_f}
+
+
+@torch.no_grad()
 def measure_model(model: Marge, cfg: PipelineConfig, step: int, held: HeldOut, tokenizer,
                   device: str = "cpu") -> dict:
     """The five evidence conditions (and g-only retrieval) and g's P@1 hits of one model."""
@@ -243,7 +267,8 @@ def measure_model(model: Marge, cfg: PipelineConfig, step: int, held: HeldOut, t
             "retrieved_links": retrieved_stats, "retrieved_g_links": by_g_stats,
             "p_at_1_hits": {k: v.astype(int).tolist() for k, v in hits.items()},
             "p_at_1": float(np.mean([v.mean() for v in hits.values()])),
-            "beta": float(model.beta.detach().float().mean())}
+            "beta": float(model.beta.detach().float().mean()),
+            **reading_prefers_gold(model, held, specials, device)}
 
 
 # ----------------------------------------------------------------------------------------------------

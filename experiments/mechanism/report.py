@@ -171,6 +171,9 @@ def arm_summary(name: str, seeds: dict[int, dict], pages: Pages) -> dict:
                                                                    for r in rs]),
                            "nll": {c: round(float(np.mean([sum(r["nll_sum"][c]) / sum(r["tokens"]) for r in rs])), 4)
                                    for c in rs[0]["nll_sum"]},
+                           **{name: summarise([pages.per_target(np.asarray(r[name], dtype=np.float64),
+                                                                np.ones(len(r[name]))) for r in rs])
+                              for name in ("reading_top_is_gold", "f_top_is_gold") if all(name in r for r in rs)},
                            "beta": round(float(np.mean([r["beta"] for r in rs])), 4),
                            "retrieved_precision": round(float(np.mean(
                                [r["retrieved_links"]["crosslingual_parallel_precision"] for r in rs])), 4)}

@@ -224,7 +224,7 @@ def unrelated_partner(items: list[AlignedItem]) -> list[int]:
     return out
 
 
-def _aligned_batch(pairs: list[tuple[AlignedItem, tuple[np.ndarray, ...], tuple[str, ...]]]) -> Batch:
+def aligned_batch(pairs: list[tuple[AlignedItem, tuple[np.ndarray, ...], tuple[str, ...]]]) -> Batch:
     """One batch of targets, each linked to its own evidence documents only (read with attend_to 'linked')."""
     tokens: list[np.ndarray] = []
     evidence: list[int] = []
@@ -252,7 +252,7 @@ def token_losses(model: Marge, pairs, specials: SpecialTokens, device, batch_tar
     nll, cos = [], []
     for start in range(0, len(pairs), batch_targets):
         chunk = pairs[start:start + batch_targets]
-        inputs = to_model_inputs(_aligned_batch(chunk), specials, attend_to="linked").to(device)
+        inputs = to_model_inputs(aligned_batch(chunk), specials, attend_to="linked").to(device)
         out = model(**inputs.as_kwargs(), return_logits=True)
         labels = inputs.labels_NT
         per_token = F.cross_entropy(out.logits_NTV.float().transpose(1, 2), labels, ignore_index=specials.pad_id,
