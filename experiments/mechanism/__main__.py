@@ -4,6 +4,7 @@
     run-one   one arm on one seed (what `run --jobs N` starts in each worker process)
     measure   the held-out measures of runs already trained (kept per checkpoint: a second call adds what is new)
     report    report.json and curves.png from the measured runs in --out
+    tables    the report's tables in Markdown (what the study's README quotes)
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--out", type=Path, required=True)
     q.add_argument("--device", default="auto")
     q = sub.add_parser("report", help="report.json and curves.png of the measured runs in --out")
+    q.add_argument("--out", type=Path, required=True)
+    q = sub.add_parser("tables", help="the tables of --out's report.json in Markdown")
     q.add_argument("--out", type=Path, required=True)
     return p
 
@@ -70,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         from experiments.mechanism.harness import main_run_one
 
         return main_run_one(args)
+    if args.command == "tables":
+        from experiments.mechanism.tables import print_tables
+
+        print_tables(args.out)
+        return 0
     if args.command == "run":
         report = run_from_args(args)
     elif args.command == "measure":
