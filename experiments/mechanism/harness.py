@@ -103,11 +103,15 @@ def run_study(config: Path | None, arms: list[str], seeds: list[int], updates: i
             with open(log_path, "a", encoding="utf-8") as f:
                 code = subprocess.call(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
             if code != 0:
-                raise RuntimeError(f"{arm.name} seed {seed} failed (exit {code}): see {log_path}")
+                log.error("%s seed %d failed (exit %d): see %s", arm.name, seed, code, log_path)
             return code
 
-        with ThreadPoolExecutor(jobs) as pool:
-            list(pool.map(launch, todo))
+        with ThreadPoolExecutor(jobs) as pool:  # a failed run does not stop the others: every one is tried
+            codes = list(pool.map(launch, todo))
+        failed = [f"{arm.name} seed {seed}" for (arm, seed), code in zip(todo, codes) if code != 0]
+        if failed:
+            raise RuntimeError(f"{len(failed)} run(s) failed: {', '.join(failed)} (their logs are beside their "
+                               "folders); the others are kept, and running the command again retries these")
     if not measure:
         return {}
     from experiments.mechanism.measures import measure_run
