@@ -95,7 +95,7 @@ def test_the_study_trains_measures_and_reports_arms_at_equal_updates(paragraph_c
              "batcher.max_tokens=600", f"data.heldout_pairs={few_pairs}", "health.external_probes=true", "health.probe_size=4",
              "health.pairs_per_language=4", "health.max_tokens=64", "trainer.warmup_steps=2",
              "trainer.total_steps=100", "indexer.reindex_every=4", "data.docs_per_shard=150",
-             "trainer.snapshot_every=2", "trainer.checkpoint_every=2", "indexer.lexical_until=4")
+             "trainer.snapshot_every=2", "trainer.checkpoint_every=2", "indexer.lexical_until=4", "batcher.index_lag=4")
     out = tmp_path / "study"
     run_study(None, ["loop", "loop_detached"], [0], 6, out, extra=short, measure=False, device="cpu")
     for arm in ("loop", "loop_detached"):
@@ -116,6 +116,12 @@ def test_the_study_trains_measures_and_reports_arms_at_equal_updates(paragraph_c
     assert report["arms"]["loop_detached"]["detached_f"] is True
     config = (out / "runs" / "loop_detached" / "seed-0" / "config.yaml").read_text()
     assert "detach_relevance: true" in config and "self_evidence: null" in config
+    # every snapshot logs how much of g's gradient came through f: some when attached, none when detached
+    shares = report["arms"]["loop"]["f_gradient_share"]["f_gradient_share"]
+    assert set(shares) == {"2", "4", "6"} and all(v["mean"] > 0 for v in shares.values())
+    detached = report["arms"]["loop_detached"]["f_gradient_share"]["f_gradient_share"]
+    assert all(v["mean"] == 0 for v in detached.values())
+    assert set(report["arms"]["loop"]["beta_over_adam_max"]) == {"0-4", "4-6"}
 
 
 def test_the_report_follows_beta_against_adams_limit_the_f_share_and_the_headroom(tmp_path):
