@@ -96,8 +96,6 @@ ARMS = (
     Arm("loop_own_reads", "loop", False, False, (NO_AUX, OWN_G, *READS),
         "g an encoder of its own, left as initialised until the decoder has learned to read (self-evidence and f "
         "detached to update 500), then trained by f", "own_g+reads_text"),
-    Arm("loop_own_reads_detached", "loop", False, True, (NO_AUX, OWN_G, *READS, DETACHED),
-        "the same with f detached throughout: g stays as initialised", "own_g+reads_text"),
     Arm("loop_beta", "loop", False, False, (NO_AUX, *BETA_ROOM),
         "the loop with room for beta * f (beta from 4, its own 10x learning rate)", "beta_room"),
     Arm("loop_beta_detached", "loop", False, True, (NO_AUX, *BETA_ROOM, DETACHED),
@@ -133,8 +131,10 @@ CONTRASTS = {
     "beta_f_vs_detached_loop_own": ("loop_own", "loop_own_detached",
                                     "what beta * f teaches g when f is its only teacher (g an encoder of its own)"),
     "own_vs_shared_loop": ("loop_own", "loop", "what an encoder of g's own adds to the loop's g"),
-    "beta_f_vs_detached_loop_own_reads": ("loop_own_reads", "loop_own_reads_detached",
-                                          "what beta * f teaches an encoder of g's own once the decoder reads"),
+    "beta_f_vs_detached_loop_own_reads": ("loop_own_reads", "loop_own_detached",
+                                          "what beta * f teaches an encoder of g's own once the decoder reads (the "
+                                          "control is loop_own_detached: with f detached nothing reaches g's own "
+                                          "encoder in either run, so its g is each seed's initial g)"),
     "own_reads_vs_own_loop": ("loop_own_reads", "loop_own",
                               "what leaving g's own encoder untouched until the decoder reads adds"),
     "beta_f_vs_detached_loop_beta": ("loop_beta", "loop_beta_detached",
