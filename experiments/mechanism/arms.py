@@ -169,9 +169,9 @@ CONTRASTS = {
 """Named differences (first arm minus second, paired by seed) the report states with CIs."""
 
 
-RECIPE = {"loop": "loop", "loop_detached": "loop_detached", "tfidf_frozen": "tfidf_frozen", "aux": "loop_aux",
-          "aux_detached": "loop_aux_detached", "loop_vs_tfidf_frozen": "loop_vs_tfidf_frozen",
-          "beta_f_beyond_aux": "beta_f_beyond_aux"}
+RECIPE = {"loop": "loop_own_reads", "loop_detached": "loop_own_detached", "tfidf_frozen": "tfidf_frozen_own_reads",
+          "aux": "loop_own_reads_aux", "aux_detached": "loop_own_reads_aux_detached",
+          "loop_vs_tfidf_frozen": "loop_vs_tfidf_frozen_own_reads", "beta_f_beyond_aux": "beta_f_beyond_aux_own_reads"}
 """The arms and contrasts of the chosen recipe the study's targets are judged on (`report.judge`)."""
 
 
