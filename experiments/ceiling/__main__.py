@@ -19,7 +19,7 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--minutes", type=float, required=True, help="wall-clock training minutes of each arm (0: report only)")
     q.add_argument("--out", type=Path, required=True, help="folder for report.json, curves.png, the sweep and one run "
                                                            "per arm (finished arms are kept: run it again to resume)")
-    q.add_argument("--config", type=Path, default=None, help="base config (default deploy/configs/learning.yaml)")
+    q.add_argument("--config", type=Path, default=None, help="base config (default experiments/configs/learning-2026-11-26.yaml)")
     q.add_argument("--arms", default=None, help="comma-separated: aligned_translations, recipe, recipe_random_index, "
                                                 "recipe_tfidf_frozen, aligned_supervised")
     q.add_argument("--sweep-minutes", type=float, default=0.0,

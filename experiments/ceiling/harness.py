@@ -1,7 +1,7 @@
 """`python -m experiments.ceiling`: the recipe's held-out evidence gain against an index built from alignment labels.
 
-Every arm is a single-process run (`services.driver.single_process`) of one base config (the learning recipe,
-`deploy/configs/learning.yaml`, which keeps self-evidence and the denoising-contrastive loss on g unless an arm
+Every arm is a single-process run (`services.driver.single_process`) of one base config (the learning recipe as
+the study ran it, `experiments/configs/learning-2026-11-26.yaml`, which keeps self-evidence and the denoising-contrastive loss on g unless an arm
 removes it), with the same model, data, probes and seed, for the same wall-clock minutes; only the index differs:
 
     aligned_translations  each document linked to its aligned translations (the corpus's paragraph ids) and to 2
@@ -49,7 +49,7 @@ from services.driver.single_process import train_for_minutes, trained_minutes
 
 log = logging.getLogger("marge.ceiling")
 
-DEFAULT_CONFIG = Path("deploy/configs/learning.yaml")
+DEFAULT_CONFIG = Path("experiments/configs/learning-2026-11-26.yaml")
 FROZEN = "indexer.reindex_every=1000000"  # one index version serves the whole run
 
 

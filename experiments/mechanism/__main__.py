@@ -51,7 +51,7 @@ def add_study_arguments(q: argparse.ArgumentParser) -> None:
     q.add_argument("--jobs", type=int, default=1,
                    help="runs at a time, each in its own process with cores/jobs threads (2 on a 2-core CPU "
                         "gives about 1.3x the throughput of 1 for the tiny model)")
-    q.add_argument("--config", type=Path, default=None, help="base config (default deploy/configs/learning.yaml)")
+    q.add_argument("--config", type=Path, default=None, help="base config (default experiments/configs/learning-2026-11-26.yaml)")
     q.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     q.add_argument("--no-measure", action="store_true", help="train only")
     q.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="applied to every arm")

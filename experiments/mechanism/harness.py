@@ -1,7 +1,7 @@
 """`python -m experiments.mechanism`: does the reconstruction loss teach g to retrieve through beta * f?
 
-Every arm is a single-process run (`services.driver.single_process`) of the learning recipe
-(`deploy/configs/learning.yaml`) with the study's common settings and the arm's own, for the same number of
+Every arm is a single-process run (`services.driver.single_process`) of the learning recipe as the study ran it
+(`experiments/configs/learning-2026-11-26.yaml`) with the study's common settings and the arm's own, for the same number of
 **updates** (`--updates`), on several seeds (`--seeds`: the seed draws the initial weights and the batch stream).
 Arms differ in three things only, each named in the arm:
 
@@ -44,7 +44,7 @@ from experiments.mechanism.arms import COMMON, Arm, arm_named
 
 log = logging.getLogger("marge.mechanism")
 
-DEFAULT_CONFIG = Path("deploy/configs/learning.yaml")
+DEFAULT_CONFIG = Path("experiments/configs/learning-2026-11-26.yaml")
 UNBOUNDED_MINUTES = 1e6
 """Arms stop at `run.max_steps` (equal updates); minutes are no limit."""
 

@@ -94,7 +94,7 @@ def test_every_field_of_every_section_refuses_a_wrong_type_and_names_itself(key)
     ("ray.num_cpus=0", r"ray\.num_cpus must be > 0, got 0"),
     ("model.depth=3", r"unknown model field\(s\) \['depth'\]"),
     ("model.relevance_pooling=max", r"model\.relevance_pooling must be 'bos' or 'mean', got 'max'"),
-    ("indexer.reindex_every=15", r"indexer\.reindex_every must be a multiple of trainer\.snapshot_every \(250\), got 15"),
+    ("indexer.reindex_every=15", r"indexer\.reindex_every must be a multiple of trainer\.snapshot_every \(100\), got 15"),
     ("indexer.links=bm25", r"indexer\.links must be one of \['g', 'tfidf', 'aligned'\], got 'bm25'"),
     ("indexer.bootstrap=bm25", r"indexer\.bootstrap must be one of \['none', 'tfidf'\], got 'bm25'"),
     ("indexer.lexical_until=0", r"indexer\.lexical_until must be > 0 when lexical_weight > 0"),
