@@ -79,8 +79,33 @@ def mechanism_table(report: dict) -> str:
     return "\n".join(rows)
 
 
+def index_table(report: dict) -> str:
+    """Per arm, the share of its index versions' cross-lingual links that join aligned translations: the first
+    version, and the first and last of the versions ranked by g alone (lambda 0), by the snapshot they come from."""
+    rows = ["| arm | first version (its source) | first version ranked by g alone | last version ranked by g alone |",
+            "|---|---|---|---|"]
+    for name, arm in report["arms"].items():
+        versions = arm["aligned_link_precision"]
+        if not versions:
+            continue
+        first = versions[0]
+        own = [v for v in versions if v["version"] > 0 and not v["lexical_weight"]]
+
+        def at(v: dict | None) -> str:
+            return "–" if v is None else f"{v['mean']:.3f} (snapshot {v['snapshot_step']})"
+
+        rows.append(f"| `{name}` | {first['mean']:.3f} ({', '.join(first['link_sources'])}) | "
+                    f"{at(own[0] if own else None)} | {at(own[-1] if own else None)} |")
+    return "\n".join(rows)
+
+
+TABLES = (("arms", arms_table), ("contrasts", contrasts_table), ("P@1 over updates", curves_table),
+          ("where g's gradient comes from, and the evidence", mechanism_table), ("g's own index", index_table))
+
+
+def markdown_tables(report: dict) -> str:
+    return "\n".join(f"### {title}\n\n{table(report)}\n" for title, table in TABLES)
+
+
 def print_tables(out: Path) -> None:
-    report = json.loads((Path(out) / "report.json").read_text(encoding="utf-8"))
-    for title, table in (("arms", arms_table), ("contrasts", contrasts_table), ("P@1 over updates", curves_table),
-                         ("where g's gradient comes from, and the evidence", mechanism_table)):
-        print(f"### {title}\n\n{table(report)}\n")
+    print(markdown_tables(json.loads((Path(out) / "report.json").read_text(encoding="utf-8"))))
