@@ -52,7 +52,7 @@ from marge.model.finetuned import (
 from marge.model.network import Marge
 from services.trainer import loopback
 from services.trainer.config import OptimizerConfig
-from services.trainer.step import build_optimizer, lr_factor
+from services.trainer.step import build_optimizer, has_own_relevance_encoder, lr_factor
 
 log = logging.getLogger("marge.finetune")
 
@@ -490,8 +490,11 @@ def finetune_worker(config: dict) -> None:
     cfg: FinetuneConfig = config["cfg"]
     ctx = ray.train.get_context()
     torch.manual_seed(cfg.seed)
-    run = Finetuning(cfg, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(),
-                     wrap=ray.train.torch.prepare_model)
+    def wrap(model):  # g's own encoder gets no gradient from a task that never computes f: DDP must not wait for it
+        unused = {"find_unused_parameters": True} if has_own_relevance_encoder(model) else None
+        return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=unused)
+
+    run = Finetuning(cfg, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), wrap=wrap)
     summary = run.run()
     if run.rank == 0:
         summary["out"] = str(run.save(summary))

@@ -56,7 +56,6 @@ from services.trainer.prefetch import Prefetcher
 from services.trainer.source import BatchSource, source_for
 from services.trainer.state import begin_checkpoint, report_checkpoint, resume
 from services.trainer.step import (
-    DDP_SETTINGS,
     Backward,
     Item,
     apply_execution_settings,
@@ -64,6 +63,7 @@ from services.trainer.step import (
     build_scheduler,
     compile_cache_env,
     compiled,
+    ddp_settings,
     device_peak_flops,
     seed_key,
 )
@@ -201,7 +201,8 @@ class Rank:
         """Reads and prepares the next update's deliveries while this one trains (trainer.prefetch)."""
         self.last_metrics: dict = {}
         """What rank 0 reports to Ray Train with a checkpoint (step, loss, throughput)."""
-        wrapped = ray.train.torch.prepare_model(self.model, parallel_strategy_kwargs=DDP_SETTINGS)
+        wrapped = ray.train.torch.prepare_model(self.model,
+                                                parallel_strategy_kwargs=ddp_settings(self.model, job.objectives))
         if t.compile:
             compile_cache_env(job.paths.run_dir)
         trainee = Trainee(self.model, compiled(wrapped, t.compile, t.compile_scope), self.optimizer,

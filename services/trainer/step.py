@@ -31,7 +31,7 @@ from marge.contracts.slots import Slots
 from marge.model.network import Marge
 from services.trainer.config import COMPILE_SCOPES, OptimizerConfig, TrainerConfig
 from services.trainer.inputs import substitute_batch, untrainable
-from services.trainer.objectives import Objectives, PreparedBatch, apply_objective_settings
+from services.trainer.objectives import Objectives, ObjectivesConfig, PreparedBatch, apply_objective_settings
 
 # Dense bf16 tensor-core peak (FLOP/s) by device name, from the vendors' data sheets: the denominator of MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
@@ -117,6 +117,24 @@ centres on the batch's own mean); the loop averages it over the ranks once per u
 buckets and back, and one gradient-sized buffer less. Left at their defaults: the 25 MB bucket size (not measured
 on a multi-GPU node) and `static_graph` (the denoising loss runs g outside DDP's forward, so the graph DDP sees
 is not the whole backward)."""
+
+
+def has_own_relevance_encoder(model: nn.Module) -> bool:
+    return bool(getattr(getattr(model, "cfg", None), "own_relevance_encoder", False))
+
+
+def ddp_settings(model: nn.Module, objectives: ObjectivesConfig) -> dict:
+    """DDP_SETTINGS for this model and objectives, with `find_unused_parameters` where an update can leave
+    parameters without a gradient: g's own encoder (`model.own_relevance_encoder`) while f is detached
+    (`objectives.marge.detach_relevance`, or before `detach_relevance_until`) and no loss on g reaches it. Without
+    it DDP stops the second update ("parameters that did not receive grad"). Only there: finding them walks the
+    autograd graph every update, and a loss on g computed outside DDP's forward (the denoising loss) would be taken
+    for unused and fail."""
+    own = has_own_relevance_encoder(model)
+    marge = objectives.marge
+    detached_some_update = marge is not None and (marge.detach_relevance or marge.detach_relevance_until > 0)
+    g_loss = objectives.denoising_contrastive is not None or objectives.relevance_distillation is not None
+    return {**DDP_SETTINGS, "find_unused_parameters": bool(own and detached_some_update and not g_loss)}
 
 
 def compiled(model: nn.Module, enabled: bool, scope: str = "layers", backend: str = "inductor") -> nn.Module:
