@@ -57,7 +57,7 @@ def marge(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedPr
 SMALL = ["data.corpus=corpus", "run.dir=run", "model.max_positions=128", "batcher.max_tokens=400",
          "trainer.num_workers=1", "trainer.snapshot_every=2", "indexer.reindex_every=2", "trainer.checkpoint_every=2",
          "trainer.warmup_steps=2", "trainer.total_steps=100", "objectives.self_evidence.until=4",
-         "objectives.denoising_contrastive.extra_documents=8", "health.probe_size=4", "health.pairs_per_language=8",
+         "objectives.marge.detach_relevance_until=2", "health.probe_size=4", "health.pairs_per_language=8",
          "run.progress_every_s=1", "indexer.keep_snapshots=1", "indexer.keep_versions=2", "trainer.keep_checkpoints=1"]
 
 
