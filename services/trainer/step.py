@@ -127,9 +127,9 @@ def ddp_settings(model: nn.Module, objectives: ObjectivesConfig) -> dict:
     """DDP_SETTINGS for this model and objectives, with `find_unused_parameters` where an update can leave
     parameters without a gradient: g's own encoder (`model.own_relevance_encoder`) while f is detached
     (`objectives.marge.detach_relevance`, or before `detach_relevance_until`) and no loss on g reaches it. Without
-    it DDP stops the second update ("parameters that did not receive grad"). Only there: finding them walks the
-    autograd graph every update, and a loss on g computed outside DDP's forward (the denoising loss) would be taken
-    for unused and fail."""
+    it DDP stops the second update ("parameters that did not receive grad"). Only there, since finding them walks
+    the autograd graph every update; with a loss on g (the denoising loss, the distillation) g gets a gradient in
+    every update anyway."""
     own = has_own_relevance_encoder(model)
     marge = objectives.marge
     detached_some_update = marge is not None and (marge.detach_relevance or marge.detach_relevance_until > 0)

@@ -194,7 +194,7 @@ def test_the_committed_report_holds_the_schema_and_the_figures_the_readme_quotes
 
 def test_the_study_page_quotes_every_row_of_the_committed_reports_tables():
     """experiments/mechanism/README.md holds the tables `python -m experiments.mechanism tables` prints from the
-    committed report, row for row: no figure on that page is copied by hand."""
+    committed report, row for row: no table figure on that page is copied by hand."""
     from experiments.mechanism.tables import markdown_tables
 
     report = json.loads((REPO / "experiments/mechanism/results/report.json").read_text(encoding="utf-8"))
