@@ -53,9 +53,9 @@ def poisoned(batch: Batch) -> Batch:
 @ray.remote(num_cpus=0, max_concurrency=4, max_restarts=-1, max_task_retries=-1)
 class Batcher:
     """One batch builder. Gets its section, the queue's, the run's paths, seed, slot layout and version plan, the
-    queue's address, and which builder it is (`group`, of `slots.builders`)."""
+    file that holds the queue's address, and which builder it is (`group`, of `slots.builders`)."""
 
-    def __init__(self, cfg: BatcherConfig, queue: QueueConfig, paths: RunPaths, seed: int, redis_url: str,
+    def __init__(self, cfg: BatcherConfig, queue: QueueConfig, paths: RunPaths, seed: int, redis_url_file: str,
                  slots: Slots, plan: VersionPlan, faults: FaultsConfig | None = None, shape: BatchShape = BatchShape(),
                  group: int = 0):
         setup_logging()
@@ -63,8 +63,9 @@ class Batcher:
         self.group = group
         self.faults = faults or FaultsConfig()
         self.lookahead_steps = max(1, math.ceil(queue.max_depth / slots.per_step))
+        self.stall_s = queue.stall_s
         self.docs = DocumentStore(Corpus.open(paths.corpus), cfg.shard_cache_mb)
-        self.queue = BatchQueue.connect(redis_url, paths.name, slots)
+        self.queue = BatchQueue.from_url_file(redis_url_file, paths.name, slots)
         self._stop = threading.Event()
         self.produced = 0
         self.produced_by_version: dict[int, int] = {}
@@ -103,7 +104,7 @@ class Batcher:
             return poisoned(batch) if batch is not None and slot == self.faults.poison_slot else batch
 
         write_slots(self.queue, scheduled, schedule.replays_before, self.lookahead_steps, self._stop, self._count,
-                    self.group)
+                    self.group, self.stall_s)
 
     def _count(self, batch: Batch, slot: int) -> None:
         self.produced += 1

@@ -191,8 +191,8 @@ class PipelineConfig:
     """`preset` plus any MargeConfig field to override; vocab_size defaults to the tokenizer's."""
     indexer: IndexerConfig = field(default_factory=IndexerConfig)
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
-    # QueueConfig (marge.contracts.protocol) does not mark its own fields: how long a read waits may change, not the depth
-    queue: QueueConfig = resumable(default_factory=QueueConfig, keys=("block_ms",))
+    # QueueConfig (marge.contracts.protocol) does not mark its own fields: how long a wait lasts may change, not the depth
+    queue: QueueConfig = resumable(default_factory=QueueConfig, keys=("block_ms", "stall_s"))
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     objectives: ObjectivesConfig = field(default_factory=ObjectivesConfig)
     health: HealthConfig = resumable(default_factory=HealthConfig)

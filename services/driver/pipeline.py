@@ -29,7 +29,7 @@ from marge.contracts.config import ConfigError
 from marge.contracts.corpus import Corpus
 from marge.contracts.index_store import drop_versions_after, latest_version
 from marge.contracts.paths import RunPaths
-from marge.contracts.protocol import BatchQueue
+from marge.contracts.protocol import BatchQueue, write_url_file
 from marge.contracts.train_log import RunFigures, TrainLog, feed
 from marge.eval.refresh import RefreshCost
 from marge.eval.tensorboard import RunBoard
@@ -83,9 +83,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             queue.reset_from(point.step)
             queue.clear_stop()
             floor = cfg.version_plan().version_for_step(point.step)
-            with running_stages(cfg, paths, redis.url, floor) as stages:
+            url_file = write_url_file(paths.redis_url_file, redis.url)  # the stages get its path, not the password
+            with running_stages(cfg, paths, url_file, floor) as stages:
                 deadline = started + 60 * cfg.run.max_minutes if cfg.run.max_minutes else None
-                job = trainer_job(cfg, redis.url, deadline, resume_from=point.checkpoint)
+                job = trainer_job(cfg, url_file, deadline, resume_from=point.checkpoint)
                 board = RunBoard(paths.run_dir, "index", cfg.run.tensorboard)
                 progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batchers, board, point.step,
                                     deadline)
@@ -318,11 +319,13 @@ def check_probe_languages(key: str, path: Path, languages: list[str]) -> None:
         raise ConfigError(f"{key}: {e}") from None
 
 
-def trainer_job(cfg: PipelineConfig, redis_url: str | None, deadline_unix: float | None = None,
+def trainer_job(cfg: PipelineConfig, redis_url_file: Path | None, deadline_unix: float | None = None,
                 memory_batches: list[list] | None = None, resume_from: str | None = None) -> TrainerJob:
-    """What every trainer rank gets: its sections, the run's paths, and its batches' source."""
+    """What every trainer rank gets: its sections, the run's paths, and its batches' source (the file of the
+    queue's Redis URL, or batches in memory)."""
     return TrainerJob(cfg.trainer, cfg.objectives, cfg.health, cfg.queue, cfg.paths(), cfg.run.seed, cfg.run.max_steps,
-                      heldout_pairs=cfg.data.heldout_pairs, deadline_unix=deadline_unix, redis_url=redis_url,
+                      heldout_pairs=cfg.data.heldout_pairs, deadline_unix=deadline_unix,
+                      redis_url_file=None if redis_url_file is None else str(redis_url_file),
                       memory_batches=memory_batches, resume_from=resume_from, faults=cfg.faults,
                       tensorboard=cfg.run.tensorboard, batch_builders=cfg.batcher.builders)
 
@@ -360,7 +363,7 @@ class Stages:
 
 
 @contextlib.contextmanager
-def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: int = 0) -> Iterator[Stages]:
+def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url_file: Path, floor: int = 0) -> Iterator[Stages]:
     """The indexer and batcher actors, named in the run's namespace, running until the block ends. `floor`: the
     oldest index version the run still needs (the indexer builds it again if it is missing)."""
     import ray
@@ -381,7 +384,7 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url: str, floor: 
             ix, paths, cfg.version_plan(), len(workers), floor, cfg.run.seed, cfg.faults)
         runs["indexer"] = coordinator.run.remote()
     batchers = [Batcher.options(name=f"marge-batcher-{group}", namespace=namespace).remote(  # type: ignore[attr-defined]  # @ray.remote makes it an actor class; mypy does not apply class decorators
-        cfg.batcher, cfg.queue, paths, cfg.run.seed, redis_url, cfg.slots(), cfg.version_plan(), cfg.faults,
+        cfg.batcher, cfg.queue, paths, cfg.run.seed, str(redis_url_file), cfg.slots(), cfg.version_plan(), cfg.faults,
         cfg.batch_shape(), group) for group in range(cfg.batcher.builders)]
     for group, batcher in enumerate(batchers):
         runs[f"batcher {group}" if len(batchers) > 1 else "batcher"] = batcher.run.remote()

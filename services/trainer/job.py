@@ -24,8 +24,9 @@ class TrainerJob:
     """Held-out pairs for the per-snapshot P@1 (health.pairs overrides it)."""
     deadline_unix: float | None = None
     """Stop at the first step boundary after this time (run.max_minutes)."""
-    redis_url: str | None = None
-    """The queue's Redis; None with `memory_batches`."""
+    redis_url_file: str | None = None
+    """The file holding the queue's Redis URL (`RunPaths.redis_url_file`); None with `memory_batches`. A path, not
+    the URL: Ray Train keeps this job in the run state its dashboard serves."""
     memory_batches: list[list] | None = field(default=None, compare=False)
     """One list of batches per rank instead of the queue: the benchmark's and parity tests' in-process feed."""
     resume_from: str | None = None

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Protocol
 
-from marge.contracts.protocol import BatchQueue, Delivery, SlotGone
+from marge.contracts.protocol import BatchQueue, Delivery, SlotGone, Stalled
 from marge.contracts.slots import Slots
 from services.trainer.job import TrainerJob
 
@@ -49,17 +49,33 @@ class RedisSource:
     def __init__(self, job: TrainerJob, rank: int, resumed_step: int = 0):
         self.job, self.rank, self.resumed_step = job, rank, resumed_step
         self.slots = Slots(job.trainer.num_workers, job.trainer.grad_accum, job.batch_builders)
-        if job.redis_url is None:
-            raise ValueError("a trainer fed from Redis needs the run's redis_url (TrainerJob.redis_url)")
-        self.queue = BatchQueue.connect(job.redis_url, job.paths.name, self.slots)
+        if job.redis_url_file is None:
+            raise ValueError("a trainer fed from Redis needs the file of the run's Redis URL (TrainerJob.redis_url_file)")
+        self.queue = BatchQueue.from_url_file(job.redis_url_file, job.paths.name, self.slots)
 
     def stopping(self) -> bool:
         return self.queue.stop_requested() or (self.job.deadline_unix is not None and time.time() > self.job.deadline_unix)
 
+    WAIT_REPORT_S = 60.0
+    """How often a rank waiting for a batch says so in its log."""
+
     def get(self, slot: int) -> Delivery | None:
+        """The batch of `slot`, waiting for it (saying so every `WAIT_REPORT_S`); None when the run must stop.
+        Raises `Stalled` after `queue.stall_s` without it."""
+        started = reported = time.monotonic()
         while True:
             if self.stopping():
                 return None
+            waited = time.monotonic() - started
+            if waited > self.job.queue.stall_s:
+                raise Stalled(f"trainer rank {self.rank} waited {waited:.0f} s (queue.stall_s) for slot {slot} "
+                              f"(update {slot // self.slots.per_step}): {self.where_the_queue_stands(slot)}. Check "
+                              "the batch builders and the indexer (`marge status`, the Ray dashboard); raise "
+                              "queue.stall_s if an index build takes longer than that on purpose")
+            if time.monotonic() - reported > self.WAIT_REPORT_S:
+                reported = time.monotonic()
+                log.warning("rank %d has waited %.0f s for slot %d: %s", self.rank, waited, slot,
+                            self.where_the_queue_stands(slot))
             try:
                 delivery = self.queue.get(slot, block_ms=self.job.queue.block_ms)
             except SlotGone as gone:
@@ -71,6 +87,11 @@ class RedisSource:
                     "checkpoint it resumes from")) from None
             if delivery is not None:
                 return delivery
+
+    def where_the_queue_stands(self, slot: int) -> str:
+        group = self.slots.group_of(slot)
+        return (f"batch builder {group}, which writes it, is at slot {self.queue.next_slot(group)}; "
+                f"{self.queue.describe_progress()}")
 
     def start_generation(self) -> int:
         return self.queue.start_generation()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from marge.contracts.corpus import Corpus
-from marge.contracts.protocol import BatchQueue
+from marge.contracts.protocol import BatchQueue, write_url_file
 from marge.contracts.slots import BatchId
 from marge.model.checkpoint import load_model_weights, read_manifest
 from services.batcher.config import BatcherConfig
@@ -46,7 +46,13 @@ def test_training_through_redis_matches_the_in_process_reference(ray_cluster, re
     for slot, b in enumerate(batches):  # slot n: update n // 2, rank n % 2
         queue.put(slot, b, lookahead_steps=100)
 
-    make_trainer(cfg, trainer_job(cfg, redis_server.url)).fit()
+    make_trainer(cfg, trainer_job(cfg, write_url_file(cfg.paths().redis_url_file, redis_server.url))).fit()
+    # what Ray keeps of the run and its dashboard serves (Ray Train's run state) holds no password
+    from ray.train.v2._internal.state.state_actor import get_state_actor
+
+    password = redis_server.url.split(":")[2].split("@")[0]
+    runs = ray_cluster.get(get_state_actor().get_train_runs.remote())
+    assert cfg.run.name in repr(runs) and password not in repr(runs)
 
     records = queue.step_records()
     assert [r["step"] for r in records] == list(range(1, 7))

@@ -403,6 +403,58 @@ def test_the_batcher_follows_a_moved_cursor_and_places_a_requested_replay(redis_
     assert [q.get(n, block_ms=10).batch.batch_id for n in (3, 4, 5)] == [f"v0-e0-s0-{100 + n - 1}" for n in (3, 4, 5)]
 
 
+def test_a_builder_waiting_to_place_a_requeued_batch_follows_a_reset_to_an_older_checkpoint(redis_server):
+    """Builder 0 waiting for room to place a requeued dead-lettered batch when a restarted trainer group resets the
+    queue goes back to the slots the ranks now wait for, as it does for a scheduled batch: the replay path offers
+    against the cursor and placements it read, like the main path (else the ranks wait for ever)."""
+    from services.batcher.writer import write_slots
+
+    q = BatchQueue.connect(redis_server.url, "t-replay-reset", Slots(1, 1))
+    q.progress(0, 2)
+    stop = threading.Event()
+    thread = threading.Thread(target=write_slots, args=(q, lambda slot, _: make_batch(slot),
+                                                        lambda slot, placed: sum(1 for n in placed if n < slot), 1,
+                                                        stop))
+    thread.start()
+    try:
+        deadline = time.time() + 10
+        while q.next_slot() < 3:  # slots 0-2 written; slot 3 waits for room
+            assert time.time() < deadline
+            time.sleep(0.01)
+        for slot in (0, 1):
+            q.dead_letter(slot, q.get(slot, block_ms=10).fields, "poison")
+        first, second = (d["entry"] for d in q.dead_letters())
+        q.request_replay(first)
+        q.request_replay(second)
+        q.progress(0, 3)  # room for slot 3: the first requeued batch goes there; the second waits for room at 4
+        while q.replay_placements() != {3: first} or q.next_slot() != 4:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)
+        q.reset_from(2)  # the group restarts from the checkpoint of update 2: slot 3's placement is requested again
+        got = q.get(2, block_ms=5000)
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+    assert got is not None, "the builder kept waiting for room at slot 4 after the reset: slot 2 was never written"
+    assert got.batch.batch_id == "v0-e0-s0-0" and q.replay_placements() == {2: first}
+    assert q.next_replay_request() == second
+
+
+def test_a_replay_whose_request_a_reset_dropped_is_not_written(redis_server):
+    """A requeued batch offered after a reset removed its request (its dead letter belonged to the discarded updates)
+    is refused: the slot stays free for the batch the schedule puts there."""
+    q = BatchQueue.connect(redis_server.url, "t-replay-gone", Slots(1, 1))
+    fill(q, range(3))
+    q.dead_letter(2, q.get(2, block_ms=10).fields, "poison")
+    entry = q.dead_letters()[0]["entry"]
+    q.request_replay(entry)
+    fields = q.replay_fields(entry)
+    q.r.lrem(q.keys.replay_requests, 0, entry)  # what a reset to update 2 does to the request
+    status, _ = q.offer(3, fields, 10, replay_entry=entry)
+    assert status == "replays" and q.get(3, block_ms=10) is None and q.replay_placements() == {}
+
+
 def test_reset_from_rewinds_the_queue_to_a_checkpoint(redis_server):
     q = BatchQueue.connect(redis_server.url, "t5", Slots(2, 1))
     fill(q, range(10))
@@ -416,6 +468,74 @@ def test_reset_from_rewinds_the_queue_to_a_checkpoint(redis_server):
     assert q.slowest_progress() == 2
     fill(q, range(4, 6))
     assert q.get(4, block_ms=10).batch.batch_id == "v0-e0-s0-4"
+
+
+def queue_state(q: BatchQueue) -> dict:
+    """Everything a resumed lineage's exactly-once depends on, without the times and entry ids a setup varies."""
+    return {"counts": q.counts(), "retired": q.retired_by_update(), "ledger": q.ledger_entries(),
+            "progress": [q.r.get(q.keys.progress(r)) for r in range(q.slots.world)], "slowest": q.slowest_progress(),
+            "streams": [q.r.xlen(q.keys.slots(r)) for r in range(q.slots.world)],
+            "dead": sorted((d["slot"], d["batch_id"], d["replayed_to_slot"], d["replay_requested"])
+                           for d in q.dead_letters()),
+            "window": [q.r.zrange(q.keys.ledger_slots(r), 0, -1) for r in range(q.slots.world)],
+            "retired_below": q.r.hgetall(q.keys.ledger_retired_below)}
+
+
+def test_a_rank_0_that_dies_anywhere_inside_a_reset_leaves_the_queue_as_it_was_or_reset(redis_server, monkeypatch):
+    """A reset is all or nothing: rank 0 killed after any number of its Redis round trips inside `reset_from` leaves
+    a queue that the next group's rank 0 (`needs_reset`, `reset_from`) brings to exactly the state of an
+    undisturbed reset: no retired count of the discarded updates survives to be counted twice."""
+    slots = Slots(2, 1)
+
+    def setup() -> BatchQueue:
+        q = BatchQueue(redis.Redis.from_url(redis_server.url), "t-reset-atomic", slots)
+        q.r.flushall()
+        fill(q, range(18))
+        for step in (2, 4, 6, 8):  # each commit repeats the previous interval: updates 0-3 retire
+            for rank in (0, 1):
+                q.commit(rank, step, [(n, f"v0-e0-s0-{n}") for n in range(max(0, step - 4) * 2, step * 2)
+                                      if n % 2 == rank])
+        for slot in (3, 9):  # the reset keeps the first dead letter and drops the second (slot 9 is trained again)
+            q.dead_letter(slot, encode_batch(make_batch(slot)), "poison")
+        for rank in (0, 1):
+            q.progress(rank, 8)
+        return q
+
+    q = setup()
+    assert q.retired_by_update() == {0: 2, 1: 2, 2: 2, 3: 2}
+    q.reset_from(2)
+    expected = queue_state(q)
+    assert expected["retired"] == {0: 2, 1: 2} and expected["counts"]["trained"] == 4
+    calls = {"n": 0, "die_at": 0}
+    original_execute, original_pipeline = redis.Redis.execute_command, redis.client.Pipeline.execute
+
+    def counted(real):
+        def call(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == calls["die_at"]:
+                raise redis.ConnectionError("rank 0 died here")
+            return real(self, *args, **kwargs)
+        return call
+
+    for die_at in range(1, 40):
+        q = setup()
+        calls.update(n=0, die_at=die_at)
+        with monkeypatch.context() as m:
+            m.setattr(redis.Redis, "execute_command", counted(original_execute))
+            m.setattr(redis.client.Pipeline, "execute", counted(original_pipeline))
+            try:
+                q.reset_from(2)
+                finished = True
+            except redis.ConnectionError:
+                finished = False
+        successor = BatchQueue(redis.Redis.from_url(redis_server.url), "t-reset-atomic", slots)
+        if successor.needs_reset(2):
+            successor.reset_from(2)
+        assert queue_state(successor) == expected, f"rank 0 died at its round trip {die_at} inside the reset"
+        if finished:
+            break
+    else:
+        raise AssertionError("reset_from took more than 39 round trips")
 
 
 def test_dead_letters_are_listed_and_requeued_into_the_next_slot(redis_server):
@@ -503,15 +623,55 @@ def test_an_orphaned_server_is_adopted_not_started_twice(tmp_path):
     first.process.wait(timeout=5)  # reap it (it was this test's child)
 
 
+def job_for(redis_server, run: str, world: int = 2, **queue):
+    """What a trainer rank of `run` is given, as far as its feed reads it (the URL by its file, like the driver's)."""
+    from types import SimpleNamespace
+
+    from marge.contracts.protocol import write_url_file
+    from marge.contracts.slots import QueueConfig
+
+    url_file = write_url_file(redis_server.data_dir / f"{run}-url", redis_server.url)
+    return SimpleNamespace(redis_url_file=str(url_file), paths=SimpleNamespace(name=run), deadline_unix=None,
+                           trainer=SimpleNamespace(num_workers=world, grad_accum=1),
+                           queue=QueueConfig(**{"block_ms": 10, **queue}), batch_builders=1)
+
+
+def test_a_rank_waiting_for_a_batch_that_never_comes_stops_and_says_what_it_waited_for(redis_server, caplog):
+    """No wait of a rank is for ever: after `queue.stall_s` it raises `Stalled`, naming the slot, the builder that
+    writes it and where every rank stands; before that it says so in its log."""
+    from marge.contracts.protocol import Stalled
+    from services.trainer.source import RedisSource
+
+    source = RedisSource(job_for(redis_server, "t-stall", stall_s=0.6), 1)
+    source.WAIT_REPORT_S = 0.2
+    fill(source.queue, range(2))
+    source.queue.progress(0, 1)
+    assert source.get(1) is not None
+    with caplog.at_level("WARNING"), pytest.raises(Stalled, match=r"rank 1 waited \d+ s \(queue.stall_s\) for slot 3 "
+                                                                  r"\(update 1\): batch builder 0, which writes it, is "
+                                                                  r"at slot 2; rank 0 at update 1, rank 1 not reported"):
+        source.get(3)
+    assert "rank 1 has waited" in caplog.text
+
+
+def test_a_builder_waiting_for_room_that_never_comes_stops_and_says_what_it_waited_for(redis_server):
+    from marge.contracts.protocol import Stalled
+
+    q = BatchQueue.connect(redis_server.url, "t-stall-room", Slots(2, 1))
+    q.progress(0, 3)
+    q.progress(1, 1)
+    with pytest.raises(Stalled, match=r"batch builder 0 waited 0 s \(queue.stall_s\) for room to write slot 6 "
+                                      r"\(update 3\): the slowest trainer rank is still at update 1 \(rank 0 at update "
+                                      r"3, rank 1 at update 1\)"):
+        q.wait_for_room(6, 2, poll_s=0.01, stall_s=0.2)
+
+
 def test_a_group_resumed_below_the_last_commit_resets_the_queue_to_its_checkpoint(redis_server, caplog):
     """Rank 0 of a trainer group that resumed from an older checkpoint than the last commit (its newest could not be
     read) resets the queue to it and says so; at the committed update it changes nothing."""
-    from types import SimpleNamespace
-
     from services.trainer.source import RedisSource
 
-    job = SimpleNamespace(redis_url=redis_server.url, paths=SimpleNamespace(name="t1a"),
-                          trainer=SimpleNamespace(num_workers=2, grad_accum=1), batch_builders=1)
+    job = job_for(redis_server, "t1a")
     source = RedisSource(job, 0, resumed_step=2)
     q = source.queue
     fill(q, range(8))
@@ -533,12 +693,9 @@ def test_a_stream_holds_the_look_ahead_and_a_group_restarted_past_its_progress_r
     checkpoint interval); a group that Ray Train restarts from the last commit after its ranks went past it finds
     those slots gone and resets the queue, so the builders write them again; a group starting where the ranks
     stand changes nothing."""
-    from types import SimpleNamespace
-
     from services.trainer.source import RedisSource
 
-    job = SimpleNamespace(redis_url=redis_server.url, paths=SimpleNamespace(name="t1p"),
-                          trainer=SimpleNamespace(num_workers=2, grad_accum=1), batch_builders=1)
+    job = job_for(redis_server, "t1p")
     source = RedisSource(job, 0)
     q = source.queue
     fill(q, range(8))
@@ -559,13 +716,10 @@ def test_a_stale_rank_that_wakes_after_its_replacement_started_can_write_nothing
     """Fencing: a rank of the old trainer group (a partitioned node) wakes after a new group started: its commit
     (which would trim its stream and retire ledger entries), progress, dead letter and step record are refused and
     logged, and change nothing; the new group's writes go through."""
-    from types import SimpleNamespace
-
     from marge.contracts.protocol import Fenced
     from services.trainer.source import RedisSource
 
-    job = SimpleNamespace(redis_url=redis_server.url, paths=SimpleNamespace(name="t1f"), deadline_unix=None,
-                          trainer=SimpleNamespace(num_workers=2, grad_accum=1), queue=SimpleNamespace(block_ms=10), batch_builders=1)
+    job = job_for(redis_server, "t1f")
     stale, replacement = RedisSource(job, 0), RedisSource(job, 0)
     stale.join_generation(stale.start_generation())
     fill(stale.queue, range(8))

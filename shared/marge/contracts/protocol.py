@@ -58,12 +58,14 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from marge.contracts.batch import Batch
 from marge.contracts.slots import BatchId, RunKeys, Slots
+from marge.util.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,29 @@ class SlotGone(RuntimeError):
         super().__init__(f"slot {slot} is not in rank {rank}'s stream and never will be: the stream already holds "
                          f"slot {later_slot}" + (f". {advice}" if advice else ""))
         self.slot, self.rank, self.later_slot = slot, rank, later_slot
+
+
+class Stalled(RuntimeError):
+    """A trainer rank or a batch builder waited `queue.stall_s` for something that did not come: the message says
+    what it waited for and where the queue stands."""
+
+
+def write_url_file(path: Path, url: str) -> Path:
+    """Keep the Redis URL `url` in `path`, readable by its owner only (written atomically): the path, not the URL,
+    is what travels to the stages."""
+    atomic_write_text(path, url + "\n", mode=0o600)
+    return path
+
+
+def read_url_file(path: Path) -> str:
+    try:
+        url = path.read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise FileNotFoundError(f"cannot read the queue's Redis URL from {path} ({e}): the driver writes it as the "
+                                "run starts; the run folder must be on storage every node shares") from None
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"{path} holds no redis://, rediss:// or unix:// URL")
+    return url
 
 
 def encode_batch(batch: Batch) -> dict[bytes, bytes]:
@@ -204,6 +229,11 @@ class BatchQueue:
                                       retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         return cls(client, run_id, slots)
 
+    @classmethod
+    def from_url_file(cls, path: str | Path, run_id: str, slots: Slots | None = None) -> "BatchQueue":
+        """`connect` to the URL on the first line of the file `path` (`RunPaths.redis_url_file`)."""
+        return cls.connect(read_url_file(Path(path)), run_id, slots)
+
     def _slots(self) -> Slots:
         if self.slots is None:
             raise ValueError("this queue was opened without the run's slot layout (world size, grad_accum)")
@@ -253,11 +283,15 @@ class BatchQueue:
     def put_replay(self, slot: int, entry: str, lookahead_steps: int, poll_s: float = 0.05,
                    should_stop=lambda: False) -> bool:
         """Write the dead-lettered batch `entry` (the oldest replay request) into `slot`, and record where it went."""
+        return self._put(slot, self.replay_fields(entry), lookahead_steps, poll_s, should_stop, entry)
+
+    def replay_fields(self, entry: str) -> dict[bytes, bytes]:
+        """The stream entry that requeues dead-lettered batch `entry` (its fields, and which entry it replays)."""
         found = self.r.xrange(self.dead, entry, entry)
         if not found:
             raise ValueError(f"replay request for dead-letter entry {entry}, which does not exist")
         fields = {k: v for k, v in found[0][1].items() if k not in (b"slot", b"reason", b"time")}
-        return self._put(slot, {**fields, b"replay_of": entry.encode()}, lookahead_steps, poll_s, should_stop, entry)
+        return {**fields, b"replay_of": entry.encode()}
 
     def _put(self, slot: int, fields: dict[bytes, bytes], lookahead_steps: int, poll_s: float, should_stop,
              replay_entry: str | None = None) -> bool:
@@ -268,26 +302,42 @@ class BatchQueue:
                 return True
 
     def wait_for_room(self, slot: int, lookahead_steps: int, poll_s: float = 0.05, should_stop=lambda: False,
-                      cursor_at: bool = False) -> bool:
+                      cursor_at: bool = False, stall_s: float | None = None) -> bool:
         """Wait (polling the ranks' progress) until `slot`'s update is fewer than `lookahead_steps` updates ahead of
         the slowest rank; False if stopped first. With `cursor_at`, the wait also ends when the cursor of the slot's
         builder leaves `slot` (a trainer group reset the queue to an older checkpoint: the ranks wait for earlier
-        slots, and their progress will not reach this one until the builder writes those)."""
+        slots, and their progress will not reach this one until the builder writes those). Raises `Stalled` after
+        `stall_s` seconds without room."""
         slots = self._slots()
         group = slots.group_of(slot)
-        while slots.step_of(slot) >= self.slowest_progress() + lookahead_steps:
+        started = time.monotonic()
+        while slots.step_of(slot) >= (slowest := self.slowest_progress()) + lookahead_steps:
             if should_stop():
                 return False
             if cursor_at and self.next_slot(group) != slot:
                 return True
+            if stall_s is not None and time.monotonic() - started > stall_s:
+                raise Stalled(
+                    f"batch builder {group} waited {stall_s:.0f} s (queue.stall_s) for room to write slot {slot} "
+                    f"(update {slots.step_of(slot)}): the slowest trainer rank is still at update {slowest} "
+                    f"({self.describe_progress()}). Check the trainer ranks (`marge status`, the Ray dashboard); "
+                    "raise queue.stall_s if they pause longer than that on purpose")
             time.sleep(poll_s)
         return True
+
+    def describe_progress(self) -> str:
+        """Each rank's progress, for a message: 'rank 0 at update 5, rank 1 not reported'."""
+        reported = {int(r): int(s) for r, s in self.r.zrange(self.keys.progress_by_rank, 0, -1, withscores=True)}
+        return ", ".join(f"rank {r} at update {reported[r]}" if r in reported else f"rank {r} not reported"
+                         for r in range(self._slots().world))
 
     _OFFER = """
         local slot, per_step, lookahead, known = tonumber(ARGV[1]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
         local following, takes_replays = ARGV[8], ARGV[9] == '1'
         local cursor = tonumber(redis.call('GET', KEYS[2]) or ARGV[10])
         if slot < cursor then return {'already', cursor} end
+        -- a replay whose request is gone (a reset dropped its dead letter, or placed it elsewhere) is not written
+        if ARGV[3] ~= '' and not redis.call('LPOS', KEYS[4], ARGV[3]) then return {'replays', cursor} end
         if known >= 0 then
             if slot > cursor then return {'moved', cursor} end
             if takes_replays then
@@ -500,54 +550,86 @@ class BatchQueue:
         committed, furthest = pipe.execute()
         return int(committed or 0) > step or bool(furthest and int(furthest[0][1]) > step)
 
+    _RESET = FENCE + """
+        local dead, requests, counters, dead_slots, replays = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+        local retired_below, by_rank, committed, ledger, retired = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+        local step, first, world, builders = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+        local per_step, grad_accum = tonumber(ARGV[5]), tonumber(ARGV[6])
+        local rank_keys, group_keys = 10, 10 + 3 * world
+        -- dead letters of the discarded updates: those slots are trained again (and may be dead-lettered again)
+        local dropped, n_dropped = {}, 0
+        for _, e in ipairs(redis.call('XRANGE', dead, '-', '+')) do
+            local slot = -1
+            for i = 1, #e[2], 2 do if e[2][i] == 'slot' then slot = tonumber(e[2][i + 1]) end end
+            if slot >= first then
+                dropped[e[1]], n_dropped = true, n_dropped + 1
+                redis.call('XDEL', dead, e[1])
+                redis.call('LREM', requests, 0, e[1])
+            end
+        end
+        redis.call('HINCRBY', counters, 'dead_lettered', 0 - n_dropped)  -- (-0 is not an integer to Redis)
+        for _, m in ipairs(redis.call('SMEMBERS', dead_slots)) do
+            if tonumber(m) >= first then redis.call('SREM', dead_slots, m) end
+        end
+        -- batches requeued into the discarded slots are requested again, in slot order, before any other request
+        local placed, later = redis.call('HGETALL', replays), {}
+        for i = 1, #placed, 2 do
+            local n = tonumber(placed[i])
+            if n >= first then
+                redis.call('HDEL', replays, placed[i])
+                if not dropped[placed[i + 1]] then later[#later + 1] = {n, placed[i + 1]} end
+            end
+        end
+        table.sort(later, function(a, b) return a[1] < b[1] end)
+        for i = #later, 1, -1 do redis.call('LPUSH', requests, later[i][2]) end
+        -- every rank back at the checkpoint; ranks of another world size must not linger in the progress set
+        redis.call('DEL', by_rank)
+        for rank = 0, world - 1 do
+            redis.call('DEL', KEYS[rank_keys + 1 + 3 * rank])
+            redis.call('SET', KEYS[rank_keys + 2 + 3 * rank], step)
+            redis.call('ZADD', by_rank, step, rank)
+            local below = tonumber(redis.call('HGET', retired_below, rank) or '-1')
+            if below > first then redis.call('HSET', retired_below, rank, first) end
+        end
+        for group = 0, builders - 1 do redis.call('SET', KEYS[group_keys + 1 + group], ARGV[7 + group]) end
+        redis.call('HSET', counters, 'produced', first)  -- the later slots are written (and counted) again
+        redis.call('SET', committed, step)
+        -- ledger entries and retired counts of the later updates go: those batches are trained again
+        local entries = redis.call('HGETALL', ledger)
+        for i = 1, #entries, 2 do
+            local slot = cjson.decode(entries[i + 1]).slot
+            if math.floor(slot / per_step) >= step then
+                redis.call('HDEL', ledger, entries[i])
+                local rank = math.floor((slot % per_step) / grad_accum)
+                if rank < world then redis.call('ZREM', KEYS[rank_keys + 3 + 3 * rank], entries[i]) end
+            end
+        end
+        local total = 0
+        local counts = redis.call('HGETALL', retired)
+        for i = 1, #counts, 2 do
+            if tonumber(counts[i]) >= step then redis.call('HDEL', retired, counts[i])
+            else total = total + tonumber(counts[i + 1]) end
+        end
+        redis.call('HSET', counters, 'trained', redis.call('HLEN', ledger) + total, 'retired', total)
+        return 1"""
+
     def reset_from(self, step: int) -> None:
         """Make the queue agree with a run resumed from the checkpoint of `step`: every slot from `step` on
-        is written again (the builders' sequences are deterministic), ledger entries and dead letters of later
-        updates go (those slots are trained again), and batches requeued into those slots are requested again
-        (placed anew)."""
+        is written again (the builders' sequences are deterministic), ledger entries, retired counts and dead
+        letters of later updates go (those slots are trained again), and batches requeued into those slots are
+        requested again (placed anew). One script: a caller that dies during it leaves the queue as it was
+        (`needs_reset` still says so) or reset, never between; fenced like every trainer write, so a replaced
+        group's rank 0 cannot rewind its successor's queue."""
         slots = self._slots()
-        first = step * slots.per_step
-        # dead letters of the discarded updates: those slots are trained again (and may be dead-lettered again)
-        dropped = {entry.decode() for entry, fields in self.r.xrange(self.dead) if int(fields.get(b"slot", b"-1")) >= first}
-        later_replays = sorted((n, e) for n, e in self.replay_placements().items() if n >= first and e not in dropped)
-        pipe = self.r.pipeline(transaction=True)
-        for entry in dropped:
-            pipe.xdel(self.dead, entry)
-            pipe.lrem(self.keys.replay_requests, 0, entry)
-        pipe.hincrby(self.counters, "dead_lettered", -len(dropped))
-        later_dead_slots = [m for m in self.r.smembers(self.keys.dead_slots) if int(m) >= first]
-        if later_dead_slots:
-            pipe.srem(self.keys.dead_slots, *later_dead_slots)
-        for n, entry in self.replay_placements().items():
-            if n >= first and entry in dropped:
-                pipe.hdel(self.keys.replays, str(n))
-        retired_below = {int(k): int(v) for k, v in self.r.hgetall(self.keys.ledger_retired_below).items()}
-        pipe.delete(self.keys.progress_by_rank)  # ranks of another world size must not linger in it
+        keys = [self.dead, self.keys.replay_requests, self.counters, self.keys.dead_slots, self.keys.replays,
+                self.keys.ledger_retired_below, self.keys.progress_by_rank, self.keys.committed, self.ledger,
+                self.keys.ledger_retired]
         for rank in range(slots.world):
-            pipe.delete(self.keys.slots(rank))
-            pipe.set(self.keys.progress(rank), step)
-            pipe.zadd(self.keys.progress_by_rank, {str(rank): step})
-            if retired_below.get(rank, -1) > first:  # the later updates' retired counts go (below): trained again
-                pipe.hset(self.keys.ledger_retired_below, str(rank), first)
-        for group in range(slots.builders):
-            pipe.set(self.keys.next_slot(group), slots.first_slot_of_group(group, step))
-        pipe.hset(self.counters, "produced", first)  # the later slots are written (and counted) again
-        pipe.set(self.keys.committed, step)
-        for n, entry in reversed(later_replays):
-            pipe.hdel(self.keys.replays, str(n))
-            pipe.lpush(self.keys.replay_requests, entry)
-        pipe.execute()
-        later = [(k, json.loads(v)["slot"]) for k, v in self.r.hscan_iter(self.ledger) if json.loads(v)["step"] >= step]
-        pipe = self.r.pipeline(transaction=True)
-        for batch_id, slot in later:
-            pipe.hdel(self.ledger, batch_id)
-            pipe.zrem(self.keys.ledger_slots(slots.rank_of(slot)), batch_id)
-        later_retired = [k for k in self.r.hkeys(self.keys.ledger_retired) if int(k) >= step]  # resumed from an older checkpoint
-        if later_retired:
-            pipe.hdel(self.keys.ledger_retired, *later_retired)
-        pipe.execute()
-        retired = sum(int(v) for v in self.r.hvals(self.keys.ledger_retired))
-        self.r.hset(self.counters, mapping={"trained": self.r.hlen(self.ledger) + retired, "retired": retired})
+            keys += [self.keys.slots(rank), self.keys.progress(rank), self.keys.ledger_slots(rank)]
+        keys += [self.keys.next_slot(group) for group in range(slots.builders)]
+        self._fenced_eval(self._RESET, keys, [step, step * slots.per_step, slots.world, slots.builders, slots.per_step,
+                                              slots.grad_accum,
+                                              *(slots.first_slot_of_group(g, step) for g in range(slots.builders))])
 
     # --- accounting ------------------------------------------------------------------------------
 

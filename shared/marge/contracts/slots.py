@@ -19,9 +19,14 @@ class QueueConfig:
     """Batches the batcher may write ahead of the slowest trainer rank (rounded up to whole updates)."""
     block_ms: int = 1000
     """How long a trainer's read waits for its next batch before it checks whether to stop."""
+    stall_s: float = 3600.0
+    """How long a trainer rank waits for one batch, or a batch builder for room ahead of the slowest rank, before it
+    stops with an error naming what it waited for (`marge.contracts.protocol.Stalled`): a run that cannot move
+    ends instead of hanging. Keep it above the longest pause of a healthy run (an index build the builders wait for,
+    a checkpoint, an evaluation)."""
 
     def __post_init__(self) -> None:
-        positive(self, "max_depth", "block_ms")
+        positive(self, "max_depth", "block_ms", "stall_s")
 
 
 @dataclass(frozen=True)
