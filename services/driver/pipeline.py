@@ -33,7 +33,8 @@ from marge.contracts.protocol import BatchQueue, write_url_file
 from marge.contracts.train_log import RunFigures, TrainLog, feed
 from marge.eval.refresh import RefreshCost
 from marge.eval.tensorboard import RunBoard
-from marge.model.checkpoint import newest_good_checkpoint, read_manifest
+from marge.model.checkpoint import read_manifest
+from marge.model.lineage import newest_good_checkpoint, start_generation
 from marge.model.snapshot import drop_snapshots_after, latest_snapshot
 from marge.util.files import atomic_write_text
 from services.batcher.stats import combined_stats
@@ -77,8 +78,13 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         ensure_initial_model(model_cfg, paths, corpus, cfg.run.seed)
         capacity = (warn_if_behind(cfg, model_cfg, corpus, estimated_throughput(cfg)) if cfg.objectives.needs_index
                     else None)  # the plan is the indexer's against the trainers'; without an index there is none
-        point = resume_point(paths)
+        checkpoint = newest_good_checkpoint(paths.checkpoints)  # chosen; nothing cut back yet
         with redis_for(cfg) as redis, redis.watched(), ray_for(cfg):
+            # a new trainer generation first: a group a killed driver left running can then neither write to the
+            # queue nor finish a checkpoint this run resumes from (the lineage abandons it)
+            fence = BatchQueue.connect(redis.url, paths.name, cfg.slots())  # joins the generation: not for writes
+            start_generation(paths.checkpoints, fence.start_generation, checkpoint_step(checkpoint))
+            point = resume_point(paths, checkpoint)
             queue = BatchQueue.connect(redis.url, paths.name, cfg.slots())
             queue.reset_from(point.step)
             queue.clear_stop()
@@ -211,12 +217,15 @@ class ResumePoint:
     """Snapshot steps and index versions of updates after `step` (a crashed lineage), deleted."""
 
 
-def resume_point(paths: RunPaths) -> ResumePoint:
-    """Where a (re)started run continues: its newest good checkpoint. Snapshots and index versions of later
-    updates belong to a lineage the checkpoint does not hold: they are deleted, so the indexer builds those
-    versions again from the resumed model's snapshots."""
-    checkpoint = newest_good_checkpoint(paths.checkpoints)
-    step = read_manifest(checkpoint, verify=False)["step"] if checkpoint else 0
+def checkpoint_step(checkpoint: Path | None) -> int:
+    return int(read_manifest(checkpoint, verify=False)["step"]) if checkpoint else 0
+
+
+def resume_point(paths: RunPaths, checkpoint: Path | None) -> ResumePoint:
+    """Where a (re)started run continues: `checkpoint`, its newest good one (`newest_good_checkpoint`). Snapshots and
+    index versions of later updates belong to a lineage the checkpoint does not hold: they are deleted, so the
+    indexer builds those versions again from the resumed model's snapshots."""
+    step = checkpoint_step(checkpoint)
     discarded = {"snapshots": drop_snapshots_after(paths.snapshots, step),
                  "index_versions": drop_versions_after(paths.index, step)}
     if checkpoint:

@@ -64,10 +64,10 @@ from marge.model.checkpoint import (
     checkpoint_order,
     complete_checkpoints,
     load_model_weights,
-    newest_good_checkpoint,
     restore_training,
     save_checkpoint,
 )
+from marge.model.lineage import newest_good_checkpoint
 from marge.model.network import Marge
 from marge.model.snapshot import (
     SnapshotInfo,

@@ -45,6 +45,7 @@ from marge.model.checkpoint import (
     rng_state,
     set_rng_state,
 )
+from marge.model.lineage import start_generation
 from marge.model.snapshot import publish_snapshot
 from marge.util.files import setup_logging
 from services.trainer.health import HealthMonitor, loggable
@@ -54,7 +55,7 @@ from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMete
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
 from services.trainer.prefetch import Prefetcher
 from services.trainer.source import BatchSource, source_for
-from services.trainer.state import begin_checkpoint, report_checkpoint, resume
+from services.trainer.state import begin_checkpoint, ray_checkpoint_dir, report_checkpoint, resume
 from services.trainer.step import (
     Backward,
     Item,
@@ -147,7 +148,8 @@ class Rank:
         corpus = Corpus.open(job.paths.corpus, verify_checksums=False)
         self.corpus_root, self.tokenizer = corpus.root, corpus.tokenizer()
         # a rank that resumes reads the checkpoint, not the init weights as well (at 963M parameters, 3.9 GB a rank)
-        resumable = bool(ray.train.get_checkpoint() or job.resume_from or complete_checkpoints(job.paths.checkpoints))
+        ray_checkpoint = ray_checkpoint_dir()
+        resumable = bool(ray_checkpoint or job.resume_from or complete_checkpoints(job.paths.checkpoints))
         self.model, self.optimizer, self.scheduler = self.training_state(job, from_init_weights=not resumable)
         self.checkpoint_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         """The checkpoint's own gloo group: its writes' collectives run in a thread while training uses the default
@@ -155,7 +157,7 @@ class Rank:
         self.pending: PendingCheckpoint | None = None
         """The checkpoint being written, whose batches are committed once it is durable."""
         resumed = resume(self.model, self.optimizer, self.scheduler, self.device, self.rank, job.resume_from,
-                         job.paths.checkpoints, group=self.checkpoint_group)
+                         job.paths.checkpoints, group=self.checkpoint_group, ray_checkpoint=ray_checkpoint)
         if resumable and resumed.step == 0:  # no checkpoint could be read after all: start from the init weights
             self.model, self.optimizer, self.scheduler = self.training_state(job, from_init_weights=True)
         self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
@@ -163,18 +165,23 @@ class Rank:
             log.info("rank %d resumed at update %d", self.rank, self.step)
         self.writes_log = self.rank == 0
         self.train_log = TrainLog(job.paths.train_log)
-        if self.writes_log:
-            self.train_log.truncate_after(self.step)  # lines of updates the checkpoint does not hold
         corpus_tokens = corpus.all_tokens() if job.objectives.needs_corpus else None
         self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens, job.trainer.unpadded)
         self.source = source_for(job, self.rank, self.step)
-        generation = [self.source.start_generation() if self.rank == 0 else None]  # fences the replaced group's ranks
+        # before anything is cut back to the checkpoint: the replaced group's ranks are fenced from the queue, and
+        # the lineage abandons every checkpoint that group finishes past this one (a crash after this line and
+        # before the cuts leaves nothing the next group would resume from wrongly)
+        generation = [start_generation(job.paths.checkpoints, self.source.start_generation, self.step)
+                      if self.rank == 0 else None]
         if dist.is_initialized():
             dist.broadcast_object_list(generation, src=0)
         if generation[0] is None:  # every rank has rank 0's generation once the broadcast returns
             raise RuntimeError(f"rank {self.rank}: no queue generation from rank 0")
-        self.source.join_generation(generation[0])
+        self.generation: int = generation[0]
+        """This group's trainer generation: its queue writes carry it, its checkpoints record it."""
+        self.source.join_generation(self.generation)
         if self.rank == 0:
+            self.train_log.truncate_after(self.step)  # lines of updates the checkpoint does not hold
             self.source.agree_with(self.step)  # resumed below the last commit: the queue is reset to the checkpoint
         if dist.is_initialized():
             dist.barrier()  # no rank reads its stream before the queue agrees with the checkpoint
@@ -337,12 +344,14 @@ class Rank:
         """Start writing the state (every rank's uncommitted batches and RNG) and go on training; the batches
         count once it is durable (`finish_checkpoint`). A checkpoint still being written is finished first."""
         self.finish_checkpoint()
+        if self.writes_log:  # the log's lines of the interval are durable before its batches count (the audit's input)
+            self.train_log.sync()
         dead = [(d.slot, d.fields, reason) for d, reason in self.uncommitted_dead]
         gathered = self.gather({"trained": self.uncommitted, "dead": dead, "rng": rng_state()})
         write = begin_checkpoint(self.rank, step, self.model, self.optimizer, self.scheduler, self.corpus_root,
                                  [item for part in gathered for item in part["trained"]],
                                  [item for part in gathered for item in part["dead"]], [part["rng"] for part in gathered],
-                                 self.tokens_seen, self.job, self.checkpoint_group)
+                                 self.tokens_seen, self.job, self.checkpoint_group, generation=self.generation)
         self.pending = PendingCheckpoint(write, dict(self.last_metrics), self.uncommitted, self.uncommitted_dead)
         self.uncommitted, self.uncommitted_dead = [], []
 

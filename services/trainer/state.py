@@ -6,17 +6,15 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from marge.model.checkpoint import (
-    CheckpointError,
-    CheckpointWrite,
-    checkpoint_dir_name,
-    complete_checkpoints,
-    read_manifest,
-    restore_training,
+from marge.model.checkpoint import CheckpointError, CheckpointWrite, checkpoint_dir_name, restore_training
+from marge.model.lineage import (  # noqa: F401  # IO_RETRY_DELAYS_S, with_io_retries: importable from here too
+    IO_RETRY_DELAYS_S,
+    good_checkpoints,
+    resume_candidates,
+    with_io_retries,
 )
 
 log = logging.getLogger(__name__)
@@ -35,59 +33,62 @@ class Resumed:
     """This rank's RNG state at the checkpoint: set last, once everything that draws at start-up is built."""
 
 
+def ray_checkpoint_dir() -> str | None:
+    """The folder of the checkpoint Ray Train restarts this group from (after a worker failure; a local copy of one
+    on remote storage), or None. Only inside a Ray Train worker."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    import pyarrow.fs
+
+    local = isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
+    return checkpoint.path if local else checkpoint.to_directory()  # remote storage: a local copy
+
+
 def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None, checkpoints: Path,
-           group=None) -> Resumed:
+           group=None, ray_checkpoint: str | None = None) -> Resumed:
     """The checkpoint this rank continues from (update, target tokens seen, the batches it covers), restored
     into the arguments.
 
-    The newest that verifies of: Ray Train's checkpoint (after a worker failure, the one it restarts from),
-    `fallback` (the newest good one the driver found) and the newest good one in `checkpoints` (the run's
-    storage). Storage counts because Ray registers a checkpoint only after every rank's report reached its
-    controller: a rank killed in between makes Ray restart from the one before, whose batches later ranks
-    may already have committed. Rank 0 checks the manifest (the small files' sha256, every part there with its
-    size; a format 1 checkpoint's every file) and the verdict is broadcast; then every rank restores together
-    (`restore_training`: a format 2 checkpoint is read a 1/world share per rank, on `group`, the rest broadcast;
-    each rank checks the sha256 of the tensors it read), and a checkpoint any rank fails to read sends every rank
-    to the next older one. Every rank resumes from the same update (checked); each gets its own RNG back."""
-    import ray.train
+    Chosen by the driver's rule (`marge.model.lineage.good_checkpoints`: newest first, none a later trainer
+    generation abandoned, I/O errors retried) among the run's storage `checkpoints`, `ray_checkpoint` (the one Ray
+    Train restarts from after a worker failure, `ray_checkpoint_dir`) and `fallback` (the one the driver chose).
+    Storage counts because Ray registers a checkpoint only after every rank's report reached its controller: a rank
+    killed in between makes Ray restart from the one before, whose batches later ranks may already have committed.
+    Rank 0 checks the manifest (the small files' sha256, every part there with its size; a format 1 checkpoint's
+    every file) and broadcasts its choice; then every rank restores together (`restore_training`: a format 2
+    checkpoint is read a 1/world share per rank, on `group`, the rest broadcast; each rank checks the sha256 of the
+    tensors it read), and a checkpoint any rank fails to read sends every rank to rank 0's next choice. Every rank
+    resumes from the same update (checked); each gets its own RNG back."""
     import torch
     import torch.distributed as dist
 
-    candidates: list[tuple[int, int, str]] = []  # (update, preference, path)
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        import pyarrow.fs
-
-        local = isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
-        ray_dir = checkpoint.path if local else checkpoint.to_directory()  # remote storage: a local copy
-        candidates.append((checkpoint_step(ray_dir), 2, str(ray_dir)))
-    if fallback:
-        candidates.append((checkpoint_step(fallback), 1, str(fallback)))
-    candidates += [(checkpoint_step(path), 0, str(path)) for path in complete_checkpoints(checkpoints)]
-    candidates.sort(reverse=True)  # newest first; of equal updates, Ray's
+    extra = [ray_checkpoint, fallback]
     distributed = dist.is_available() and dist.is_initialized()
-    order = [[(s, pref) for s, pref, _ in candidates]]
-    if distributed:
-        dist.broadcast_object_list(order, src=0)  # rank 0's candidates, in its order
+    choices = good_checkpoints(checkpoints, extra, parts=False) if rank == 0 else None
+    mine = {} if rank == 0 else {c.key: c.path for c in resume_candidates(checkpoints, extra)}
     loaded = None
-    for key in order[0]:
-        path = next((p for s, pref, p in candidates if (s, pref) == tuple(key)), None)
-        verdict: list[str | None] = [None]
-        if rank == 0:
-            if path is None:  # rank 0's order is made from its own candidates
-                raise RuntimeError(f"rank 0 lost its own checkpoint candidate {key}")
-            try:
-                with_io_retries(lambda: read_manifest(Path(path), verify=True), f"verifying checkpoint {path}")
-                verdict = [path]
-            except (CheckpointError, OSError, ValueError, KeyError) as e:
-                log.warning("rank %d: checkpoint %s cannot be used (%s); trying an older one", rank, path, e)
+    while True:
+        choice: list[tuple[tuple[int, int, int], str] | None] = [None]
+        if choices is not None:
+            candidate = next(choices, None)
+            choice = [None if candidate is None else (candidate.key, str(candidate.path))]
         if distributed:
-            dist.broadcast_object_list(verdict, src=0)
-        if verdict[0] is None:
-            continue
-        if path is None:
-            raise RuntimeError(f"rank {rank} does not see the checkpoint of update {key[0]} that rank 0 "
-                               f"resumes from: every rank must see the same checkpoint storage ({checkpoints})")
+            dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            break
+        key, path = choice[0]
+        if rank != 0:
+            own = mine.get((key[0], key[1], key[2]))  # a broadcast may hand a tuple back as a list
+            if own is None:  # completed since this rank looked (a replaced group's last write): look again
+                mine = {c.key: c.path for c in resume_candidates(checkpoints, extra)}
+                own = mine.get((key[0], key[1], key[2]))
+            if own is None:
+                raise RuntimeError(f"rank {rank} does not see the checkpoint {path} (update {key[0]}) that rank 0 "
+                                   f"resumes from: every rank must see the same checkpoint storage ({checkpoints})")
+            path = str(own)
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: any rank's read error
 
         try:
@@ -118,38 +119,9 @@ def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None,
                    rng_by_rank[rank] if rank < len(rng_by_rank) else None)
 
 
-IO_RETRY_DELAYS_S = (0.5, 2.0, 8.0)
-"""Waits before reading a checkpoint again after an I/O error (a shared filesystem's hiccup): about 10 s in all
-before the checkpoint counts as unusable and an older one is taken."""
-
-
-def with_io_retries(read, what: str, delays_s: tuple[float, ...] = IO_RETRY_DELAYS_S):
-    """`read()`, tried again after each of `delays_s` when it fails with an I/O error that may pass (not a missing
-    file, not a checksum or format error: those are the checkpoint's own and are raised at once)."""
-    for attempt, delay in enumerate((*delays_s, None)):
-        try:
-            return read()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise
-        except OSError as e:
-            if delay is None:
-                raise
-            log.warning("%s failed (%s); trying again in %.1f s (%d of %d)", what, e, delay, attempt + 1,
-                        len(delays_s))
-            time.sleep(delay)
-
-
-def checkpoint_step(path) -> int:
-    """The update a checkpoint folder holds (-1 when its manifest cannot be read: tried last)."""
-    try:
-        return int(read_manifest(Path(path), verify=False)["step"])
-    except (CheckpointError, OSError, ValueError, KeyError):
-        return -1
-
-
 def begin_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenizer_dir: Path,
                      trained: list[tuple[int, str]], dead: list[tuple[int, dict, str]], rng_by_rank: list,
-                     tokens_seen: int, job, group) -> CheckpointWrite:
+                     tokens_seen: int, job, group, generation: int | None = None) -> CheckpointWrite:
     """Every rank starts writing its part of the checkpoint of update `step` into the run's checkpoint storage
     and returns to training (`CheckpointWrite`: a host copy of its share, then a thread). Rank 0 adds the rest:
     optimizer param groups, schedule, every rank's RNG, the (slot, batch id) every rank trained since the previous
@@ -157,7 +129,8 @@ def begin_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenize
     The folder is named by rank 0: a run resumed from an older checkpoint writes an update again into a new
     folder (`step-N-1`), never into the one it abandoned (Ray deletes old checkpoints by folder). The ranks write
     it under a staging name and rank 0 renames it into place with its manifest: storage never holds a `step-*`
-    folder half written."""
+    folder half written. `generation`: the group's trainer generation, recorded in the manifest (a checkpoint a
+    replaced group finishes after its successor resumed from an older one is never resumed from)."""
     import torch.distributed as dist
 
     root = Path(job.paths.checkpoints)
@@ -174,7 +147,7 @@ def begin_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenize
     if folder is None:  # every rank has rank 0's name once the broadcast returns
         raise RuntimeError(f"rank {rank}: no checkpoint folder name from rank 0 for update {step}")
     return CheckpointWrite(root / folder, model, optimizer, scheduler, step, tokenizer_dir, extra, group=group,
-                           background=True, staging=root / staging_name(folder),
+                           background=True, staging=root / staging_name(folder), generation=generation,
                            before_manifest=crash_point(job, step) if rank == 0 else None)
 
 

@@ -434,12 +434,8 @@ def test_the_newest_good_checkpoint_skips_torn_and_half_uploaded_ones_and_orders
     attempt at an update (`step-N-1`, written after resuming from an older checkpoint) is newer than the first."""
     from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
 
-    from marge.model.checkpoint import (
-        checkpoint_dir_name,
-        complete_checkpoints,
-        newest_good_checkpoint,
-        save_checkpoint,
-    )
+    from marge.model.checkpoint import checkpoint_dir_name, complete_checkpoints, save_checkpoint
+    from marge.model.lineage import newest_good_checkpoint
 
     model, optimizer, scheduler = tiny_training()
     tokenizer_dir = stand_in_tokenizer(tmp_path / "tok")

@@ -18,7 +18,6 @@ from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_traini
 from marge.model.checkpoint import (
     CheckpointWrite,
     load_model,
-    newest_good_checkpoint,
     read_manifest,
     restore_training,
     save_checkpoint,
@@ -26,6 +25,7 @@ from marge.model.checkpoint import (
     tensor_sha256,
     training_tensors,
 )
+from marge.model.lineage import newest_good_checkpoint
 
 
 def free_port() -> int:

@@ -192,6 +192,15 @@ class TrainLog:
         if self._live_count >= self.segment_updates:
             self._roll(record.step)
 
+    def sync(self) -> None:
+        """Make every record appended so far durable (fsync the live file and its folder): rank 0 calls it before
+        the checkpoint of the update last appended, whose batches count on the checkpoint's word and are audited
+        against these lines. Rolled segments are synced as they roll."""
+        if self.path.exists():
+            with open(self.path, "rb") as f:
+                os.fsync(f.fileno())
+            fsync_dir(self.path.parent)
+
     def _count_live(self) -> int:
         """Count the live file's records and note its first update: bounded by the segment size, read once."""
         count, self._live_first = 0, None
@@ -350,6 +359,7 @@ class TrainLog:
             if holding is not None:  # it becomes the live file again, cut at `step`, and fills up to a segment
                 os.replace(holding.path, self.path)
             fsync_dir(self.segments_dir)
+            fsync_dir(self.path.parent)  # the live file's removal or its return from the segments
         kept, dropped = [], False
         for _, line in self._numbered_lines(self.path):
             try:

@@ -9,8 +9,17 @@ Format version 2 (written since the sharded checkpoint), every DDP rank writing 
                           consumed batch ids (torch.save of plain containers; loaded with weights_only=True)
     model_config.json     the model's config (MargeConfig; a VecoConfig carries "family": "veco")
     tokenizer.model/.json the tokenizer the model was trained with
-    manifest.json         written last, by rank 0, once every rank's part is durable: format, step, the sha256 of
-                          every small file, the bytes of every part, the sha256 of every tensor
+    manifest.json         written last, by rank 0, once every rank's part is durable: format, step, the trainer
+                          generation that wrote it, the sha256 of every small file, the bytes of every part, the
+                          sha256 of every tensor
+
+`state/.metadata` is DCP's pickle. It is read by `_MetadataUnpickler`, which builds DCP's metadata classes, torch's
+dtypes and sizes and nothing else, and a part it names must be a `__<rank>_<n>.distcp` file of state/: a crafted file
+is refused, naming it, before anything in it runs (the manifest's sha256 cannot tell: whoever can write the file can
+write the manifest).
+
+Which checkpoint a run resumes from (trainer generations, abandoned checkpoints, one rule for the driver and the
+ranks) is `marge.model.lineage`.
 
 A rank restoring reads only its share of the keys (by size, for the world it runs in, whatever the world that
 saved) and the ranks broadcast the rest to each other: about checkpoint size / world read from storage per rank,
@@ -34,7 +43,9 @@ import heapq
 import json
 import logging
 import os
+import pickle
 import random
+import re
 import shutil
 import sys
 import threading
@@ -51,7 +62,7 @@ from marge.contracts import artifacts
 from marge.model.architecture import MargeConfig
 from marge.model.network import Marge
 from marge.model.veco import FAMILY, Veco, VecoConfig
-from marge.util.files import atomic_write_text
+from marge.util.files import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -208,13 +219,19 @@ class CheckpointWrite:
 
     With `staging`, every rank writes there and rank 0 renames the folder to `directory` once the manifest is in
     it (`artifacts.commit_staged`): a checkpoint cut short leaves no `step-*` folder behind, only the staging one,
-    which the next attempt at that folder replaces."""
+    which the next attempt at that folder replaces.
+
+    `generation`: the trainer generation writing it (`marge.model.lineage.start_generation`), recorded in the manifest; None for a
+    writer outside any group (the single process, tools), whose checkpoints no generation abandons.
+
+    Durable before the manifest is written: every part and `.metadata` (DCP, `sync_files`), the state/ folder's
+    entries, the small files and the folder's entries; the manifest, then the rename into place, each synced too."""
 
     def __init__(self, directory: Path, model: nn.Module, optimizer, scheduler, step: int, tokenizer_dir: Path,
                  training_state: dict[str, Any], *, group=None, background: bool = False, before_manifest=None,
-                 part_bytes: int = PART_BYTES, staging: Path | None = None):
+                 part_bytes: int = PART_BYTES, staging: Path | None = None, generation: int | None = None):
         started = time.perf_counter()
-        self.directory, self.step, self.group = Path(directory), step, group
+        self.directory, self.step, self.group, self.generation = Path(directory), step, group, generation
         self.staging = Path(staging) if staging is not None else None
         self.folder = self.staging or self.directory
         """Where the files are written."""
@@ -266,8 +283,9 @@ class CheckpointWrite:
         state_dir.mkdir(parents=True, exist_ok=True)
         dcp.save(self.staged, storage_writer=dcp.FileSystemWriter(str(state_dir), sync_files=True),
                  process_group=self.group if distributed else None, no_dist=not distributed)
+        fsync_dir(state_dir)  # DCP syncs the files, not the folder's entries for them (rank 0's: `.metadata` too)
         # the parts' bytes, not their sha256: every tensor's own sha256 (hashed from host memory, no read back)
-        # checks them, as each reader loads its share or as `newest_good_checkpoint` reads them all
+        # checks them, as each reader loads its share or as `marge.model.lineage.newest_good_checkpoint` reads them all
         parts = {f"{STATE_DIR}/{p.name}": {"bytes": p.stat().st_size}
                  for p in sorted(state_dir.glob(f"__{self.rank}_*.distcp"))}
         self.bytes_written = sum(p["bytes"] for p in parts.values())
@@ -284,20 +302,29 @@ class CheckpointWrite:
             dist.barrier(group=self.group)  # no rank's wait() returns before the manifest is written
 
     def _commit(self, gathered: list[dict]) -> None:
+        # the manifest says the checkpoint is durable, and the batches it covers are committed on its word: every
+        # file it lists is synced, and the folder's entries for them, before it is written
         d = self.folder
-        torch.save(self.small, d / "training_state.pt")
+        with open(d / "training_state.pt", "wb") as f:
+            torch.save(self.small, f)
+            f.flush()
+            os.fsync(f.fileno())
         atomic_write_text(d / "model_config.json", json.dumps(self.model_config, indent=2) + "\n")
         for name in ("tokenizer.model", "tokenizer.json"):
-            shutil.copyfile(self.tokenizer_dir / name, d / name)
+            copy_synced(self.tokenizer_dir / name, d / name)
+        fsync_dir(d)
         if self.before_manifest is not None:
             self.before_manifest()
         parts = {name: info for part in gathered for name, info in part["parts"].items()}
         tensors = {key: digest for part in gathered for key, digest in part["tensors"].items()}
+        lineage = {} if self.generation is None else {"generation": self.generation}
         write_manifest(d, CHECKPOINT_FORMAT, SHARDED_FILES, version=CHECKPOINT_VERSION, step=self.step, world=self.world,
-                       part_bytes=self.part_bytes, parts=dict(sorted(parts.items())),
+                       **lineage, part_bytes=self.part_bytes, parts=dict(sorted(parts.items())),
                        tensors=dict(sorted(tensors.items())))
-        if self.staging is not None:
+        if self.staging is not None:  # renamed into place, the rename synced
             artifacts.commit_staged(self.staging, self.directory, error=CheckpointError)
+        else:  # written in place: the entry of the folder itself
+            fsync_dir(self.directory.parent)
 
     def done(self) -> bool:
         return self.thread is None or not self.thread.is_alive()
@@ -309,6 +336,13 @@ class CheckpointWrite:
         if self.error is not None:
             raise self.error
         return self.directory
+
+
+def copy_synced(source: Path, target: Path) -> None:
+    """Copy a file and fsync the copy."""
+    shutil.copyfile(source, target)
+    with open(target, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def save_checkpoint(directory: Path, model: Marge, optimizer, scheduler, step: int, tokenizer_dir: Path,
@@ -413,44 +447,131 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return CHECKPOINTS.versions(root)
 
 
-def newest_good_checkpoint(root: Path) -> Path | None:
-    """The newest checkpoint under `root` whose files match its manifest (every part hashed); older ones are tried
-    when the newest is corrupt or incomplete (each one skipped is logged)."""
-    for path in reversed(complete_checkpoints(root)):
-        try:
-            read_manifest(path, verify=True, parts=True)
-            return path
-        except (CheckpointError, OSError) as e:
-            log.warning("skipping checkpoint %s: %s", path, e)
-    return None
-
-
 def load_training_state(directory: Path, verify: bool = True) -> dict[str, Any]:
     read_manifest(directory, verify=verify)
     return torch.load(Path(directory) / "training_state.pt", map_location="cpu", weights_only=True)
 
 
+PART_NAME = re.compile(r"__\d+_\d+\.distcp")
+"""The name of a part in state/ (DCP's `__<rank>_<n>.distcp`); `.metadata` names no other file."""
+
+
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """What a `.metadata` DCP wrote for this module's checkpoints refers to: DCP's metadata classes, the torch
+    types they hold (a size, a dtype, a layout by name) and the folder's path."""
+    import pathlib
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    import torch.distributed.checkpoint.metadata as dcp_md
+    import torch.serialization
+
+    allowed: dict[tuple[str, str], Any] = {
+        (dcp_md.__name__, name): getattr(dcp_md, name)
+        for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "TensorProperties",
+                     "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")}
+    allowed[(dcp_fs.__name__, "_StorageInfo")] = dcp_fs._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a layout by its name
+    allowed[("pathlib", "PosixPath")] = pathlib.PosixPath
+    allowed.update({("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
+    return allowed
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can be restricted, the C one's not
+    """Reads a `.metadata` without running anything it names: it may refer only to `_metadata_globals`, and set
+    the state only of instances of DCP's metadata classes (not of a class or a shared object)."""
+
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path = path
+        self.allowed = _metadata_globals()
+        self.buildable = {v for (module, name), v in self.allowed.items()
+                          if module.startswith("torch.distributed.checkpoint.") and name != "_MEM_FORMAT_ENCODING"}
+        """Classes whose fresh instances BUILD may fill in (not the enum: its members are shared)."""
+
+    def refuse(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {what}, which no checkpoint metadata this marge writes holds; the file "
+                               "was not loaded (unpickling it could run any code). This checkpoint was not written "
+                               "by this marge's torch.distributed.checkpoint: do not resume from it; move it aside "
+                               "and resume from one you trust")
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self.allowed[(module, name)]
+        except KeyError:
+            raise self.refuse(f"refers to {module}.{name}") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise self.refuse("holds a persistent id")
+
+    def load_build(self) -> None:
+        target = self.stack[-2]  # type: ignore[attr-defined]  # the Python unpickler's stack; typeshed omits it
+        if type(target) not in self.buildable:
+            raise self.refuse(f"sets the state of a {type(target).__name__}")
+        super().load_build()  # type: ignore[misc]  # typeshed omits the opcode methods
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}  # type: ignore[dict-item]
+
+
+def read_metadata_file(path: Path):
+    """A `state/.metadata` (DCP's `Metadata`), read by `_MetadataUnpickler` and checked: every item a tensor,
+    every part it names a `__<rank>_<n>.distcp` of its own folder. Raises CheckpointError naming the file."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        unpickler = _MetadataUnpickler(f, path)
+        try:
+            metadata = unpickler.load()
+        except CheckpointError:
+            raise
+        except Exception as e:  # a torn or foreign file: whatever the unpickler raised
+            raise CheckpointError(f"{path}: not a checkpoint's metadata ({type(e).__name__}: {e}): the checkpoint is "
+                                  f"corrupt{HINT}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) or \
+            not isinstance(metadata.storage_data, dict):
+        raise unpickler.refuse(f"holds a {type(metadata).__name__} where DCP's Metadata belongs")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise unpickler.refuse(f"holds {key!r} as a {type(entry).__name__}, not a tensor")
+    for info in metadata.storage_data.values():
+        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str) or \
+                not PART_NAME.fullmatch(info.relative_path):
+            raise unpickler.refuse(f"names the part {getattr(info, 'relative_path', info)!r}, not a "
+                                   "`__<rank>_<n>.distcp` of its own folder")
+    return metadata
+
+
 def _state_reader(directory: Path):
-    """A DCP reader of a checkpoint's state/ that counts the bytes it reads from storage (`bytes_read`): the
-    metadata once, then each item's byte range (FileSystemReader reads exactly those)."""
+    """A DCP reader of a checkpoint's state/ that reads `.metadata` with `read_metadata_file` (no pickle runs) and
+    counts the bytes it reads from storage (`bytes_read`): the metadata once, then each item's byte range
+    (FileSystemReader reads exactly those)."""
     import torch.distributed.checkpoint as dcp
 
-    class CountingReader(dcp.FileSystemReader):
+    class CheckedReader(dcp.FileSystemReader):
         def __init__(self, path):
             super().__init__(path)
             self.bytes_read, self._metadata = 0, None
 
         def read_metadata(self, *args, **kwargs):
             if self._metadata is None:
-                self._metadata = super().read_metadata(*args, **kwargs)
-                self.bytes_read += (Path(self.path) / ".metadata").stat().st_size
+                path = Path(self._get_metadata_path(kwargs.get("rank")))
+                metadata = read_metadata_file(path)
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+                    metadata.storage_meta = StorageMeta()
+                metadata.storage_meta.load_id = self.load_id
+                self._metadata = metadata
+                self.bytes_read += path.stat().st_size
             return self._metadata
 
         def read_data(self, plan, planner):
             self.bytes_read += sum(self.storage_data[item.storage_index].length for item in plan.items)
             return super().read_data(plan, planner)
 
-    return CountingReader(str(Path(directory) / STATE_DIR))
+    return CheckedReader(str(Path(directory) / STATE_DIR))
 
 
 def read_state_tensors(directory: Path, manifest: dict[str, Any], keys=None, group=None,
