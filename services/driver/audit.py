@@ -17,9 +17,11 @@ The account of one run (the `marge.contracts.protocol` delivery rules), from the
     pending                   written into the streams, not yet covered by a checkpoint
 
 The account streams train_log.jsonl (its segments, then the live file) and holds no map over the run's slots or
-batch ids, so its memory does not grow with the run: `account` is that core, from its inputs alone (no Redis, no
-files), `audit` reads them. Beyond the ledger's window and the dead letters it holds only the batches the log shows
-out of their schedule's order (replays), which it counts over the log a second time.
+batch ids, so its memory does not grow with the run, whatever the number of batch builders: `account` is that core,
+from its inputs alone (no Redis, no files), `audit` reads them. Beyond the ledger's window and the dead letters it
+holds each builder's place in its own schedule and the shards of the passes the builders are in, and reads the log
+once; only ids out of their builder's order that no dead letter names (a batch doubled or rebuilt) are remembered,
+and counted over the log a second time.
 
 The ledger's retired counts (one per update that left the window: 450,000 at the paper's run length) stay in Redis:
 the account reads them a block of RETIRED_BLOCK updates at a time, as the log goes past (`RetiredCounts`), and sums
@@ -39,7 +41,8 @@ from pathlib import Path
 from marge.contracts.protocol import BatchQueue
 from marge.contracts.slots import BatchId, Slots
 from marge.contracts.train_log import TrainLog, TrainLogError, UpdateRecord
-from marge.model.checkpoint import newest_good_checkpoint, read_manifest
+from marge.model.checkpoint import read_manifest
+from marge.model.lineage import newest_good_checkpoint
 from services.driver.config import PipelineConfig, load_config, redis_url_from_environment
 from services.driver.redis_server import LocalRedis, private_conf_dir
 
@@ -190,14 +193,15 @@ def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
 def account(read_records: Callable[[], Iterable[UpdateRecord]], slots: Slots, checkpoint: CheckpointState,
             queue: QueueState, source: str = "train log") -> dict:
     """The audit's account from its inputs alone, no Redis, no files: `read_records()` gives the train log's
-    records up to the checkpoint, in update order, and is called once or twice (each call a new pass).
+    records up to the checkpoint, in update order, and is called once, or twice when the log holds ids out of their
+    builder's order that no dead letter names (each call a new pass).
 
-    It holds what the ledger window and the dead letters hold, plus the few batches the log shows out of their
-    schedule's order (replays of dead letters), never a map over the run's slots or batch ids: exactly-once is
-    checked while streaming (`_SlotAccount` for the slots, `_BatchIdAccount` for the batch ids)."""
+    It holds what the ledger window and the dead letters hold, each builder's place in its schedule, and those
+    out-of-order ids, never a map over the run's slots or batch ids: exactly-once is checked while streaming
+    (`_SlotAccount` for the slots, `_BatchIdAccount` for the batch ids)."""
     counts = queue.counts
     slot_account = _SlotAccount(slots, checkpoint, queue)
-    ids = _BatchIdAccount(queue)
+    ids = _BatchIdAccount(queue, slots)
     updates = 0
     for record in read_records():
         updates += 1
@@ -334,49 +338,65 @@ class _BatchIdAccount:
     """Batches trained twice (the same id in two trained slots of the log) and positions named with two contents
     (`content_changed`), over the log, the ledger and the dead letters, without a map over every batch id.
 
-    The batcher's schedule names the batches of consecutive slots in one order: index version, pass, shard (each
-    shard once a pass), number; so ids that follow that order (`_ScheduleOrder`) are all different positions, and
-    only the others, replays of dead letters in a healthy run, are remembered on the first pass. The second pass
-    (only when there were such ids) counts every occurrence of those ids and positions. Ids made elsewhere (not
-    `BatchId`s: probes, tests) are counted as they come."""
+    Each batch builder fills its own slots (`Slots.group_of`) with its own sequence, in one order: index version,
+    pass, shard (each of its shards once a pass, no shard of another builder's in that pass), number; so ids that
+    follow their builder's order (`_ScheduleOrder`) are all different positions. The positions a dead letter names
+    (replays, in a healthy run) are counted wherever they occur, on the one pass. Any other id out of order (a batch
+    doubled or rebuilt, or a builder's sequence broken) is remembered, and a second pass counts every occurrence of
+    those ids and positions. Ids made elsewhere (not `BatchId`s: probes, tests) are counted as they come."""
 
-    def __init__(self, queue: QueueState):
-        self.order = _ScheduleOrder()
+    def __init__(self, queue: QueueState, slots: Slots):
+        self.slots = slots
+        self.order = _ScheduleOrder(slots.builders)
         self.contents: dict[tuple[int, int, int, int], set[str]] = {}
         """Position -> content digests, for the positions named out of order, in the ledger or in the dead letters."""
+        self.dead_positions: set[tuple[int, int, int, int]] = set()
+        """Positions the dead letters name: each occurrence counted on the first pass, none checked for order."""
         for text in [*queue.ledger, *(d["batch_id"] for d in queue.dead_letters)]:
             parsed = BatchId.parse(text) if text else None
             if parsed is not None and parsed.content:
                 self.contents.setdefault(_position(parsed), set()).add(parsed.content)
+        for d in queue.dead_letters:
+            parsed = BatchId.parse(d["batch_id"]) if d["batch_id"] else None
+            if parsed is not None:
+                self.dead_positions.add(_position(parsed))
         self.out_of_order_ids: set[str] = set()
-        """Ids trained out of the schedule's order: each counted over the whole log on the second pass."""
-        self.recounted: dict[str, list[int]] = {}
-        """Id -> [times trained, first trained occurrence]: the second pass's count of `out_of_order_ids`."""
+        """Other ids trained out of their builder's order: each counted over the whole log on the second pass."""
+        self.counted: dict[str, list[int]] = {}
+        """Id -> [times trained, first trained occurrence], of the ids at `dead_positions` (first pass) and of
+        `out_of_order_ids` (second pass)."""
         self.elsewhere: dict[str | None, list[int]] = {}
         """Ids that are not `BatchId`s -> [times trained, first trained occurrence]."""
         self.occurrence = 0
         self.needs_second_pass = False
 
-    @staticmethod
-    def _occurrences(record: UpdateRecord):
-        """(batch id, trained) of each of the record's batches, in slot order."""
+    def _occurrences(self, record: UpdateRecord):
+        """(builder, batch id, trained) of each of the record's batches, in slot order (builder 0 where a record
+        names no slots)."""
         dead = set(record.dead_lettered)
         for i, batch_id in enumerate(record.batch_ids):
-            yield batch_id, i < len(record.slots) and record.slots[i] not in dead
+            slot = record.slots[i] if i < len(record.slots) else None
+            yield (0 if slot is None else self.slots.group_of(slot)), batch_id, slot is not None and slot not in dead
+
+    @staticmethod
+    def _count(counts: dict, batch_id: str | None, occurrence: int) -> None:
+        counts.setdefault(batch_id, [0, occurrence])[0] += 1
 
     def first_pass(self, record: UpdateRecord) -> None:
-        for batch_id, trained in self._occurrences(record):
+        for group, batch_id, trained in self._occurrences(record):
             parsed = BatchId.parse(batch_id) if batch_id else None
             if parsed is None:
                 if trained:
-                    count = self.elsewhere.setdefault(batch_id, [0, self.occurrence])
-                    count[0] += 1
+                    self._count(self.elsewhere, batch_id, self.occurrence)
             else:
                 position = _position(parsed)
-                if not self.order.follows(position):
+                if position in self.dead_positions:
+                    if trained:
+                        self._count(self.counted, batch_id, self.occurrence)
+                elif not self.order.follows(group, position):
                     self.needs_second_pass = True
                     if trained:
-                        self.out_of_order_ids.add(batch_id)
+                        self.out_of_order_ids.add(str(batch_id))
                     if parsed.content:
                         self.contents.setdefault(position, set())
                 if parsed.content and position in self.contents:
@@ -387,10 +407,9 @@ class _BatchIdAccount:
         self.occurrence = 0  # the same numbering as the first pass's, so first occurrences compare across both
 
     def second_pass(self, record: UpdateRecord) -> None:
-        for batch_id, trained in self._occurrences(record):
+        for _, batch_id, trained in self._occurrences(record):
             if trained and batch_id in self.out_of_order_ids:
-                count = self.recounted.setdefault(batch_id, [0, self.occurrence])
-                count[0] += 1
+                self._count(self.counted, batch_id, self.occurrence)
             parsed = BatchId.parse(batch_id) if batch_id else None
             if parsed is not None and parsed.content and _position(parsed) in self.contents:
                 self.contents[_position(parsed)].add(parsed.content)
@@ -398,7 +417,7 @@ class _BatchIdAccount:
 
     def trained_twice(self) -> list[str | None]:
         """Ids trained in more than one slot, in the order of their first trained occurrence."""
-        counts = [*self.elsewhere.items(), *self.recounted.items()]
+        counts = [*self.elsewhere.items(), *self.counted.items()]
         return [batch_id for batch_id, (times, _) in sorted(counts, key=lambda kv: kv[1][1]) if times > 1]
 
     def content_changed(self) -> list[dict]:
@@ -412,26 +431,39 @@ def _position(parsed: BatchId) -> tuple[int, int, int, int]:
 
 
 class _ScheduleOrder:
-    """Whether each next batch position follows the schedule's order after the ones that did (see
+    """Whether each next batch position of a builder follows its schedule's order after the ones that did (see
     `_BatchIdAccount`): a later version or pass; the same shard with a higher number; or a shard of the same pass
-    not visited yet. Holds the shards visited in the current pass: bounded by the corpus, not the run."""
+    that no builder has visited yet (the builders' shards of a pass are disjoint). Holds each builder's position and
+    the shards visited in the passes from the furthest-behind builder's to the furthest-ahead's; a pass is forgotten
+    once every builder has left it. Builders whose passes differ in length drift apart within an index version, but
+    all of them change version at the same update: what is held is bounded by one version's passes, not by the run
+    (a run without an index has one version; there it is the passes the builders have drifted apart by)."""
 
-    def __init__(self):
-        self.current: tuple[int, int, int, int] | None = None
-        self.shards_done: set[int] = set()
+    def __init__(self, builders: int = 1):
+        self.current: list[tuple[int, int, int, int] | None] = [None] * builders
+        self.visited: dict[tuple[int, int], set[int]] = {}
+        """(version, pass) -> the shards builders visited in it, in their order."""
 
-    def follows(self, position: tuple[int, int, int, int]) -> bool:
-        current = self.current
-        if current is None or position[:2] > current[:2]:
-            self.shards_done = set()
-        elif position[:2] < current[:2]:
-            return False
-        elif position[2] == current[2]:
-            if position[3] <= current[3]:
+    def follows(self, group: int, position: tuple[int, int, int, int]) -> bool:
+        current, in_pass = self.current[group], position[:2]
+        if current is not None:
+            if in_pass < current[:2]:
                 return False
-        elif position[2] in self.shards_done:
+            if in_pass == current[:2] and position[2] == current[2]:
+                if position[3] <= current[3]:
+                    return False
+                self.current[group] = position
+                return True
+        shards = self.visited.setdefault(in_pass, set())
+        if position[2] in shards:  # this builder's earlier shard of the pass, or another builder's
             return False
-        else:
-            self.shards_done.add(current[2])
-        self.current = position
+        shards.add(position[2])
+        self.current[group] = position
+        if current is None or in_pass != current[:2]:
+            self._forget_passes_behind_every_builder()
         return True
+
+    def _forget_passes_behind_every_builder(self) -> None:
+        oldest = min(c[:2] for c in self.current if c is not None)
+        for in_pass in [p for p in self.visited if p < oldest]:
+            del self.visited[in_pass]
