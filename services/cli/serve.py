@@ -70,7 +70,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from services.retrieval.app import create_app, is_loopback
+    from services.retrieval.app import create_app
+    from services.retrieval.exposure import check_bind
 
     token = os.environ.get("MARGE_API_TOKEN")
     if args.token_file:
@@ -78,9 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not token:
             raise ValueError(f"--token-file {args.token_file} is empty: write the bearer token into it (e.g. "
                              "`python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE`)")
-    if not token and not is_loopback(args.host) and not args.insecure:
-        raise ValueError(f"refusing to serve on {args.host} without a token: set MARGE_API_TOKEN or --token-file "
-                         "(or pass --insecure if the network is trusted)")
+    check_bind(args.host, token, args.insecure, token_hint="set MARGE_API_TOKEN or --token-file",
+               insecure_hint="pass --insecure")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together: give both for HTTPS, or neither")
     for name, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):

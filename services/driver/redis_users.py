@@ -1,7 +1,8 @@
 """`marge redis-user`: one Redis ACL user per run on a shared queue Redis, made by an operator's account.
 
 A user `marge-<run>` may run the queue protocol (streams, hashes, lists, strings, sets, sorted sets,
-transactions, Lua scripts) on its own run's keys `marge:<run>:*` and nothing else: not another run's keys, no
+transactions, Lua scripts by EVAL/EVALSHA) on its own run's keys `marge:<run>:*` and nothing else: not another
+run's keys, not the server-wide script cache or function libraries (SCRIPT FLUSH/KILL, FUNCTION, FCALL), no
 dangerous command (FLUSHALL, CONFIG, DEBUG, KEYS ...). Its URL (the operator's URL with this user and a new
 random password) is written to a 0600 file, which the run reads through MARGE_REDIS_URL_FILE, so the password
 is in no process's arguments and no job's runtime_env. The operator's own URL comes from a file as well.
@@ -22,9 +23,15 @@ import redis
 
 from marge.util.files import atomic_write_text
 
-PIPELINE_COMMANDS = ("-@all +@stream +@hash +@list +@string +@set +@sortedset +@transaction +@scripting "
-                     "+@connection +del +exists -@dangerous")
-"""The commands the pipeline's Redis user may run (deploy/redis/start.sh grants the same to its user `marge`)."""
+PIPELINE_COMMANDS = ("-@all +@stream +@hash +@list +@string +@set +@sortedset +@transaction +eval +evalsha +eval_ro "
+                     "+evalsha_ro +script|load +script|exists +@connection +del +exists -@dangerous")
+"""The commands the pipeline's Redis user may run (deploy/redis/start.sh grants the same to its user `marge`).
+
+Scripting is granted command by command, not as @scripting: the script cache and the function libraries are
+one per server, so SCRIPT FLUSH/KILL/DEBUG, FUNCTION (LOAD, DELETE, FLUSH, KILL, ...) and FCALL would reach every
+other run on it. EVAL/EVALSHA stay key-checked (a script touches the user's keys alone); SCRIPT LOAD/EXISTS only
+add to the cache, as redis-py's registered scripts do. -@dangerous comes last so that no category granted above
+(@sortedset brings SORT, @connection parts of CLIENT) lets FLUSHALL, CONFIG, DEBUG, KEYS and the like back in."""
 
 
 def user_name(run: str) -> str:
