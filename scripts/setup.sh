@@ -18,7 +18,7 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '
   echo "setup: installing torch 2.13.0 (pinned by constraints.txt)" >&2
   pip install -q -c constraints.txt "torch==2.13.0"
 fi
-if ! python -c "import marge, faiss, ray.train, ray.serve, sklearn, pytest, ruff, tensorboard, psutil, mypy" 2>/dev/null || [ pyproject.toml -nt "$VENV/.marge-installed" ]; then
+if ! python -c "import marge, faiss, ray.train, ray.serve, sklearn, pytest, ruff, tensorboard, psutil, mypy, hypothesis" 2>/dev/null || [ pyproject.toml -nt "$VENV/.marge-installed" ]; then
   echo "setup: installing marge with faiss-cpu and test tools" >&2
   pip install -q -c constraints.txt -e ".[cpu,dev,serve]"
   touch "$VENV/.marge-installed"

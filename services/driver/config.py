@@ -156,9 +156,12 @@ class DataConfig:
 class RedisConfig:
     url: str | None = None
     """redis://... of an existing server; None starts a private redis-server (loopback, random password)."""
-    appendfsync: str = "everysec"
-    """The private redis-server's AOF fsync policy: 'always', 'everysec' (at most a second of writes lost to a
-    machine crash; a killed server loses nothing) or 'no'."""
+    appendfsync: str = "always"
+    """The private redis-server's AOF fsync policy. 'always' (fsync before each reply): nothing acknowledged is lost
+    to a killed server or a machine crash, so a trainer generation is never issued twice and no commit or dead
+    letter is lost (benchmarks/fsync_cost.py prices it against 'everysec'). 'everysec': a machine crash, or a
+    killed server while a slow disk holds back its writes, can lose about the last 2 seconds of writes (docs/cluster.md
+    says what that can cost). 'no': the operating system decides."""
     maxmemory: str = "1gb"
     """The private redis-server's memory limit (noeviction: a full queue refuses writes, it never drops batches)."""
 

@@ -32,7 +32,7 @@ def small_config(tmp_path: Path, corpus: Path, redis_url: str, name: str, *extra
 
 @pytest.mark.slow
 def test_training_through_redis_matches_the_in_process_reference(ray_cluster, redis_server, small_corpus, small_index,
-                                                                 tmp_path):
+                                                                 tmp_path, monkeypatch):
     from services.driver.pipeline import make_trainer, trainer_job
     from services.trainer.init import ensure_initial_model
 
@@ -46,8 +46,10 @@ def test_training_through_redis_matches_the_in_process_reference(ray_cluster, re
     for slot, b in enumerate(batches):  # slot n: update n // 2, rank n % 2
         queue.put(slot, b, lookahead_steps=100)
 
+    # the state Ray Train keeps of the run and the dashboard serves (on with RAY_TRAIN_ENABLE_STATE_TRACKING) holds no
+    # password: the job names the file of the Redis URL, not the URL
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     make_trainer(cfg, trainer_job(cfg, write_url_file(cfg.paths().redis_url_file, redis_server.url))).fit()
-    # what Ray keeps of the run and its dashboard serves (Ray Train's run state) holds no password
     from ray.train.v2._internal.state.state_actor import get_state_actor
 
     password = redis_server.url.split(":")[2].split("@")[0]

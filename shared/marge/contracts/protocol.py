@@ -41,12 +41,15 @@ Delivery (every slot trained, or dead-lettered, exactly once in the run's final 
     writes (recorded in `replays`: slot -> dead-letter entry) and its scheduled batches of that version move
     one slot on. A resumed run forgets the placements from its checkpoint on and places those requests again.
 
-What `appendfsync everysec` can still lose: redis-server writes each change to its AOF before it replies, so a
-killed server loses nothing it acknowledged; an operating-system crash or power loss loses up to the last
-second of writes. Batches it loses are written again (the builders follow their cursors back); a lost commit is made again by
-the rank's next commit or by a resumed run (commits are idempotent); a dead letter or a replay request of
-that second is lost, or a replay placed again in another slot (`marge audit` reports the slot lost or
-trained twice).
+What a Redis crash can lose. With `appendfsync always` (the default) redis-server writes and fsyncs each change
+to its append-only file before it replies: nothing acknowledged is lost, to a killed server or to a machine crash.
+With `everysec` it replies first: a machine crash (or a killed server while a slow disk holds its writes back) can
+lose about the last 2 seconds of acknowledged writes. Batches it loses are written again (the builders follow
+their cursors back); a lost commit is made again by the rank's next commit or by a resumed run (commits are
+idempotent); but a lost generation bump is issued again to the next group (a straggler of the lost group is then
+not fenced), and a dead letter or a replay request of those seconds is lost, or a replay placed again in another
+slot (`marge audit` reports the slot lost or trained twice). Losing the append-only file itself loses the retired
+counts: the audit then reports every retired update lost.
 
 The layout (slots, versions, keys) is `marge.contracts.slots`.
 """
@@ -398,8 +401,10 @@ class BatchQueue:
 
     # --- consumer ----------------------------------------------------------------------------
 
-    def get(self, slot: int, block_ms: int = 1000) -> Delivery | None:
-        """The entry of `slot`, waiting up to `block_ms` for it; None if it has not been written yet. Raises
+    def get(self, slot: int, block_ms: int | None = 1000) -> Delivery | None:
+        """The entry of `slot`, waiting up to `block_ms` for it (None: not at all; redis-server ends a wait at its
+        own clock's tick, 100 ms at its default hz, however short the wait asked); None if it has not been written
+        yet. Raises
         SlotGone when the stream holds a later slot instead (XREAD would answer at once every time: a reader
         waiting on would spin)."""
         rank = self._slots().rank_of(slot)
