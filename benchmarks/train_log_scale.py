@@ -16,7 +16,7 @@ wall seconds. Operations:
 
   * summary: the driver's summary fold (`summarize`: `RunFigures` and `RefreshCost` over one pass, one index build
     record per version);
-  * audit: `marge audit`'s account (`services.driver.audit.account`: two passes, as the log has replays);
+  * audit: `marge audit`'s account (`services.driver.audit.account`: one pass, its replays' positions named by dead letters);
   * truncate: `TrainLog.truncate_after(last update - 5)`, what rank 0 does at every restart.
 
 The named alternative, at 10^4 and 10^5 updates: the log as one file (the layout before segments), read into one

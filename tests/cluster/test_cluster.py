@@ -88,7 +88,9 @@ def loopback_cluster():
     process = subprocess.Popen(
         [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--metrics-export-port={metrics}",
-         "--num-cpus=4", f"--temp-dir={temp / 'ray'}", "--include-dashboard=true", "--disable-usage-stats"],
+         "--num-cpus=4", f"--temp-dir={temp / 'ray'}", "--include-dashboard=true", "--disable-usage-stats",
+         # the dashboard agent's default port (52365) is taken while another local Ray runs: no job would be accepted
+         f"--dashboard-agent-listen-port={free_port()}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     cluster = LoopbackCluster(process, f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}", metrics, redis, env)
     try:
