@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from marge.contracts.config import ConfigError
 from marge.contracts.corpus import Corpus
 from marge.contracts.index_store import drop_versions_after, latest_version
 from marge.contracts.paths import RunPaths
-from marge.contracts.protocol import BatchQueue, write_url_file
+from marge.contracts.protocol import BatchQueue, read_url_file, write_url_file
 from marge.contracts.train_log import RunFigures, TrainLog, feed
 from marge.eval.refresh import RefreshCost
 from marge.eval.tensorboard import RunBoard
@@ -42,6 +43,7 @@ from services.driver.config import PipelineConfig, config_drift, environment_end
 from services.driver.lock import DriverLock
 from services.driver.plan import estimated_throughput, warn_if_behind
 from services.driver.progress import Progress, log_progress
+from services.driver.redis_server import private_conf_dir
 from services.driver.resources import (
     RedisEndpoint,
     apply_local_ray_env,
@@ -89,7 +91,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             queue.reset_from(point.step)
             queue.clear_stop()
             floor = cfg.version_plan().version_for_step(point.step)
-            url_file = write_url_file(paths.redis_url_file, redis.url)  # the stages get its path, not the password
+            url_file = stage_url_file(paths, redis.url)  # the stages get its path, not the password
             with running_stages(cfg, paths, url_file, floor) as stages:
                 deadline = started + 60 * cfg.run.max_minutes if cfg.run.max_minutes else None
                 job = trainer_job(cfg, url_file, deadline, resume_from=point.checkpoint)
@@ -326,6 +328,20 @@ def check_probe_languages(key: str, path: Path, languages: list[str]) -> None:
             read_pairs(path, languages)
     except (PairsError, PrepareError) as e:
         raise ConfigError(f"{key}: {e}") from None
+
+
+def stage_url_file(paths: RunPaths, url: str) -> Path:
+    """The file the stages read the queue's Redis URL from: they are given its path, never the URL, because Ray keeps a
+    job's arguments where its dashboard serves them (Ray Train's run state). MARGE_REDIS_URL_FILE when the URL came
+    from it (the secret mounted at that path on every node); else a 0600 file beside the private redis-server's
+    config, outside the run folder, which the stages of a one-machine run can read (on a cluster without
+    MARGE_REDIS_URL_FILE, the workers fall back to MARGE_REDIS_URL from the job's runtime env)."""
+    given = os.environ.get("MARGE_REDIS_URL_FILE")
+    if given and not os.environ.get("MARGE_REDIS_URL") and read_url_file(Path(given)) == url:
+        return Path(given)
+    folder = private_conf_dir(paths.run_dir)
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return write_url_file(folder / "url", url)
 
 
 def trainer_job(cfg: PipelineConfig, redis_url_file: Path | None, deadline_unix: float | None = None,

@@ -25,8 +25,8 @@ class TrainerJob:
     deadline_unix: float | None = None
     """Stop at the first step boundary after this time (run.max_minutes)."""
     redis_url_file: str | None = None
-    """The file holding the queue's Redis URL (`RunPaths.redis_url_file`); None with `memory_batches`. A path, not
-    the URL: Ray Train keeps this job in the run state its dashboard serves."""
+    """The file holding the queue's Redis URL (`services.driver.pipeline.stage_url_file`); None with
+    `memory_batches`. A path, not the URL: Ray Train keeps this job in the run state its dashboard serves."""
     memory_batches: list[list] | None = field(default=None, compare=False)
     """One list of batches per rank instead of the queue: the benchmark's and parity tests' in-process feed."""
     resume_from: str | None = None

@@ -49,7 +49,7 @@ def test_training_through_redis_matches_the_in_process_reference(ray_cluster, re
     # the state Ray Train keeps of the run and the dashboard serves (on with RAY_TRAIN_ENABLE_STATE_TRACKING) holds no
     # password: the job names the file of the Redis URL, not the URL
     monkeypatch.setenv("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
-    make_trainer(cfg, trainer_job(cfg, write_url_file(cfg.paths().redis_url_file, redis_server.url))).fit()
+    make_trainer(cfg, trainer_job(cfg, write_url_file(tmp_path / "redis-url", redis_server.url))).fit()
     from ray.train.v2._internal.state.state_actor import get_state_actor
 
     password = redis_server.url.split(":")[2].split("@")[0]

@@ -5,7 +5,6 @@
     <run>/index/                    committed index versions (`marge.contracts.index_store`)
     <run>/train_log.jsonl           one line per update (`services.trainer`)
     <run>/ray_train/<name>/         the DDP trainer's checkpoints (Ray Train's run folder)
-    <run>/redis-url                 the queue's Redis URL, password included (mode 0600): stages get its path
 
 Paths are absolute, so that Ray workers on other nodes (which do not share the driver's working
 directory) find the same files on shared storage.
@@ -56,13 +55,6 @@ class RunPaths:
         """Each index version's shard batch counts, per builder (`services.batcher.core.BatchCounts`): what lets a
         resumed builder pass over whole shards."""
         return self.run_dir / "batch_counts"
-
-    @property
-    def redis_url_file(self) -> Path:
-        """The queue's Redis URL, password included (mode 0600, written by the driver): the stages are given this
-        path, never the URL, so that nothing Ray keeps or serves (Ray Train's run state, actor arguments, the
-        dashboard) holds the password."""
-        return self.run_dir / "redis-url"
 
     @property
     def ray_train(self) -> Path:

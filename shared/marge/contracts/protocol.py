@@ -59,6 +59,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,7 +127,8 @@ def read_url_file(path: Path) -> str:
         url = path.read_text(encoding="utf-8").strip()
     except OSError as e:
         raise FileNotFoundError(f"cannot read the queue's Redis URL from {path} ({e}): the driver writes it as the "
-                                "run starts; the run folder must be on storage every node shares") from None
+                                "run starts, on its own node; on a cluster, give the URL as MARGE_REDIS_URL_FILE, a "
+                                "0600 file at the same path on every node") from None
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"{path} holds no redis://, rediss:// or unix:// URL")
     return url
@@ -234,8 +236,12 @@ class BatchQueue:
 
     @classmethod
     def from_url_file(cls, path: str | Path, run_id: str, slots: Slots | None = None) -> "BatchQueue":
-        """`connect` to the URL on the first line of the file `path` (`RunPaths.redis_url_file`)."""
-        return cls.connect(read_url_file(Path(path)), run_id, slots)
+        """`connect` to the URL on the first line of the file `path` (the driver's `stage_url_file`), or, where that
+        file is not on this node, to MARGE_REDIS_URL, which a job's runtime env gives every worker."""
+        path = Path(path)
+        if not path.exists() and os.environ.get("MARGE_REDIS_URL"):
+            return cls.connect(os.environ["MARGE_REDIS_URL"], run_id, slots)
+        return cls.connect(read_url_file(path), run_id, slots)
 
     def _slots(self) -> Slots:
         if self.slots is None:
