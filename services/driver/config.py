@@ -440,13 +440,14 @@ def redis_url_from_environment() -> str | None:
 def read_redis_url_file(path: Path, what: str, fix: str = "") -> str:
     """The Redis URL on the first line of `path` (a secret file: never the URL itself on a command line). `what`
     names the setting that gave the path, in the error."""
+    from marge.contracts.protocol import first_line_url
+
     try:
-        url = Path(path).read_text(encoding="utf-8").strip().splitlines()[0].strip()
-    except (OSError, IndexError) as e:
+        return first_line_url(Path(path))
+    except OSError as e:
         raise ConfigError(f"{what}: cannot read a Redis URL from it ({e})" + (f": {fix}" if fix else "")) from None
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"{what}: its first line is not a redis://, rediss:// or unix:// URL")
-    return url
+    except ValueError:
+        raise ConfigError(f"{what}: its first line is not a redis://, rediss:// or unix:// URL") from None
 
 
 def environment_endpoints(cfg: PipelineConfig) -> PipelineConfig:

@@ -122,16 +122,24 @@ def write_url_file(path: Path, url: str) -> Path:
     return path
 
 
+def first_line_url(path: Path) -> str:
+    """The Redis URL on the first line of the secret file `path`: OSError when it cannot be read, ValueError when its
+    first line is no redis://, rediss:// or unix:// URL."""
+    lines = Path(path).read_text(encoding="utf-8").strip().splitlines()
+    url = lines[0].strip() if lines else ""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"{path}: its first line is not a redis://, rediss:// or unix:// URL")
+    return url
+
+
 def read_url_file(path: Path) -> str:
+    """The URL a stage reads from the file the driver named (`first_line_url`), with what to do when it cannot."""
     try:
-        url = path.read_text(encoding="utf-8").strip()
+        return first_line_url(path)
     except OSError as e:
         raise FileNotFoundError(f"cannot read the queue's Redis URL from {path} ({e}): the driver writes it as the "
                                 "run starts, on its own node; on a cluster, give the URL as MARGE_REDIS_URL_FILE, a "
                                 "0600 file at the same path on every node") from None
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"{path} holds no redis://, rediss:// or unix:// URL")
-    return url
 
 
 def encode_batch(batch: Batch) -> dict[bytes, bytes]:
