@@ -226,6 +226,12 @@ class PipelineConfig:
         if "preset" not in self.model:
             raise ConfigError("model.preset is required: one of ['base', 'paper', 'tiny']")
         model = self.model_config(vocab_size=self.model.get("vocab_size", self.data.vocab_size))  # validates its fields
+        if self.trainer.cross_attention == "packed" and model.attention_dropout:
+            raise ConfigError(f"trainer.cross_attention=packed has no attention dropout, but model.attention_dropout "
+                              f"is {model.attention_dropout}: set it to 0, or trainer.cross_attention to gathered")
+        if self.trainer.cross_attention == "packed" and not self.trainer.use_gpu:
+            raise ConfigError("trainer.cross_attention=packed trains only on a GPU (FlexAttention has no CPU "
+                              "backward): set trainer.use_gpu=true, or trainer.cross_attention to gathered")
         if self.trainer.key_bias == "flex" and model.attention_dropout:
             raise ConfigError(f"trainer.key_bias=flex has no attention dropout, but model.attention_dropout is "
                               f"{model.attention_dropout}: set it to 0, or trainer.key_bias to mask or folded")

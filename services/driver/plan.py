@@ -350,12 +350,16 @@ def corpus_batches(corpus, max_tokens: int, count: int, seed: int = 0) -> list:
 
 def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps: int = 6) -> dict:
     """One indexer worker's and one trainer worker's achieved FLOP/s on this machine, with the config's model,
-    thread counts and batch budget, on corpus documents (random-init weights: speed does not depend on them)."""
+    thread counts and batch budget, on corpus documents (random-init weights: speed does not depend on them). The
+    trainer's update is the config's: its objectives and its execution settings (`trainer.unpadded`, the attention
+    buckets, `key_bias`, `loss_chunk_tokens`, bf16, grad_accum); only the learning rate's schedule is flat."""
+    from dataclasses import replace
+
     from marge.model.network import Marge, RelevanceEncoder
     from services.indexer.core import embed_documents
-    from services.trainer.config import TrainerConfig
-    from services.trainer.objectives import Objectives, ObjectivesConfig
-    from services.trainer.step import build_optimizer, build_scheduler, train_step
+    from services.trainer.inputs import AttentionLayout
+    from services.trainer.objectives import objectives_for
+    from services.trainer.step import apply_execution_settings, build_optimizer, build_scheduler, train_step
 
     tokenizer = corpus.tokenizer()
     model_cfg = indexed_architecture(cfg, cfg.model_config(vocab_size=tokenizer.vocab_size))
@@ -377,10 +381,12 @@ def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps:
         accumulate = cfg.trainer.grad_accum  # an update as the config makes it: one optimizer step per grad_accum batches
         batches = corpus_batches(corpus, cfg.batcher.max_tokens, (steps + 1) * accumulate, cfg.run.seed)
         updates = [batches[i:i + accumulate] for i in range(0, len(batches), accumulate)]
-        trainer = TrainerConfig(lr=1e-4, warmup_steps=0, bf16=cfg.trainer.bf16, grad_accum=accumulate)
-        optimizer = build_optimizer(model.train(), trainer)
+        trainer = replace(cfg.trainer, warmup_steps=0, total_steps=None)
+        apply_execution_settings(model.train(), trainer)
+        optimizer = build_optimizer(model, trainer)
         scheduler = build_scheduler(optimizer, trainer, 10**6)
-        objectives = Objectives(ObjectivesConfig(), tokenizer.specials)  # the paper's objective alone
+        objectives = objectives_for(cfg.objectives, tokenizer, list(documents) if cfg.objectives.needs_corpus else None,
+                                    trainer.unpadded, AttentionLayout.of(trainer))
         train_step(model, optimizer, scheduler, objectives, updates[0], trainer, 0, device)  # warm-up
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -398,7 +404,8 @@ def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps:
         torch.set_num_threads(previous)
     return {"embed_flops_per_s": embed_rate, "train_flops_per_s": train_rate, "embed_docs_per_s": len(documents) / embed_s,
             "device": str(device) if device.type != "cuda" else f"cuda: {torch.cuda.get_device_name(device)}",
-            "grad_accum": accumulate, "indexer_threads": int(cfg.indexer.num_cpus_per_worker),
+            "grad_accum": accumulate, "unpadded": trainer.unpadded,
+            "attention_buckets": [trainer.bucket_rows, trainer.bucket_width], "indexer_threads": int(cfg.indexer.num_cpus_per_worker),
             "trainer_threads": cfg.trainer.torch_threads, "model": model_cfg.to_dict()}
 
 

@@ -43,6 +43,7 @@ import math
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,7 @@ from services.driver.pipeline import ensure_corpus, final_g_health, with_probes
 from services.indexer.core import build_version, describe_build, index_shard, prune_unneeded_snapshots
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
+from services.trainer.inputs import AttentionLayout, untrainable
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
 from services.trainer.prefetch import Prefetcher
@@ -132,22 +134,27 @@ def resolve_device(name: str) -> torch.device:
 class StepInput:
     step: int
     batches: list[Batch]
-    prepared: list[PreparedBatch]
+    prepared: list[PreparedBatch | None]
+    """None where the batch cannot be trained."""
+    problems: list[str | None]
+    """Why each batch cannot be trained (`untrainable`), or None."""
 
 
 class ScheduleReader:
-    """Draws each update's batches from the batch schedule, in order, and prepares them: what the prefetch thread
-    (services.trainer.prefetch) runs while the device trains the update before.
+    """Draws each update's batches from the batch schedule, in order, checks that the model can take each one
+    (`check`: `untrainable`) and prepares those it can: what the prefetch thread (services.trainer.prefetch) runs
+    while the device trains the update before, so that neither is on the update's critical path.
 
     The schedule (services.batcher.schedule) is the pipeline batcher's: slot n holds the same batch here as in
     the pipeline's Redis streams, given the same index versions. When the schedule needs an index version that is
     not built yet, the thread waits for the main thread to build it.
     """
 
-    def __init__(self, schedule: RunSchedule, start_step: int, prepare, pin: bool):
+    def __init__(self, schedule: RunSchedule, start_step: int, prepare, pin: bool,
+                 check: Callable[[Batch], str | None]):
         self.slots = schedule.slots
         self.batches = schedule.batches(start_step * self.slots.per_step)
-        self.prepare, self.pin = prepare, pin
+        self.prepare, self.pin, self.check = prepare, pin, check
 
     def read(self, step: int) -> StepInput | None:
         batches: list[Batch] = []
@@ -160,10 +167,12 @@ class ScheduleReader:
             if batch is None:  # the schedule gives a slot with its batch
                 raise RuntimeError(f"the batch schedule gave slot {slot} without its batch")
             batches.append(batch)
-        prepared = [self.prepare(b, step, k) for k, b in enumerate(batches)]
+        problems = [self.check(b) for b in batches]
+        prepared = [None if problem else self.prepare(b, step, k)
+                    for k, (b, problem) in enumerate(zip(batches, problems))]
         if self.pin:
-            prepared = [p.pin_memory() for p in prepared]
-        return StepInput(step, batches, prepared)
+            prepared = [p.pin_memory() if p is not None else None for p in prepared]
+        return StepInput(step, batches, prepared, problems)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -303,23 +312,27 @@ class SingleProcessRun:
         cfg, device, t = self.cfg, self.device, self.cfg.trainer
         model, optimizer, scheduler, state = self.build_training_state()
         corpus_tokens = self.corpus.all_tokens() if cfg.objectives.needs_corpus else None
-        objectives = objectives_for(cfg.objectives, self.tokenizer, corpus_tokens, t.unpadded)
+        objectives = objectives_for(cfg.objectives, self.tokenizer, corpus_tokens, t.unpadded,
+                                    AttentionLayout.of(t))
 
         def prepare(batch: Batch, step: int, position: int) -> PreparedBatch:
             return objectives.prepare(batch, seed_key(cfg.run.seed, self.slots, step * self.slots.per_step + position))
 
+        def check(batch: Batch) -> str | None:
+            return untrainable(batch, self.tokenizer.specials, model.cfg.vocab_size, model.cfg.max_positions)
+
         step = state["step"]
         board = RunBoard(cfg.run.dir, "trainer", cfg.run.tensorboard)
         prefetcher: Prefetcher[StepInput | None] = Prefetcher(
-            ScheduleReader(self.schedule, step, prepare, pin=device.type == "cuda").read)
+            ScheduleReader(self.schedule, step, prepare, pin=device.type == "cuda", check=check).read)
         prefetcher.start(step)
         host = InProcessHost(self, model, optimizer, scheduler, state, prefetcher, minutes)
         # what the updates run is the model under torch.compile (trainer.compile); probes and snapshots use the model
         if t.compile:
             compile_cache_env(Path(cfg.run.dir))
-        trainee = Trainee(model, compiled(model, t.compile, t.compile_scope), optimizer, scheduler, objectives, t,
-                          self.slots, device,
-                          cfg.run.seed, self.tokenizer.specials, cfg.run.max_steps)
+        trainee = Trainee(model, compiled(model, t.compile, t.compile_scope, dynamic=t.compile_dynamic), optimizer,
+                          scheduler, objectives, t, self.slots, device, cfg.run.seed, self.tokenizer.specials,
+                          cfg.run.max_steps)
         meter = UpdateMeter(model.cfg, device_peak_flops(device))
         log.info("training on %s %s from step %d (%d batches per update, bf16 %s)", device,
                  f"for {minutes:.1f} min" if minutes is not None else f"to update {cfg.run.max_steps}", step,
@@ -428,8 +441,9 @@ class InProcessHost:
             raise RuntimeError(f"prefetched batches are for update {item and item.step}, not {step}")
         self.prefetcher.start(step + 1)  # drawn and prepared while this update trains
         base = step * self.run.slots.per_step
-        return UpdateInput([Item(base + k, batch, None, prepared)
-                            for k, (batch, prepared) in enumerate(zip(item.batches, item.prepared))])
+        return UpdateInput([Item(base + k, batch, problem, prepared, checked=True)  # checked in the prefetch thread
+                            for k, (batch, problem, prepared) in enumerate(zip(item.batches, item.problems,
+                                                                              item.prepared))])
 
     def gather(self, part: list) -> list[list]:
         return [part]

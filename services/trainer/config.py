@@ -10,6 +10,8 @@ from marge.model.layers import KEY_BIAS_PATHS
 
 COMPILE_SCOPES = ("layers", "model")
 """What `trainer.compile` compiles (`services.trainer.step.compiled`)."""
+CROSS_ATTENTION = ("gathered", "packed")
+"""How the training cross-attention reads the evidence (`trainer.cross_attention`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,11 +80,39 @@ class TrainerConfig(OptimizerConfig):
     gradients, `flex` its values (tests/unit/test_gpu_readiness.py, tests/unit/test_unpadded.py; flex's gradients are tested
     only where a GPU is). On one H200 `folded` was the fastest eager path (the recipe's update 0.37 s, `mask`
     1.03 s; docs/gpu.md). An execution setting."""
+    bucket_rows: int = resumable(0)
+    """With `unpadded`, the rows of every attention block (documents, targets) are rounded up to a multiple of this
+    (empty rows, every key masked, their outputs dropped), so that attention sees a bounded set of shapes: what a
+    kernel that builds a plan per exact shape (cuDNN's: `cudnn_attention`) or a static compile (`compile_dynamic`
+    false) needs. 0: exact. On one H200 with cuDNN's SDPA, 128 rows and 32 columns took the recipe's update on
+    never-seen batches from 1.54 s to 0.34 s; without it (the default) the exact blocks were the faster (0.18 s
+    against 0.21 s; docs/gpu.md). An execution setting."""
+    bucket_width: int = resumable(0)
+    """With `unpadded`, the width of every attention block (positions, and the key slots each target reads) is
+    rounded up to a multiple of this (masked keys, dropped queries). 0: exact. An execution setting."""
+    cudnn_attention: bool = resumable(False)
+    """Let PyTorch's attention use cuDNN's fused kernel (`torch.backends.cuda.enable_cudnn_sdp`). Off: it builds an
+    execution plan for every exact shape it meets, and training meets new shapes every update; on one H200 the
+    recipe's update took 1.54 s on shapes never seen before against 0.21 s on seen ones with it, 0.25 s on either
+    without it (flash and memory-efficient kernels build nothing per shape; benchmarks/gpu_speed.py, docs/gpu.md).
+    An execution setting; it applies to the whole process."""
+    cross_attention: str = resumable("gathered")
+    """How the training cross-attention reads the evidence (with `unpadded`): `gathered` (each target's keys
+    gathered into slots as wide as the most any target reads, beta * f folded into the heads or as `key_bias`
+    says) or `packed` (every target's tokens against the whole packed memory in one FlexAttention call, key tiles a
+    target's tile does not read skipped, beta * f in its score_mod: no padded slot, no per-target copy, heads 64
+    wide; compiled on a GPU; no attention dropout; FlexAttention has no CPU backward, so it trains only on a GPU).
+    Both give the same loss and gradients (tests/unit/test_attention_layout.py on values; the gradients where a
+    GPU is). An execution setting."""
     compile: bool = resumable(False)
-    """Train through `torch.compile` (dynamic shapes: a few graphs for every batch size, none broken by a device
-    read; compiled kernels cached under run.dir/compile-cache). Off by default: on one H200 it did not speed up
+    """Train through `torch.compile` (dynamic shapes unless `compile_dynamic` is off: a few graphs for every batch
+    size, none broken by a device read; compiled kernels cached under run.dir/compile-cache). Off by default: on one H200 it did not speed up
     the recipe's update (eager 0.37 s; by layer 1.23 s; by layer with `key_bias: flex` 0.39 s; 62 to 81 s of
     cold compile; docs/gpu.md), and on a CPU the first updates pay the compilation."""
+    compile_dynamic: bool = resumable(True)
+    """`trainer.compile` with dynamic shapes (a few graphs for every batch size) or static ones (a graph per shape:
+    what CUDA graphs need; only sensible where the shapes are bounded: `bucket_rows`, `bucket_width`). An execution
+    setting."""
     compile_scope: str = resumable("layers")
     """What `trainer.compile` compiles: `layers` (each encoder and decoder layer on its own, fullgraph; layers of
     one kind share their graphs: the cold compile is one layer of each kind) or `model` (the whole model under
@@ -108,12 +138,18 @@ class TrainerConfig(OptimizerConfig):
                  "num_cpus_per_worker", "torch_threads")
         at_least(self, "warmup_steps", 0)
         at_least(self, "loss_chunk_tokens", 0)
+        at_least(self, "bucket_rows", 0)
+        at_least(self, "bucket_width", 0)
         if self.total_steps is not None:
             positive(self, "total_steps")
         at_least(self, "max_failures", -1)
         non_negative_mapping(self, "resources")
         one_of(self, "key_bias", KEY_BIAS_PATHS)
         one_of(self, "compile_scope", COMPILE_SCOPES)
+        one_of(self, "cross_attention", CROSS_ATTENTION)
+        if self.cross_attention == "packed" and not self.unpadded:
+            raise FieldError("cross_attention", self.cross_attention, "packed reads the real tokens only: set "
+                             "trainer.unpadded=true too (or cross_attention=gathered)")
 
     def schedule_steps(self, max_steps: int) -> int:
         """The update at which the learning rate reaches 0."""

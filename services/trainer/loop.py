@@ -6,9 +6,11 @@ Each update s, told top to bottom in `TrainingLoop.run`:
     next batches  `host.next_update(s)`: the batches of update s this process trains (a DDP rank: its slots from
                   its source, once every rank has its own; the single process: every slot, prefetched), or None
                   when the run must stop (stop asked, time up)
-    update        `run_update` (services.trainer.step): forward and backward of every batch, the update's figures
-                  read from the device in one copy (the statistics summed over the ranks on the device first), the
-                  optimizer step; a batch that cannot be trained is left out with the reason
+    update        `run_update` (services.trainer.step): forward and backward of every batch, the optimizer step
+                  (with the GPU's fused optimizer, skipped on the device when the gradient is not finite), then the
+                  update's figures read from the device in one copy (the statistics summed over the ranks on the
+                  device first): the host never holds the device up between the backward and the step; a batch
+                  that cannot be trained is left out with the reason
     record        the update's `UpdateRecord` (marge.contracts.train_log) over every rank (`host.gather`)
     after         `host.after_update`: what the host keeps until the next checkpoint makes it count
     snapshot      every `trainer.snapshot_every` updates the writer (rank 0; the single process) publishes g and

@@ -73,7 +73,7 @@ from marge.contracts.config import ConfigError, FieldError, at_least, one_of, po
 from marge.model.layers import RealTokens, pad_rows
 from marge.model.network import Marge, MargeOutput
 from marge.model.veco import mlm_mask
-from services.trainer.inputs import ATTEND_TO, ModelInputs, real_tokens, to_model_inputs
+from services.trainer.inputs import ATTEND_TO, EXACT, AttentionLayout, ModelInputs, real_tokens, to_model_inputs
 from services.trainer.noising import BartNoise, bart_noise
 
 VECO_PAIRS = ("halves", "index")
@@ -376,11 +376,12 @@ class MargeObjective:
     name = "marge"
 
     def __init__(self, cfg: MargeObjectiveConfig, specials: SpecialTokens, unpadded: bool = False,
-                 distillation: RelevanceDistillationConfig | None = None):
+                 distillation: RelevanceDistillationConfig | None = None, attention: AttentionLayout = EXACT):
         self.cfg, self.specials, self.unpadded, self.distillation = cfg, specials, unpadded, distillation
+        self.attention = attention
 
     def prepare(self, batch: Batch, rng: np.random.Generator, step: int = 0) -> ModelInputs:
-        inputs = to_model_inputs(batch, self.specials, self.cfg.attend_to, self.unpadded)
+        inputs = to_model_inputs(batch, self.specials, self.cfg.attend_to, self.unpadded, self.attention)
         inputs.detach_relevance = self.cfg.detached_at(step)
         return inputs
 
@@ -510,8 +511,9 @@ class DenoisingContrastiveObjective:
     name = "denoising_contrastive"
 
     def __init__(self, cfg: DenoisingContrastiveConfig, specials: SpecialTokens, corpus_tokens: list | None,
-                 unpadded: bool = False):
+                 unpadded: bool = False, attention: AttentionLayout = EXACT):
         self.cfg, self.specials, self.corpus_tokens, self.unpadded = cfg, specials, corpus_tokens, unpadded
+        self.attention = attention
 
     def prepare(self, batch: Batch, rng: np.random.Generator) -> Tensors | None:
         views = denoising_views(batch, self.cfg, self.specials, self.corpus_tokens, rng)
@@ -520,7 +522,8 @@ class DenoisingContrastiveObjective:
         out = Tensors(first=views[0], second=views[1])
         if self.unpadded:
             for name, view in tuple(out.items()):
-                out[f"{name}_real"] = real_tokens((view != self.specials.pad_id).sum(1).numpy(), view.shape[1])
+                out[f"{name}_real"] = real_tokens((view != self.specials.pad_id).sum(1).numpy(), view.shape[1],
+                                                  self.attention)
         return out
 
     def loss(self, model: torch.nn.Module, views: Tensors) -> tuple[Tensor, Tensor]:
@@ -593,9 +596,11 @@ class Objectives:
     """The configured objectives: `prepare` a batch (CPU), then `losses` of the prepared batch on the model."""
 
     def __init__(self, cfg: ObjectivesConfig, specials: SpecialTokens, corpus_tokens: list | None = None,
-                 sentence_ends: np.ndarray | None = None, vocab_size: int | None = None, unpadded: bool = False):
+                 sentence_ends: np.ndarray | None = None, vocab_size: int | None = None, unpadded: bool = False,
+                 attention: AttentionLayout = EXACT):
         """`unpadded`: MARGE batches and the denoising loss's views run on their real tokens only
-        (`trainer.unpadded`)."""
+        (`trainer.unpadded`), their attention laid out as `attention` says (`AttentionLayout.of` the trainer's
+        settings)."""
         if cfg.needs_corpus and not corpus_tokens:
             raise ValueError("objectives.denoising_contrastive.extra_documents > 0 needs the corpus's documents")
         if (cfg.bart is not None or cfg.veco is not None) and (sentence_ends is None or vocab_size is None):
@@ -604,7 +609,7 @@ class Objectives:
         self.cfg, self.specials, self.primary = cfg, specials, cfg.primary
         self.plugins: list = []
         if cfg.marge is not None:
-            self.plugins.append(MargeObjective(cfg.marge, specials, unpadded, cfg.relevance_distillation))
+            self.plugins.append(MargeObjective(cfg.marge, specials, unpadded, cfg.relevance_distillation, attention))
         # both given when bart or veco is on (checked above)
         ends, vocab = cast(np.ndarray, sentence_ends), cast(int, vocab_size)
         if cfg.bart is not None:
@@ -613,7 +618,7 @@ class Objectives:
             self.plugins.append(VecoObjective(cfg.veco, specials, ends, vocab))
         if cfg.denoising_contrastive is not None:
             self.plugins.append(DenoisingContrastiveObjective(cfg.denoising_contrastive, specials, corpus_tokens,
-                                                              unpadded))
+                                                              unpadded, attention))
         self.weights = {p.name: getattr(cfg, p.name).weight for p in self.plugins}
         if cfg.relevance_distillation is not None:
             self.weights["relevance_distillation"] = cfg.relevance_distillation.weight
@@ -636,12 +641,14 @@ class Objectives:
         """The weighted objective of one prepared batch (`model` may be DDP-wrapped: its forward runs the model)."""
         objective, parts, tokens, relevance = None, {}, None, None
         weighted: dict[str, Tensor] = {}
-        for plugin in self.plugins:
-            inputs = prepared.parts[plugin.name]
-            if inputs is None:
-                continue
-            companions: dict[str, Tensor] = {}
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+        # one autocast region for every objective of the batch: autocast keeps the bf16 copy of each fp32 weight
+        # until its outermost region ends, so the weights are cast once per batch, not once per objective
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+            for plugin in self.plugins:
+                inputs = prepared.parts[plugin.name]
+                if inputs is None:
+                    continue
+                companions: dict[str, Tensor] = {}
                 if isinstance(plugin, MargeObjective):
                     moved = inputs.to(device)
                     out = plugin.output(model, moved)
@@ -649,12 +656,12 @@ class Objectives:
                     companions = plugin.companion_losses(out, moved)
                 else:
                     loss, predicted = plugin.loss(model, inputs.to(device))
-            for name, value in {plugin.name: loss, **companions}.items():
-                weighted[name] = self.weights[name] * value
-                objective = weighted[name] if objective is None else objective + weighted[name]
-                parts[name] = value.detach()
-            if plugin.name == self.primary:
-                tokens = predicted
+                for name, value in {plugin.name: loss, **companions}.items():
+                    weighted[name] = self.weights[name] * value
+                    objective = weighted[name] if objective is None else objective + weighted[name]
+                    parts[name] = value.detach()
+                if plugin.name == self.primary:
+                    tokens = predicted
         if objective is None or tokens is None:  # the step backpropagates the objective and counts these tokens
             raise ValueError(f"batch {prepared.batch_id}: the primary objective {self.primary!r} has nothing to "
                              "train on (untrainable() should have set this batch aside)")
@@ -671,10 +678,10 @@ def apply_objective_settings(model: torch.nn.Module, cfg: ObjectivesConfig) -> t
 
 
 def objectives_for(cfg: ObjectivesConfig, tokenizer, corpus_tokens: list | None = None,
-                   unpadded: bool = False) -> Objectives:
+                   unpadded: bool = False, attention: AttentionLayout = EXACT) -> Objectives:
     """The run's objectives with what they need from its tokenizer (`marge.contracts.tokenizer.MargeTokenizer`)."""
     from services.trainer.noising import sentence_end_ids
 
     pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
     return Objectives(cfg, tokenizer.specials, corpus_tokens, sentence_end_ids(pieces), tokenizer.vocab_size,
-                      unpadded)
+                      unpadded, attention)

@@ -49,7 +49,7 @@ from marge.model.lineage import start_generation
 from marge.model.snapshot import publish_snapshot
 from marge.util.files import setup_logging
 from services.trainer.health import HealthMonitor, loggable
-from services.trainer.inputs import untrainable
+from services.trainer.inputs import AttentionLayout, untrainable
 from services.trainer.job import TrainerJob
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
@@ -166,7 +166,8 @@ class Rank:
         self.writes_log = self.rank == 0
         self.train_log = TrainLog(job.paths.train_log)
         corpus_tokens = corpus.all_tokens() if job.objectives.needs_corpus else None
-        self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens, job.trainer.unpadded)
+        self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens, job.trainer.unpadded,
+                                         AttentionLayout.of(job.trainer))
         self.source = source_for(job, self.rank, self.step)
         # before anything is cut back to the checkpoint: the replaced group's ranks are fenced from the queue, and
         # the lineage abandons every checkpoint that group finishes past this one (a crash after this line and
@@ -212,7 +213,7 @@ class Rank:
                                                 parallel_strategy_kwargs=ddp_settings(self.model, job.objectives))
         if t.compile:
             compile_cache_env(job.paths.run_dir)
-        trainee = Trainee(self.model, compiled(wrapped, t.compile, t.compile_scope), self.optimizer,
+        trainee = Trainee(self.model, compiled(wrapped, t.compile, t.compile_scope, dynamic=t.compile_dynamic), self.optimizer,
                           self.scheduler, self.objectives, t, self.slots, self.device, job.seed,
                           self.tokenizer.specials, job.max_steps, job.faults.nan_loss_slot)
         self.loop = TrainingLoop(trainee, self, self.train_log, self.board,
@@ -272,7 +273,9 @@ class Rank:
             return None  # nothing trained: the same slots are read again later
         if self.prefetcher is not None and step + 1 < self.job.max_steps:
             self.prefetcher.start(step + 1)  # read and prepared while this update trains
-        return UpdateInput([Item(d.slot, d.batch, d.problem, prepared) for d, prepared in taken],
+        # a prepared delivery passed `untrainable` in `prepare`: the step need not check it again
+        return UpdateInput([Item(d.slot, d.batch, d.problem, prepared, checked=prepared is not None)
+                            for d, prepared in taken],
                            [d for d, _ in taken])
 
     def gather(self, part: Any) -> list[Any]:

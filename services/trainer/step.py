@@ -5,7 +5,8 @@ An update consumes `batches_per_step` batches (world size x gradient accumulatio
 is scaled by 1/batches_per_step before backward, so summed gradients equal the gradient of the average
 loss, whether the batches ran in one process or across DDP ranks (DDP averages across ranks). The
 optimizer refuses to step on a non-finite gradient. An update reads the device back once (`run_update`): a GPU
-never waits for the host in the middle of a forward, a backward or between them.
+never waits for the host in the middle of a forward, a backward or between them, and with a fused optimizer (the
+GPU's) not before the optimizer's step either: the device itself skips a step whose gradient is not finite.
 
 `reference_train` is the baseline the distributed trainer is checked against: the same model,
 optimizer, schedule, objectives and batches, in one process, without Ray or Redis.
@@ -25,6 +26,7 @@ from typing import cast
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from marge.contracts.batch import Batch
 from marge.contracts.slots import Slots
@@ -70,9 +72,10 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, fused: bool | None =
     group of its own at `lr * beta_lr_scale` when that scale is not 1. `cfg`: pre-training's `TrainerConfig` or
     fine-tuning's `FinetuneConfig`, both an `OptimizerConfig`.
 
-    On CUDA it is the fused kernel (one launch for every parameter instead of several per tensor, and no read of
-    the step counters back to the host); on CPU the default for-each implementation, whose results the fused one
-    matches to rounding (`fused=True` takes the fused CPU kernel: what CPU tests of the GPU path use).
+    On CUDA it is the fused kernel (one launch for every parameter instead of several per tensor, no read of the
+    step counters back to the host, and a step the device skips when the gradient is not finite: `skips_on_device`);
+    on CPU the default for-each implementation, whose results the fused one matches to rounding (`fused=True` takes
+    the fused CPU kernel: what CPU tests of the GPU path use).
     """
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
@@ -96,10 +99,12 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, fused: bool | None =
 
 def apply_execution_settings(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
     """The trainer's settings that change how the model computes, not what: the loss's chunking over the
-    vocabulary (`trainer.loss_chunk_tokens`; a model without a chunked loss, VECO's, ignores it) and how attention
-    adds a key bias (`trainer.key_bias`)."""
+    vocabulary (`trainer.loss_chunk_tokens`; a model without a chunked loss, VECO's, ignores it), how attention
+    adds a key bias (`trainer.key_bias`) and whether it may use cuDNN's kernel (`trainer.cudnn_attention`, a
+    setting of the process)."""
     from marge.model.layers import Attention
 
+    torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
     if hasattr(model, "loss_chunk_tokens"):
         setattr(model, "loss_chunk_tokens", cfg.loss_chunk_tokens)  # an int attribute, which Module's typing cannot say
     for module in model.modules():
@@ -137,33 +142,36 @@ def ddp_settings(model: nn.Module, objectives: ObjectivesConfig) -> dict:
     return {**DDP_SETTINGS, "find_unused_parameters": bool(own and detached_some_update and not g_loss)}
 
 
-def compiled(model: nn.Module, enabled: bool, scope: str = "layers", backend: str = "inductor") -> nn.Module:
-    """The model (or its DDP wrapper) to train with (`trainer.compile`, `trainer.compile_scope`).
+def compiled(model: nn.Module, enabled: bool, scope: str = "layers", backend: str = "inductor",
+             dynamic: bool = True) -> nn.Module:
+    """The model (or its DDP wrapper) to train with (`trainer.compile`, `trainer.compile_scope`,
+    `trainer.compile_dynamic`).
 
     `layers` (regional): each repeated layer (every member of an nn.ModuleList: the encoder's, the decoders') is
-    compiled on its own, in place, with `fullgraph=True` (a graph break is an error, not a silent split) and dynamic
-    shapes (the real-token count and the row widths vary every batch); layers of one kind share their graphs, so a
-    cold compile costs one layer of each kind, not the whole stack, and DDP's hooks stay outside every graph. Only
-    the training forward is compiled: in eval mode (probes, snapshots, generation) a layer runs eagerly. `model`:
-    the whole model or wrapper under `torch.compile` (dynamic; DDP's buckets split its graph). The parameters,
-    buffers and attributes stay the model's own."""
+    compiled on its own, in place, with `fullgraph=True` (a graph break is an error, not a silent split); layers of
+    one kind share their graphs, so a cold compile costs one layer of each kind, not the whole stack, and DDP's hooks
+    stay outside every graph. Only the training forward is compiled: in eval mode (probes, snapshots, generation) a
+    layer runs eagerly. `model`: the whole model or wrapper under `torch.compile` (DDP's buckets split its graph).
+    `dynamic`: shapes traced as symbols (a few graphs for every batch size: the real-token count and the row widths
+    vary every batch) or as constants (a graph per shape, what CUDA graphs need: only where shapes are bounded). The
+    parameters, buffers and attributes stay the model's own."""
     if not enabled:
         return model
-    if scope == "model":
-        return cast(nn.Module, torch.compile(model, dynamic=True, backend=backend))  # a Module compiles to a Module
+    if scope == "model":  # a Module compiles to a Module
+        return cast(nn.Module, torch.compile(model, dynamic=dynamic, backend=backend))
     if scope != "layers":
         raise ValueError(f"trainer.compile_scope {scope!r} is not one of {COMPILE_SCOPES}")
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for layer in module:
-                compile_training_forward(layer, backend)
+                compile_training_forward(layer, backend, dynamic)
     return model
 
 
-def compile_training_forward(layer: nn.Module, backend: str = "inductor") -> None:
+def compile_training_forward(layer: nn.Module, backend: str = "inductor", dynamic: bool = True) -> None:
     """`layer`'s forward through torch.compile while it trains, eagerly in eval mode."""
     eager = layer.forward
-    fast = torch.compile(eager, dynamic=True, fullgraph=True, backend=backend)
+    fast = torch.compile(eager, dynamic=dynamic, fullgraph=True, backend=backend)
 
     def forward(*args, **kwargs):
         return (fast if layer.training else eager)(*args, **kwargs)
@@ -216,12 +224,15 @@ class Item:
     problem: str | None = None
     prepared: PreparedBatch | None = None
     """Prepared beforehand (`Objectives.prepare` with this slot's key), e.g. by a prefetching thread."""
+    checked: bool = False
+    """`untrainable` has already judged the batch: `problem` is its verdict (None: trainable). The check costs
+    milliseconds a batch; done where the batch is prepared, it stays off the update's critical path."""
 
 
 @dataclass
 class Backward:
     """What one rank's part of an update did: which slots it trained, and their figures as device tensors (read
-    back once per update, by `read_figures`)."""
+    back once per update, by `PackedFigures.read`)."""
 
     trained: list[tuple[int, str]] = field(default_factory=list)
     losses: list[dict] = field(default_factory=list)
@@ -254,11 +265,12 @@ def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], 
     for i, item in enumerate(items):
         key = seed_key(seed, slots, item.slot)
         batch = item.batch
-        problem = item.problem or (excluded or {}).get(item.slot)
-        if not problem:
+        if not item.checked and not item.problem:
             if batch is None:  # a batch that could not be decoded comes with its problem (Item)
                 raise ValueError(f"slot {item.slot}: no batch, and no problem saying why")
-            problem = untrainable(batch, specials, model_cfg.vocab_size, model_cfg.max_positions)
+            item.problem = untrainable(batch, specials, model_cfg.vocab_size, model_cfg.max_positions)
+            item.checked = True  # a second pass over the update does not check it again
+        problem = item.problem or (excluded or {}).get(item.slot)
         with maybe_no_sync(model, i < len(items) - 1):
             if problem is None:
                 if batch is None:  # (cannot be: a batch-less item has its problem, checked above)
@@ -291,15 +303,40 @@ def gradient_norm(model: nn.Module, clip_norm: float) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params if p.grad is not None]))
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the device itself can skip `optimizer.step()` when the gradient is not finite: torch's fused
+    optimizers (`build_optimizer`'s on CUDA) read a `found_inf` flag inside their kernel, as under
+    `torch.amp.GradScaler`. The for-each and per-tensor ones do not: the host reads the gradient norm and decides."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_unless_not_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+    """`optimizer.step()`, skipped on the device when `grad_norm` is not finite, with nothing read back: the fused
+    kernel returns without touching a parameter or a moment, and puts back the step counters it advanced. Only for
+    an optimizer that `skips_on_device`."""
+    # a 0-d flag: the kernel subtracts it from each parameter's 0-d step counter
+    setattr(optimizer, "found_inf", (~torch.isfinite(grad_norm.detach())).to(torch.float32).reshape(()))
+    try:
+        optimizer.step()
+    finally:
+        delattr(optimizer, "found_inf")  # for this step only, as GradScaler does: a later step reads no stale flag
+
+
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                    scheduler: torch.optim.lr_scheduler.LRScheduler, clip_norm: float) -> float:
-    """Clip, step, schedule (for loops outside the pipeline's updates: the benchmarks)."""
-    grad_norm = float(gradient_norm(model, clip_norm))
+    """Clip, step, schedule (for loops outside the pipeline's updates: the benchmarks). The gradient norm is read
+    after the step where the device skips a non-finite one (`skips_on_device`), before it otherwise."""
+    norm = gradient_norm(model, clip_norm)
+    on_device = skips_on_device(optimizer)
+    if on_device:
+        step_unless_not_finite(optimizer, norm)
+    grad_norm = float(norm)
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteGradient("loss or gradient is not finite; stopping before the optimizer update "
                                 "(lower trainer.lr, or turn trainer.bf16 off)")
-    optimizer.step()
+    if not on_device:
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
@@ -308,6 +345,74 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 def read_to_host(values: torch.Tensor) -> list[float]:
     """The one device-to-host read of an update: every figure it needs, packed into one tensor."""
     return values.to("cpu").tolist()
+
+
+class DrainsBeforeStep(TorchDispatchMode):
+    """Counts the host's reads of device values made before `optimizer.step()` is first entered. On a GPU each
+    read waits for every kernel queued before it, so one before the step leaves the device idle while the host
+    decides whether to step. Counted, in this thread: the update's read (`read_to_host`, even on a CPU, where its
+    copy does nothing), scalar reads (`.item()`, `bool(t)`, `float(t)`: `aten::_local_scalar_dense`), reads whose
+    output size depends on the values (`nonzero`, ...), and other copies from a device to the host.
+
+        with DrainsBeforeStep(optimizer) as drains:
+            run_update(...)
+        drains.reads  # [] when nothing waited for the device before the step
+    """
+
+    VALUE_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_consecutive",
+                   "aten::_unique2"}
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self.optimizer = optimizer
+        self.reads: list[str] = []
+        """What read the device before the step, in order (operator names; `read_to_host`)."""
+        self.stepped = False
+        self._in_read_to_host = False
+
+    def _note(self, what: str) -> None:
+        if not self.stepped:
+            self.reads.append(what)
+
+    def __enter__(self):
+        global read_to_host
+        original = read_to_host
+
+        def counted(values: torch.Tensor) -> list[float]:
+            self._note("read_to_host")
+            self._in_read_to_host = True  # its copy is this read, not another one
+            try:
+                return original(values)
+            finally:
+                self._in_read_to_host = False
+
+        self._original_read, read_to_host = original, counted
+        self._hook = self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "stepped", True))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        global read_to_host
+        read_to_host = self._original_read
+        self._hook.remove()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name in self.VALUE_READS:
+            self._note(name)
+        elif not self._in_read_to_host and self._copies_to_host(name, args, kwargs):
+            self._note(name)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _copies_to_host(name: str, args, kwargs) -> bool:
+        if name == "aten::_to_copy":
+            target = kwargs.get("device")
+            return target is not None and torch.device(target).type == "cpu" and args[0].device.type != "cpu"
+        if name == "aten::copy_":
+            return args[0].device.type == "cpu" and args[1].device.type != "cpu"
+        return False
 
 
 @dataclass
@@ -324,71 +429,97 @@ class UpdateFigures:
     """What the caller asked to read with them (the DDP loop: its all-reduced statistics)."""
 
 
-def read_figures(done: Backward, grad_norm: torch.Tensor, beta: torch.Tensor | None,
-                 extra: dict[str, torch.Tensor]) -> UpdateFigures:
-    """`done`'s device figures, the gradient norm, beta and `extra`, read back in one copy (`read_to_host`)."""
+@dataclass
+class PackedFigures:
+    """An update's figures packed into one device tensor (nothing read yet), and where each one lies in it."""
+
+    flat: torch.Tensor
+    names: list[list[str]]
+    """Per trained batch: its objectives, in the order they were packed."""
+    batches: int
+    beta: int
+    """How many values beta has (0: no beta)."""
+    extra: dict[str, int]
+
+    def read(self) -> UpdateFigures:
+        """The figures, read back in one copy (`read_to_host`)."""
+        flat = read_to_host(self.flat)
+        at = 1
+        objective = flat[at:at + self.batches]
+        at += self.batches
+        losses = []
+        for keys in self.names:
+            losses.append(dict(zip(keys, flat[at:at + len(keys)])))
+            at += len(keys)
+        target_tokens = [int(v) for v in flat[at:at + self.batches]]
+        at += self.batches
+        beta = flat[at:at + self.beta]
+        at += self.beta
+        extra = {}
+        for name, size in self.extra.items():
+            extra[name] = flat[at:at + size]
+            at += size
+        return UpdateFigures(flat[0], objective, losses, target_tokens, beta, extra)
+
+
+def pack_figures(done: Backward, grad_norm: torch.Tensor, beta: torch.Tensor | None,
+                 extra: dict[str, torch.Tensor]) -> PackedFigures:
+    """`done`'s device figures, the gradient norm, beta (its value now: packing copies it) and `extra`, in one
+    float64 tensor on the device, with no host read."""
     names = [sorted(parts) for parts in done.losses]
     pieces: list[torch.Tensor] = [grad_norm.detach().reshape(1)]
     pieces += [o.reshape(1) for o in done.objective]
     pieces += [parts[n].detach().reshape(1) for parts, keys in zip(done.losses, names) for n in keys]
     pieces += [torch.as_tensor(t).reshape(1) for t in done.target_tokens]
-    beta_values = beta.detach().reshape(-1) if beta is not None else None
-    if beta_values is not None:
-        pieces.append(beta_values)
+    if beta is not None:
+        pieces.append(beta.detach().reshape(-1))
     pieces += [v.detach().reshape(-1) for v in extra.values()]
     device = grad_norm.device
-    flat = read_to_host(torch.cat([p.to(device=device, dtype=torch.float64) for p in pieces]))
-    at = 1
-    objective = flat[at:at + len(done.objective)]
-    at += len(objective)
-    losses = []
-    for keys in names:
-        losses.append(dict(zip(keys, flat[at:at + len(keys)])))
-        at += len(keys)
-    target_tokens = [int(v) for v in flat[at:at + len(done.target_tokens)]]
-    at += len(target_tokens)
-    beta_list = []
-    if beta_values is not None:
-        beta_list = flat[at:at + beta_values.numel()]
-        at += beta_values.numel()
-    read_extra = {}
-    for name, value in extra.items():
-        read_extra[name] = flat[at:at + value.numel()]
-        at += value.numel()
-    return UpdateFigures(flat[0], objective, losses, target_tokens, beta_list, read_extra)
+    flat = torch.cat([p.to(device=device, dtype=torch.float64) for p in pieces])
+    return PackedFigures(flat, names, len(done.objective), beta.numel() if beta is not None else 0,
+                         {name: value.numel() for name, value in extra.items()})
 
 
 def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, objectives: Objectives,
                items: list[Item], slots: Slots, cfg: TrainerConfig, device: torch.device, seed: int, model_cfg, specials,
                nan_loss_slot: int | None = None,
                figures: Callable[[Backward], dict[str, torch.Tensor]] | None = None) -> tuple[Backward, UpdateFigures]:
-    """One optimizer update of a rank's `items`, with one read of the device (`read_figures`) on its way.
+    """One optimizer update of a rank's `items`, with one read of the device (`PackedFigures.read`) on its way.
 
     Forward and backward of every batch, then the update's figures (gradient norm, each batch's objective and
-    losses, target tokens, beta and what `figures(done)` adds; the DDP loop: its statistics, all-reduced) are read
-    back in one copy, and the optimizer steps when the gradient is finite. When it is not because some batch's loss
-    was not finite (`figures` may give the count over all ranks as `nonfinite_losses`, so that every DDP rank takes
-    the same path), the update is computed again without those batches (they are dead-lettered): a second read,
-    only then. A gradient still not finite skips the update: its place in the schedule is used up and its batches
-    are dead-lettered."""
+    losses, target tokens, beta and what `figures(done)` adds; the DDP loop: its statistics, all-reduced) are packed
+    on the device and read back in one copy; the optimizer steps when the gradient is finite. With a fused optimizer
+    (`skips_on_device`: the GPU's) the step comes before the read, skipped by the device itself when the gradient
+    is not finite, so the host never holds the device up to decide; otherwise the host reads, then steps. When the
+    gradient is not finite because some batch's loss was not finite (`figures` may give the count over all ranks as
+    `nonfinite_losses`, so that every DDP rank takes the same path), the update is computed again without those
+    batches (they are dead-lettered): a second read, only then, the first step having been skipped. A gradient
+    still not finite skips the update: its place in the schedule is used up and its batches are dead-lettered."""
     model_core = getattr(model, "_orig_mod", model)  # under torch.compile
     model_core = getattr(model_core, "module", model_core)  # inside DDP
+    beta = getattr(model_core, "beta", None)
+    steps_first = skips_on_device(optimizer)
 
     def backward_and_read(excluded):
         done = backward_items(model, objectives, items, slots, cfg, device, seed, model_cfg, specials, nan_loss_slot,
                               excluded)
         extra = figures(done) if figures else {}
-        return done, read_figures(done, gradient_norm(model, cfg.clip_norm), getattr(model_core, "beta", None), extra)
+        grad_norm = gradient_norm(model, cfg.clip_norm)
+        packed = pack_figures(done, grad_norm, beta, extra)  # beta as this update's forwards saw it
+        if steps_first:
+            step_unless_not_finite(optimizer, grad_norm)
+        return done, packed.read()
 
     done, read = backward_and_read(None)
     nonfinite = read.extra.get("nonfinite_losses", [sum(not math.isfinite(o) for o in read.objective)])[0]
     if not math.isfinite(read.grad_norm) and nonfinite > 0:
         excluded = {slot: f"non-finite loss ({value}) on batch {batch_id}"
                     for (slot, batch_id), value in zip(done.trained, read.objective) if not math.isfinite(value)}
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # (a step already taken was skipped on the device: nothing to undo)
         done, read = backward_and_read(excluded)
     if math.isfinite(read.grad_norm):
-        optimizer.step()
+        if not steps_first:
+            optimizer.step()
     else:
         done.dead_lettered.extend((slot, "non-finite gradient; update skipped") for slot, _ in done.trained)
         done.trained.clear()

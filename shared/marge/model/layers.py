@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import flex_attention as _flex_attention
 
 from marge.contracts.batch import framed_rows
 from marge.model.architecture import MargeConfig
@@ -159,6 +160,71 @@ def key_biased_attention(q_BHQE: Tensor, k_BHKE: Tensor, v_BHKE: Tensor, bias_B1
     return flex_attention(q_BHQE, k_BHKE.expand(n, -1, -1, -1), v_BHKE.expand(n, -1, -1, -1), score_mod=add_key_bias)
 
 
+PACK_BLOCK = 128
+"""Query and key tiles of packed cross-attention (`PackedCross`): FlexAttention's block size."""
+
+
+@dataclass
+class PackedCross:
+    """Cross-attention over packed evidence (`trainer.cross_attention: packed`): every target's real decoder tokens
+    in one sequence of queries, the evidence's real tokens in one sequence of keys (the memory, projected once), and
+    which (query tile, key tile) pairs hold a target reading one of its documents. FlexAttention then skips every
+    other tile, masks within a tile by `readable` (a target reads only its documents) and adds beta * f per
+    (target, document): no key slot padded to the longest target, no per-target copy of the keys, heads 64 wide.
+    Both sequences are padded to whole tiles with a query of no target (row N) and keys of no document (column M).
+    Made on the host (`services.trainer.inputs`)."""
+
+    target_Q: Tensor  # the target of each query (Q: the decoder's real tokens, then padding: N)
+    doc_L: Tensor  # the evidence document of each memory key (L: the memory, then padding: M)
+    kv_blocks: Tensor  # key tiles each query tile reads (1 1 Q/PACK_BLOCK), int32
+    kv_indices: Tensor  # which, first (1 1 Q/PACK_BLOCK L/PACK_BLOCK), int32
+
+    def map(self, fn) -> "PackedCross":
+        return PackedCross(fn(self.target_Q), fn(self.doc_L), fn(self.kv_blocks), fn(self.kv_indices))
+
+
+_compiled_flex: list = []
+
+
+def flex_kernel(device: torch.device):
+    """FlexAttention as it runs fast: compiled (once per process) on a GPU; eager elsewhere, where it materialises
+    the logits and has no backward (values only: what the CPU tests compare). The function compiled is torch's own
+    as this module found it on import, not whatever wraps it later (a benchmark's call census would be compiled
+    into the graph and recompile it at every call)."""
+    if device.type != "cuda":
+        return _flex_attention
+    if not _compiled_flex:
+        _compiled_flex.append(torch.compile(_flex_attention))
+    return _compiled_flex[0]
+
+
+def packed_block_mask(packed: PackedCross, readable_NM: Tensor):
+    """The FlexAttention block mask of `packed`: its tiles, and within a tile `readable_NM[target, document]`
+    ((N+1) x (M+1), False on the padding row and column)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    target_Q, doc_L = packed.target_Q, packed.doc_L
+
+    def readable(b, h, q_idx, kv_idx):
+        return readable_NM[target_Q[q_idx], doc_L[kv_idx]]
+
+    return BlockMask.from_kv_blocks(kv_num_blocks=packed.kv_blocks, kv_indices=packed.kv_indices,
+                                    BLOCK_SIZE=PACK_BLOCK, mask_mod=readable,
+                                    seq_lengths=(target_Q.shape[0], doc_L.shape[0]))
+
+
+def packed_cross_attention(q_1HQE: Tensor, k_1HLE: Tensor, v_1HLE: Tensor, packed: PackedCross, block_mask,
+                           bias_NM: Tensor) -> Tensor:
+    """Attention of the packed queries over the packed memory, a target reading only its documents' keys, with
+    `bias_NM[target, document]` (beta * f, padded as `PackedCross` says) added to each logit."""
+    target_Q, doc_L = packed.target_Q, packed.doc_L
+
+    def add_relevance(score, b, h, q_idx, kv_idx):
+        return score + bias_NM[target_Q[q_idx], doc_L[kv_idx]]
+
+    return flex_kernel(q_1HQE.device)(q_1HQE, k_1HLE, v_1HLE, score_mod=add_relevance, block_mask=block_mask)
+
+
 class ScatterRows(torch.autograd.Function):
     """x (U D) into a zero (size D) block at `index_U`, whose entries are distinct: the backward is a gather (the
     autograd of `index_copy`/`index_select` would scatter-add, which the CPU runs serially)."""
@@ -191,29 +257,42 @@ class GatherRows(torch.autograd.Function):
 
 @dataclass
 class RealTokens:
-    """Where the real (non-padding) tokens of a right-padded (rows, width) block sit. Layers given one run their
-    projections, feed-forward layers and norms on these U tokens alone (no FLOP on padding) and lay them out in
-    rows only for the attention call (`to_rows`, `from_rows`). Made on the host (`services.trainer.inputs`)."""
+    """Where the real (non-padding) tokens of `rows` right-padded rows sit, and the (block_rows, width) block the
+    attention lays them out in. Layers given one run their projections, feed-forward layers and norms on these U
+    tokens alone (no FLOP on padding) and lay them out in the block only for the attention call (`to_rows`,
+    `from_rows`). The block may be larger than the rows need (`trainer.bucket_rows`, `trainer.bucket_width`): empty
+    rows and columns whose keys are masked (`key_ok`) and whose outputs are dropped, so that attention sees a
+    bounded set of shapes. Made on the host (`services.trainer.inputs`)."""
 
-    index_U: Tensor  # row * width + position of each real token, row by row
+    index_U: Tensor  # row * width + position of each real token, row by row: its place in the block
     row_U: Tensor  # its row
     position_U: Tensor  # its position in the row
     first_R: Tensor  # where each row's first token sits among the U
     lengths_R: Tensor  # real tokens of each row (>= 1)
     rows: int
-    width: int
+    width: int  # the block's width (>= the longest row)
+    block_rows: int = 0  # the block's rows (>= rows; 0: rows)
+
+    def __post_init__(self) -> None:
+        self.block_rows = self.block_rows or self.rows
 
     def to_rows(self, x_UD: Tensor) -> Tensor:
-        """(rows, width, D) with x's tokens in place and zeros at padding."""
-        return ScatterRows.apply(x_UD, self.index_U, self.rows * self.width).view(self.rows, self.width, -1)
+        """(block_rows, width, D) with x's tokens in place and zeros elsewhere."""
+        return ScatterRows.apply(x_UD, self.index_U, self.block_rows * self.width).view(self.block_rows, self.width, -1)
 
     def from_rows(self, x_RSD: Tensor) -> Tensor:
-        """The real tokens (U D) of a (rows, width, D) block."""
-        return GatherRows.apply(x_RSD.reshape(self.rows * self.width, -1), self.index_U)
+        """The real tokens (U D) of a (block_rows, width, D) block."""
+        return GatherRows.apply(x_RSD.reshape(self.block_rows * self.width, -1), self.index_U)
+
+    def key_ok(self) -> Tensor:
+        """Which keys of the block are real tokens (block_rows 1 1 width): what the encoder's attention may read."""
+        lengths_B = F.pad(self.lengths_R, (0, self.block_rows - self.rows))
+        return (torch.arange(self.width, device=lengths_B.device)[None, :] < lengths_B[:, None])[:, None, None, :]
 
     def take(self, tokens_RS: Tensor) -> Tensor:
-        """The real entries (T) of a (rows, width) tensor, e.g. token ids or labels."""
-        return tokens_RS.reshape(-1).index_select(0, self.index_U)
+        """The real entries (T) of the rows' right-padded (rows, any width >= the longest row) tensor, e.g. token
+        ids or labels."""
+        return tokens_RS[self.row_U, self.position_U]
 
     def pool(self, x_UD: Tensor, pooling: str) -> Tensor:
         """`pool_relevance` over real tokens: each row's first token, or the mean of its tokens (R D)."""
@@ -227,7 +306,7 @@ class RealTokens:
 
     def map(self, fn) -> "RealTokens":
         index_U, row_U, position_U, first_R, lengths_R = (fn(t) for t in self.tensors())
-        return RealTokens(index_U, row_U, position_U, first_R, lengths_R, self.rows, self.width)
+        return RealTokens(index_U, row_U, position_U, first_R, lengths_R, self.rows, self.width, self.block_rows)
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "RealTokens":
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -249,10 +328,12 @@ class UnpaddedLayout:
     key_doc_NK: Tensor  # the evidence document of each key slot a target reads ((1, L) when every target reads all)
     visible_NK: Tensor  # False on slots a target may not read (its own document, unused slots)
     key_index_NK: Tensor | None = None  # where each slot's key sits in the memory (None: slot k is memory key k)
+    packed: PackedCross | None = None  # the training cross-attention over packed evidence, when it runs so
 
     def map(self, fn) -> "UnpaddedLayout":
         return UnpaddedLayout(self.evidence.map(fn), self.targets.map(fn), self.decoder.map(fn), fn(self.key_doc_NK),
-                              fn(self.visible_NK), None if self.key_index_NK is None else fn(self.key_index_NK))
+                              fn(self.visible_NK), None if self.key_index_NK is None else fn(self.key_index_NK),
+                              None if self.packed is None else self.packed.map(fn))
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "UnpaddedLayout":
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -307,6 +388,21 @@ class Attention(nn.Module):
         probs_BQK = logits_BHQK.softmax(-1).mean(1)
         weights_BQ1 = query_ok_BQ[:, :probs_BQK.shape[1], None].float()
         return (probs_BQK * weights_BQ1).sum(1) / weights_BQ1.sum(1).clamp(min=1)
+
+    def packed(self, x_UD: Tensor, k_1HLE: Tensor, v_1HLE: Tensor, cross: "CrossMemory", beta: Tensor) -> Tensor:
+        """Cross-attention of the targets' real tokens (U D, in `cross.packed`'s order) over the packed memory
+        (`packed_cross_attention`); the output as real tokens."""
+        packed, relevance_PP = cross.packed, cross.relevance_PP
+        if packed is None or relevance_PP is None:
+            raise ValueError("packed cross-attention needs the CrossMemory's packed layout and its f")
+        if self.dropout and self.training:
+            raise ValueError("trainer.cross_attention=packed has no attention dropout: set model.attention_dropout=0")
+        q_UD = self.q_proj(x_UD)
+        u, queries = q_UD.shape[0], packed.target_Q.shape[0]
+        q_1HQE = self.split_heads(F.pad(q_UD, (0, 0, 0, queries - u))[None])
+        out_1HQE = packed_cross_attention(q_1HQE, k_1HLE.to(q_1HQE.dtype), v_1HLE.to(q_1HQE.dtype), packed,
+                                          cross.block_mask, beta * relevance_PP)
+        return self.out_proj(out_1HQE[0].transpose(0, 1).reshape(queries, -1)[:u])
 
     def forward(self, x_BQD: Tensor, k_BHLE: Tensor, v_BHLE: Tensor, attn_bias: Tensor | None = None,
                 is_causal: bool = False, real: RealTokens | None = None) -> Tensor:
@@ -401,6 +497,10 @@ class CrossMemory:
     key_doc_NK: Tensor | None = None
     """The evidence document of each key slot ((1, K) when every target reads the same keys): what turns a per-key
     figure into a per-document one (`Marge.reading_distribution`). None where nothing needs it (decoding)."""
+    packed: PackedCross | None = None
+    """Set: the training forward reads the packed memory instead (`packed_cross_attention`), with these two."""
+    relevance_PP: Tensor | None = None  # f per (target, document), padded as `PackedCross` says
+    block_mask: Any = None  # `packed_block_mask`, made once per forward
 
     def gather(self, projected_1HLE: Tensor) -> Tensor:
         """Each target's keys (or values) N H K E from keys projected once over the whole memory."""
@@ -460,6 +560,10 @@ class DecoderLayer(nn.Module):
             if cross is None or beta is None:
                 raise ValueError("a decoder layer with cross-attention needs the evidence's CrossMemory and beta")
             h = self.cross_attn_norm(x_NTD)
+            if cross.packed is not None and cache is None and taps is None and memory_1LD is not None:
+                k_1HLE, v_1HLE = self.cross_attn.project_kv(memory_1LD)
+                x_NTD = x_NTD + self.dropout(self.cross_attn.packed(h, k_1HLE, v_1HLE, cross, beta))
+                return x_NTD + self.ffn(self.ffn_norm(x_NTD))
             if cache is not None and cache.cross_k is not None and cache.cross_v is not None:
                 k, v = cache.cross_k, cache.cross_v
             else:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
@@ -47,6 +48,7 @@ from marge.model.layers import (
     UnpaddedLayout,
     embed,
     embed_at,
+    packed_block_mask,
     pool_relevance,
     run_layers,
     unit_relevance,
@@ -320,7 +322,7 @@ class Marge(nn.Module):
         x = embed_at(real.take(tokens_RS), real.position_U, self.encoder_token_embedding, self.encoder_positions,
                        self.encoder_embedding_norm)
         x = self.dropout(x)
-        key_ok_R11S = (tokens_RS != self.cfg.pad_id)[:, None, None, :]
+        key_ok_R11S = real.key_ok()
         relevance_RD = None
         layers = self.encoder_layers if num_layers is None else self.encoder_layers[:num_layers]
         for i, layer in enumerate(layers):
@@ -341,13 +343,26 @@ class Marge(nn.Module):
                                               detach_relevance and not reading, layout.targets)
         bias_NM = relevance_NM.detach() if detach_relevance else relevance_NM
         n = allowed_NM.shape[0]
-        cross = CrossMemory(layout.key_index_NK, bias_NM.gather(1, layout.key_doc_NK.expand(n, -1)),
-                            layout.visible_NK, layout.key_doc_NK)
-        taps = {"query_ok_NT": decoder_in_NT != self.cfg.pad_id} if reading else None
         real = layout.decoder
+        # the cross-attention's rows are the decoder block's (targets, then empty rows that read nothing); its keys
+        # the memory's, then slots of padding (`UnpaddedLayout`: a bucketed block)
+        rows = real.block_rows
+        bias_BM = F.pad(bias_NM, (0, 0, 0, rows - n))
+        cross = CrossMemory(layout.key_index_NK, bias_BM.gather(1, layout.key_doc_NK.expand(rows, -1)),
+                            layout.visible_NK, layout.key_doc_NK)
+        query_ok_NT = decoder_in_NT != self.cfg.pad_id
+        taps = {"query_ok_NT": F.pad(query_ok_NT, (0, real.width - query_ok_NT.shape[1], 0, rows - n))} \
+            if reading else None
         x = self.dropout(embed_at(real.take(decoder_in_NT), real.position_U, self.embed_tokens,
                                     self.decoder_positions, self.decoder_embedding_norm))
         memory_1LD = memory_LD[None]
+        packed = layout.packed if not reading else None  # the probes' reading taps read the gathered keys
+        if packed is not None:  # the packed memory: the evidence's real tokens, then keys of no document
+            memory_1LD = F.pad(memory_LD, (0, 0, 0, packed.doc_L.shape[0] - memory_LD.shape[0]))[None]
+            cross.packed, cross.relevance_PP = packed, F.pad(bias_NM, (0, 1, 0, 1))
+            cross.block_mask = packed_block_mask(packed, F.pad(allowed_NM, (0, 1, 0, 1)))
+        elif layout.key_index_NK is None and layout.key_doc_NK.shape[1] > memory_LD.shape[0]:
+            memory_1LD = F.pad(memory_LD, (0, 0, 0, layout.key_doc_NK.shape[1] - memory_LD.shape[0]))[None]
         layers = [*self.decoder_local_layers, *self.decoder_layers]
         for i, layer in enumerate(layers):
             x = layer(x, memory_1LD, cross, self.beta, None, real, taps=taps if i == len(layers) - 1 else None)
@@ -356,7 +371,10 @@ class Marge(nn.Module):
         nll_sum, nll_U = self._row_nll(states_UD, labels_U)
         nll_N = nll_U.new_zeros(n).index_add_(0, real.row_U, nll_U)
         loss = (nll_N.sum() if nll_sum is None else nll_sum) / tokens_N.sum().clamp(min=1)
-        read_NM = reading_distribution(taps["key_mass_NK"], cross, allowed_NM) if taps is not None else None
+        read_NM = None
+        if taps is not None:
+            targets_N = torch.arange(n, device=bias_NM.device)
+            read_NM = reading_distribution(taps["key_mass_NK"][:n], cross.reorder(targets_N), allowed_NM)
         return MargeOutput(loss, nll_N, tokens_N, relevance_NM, None, read_NM)
 
 
@@ -399,7 +417,7 @@ class OwnRelevanceEncoder(nn.Module):
                                   tokens_RS != self.cfg.pad_id, self.cfg.relevance_pooling)
         x = drop(embed_at(real.take(tokens_RS), real.position_U, self.embed_tokens, self.positions,
                           self.embedding_norm))
-        key_ok_R11S = (tokens_RS != self.cfg.pad_id)[:, None, None, :]
+        key_ok_R11S = real.key_ok()
         for layer in self.layers:
             x = layer(x, key_ok_R11S, real)
         return real.pool(x, self.cfg.relevance_pooling)
