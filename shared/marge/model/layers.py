@@ -132,7 +132,7 @@ mask    as SDPA's additive float mask of (B 1 1 K), heads E wide: on a GPU the m
 flex    as FlexAttention's `score_mod` (logit + bias[b, key]), heads E wide: fused only under torch.compile
         (`trainer.compile`), eager it materialises the logits; no attention dropout; its backward needs a GPU.
 `mask` gives the folded path's values and gradients; `flex` its values (tests/unit/test_gpu_readiness.py,
-tests/unit/test_unpadded.py), its gradients tested only where a GPU is."""
+tests/unit/test_unpadded.py), and its gradients where a GPU is (benchmarks/gpu_speed.py's `checks`: on one H200)."""
 
 
 def key_biased_attention(q_BHQE: Tensor, k_BHKE: Tensor, v_BHKE: Tensor, bias_B11K: Tensor, path: str,
