@@ -1,4 +1,5 @@
-"""Processes and sockets of a test's servers, read from /proc: what listens where, who belongs to a session."""
+"""Processes and sockets of a test's servers, read from /proc: what listens where, who belongs to a session, which
+processes of a title are this test's own."""
 
 from __future__ import annotations
 
@@ -66,3 +67,20 @@ def pids_in_session(session_id: int) -> list[int]:
             except OSError:
                 continue
     return pids
+
+
+def pids_with_title(prefix: str, root: int | None = None) -> list[int]:
+    """This test's processes whose command line starts with `prefix` (Ray titles its workers
+    `ray::<Class>[.<method>]`): descendants of `root` (default: this process, which started the test's Ray;
+    `marge.util.local_ray.process_tree`), never another run's on the same machine (a shared CI runner, a user's
+    job)."""
+    from marge.util.local_ray import process_tree
+
+    pids = []
+    for pid in process_tree({os.getpid() if root is None else root}):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(prefix.encode()):
+                pids.append(pid)
+        except OSError:
+            continue
+    return sorted(pids)

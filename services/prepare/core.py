@@ -386,18 +386,38 @@ def write_heldout(folder: Path, docs: list[RawDocument], opts: PrepareOptions, t
 
 
 def heldout_manifest(opts: PrepareOptions, groups: int, documents: int, pairs: int, train_groups: int) -> dict:
-    """What the manifest records of the held-out split written under `heldout/` (`write_heldout`); warns as it
-    says."""
-    if groups < MIN_HELDOUT_GROUPS or not pairs:
-        wanted = min(999, math.ceil(MIN_HELDOUT_GROUPS * 1000 / max(1, groups + train_groups)))
-        log.warning("the held-out split has %d groups and %d translation pairs: too few to measure retrieval P@1 "
-                    "(over %d pages its 95%% interval is wider than +-0.18)%s; pass --heldout-permille %d (about %d "
-                    "of the %d groups)", groups, pairs, MIN_HELDOUT_GROUPS,
-                    "" if pairs else ", and no pairs across languages: documents need a shared `group`",
-                    max(wanted, opts.heldout_permille), MIN_HELDOUT_GROUPS, groups + train_groups)
+    """What the manifest records of the held-out split written under `heldout/` (`write_heldout`); warns as
+    `heldout_advice` says."""
+    advice = heldout_advice(groups, pairs, train_groups, opts.heldout_permille)
+    if advice:
+        log.warning("%s", advice)
     return {"groups": groups, "documents": documents, "pairs": pairs,
             "permille": opts.heldout_permille, "documents_file": f"{HELDOUT_DIR}/documents.jsonl.gz",
             "pairs_file": f"{HELDOUT_DIR}/pairs.tsv" if pairs else None}
+
+
+def heldout_advice(groups: int, pairs: int, train_groups: int, permille: int) -> str | None:
+    """Why the held-out split cannot measure retrieval (fewer than `MIN_HELDOUT_GROUPS` groups, or no pairs across
+    languages) and what to pass instead, or None. The permille it advises is always above the one that gave too
+    few groups (groups are held out by a hash of their name, so a permille can fall short of its expected share):
+    the larger of the share that would hold `MIN_HELDOUT_GROUPS` out on average and the one this split's own rate
+    says; a corpus too small for any permille is told so."""
+    if groups >= MIN_HELDOUT_GROUPS and pairs:
+        return None
+    total = groups + train_groups
+    head = (f"the held-out split has {groups} groups and {pairs} translation pairs: too few to measure retrieval P@1 "
+            f"(over {MIN_HELDOUT_GROUPS} pages its 95% interval is wider than +-0.18)")
+    if groups >= MIN_HELDOUT_GROUPS:  # enough groups: the pairs are missing, not the share
+        return head + ", and no pairs across languages: documents need a shared `group`"
+    if total < MIN_HELDOUT_GROUPS / 0.999:
+        return (head + f"; the corpus has {total} groups in all, too few for any --heldout-permille: add documents, "
+                "or point health.documents and data.heldout_pairs at held-out data of your own")
+    expected = math.ceil(MIN_HELDOUT_GROUPS * 1000 / max(1, total))
+    observed = math.ceil(permille * MIN_HELDOUT_GROUPS / groups) if groups else 1000
+    wanted = min(999, max(expected, observed, permille + 1))
+    missing = "" if pairs else ", and no pairs across languages: documents need a shared `group`"
+    return head + (f"{missing}; pass --heldout-permille {wanted} (about {math.ceil(wanted * total / 1000)} of the "
+                   f"{total} groups)")
 
 
 def input_bytes(inputs: list[Path], gzip_expansion: int = 1) -> int:

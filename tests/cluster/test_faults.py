@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from processes import LOOPBACK, listening_addresses, pids_in_session  # tests/processes.py
+from processes import LOOPBACK, listening_addresses, pids_in_session, pids_with_title  # tests/processes.py
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,19 +65,6 @@ def newest_step(run_dir: Path) -> int:
         return json.loads(lines[-1])["step"] if lines else 0
     except ValueError:
         return 0  # a line being written
-
-
-def pids_with_title(prefix: str) -> list[int]:
-    """Processes whose command line starts with `prefix` (Ray titles its workers `ray::<Class>[.<method>]`)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().startswith(prefix.encode()):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 def sigkill(pids: list[int]) -> None:
