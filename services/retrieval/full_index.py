@@ -536,10 +536,20 @@ class FullCorpusIndex:
             return []
         size = self.index.ntotal if lang is None else self._lang_size[lang]
         want = min(size, k + (1 if exclude is not None else 0))
-        params = (faiss.SearchParametersIVF(nprobe=self.index.nprobe) if lang is None
-                  else faiss.SearchParametersIVF(sel=self.by_lang[lang], nprobe=self.index.nprobe))
         query = np.ascontiguousarray(vector[None, :], dtype=np.float32)
-        scores, ids = self.index.search(query, want, params=params)
+        scores, ids = self._probe(query, want, lang)
         shift = float(query[0] @ self.mean)  # q . (z - mean) + q . mean: the cosine of unit vectors
         hits = [(int(d), float(s) + shift) for d, s in zip(ids[0], scores[0]) if d >= 0 and d != exclude]
         return hits[:k]
+
+    def _probe(self, query: np.ndarray, want: int, lang: str | None) -> tuple[np.ndarray, np.ndarray]:
+        """The index's search at its nprobe, probing 4x as many lists again while it finds fewer than `want`
+        documents (a language's documents may sit in few of the lists the query is near: the filter applies
+        inside the probed lists), up to every list, where it finds all there are."""
+        nprobe = self.index.nprobe
+        while True:
+            selector = {} if lang is None else {"sel": self.by_lang[lang]}
+            scores, ids = self.index.search(query, want, params=faiss.SearchParametersIVF(nprobe=nprobe, **selector))
+            if int((ids[0] >= 0).sum()) >= want or nprobe >= self.index.nlist:
+                return scores, ids
+            nprobe = min(self.index.nlist, 4 * nprobe)

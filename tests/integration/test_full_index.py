@@ -158,3 +158,30 @@ def test_a_search_by_doc_id_reads_its_shards_tokens_once(full_run):
     tiny.tokens_of(int(other.doc_ids[0]))
     tiny.tokens_of(int(shard.doc_ids[1]))
     assert tiny.tokens.reads == 3 and len(tiny.tokens) == 1
+
+
+def test_a_language_filtered_search_returns_k_when_the_language_has_k(full_run, tmp_path):
+    """A language's documents sit in few of the IVF lists a query probes, and the filter applies inside them: with
+    one list probed, asking for every document of a language found only some. The search probes more lists until
+    it has k (or all there are)."""
+    import faiss
+
+    from services.retrieval.full_index import BuildOptions, FullCorpusIndex, build_serving_index
+    from services.retrieval.index import DocumentTable
+
+    run, corpus = full_run
+    opts = BuildOptions(nlist=4, train_documents=2 * corpus.shards[0].rows - 1, recall_queries=50, target_recall=0.9)
+    built = build_serving_index(tmp_path / "build", corpus, snapshot_of(run), opts)
+    docs = DocumentTable(corpus)
+    full = FullCorpusIndex(built, run, corpus, corpus.tokenizer(), docs)
+    full.index.nprobe = 1
+    lang = min(full._lang_size, key=full._lang_size.get)  # the smallest language: spread thin over the lists
+    size = full._lang_size[lang]
+    query = full.vector_of(int(docs.ids[0]))
+    one_probe = full.index.search(np.ascontiguousarray(query[None, :], dtype=np.float32), size,
+                                  params=faiss.SearchParametersIVF(nprobe=1, sel=full.by_lang[lang]))[1]
+    assert int((one_probe[0] >= 0).sum()) < size  # what one probed list gives: the case under test
+    hits = full.search(query, size, lang=lang)
+    assert len(hits) == size and len({d for d, _ in hits}) == size
+    assert all(docs.lang_names[docs.langs_of(np.array([d]))[0]] == lang for d, _ in hits)
+    assert len(full.search(query, 3, lang=lang)) == 3
