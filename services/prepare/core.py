@@ -400,8 +400,8 @@ def heldout_advice(groups: int, pairs: int, train_groups: int, permille: int) ->
     """Why the held-out split cannot measure retrieval (fewer than `MIN_HELDOUT_GROUPS` groups, or no pairs across
     languages) and what to pass instead, or None. The permille it advises is always above the one that gave too
     few groups (groups are held out by a hash of their name, so a permille can fall short of its expected share):
-    the larger of the share that would hold `MIN_HELDOUT_GROUPS` out on average and the one this split's own rate
-    says; a corpus too small for any permille is told so."""
+    the share that would hold `MIN_HELDOUT_GROUPS` out on average, or, where this one was already that large, the
+    share this split's own rate says; a corpus too small for any permille is told so."""
     if groups >= MIN_HELDOUT_GROUPS and pairs:
         return None
     total = groups + train_groups
@@ -413,8 +413,11 @@ def heldout_advice(groups: int, pairs: int, train_groups: int, permille: int) ->
         return (head + f"; the corpus has {total} groups in all, too few for any --heldout-permille: add documents, "
                 "or point health.documents and data.heldout_pairs at held-out data of your own")
     expected = math.ceil(MIN_HELDOUT_GROUPS * 1000 / max(1, total))
-    observed = math.ceil(permille * MIN_HELDOUT_GROUPS / groups) if groups else 1000
-    wanted = min(999, max(expected, observed, permille + 1))
+    if permille < expected:
+        wanted = expected
+    else:  # the hash held out fewer than this share's expected count: scale by the rate it gave, at least +1
+        wanted = max(permille + 1, math.ceil(permille * MIN_HELDOUT_GROUPS / groups) if groups else 1000)
+    wanted = min(999, wanted)
     missing = "" if pairs else ", and no pairs across languages: documents need a shared `group`"
     return head + (f"{missing}; pass --heldout-permille {wanted} (about {math.ceil(wanted * total / 1000)} of the "
                    f"{total} groups)")
