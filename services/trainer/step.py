@@ -534,7 +534,8 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ob
 def train_step(model: Marge, optimizer: torch.optim.Optimizer, scheduler, objectives: Objectives,
                batches: list[Batch], cfg: TrainerConfig, step: int, device: torch.device, seed: int = 0,
                prepared: list[PreparedBatch] | None = None, specials=None, nan_loss_slot: int | None = None) -> StepRecord:
-    """One optimizer update on `batches` in this process: the reference loop's and the single-process run's step.
+    """One optimizer update on `batches` in this process: the reference loop's, `marge plan --measure`'s and the
+    benchmarks' step (the DDP ranks and the single process run `run_update` through `services.trainer.loop`).
 
     Batch k of the list takes slot step * len(batches) + k (rank * grad_accum + micro-step on the DDP ranks),
     so its preparation and its 1/len(batches) share of the gradient are what the DDP trainer gives it.

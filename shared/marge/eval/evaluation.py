@@ -10,7 +10,6 @@ Scoring is cosine, or the ratio margin of Artetxe & Schwenk (2019) with `margin=
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,14 +204,6 @@ def evaluate_tfidf(pairs: list[PairSet], margin: bool = False, ngram_range: tupl
 
 def mean_score(results: dict[str, float]) -> float:
     return float(np.mean(list(results.values()))) if results else 0.0
-
-
-def by_language_pair(results: dict[str, float]) -> dict[str, dict[str, float]]:
-    table: dict[str, dict[str, float]] = defaultdict(dict)
-    for key, value in results.items():
-        src, tgt = key.split("->")
-        table[src][tgt] = value
-    return dict(table)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -447,11 +447,6 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return CHECKPOINTS.versions(root)
 
 
-def load_training_state(directory: Path, verify: bool = True) -> dict[str, Any]:
-    read_manifest(directory, verify=verify)
-    return torch.load(Path(directory) / "training_state.pt", map_location="cpu", weights_only=True)
-
-
 PART_NAME = re.compile(r"__\d+_\d+\.distcp")
 """The name of a part in state/ (DCP's `__<rank>_<n>.distcp`); `.metadata` names no other file."""
 
