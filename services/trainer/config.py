@@ -84,18 +84,15 @@ class TrainerConfig(OptimizerConfig):
     """With `unpadded`, the rows of every attention block (documents, targets) are rounded up to a multiple of this
     (empty rows, every key masked, their outputs dropped), so that attention sees a bounded set of shapes: what a
     kernel that builds a plan per exact shape (cuDNN's: `cudnn_attention`) or a static compile (`compile_dynamic`
-    false) needs. 0: exact. On one H200 with cuDNN's SDPA, 128 rows and 32 columns took the recipe's update on
-    never-seen batches from 1.54 s to 0.34 s; without it (the default) the exact blocks were the faster (0.18 s
-    against 0.21 s; docs/gpu.md). An execution setting."""
+    false) needs. 0: exact, which measured faster without cuDNN's SDPA (docs/gpu.md). An execution setting."""
     bucket_width: int = resumable(0)
     """With `unpadded`, the width of every attention block (positions, and the key slots each target reads) is
     rounded up to a multiple of this (masked keys, dropped queries). 0: exact. An execution setting."""
     cudnn_attention: bool = resumable(False)
     """Let PyTorch's attention use cuDNN's fused kernel (`torch.backends.cuda.enable_cudnn_sdp`). Off: it builds an
-    execution plan for every exact shape it meets, and training meets new shapes every update; on one H200 the
-    recipe's update took 1.54 s on shapes never seen before against 0.21 s on seen ones with it, 0.25 s on either
-    without it (flash and memory-efficient kernels build nothing per shape; benchmarks/gpu_speed.py, docs/gpu.md).
-    An execution setting; it applies to the whole process."""
+    execution plan for every exact shape it meets, and training meets new shapes every update, which made the
+    recipe's update several times slower on batches never seen before (flash and memory-efficient kernels build
+    nothing per shape; measured in docs/gpu.md). An execution setting; it applies to the whole process."""
     cross_attention: str = resumable("gathered")
     """How the training cross-attention reads the evidence (with `unpadded`): `gathered` (each target's keys
     gathered into slots as wide as the most any target reads, beta * f folded into the heads or as `key_bias`
