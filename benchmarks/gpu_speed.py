@@ -96,7 +96,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO), str(REPO / "benchmarks")]
 
 from recipe_batches import LANGUAGES, recipe_batches  # noqa: E402
-from recipe_efficiency import AttentionCalls, new_shapes_per_update  # noqa: E402
+from recipe_efficiency import AttentionCalls, DrainsBeforeStep, new_shapes_per_update  # noqa: E402
 from trainer_vs_hf_bart import SPECIALS as BENCH_SPECIALS  # noqa: E402
 from trainer_vs_hf_bart import OurStep, Shape, shape, synthetic_batch, time_steps  # noqa: E402
 
@@ -595,7 +595,7 @@ def checks_arm(device: torch.device) -> dict:
 def checks_of_the_step(model: Marge, made, device: torch.device) -> dict:
     """The fused optimizer's skip of a non-finite update on the device, and no read before it steps."""
     from services.trainer.inputs import to_model_inputs
-    from services.trainer.step import DrainsBeforeStep, gradient_norm, step_unless_not_finite
+    from services.trainer.step import gradient_norm, step_unless_not_finite
 
     out: dict = {}
     batch = made.batches[0]

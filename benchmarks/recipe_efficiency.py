@@ -194,22 +194,33 @@ class DrainsBeforeStep(TorchDispatchMode):
     `services.trainer.step.read_to_host` (the update's batched read; what it does inside is not counted again),
     scalar reads (`aten::_local_scalar_dense`: `.item()`, `float(t)`, `bool(t)`), value-sized operations
     (`nonzero`, `masked_select`, `unique`) and copies from a device to the host. Each makes the host wait until the
-    device has run everything queued, so the GPU drains before the step is even launched. `after_step` counts the
-    same after it."""
+    device has run everything queued, so the GPU drains before the step is even launched. On a CPU a copy to the
+    host copies nothing, but `read_to_host` is still counted: the benchmark and the tests see the GPU's order.
+
+        with DrainsBeforeStep(optimizer) as drains:
+            run_update(...)
+        drains.reads  # what read the device before the step, in order ([] when nothing did)
+
+    `after_step` counts the same after it. It wraps the module's `read_to_host` by name, so it measures any tree
+    that has one (an older commit's too)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         super().__init__()
         self.optimizer = optimizer
-        self.before_step = 0
+        self.reads: list[str] = []
         self.after_step = 0
         self.stepped = False
         self._reading = 0
 
-    def _note(self) -> None:
+    @property
+    def before_step(self) -> int:
+        return len(self.reads)
+
+    def _note(self, what: str) -> None:
         if self.stepped:
             self.after_step += 1
         else:
-            self.before_step += 1
+            self.reads.append(what)
 
     def __enter__(self):
         from services.trainer import step as step_module
@@ -219,7 +230,7 @@ class DrainsBeforeStep(TorchDispatchMode):
             original = self._original
 
             def counted(*args, **kwargs):
-                self._note()
+                self._note("read_to_host")
                 self._reading += 1
                 try:
                     return original(*args, **kwargs)
@@ -253,7 +264,7 @@ class DrainsBeforeStep(TorchDispatchMode):
         if not self._reading:
             name = func._schema.name
             if name in SYNCHRONISING or self.blocking_to_host(name, args, kwargs or {}, out):
-                self._note()
+                self._note(name)
         return out
 
 

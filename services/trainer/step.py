@@ -26,7 +26,6 @@ from typing import cast
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from marge.contracts.batch import Batch
 from marge.contracts.slots import Slots
@@ -345,74 +344,6 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 def read_to_host(values: torch.Tensor) -> list[float]:
     """The one device-to-host read of an update: every figure it needs, packed into one tensor."""
     return values.to("cpu").tolist()
-
-
-class DrainsBeforeStep(TorchDispatchMode):
-    """Counts the host's reads of device values made before `optimizer.step()` is first entered. On a GPU each
-    read waits for every kernel queued before it, so one before the step leaves the device idle while the host
-    decides whether to step. Counted, in this thread: the update's read (`read_to_host`, even on a CPU, where its
-    copy does nothing), scalar reads (`.item()`, `bool(t)`, `float(t)`: `aten::_local_scalar_dense`), reads whose
-    output size depends on the values (`nonzero`, ...), and other copies from a device to the host.
-
-        with DrainsBeforeStep(optimizer) as drains:
-            run_update(...)
-        drains.reads  # [] when nothing waited for the device before the step
-    """
-
-    VALUE_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_consecutive",
-                   "aten::_unique2"}
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        super().__init__()
-        self.optimizer = optimizer
-        self.reads: list[str] = []
-        """What read the device before the step, in order (operator names; `read_to_host`)."""
-        self.stepped = False
-        self._in_read_to_host = False
-
-    def _note(self, what: str) -> None:
-        if not self.stepped:
-            self.reads.append(what)
-
-    def __enter__(self):
-        global read_to_host
-        original = read_to_host
-
-        def counted(values: torch.Tensor) -> list[float]:
-            self._note("read_to_host")
-            self._in_read_to_host = True  # its copy is this read, not another one
-            try:
-                return original(values)
-            finally:
-                self._in_read_to_host = False
-
-        self._original_read, read_to_host = original, counted
-        self._hook = self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "stepped", True))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        global read_to_host
-        read_to_host = self._original_read
-        self._hook.remove()
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        if name in self.VALUE_READS:
-            self._note(name)
-        elif not self._in_read_to_host and self._copies_to_host(name, args, kwargs):
-            self._note(name)
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def _copies_to_host(name: str, args, kwargs) -> bool:
-        if name == "aten::_to_copy":
-            target = kwargs.get("device")
-            return target is not None and torch.device(target).type == "cpu" and args[0].device.type != "cpu"
-        if name == "aten::copy_":
-            return args[0].device.type == "cpu" and args[1].device.type != "cpu"
-        return False
 
 
 @dataclass

@@ -6,6 +6,8 @@ second pass to the for-each optimizer's outcome."""
 from __future__ import annotations
 
 import socket
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,7 +20,6 @@ from services.trainer.config import TrainerConfig
 from services.trainer.loop import update_statistics
 from services.trainer.objectives import Objectives, ObjectivesConfig
 from services.trainer.step import (
-    DrainsBeforeStep,
     Item,
     build_optimizer,
     build_scheduler,
@@ -27,6 +28,9 @@ from services.trainer.step import (
     seed_key,
 )
 from tests.gpu_inputs import SPECIALS, linked_batch, tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from recipe_efficiency import DrainsBeforeStep  # noqa: E402  (benchmarks/ is not a package)
 
 SLOTS = Slots(2, 1)
 NAN_SLOT = SLOTS.slot(1, 1, 0)  # rank 1's batch of update 1

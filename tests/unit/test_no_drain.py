@@ -5,6 +5,9 @@ CPU kernel."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +23,9 @@ from services.trainer.objectives import (
     ObjectivesConfig,
     SelfEvidenceConfig,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from recipe_efficiency import DrainsBeforeStep  # noqa: E402  (benchmarks/ is not a package)
 
 CPU = torch.device("cpu")
 CFG = TrainerConfig(lr=1e-3, warmup_steps=0)
@@ -83,7 +89,7 @@ def test_the_drain_counter_sees_the_read_the_host_decides_on(fused, expected):
     model, optimizer, scheduler = training(fused)
     objectives, batches = recipe_objectives(), update_batches(0)
     ready = prepared(objectives, 0, batches)
-    with step_module.DrainsBeforeStep(optimizer) as drains:
+    with DrainsBeforeStep(optimizer) as drains:
         step_module.train_step(model, optimizer, scheduler, objectives, batches, CFG, 0, CPU, 0, ready)
     assert drains.stepped and drains.reads == expected
     assert step_module.read_to_host.__name__ == "read_to_host"  # put back
