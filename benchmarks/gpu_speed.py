@@ -192,7 +192,10 @@ SMOKE_SIZES = Sizes(1024, 1, 1, 2, 1, 1, 2, 1, 1, 1)
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="folder for gpu-speed.jsonl and the summary")
+    p.add_argument("--out", type=Path, help="folder for gpu-speed.jsonl and the summary")
+    p.add_argument("--compare", nargs=3, metavar=("RESULT", "BASE_ARM", "OTHER_ARM"), default=None,
+                   help="no GPU: OTHER_ARM's never-seen and seen update seconds over BASE_ARM's in a results file, "
+                        "paired update by update (the same batches), with a 95%% bootstrap interval")
     p.add_argument("--smoke", action="store_true", help="on the CPU at tiny widths, few steps: checks that it runs")
     p.add_argument("--arms", nargs="+", default=list(ARM_NAMES), choices=ARM_NAMES, help="run only these arms")
     p.add_argument("--bucket-rows", type=int, default=BUCKET_ROWS, help="trainer.bucket_rows of the recipe arms")
@@ -748,8 +751,35 @@ def launch(args: argparse.Namespace, arm: Arm, box: float) -> str | None:
             shutil.rmtree(cache, ignore_errors=True)
 
 
+def paired_ratio(base: dict, other: dict, key: str, draws: int = 10000) -> dict:
+    """The median over updates of `other`'s seconds over `base`'s for the same update (each arm trains the same
+    batches in the same order), and a 95% bootstrap interval of that median over the updates (seed 0). It covers
+    the update-to-update spread within one run, not the run-to-run spread of separate machines."""
+    a, b = np.asarray(base[key], dtype=float), np.asarray(other[key], dtype=float)
+    n = min(len(a), len(b))
+    ratios = b[:n] / a[:n]
+    rng = np.random.default_rng(0)
+    medians = [float(np.median(ratios[rng.integers(0, n, n)])) for _ in range(draws)]
+    low, high = np.percentile(medians, [2.5, 97.5])
+    return {"median_ratio": float(np.median(ratios)), "ci95": [float(low), float(high)], "updates": int(n)}
+
+
+def compare(result: Path, base_arm: str, other_arm: str) -> dict:
+    arms = json.loads(Path(result).read_text(encoding="utf-8"))["arms"]
+    missing = [a for a in (base_arm, other_arm) if a not in arms or "update_s_never_seen" not in arms[a]]
+    if missing:
+        raise SystemExit(f"{result}: no recipe arm {missing} with per-update seconds; it has {sorted(arms)}")
+    return {"result": str(result), "base": base_arm, "other": other_arm,
+            **{key: paired_ratio(arms[base_arm], arms[other_arm], f"update_s_{key}") for key in ("never_seen", "seen")}}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
+    if args.compare:
+        print(json.dumps(compare(Path(args.compare[0]), args.compare[1], args.compare[2])))
+        return 0
+    if args.out is None:
+        raise SystemExit("gpu_speed.py: --out FOLDER is required (or --compare RESULT BASE_ARM OTHER_ARM)")
     if not args.arm:
         device_of(args)  # no GPU and no --smoke: say so once, not once an arm
     args.out.mkdir(parents=True, exist_ok=True)

@@ -68,3 +68,12 @@ def test_the_summary_file_is_named_after_the_card():
     assert gpu_speed.device_slug("NVIDIA A100-SXM4-80GB") == "a100"
     assert gpu_speed.device_slug("cpu") == "cpu"
     assert gpu_speed.device_slug("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
+
+
+def test_arms_compare_update_by_update_with_an_interval():
+    base = {"update_s_never_seen": [0.1, 0.2, 0.3, 0.4], "update_s_seen": [1.0, 1.0]}
+    slower = {"update_s_never_seen": [0.2, 0.4, 0.6, 0.8], "update_s_seen": [1.0, 3.0]}
+    twice = gpu_speed.paired_ratio(base, slower, "update_s_never_seen", draws=200)
+    assert twice == {"median_ratio": 2.0, "ci95": [2.0, 2.0], "updates": 4}  # every update 2x: no spread
+    mixed = gpu_speed.paired_ratio(base, slower, "update_s_seen", draws=200)
+    assert mixed["median_ratio"] == 2.0 and mixed["ci95"][0] == 1.0 and mixed["ci95"][1] == 3.0
