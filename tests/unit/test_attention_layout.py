@@ -4,15 +4,20 @@ of varied sizes."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from marge.model.architecture import preset
 from marge.model.network import Marge
 from services.trainer.inputs import AttentionLayout, to_model_inputs
 from tests.unit.test_unpadded import SPECIALS, loss_and_gradients, skewed_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from recipe_efficiency import AttentionCalls  # noqa: E402  (benchmarks/ is not a package)
 
 BUCKETS = AttentionLayout(rows=16, width=32)
 
@@ -78,23 +83,13 @@ def test_the_denoising_views_bucketed_give_the_same_loss():
 
 
 def attention_shapes(model: Marge, batches, buckets: AttentionLayout) -> set:
-    """The (q, k) shapes of every attention call the forward makes over these batches."""
-    seen: set = set()
-    real_sdpa = F.scaled_dot_product_attention
-
-    def recording(q, k, v, *args, **kwargs):
-        seen.add((tuple(q.shape), tuple(k.shape)))
-        return real_sdpa(q, k, v, *args, **kwargs)
-
-    F.scaled_dot_product_attention = recording
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                inputs = to_model_inputs(batch, SPECIALS, "linked", unpadded=True, attention=buckets)
-                model(**inputs.as_kwargs(), width=inputs.width, layout=inputs.layout)
-    finally:
-        F.scaled_dot_product_attention = real_sdpa
-    return seen
+    """The (q, k) shapes of every attention call the forward makes over these batches (the benchmarks' census,
+    `AttentionCalls`)."""
+    with AttentionCalls() as calls, torch.no_grad():
+        for batch in batches:
+            inputs = to_model_inputs(batch, SPECIALS, "linked", unpadded=True, attention=buckets)
+            model(**inputs.as_kwargs(), width=inputs.width, layout=inputs.layout)
+    return {(q, k) for _, q, k, *_ in calls.calls}
 
 
 def test_buckets_bound_the_attention_shapes_over_batches_of_varied_sizes():
@@ -196,6 +191,6 @@ def test_packed_cross_attention_is_refused_where_it_cannot_train():
 
     with pytest.raises(FieldError, match="cross_attention.*unpadded"):
         TrainerConfig(cross_attention="packed")
-    repo = __import__("pathlib").Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[2]
     with pytest.raises(ConfigError, match="cross_attention=packed trains only on a GPU"):
         load_config(repo / "deploy/configs/tiny.yaml", ["trainer.unpadded=true", "trainer.cross_attention=packed"])
