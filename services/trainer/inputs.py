@@ -180,13 +180,13 @@ def unpadded_layout(evidence_text: np.ndarray, target_text: np.ndarray, allowed_
         key_index[rows, cols] = np.repeat(offset_M[docs_P], lengths_P) + within
         key_doc[rows, cols] = np.repeat(docs_P, lengths_P)
         visible_NK[rows, cols] = True
+    decoder_lengths = decoder_cost(target_text)
     return UnpaddedLayout(real_tokens(evidence_lengths, evidence_width, attention),
                           real_tokens(encoder_cost(target_text), target_width, attention),
-                          real_tokens(decoder_cost(target_text), decoder_width, attention),
+                          real_tokens(decoder_lengths, decoder_width, attention),
                           torch.from_numpy(key_doc), torch.from_numpy(visible_NK),
                           None if key_index is None else torch.from_numpy(key_index),
-                          packed_cross(decoder_cost(target_text), evidence_lengths, allowed_NM)
-                          if attention.packed_cross else None)
+                          packed_cross(decoder_lengths, evidence_lengths, allowed_NM) if attention.packed_cross else None)
 
 
 def to_model_inputs(batch: Batch, specials: SpecialTokens, attend_to: str = "all",
