@@ -20,6 +20,8 @@ run cut short keeps the arms that finished. After every arm OUT/gpu-speed-<devic
   recipe_over_bench_never_seen   the recipe's seconds per target token on never-seen batches (their seconds over
                                  their target tokens) over the bench step's (1 / bench_target_tokens_per_s); the
                                  same for every recipe arm in recipe_over_bench_never_seen_by_variant
+  recipe_compiled_over_bench_compiled_never_seen
+                                 the same ratio for recipe_compiled over bench_compiled_128 (both compiled by layer)
   base_mfu_bf16, paper_mfu_bf16  the best MFU of the bench_* arms and of the paper_* arms
   ddp_2_ranks_passed             the DDP arm's verdict
   recipe_by_variant              each recipe arm's seen and never-seen seconds and attention shapes
@@ -37,7 +39,7 @@ The arms, in the order they run:
                                  many targets x 128 tokens: target tokens/s (best round; every round listed) and MFU
                                  (`marge.model.sizes.training_flops_per_token` x tokens/s over
                                  `services.trainer.step.device_peak_flops`, as benchmarks/gpu_path.py)
-  recipe_{default,exact_shapes,packed_cross,cudnn_on,exact_cudnn_off}
+  recipe_{default,exact_shapes,packed_cross,cudnn_on,exact_cudnn_off,compiled}
                                  the learning recipe's update as benchmarks/gpu_probe.py sets it up (learning-gpu.yaml's
                                  model at `base` without g's own encoder, self-evidence and the denoising loss, 2
                                  recipe-shaped batches of <= 16,384 tokens an update, bf16, `trainer.unpadded`) by
@@ -50,19 +52,29 @@ The arms, in the order they run:
                                  (BUCKET_ROWS, BUCKET_WIDTH); `cudnn_on`: those with cuDNN's SDPA; `exact_shapes`: no
                                  buckets, cuDNN's SDPA on; `exact_cudnn_off`: no buckets; `packed_cross`: `default`
                                  with `trainer.cross_attention: packed` (FlexAttention over the packed evidence,
-                                 compiled; a GPU only: a smoke run prepares its batches and trains nothing). Each
+                                 compiled; a GPU only: a smoke run prepares its batches and trains nothing);
+                                 `compiled`: `exact_cudnn_off` with `trainer.compile` (each layer, dynamic shapes,
+                                 from an empty compile cache: the warm-up updates hold the cold compile). Each
                                  record states its settings (`trainer`, `cudnn_sdp`).
-  paper_{4,16}                   the `paper` preset's step (966M, 250k vocabulary; trainer_vs_hf_bart.py's `paper`
-                                 shape) at 4 and 16 targets x 512 tokens a micro-batch, bf16: seconds a step, MFU
+  paper_{4,16,24}                the `paper` preset's step (966M, 250k vocabulary; trainer_vs_hf_bart.py's `paper`
+                                 shape) at 4, 16 and 24 targets x 512 tokens a micro-batch, bf16: seconds a step, MFU
   ddp_2_ranks                    2 ranks on the one device (gloo on CUDA tensors: NCCL refuses two ranks on one GPU)
                                  train a `tiny` model through the trainer's own DDP wrapping (`ddp_settings`) and update
                                  (`run_update`, 2 micro-batches: `maybe_no_sync`), 3 updates, each rank from its own
                                  initial weights and on its own batches: passes when both ranks' parameters are
                                  bitwise equal afterwards and moved from the start
-  bench_compiled_{128,512}       the bench step, each layer compiled with static shapes (`dynamic=False`) from an empty
+  bench_compiled_{128,512,1024}  the bench step, each layer and the loss head compiled with static shapes (`dynamic=False`) from an empty
                                  compile cache: first step (the cold compile), tokens/s, MFU, graphs compiled
+  bench_compiled_chunked_512     bench_compiled_512 with the fused linear + NLL (`trainer.loss_chunk_tokens`
+                                 CHUNKED_LOSS_ROWS): no step holds the [rows x vocabulary] fp32 logits
+  bench_compiled_eagerhead_512   bench_compiled_512 with the loss head eager (what `trainer.compile` compiled before
+                                 it compiled the loss head too)
+  paper_compiled_{16,24}         paper_16 and paper_24 with each layer (and the loss head) compiled with static shapes,
+                                 from an empty compile cache
 
-Every record on CUDA (the DDP arm's: each rank's) has the peak memory allocated and reserved, the allocator's
+The recipe and step arms on CUDA count the launches of one more update or step, on shapes seen before, under
+torch.profiler (`kernel_launches_per_update`, `kernel_launches_per_step`: the CUDA runtime's and driver's launch calls,
+LAUNCH_CALLS; the kernels' device milliseconds and the 15 largest kernels). Every record on CUDA (the DDP arm's: each rank's) has the peak memory allocated and reserved, the allocator's
 retries (`num_alloc_retries`) and its device allocations (`num_device_alloc`: cudaMalloc calls). A smoke run uses `aot_eager` for the compiled arms
 (the tracing, not a CPU's minutes of Inductor code generation), fewer layers and steps, and no MFU.
 """
@@ -87,6 +99,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -165,9 +178,22 @@ ARMS = (
     Arm("bench_eager_256", 45, 25),
     Arm("bench_compiled_128", 170, 60),
     Arm("bench_compiled_512", 170, 60),
+    Arm("bench_compiled_chunked_512", 170, 60),
+    Arm("bench_compiled_eagerhead_512", 170, 60),
+    Arm("bench_compiled_1024", 170, 60),
+    Arm("paper_24", 70, 30),
+    Arm("paper_compiled_16", 200, 90),
+    Arm("paper_compiled_24", 200, 90),
+    Arm("recipe_compiled", 200, 90),
 )
 ARM_NAMES = tuple(a.name for a in ARMS)
-RECIPE_VARIANTS = ("default", "exact_shapes", "packed_cross", "cudnn_on", "exact_cudnn_off")
+RECIPE_VARIANTS = ("default", "exact_shapes", "packed_cross", "cudnn_on", "exact_cudnn_off", "compiled")
+STEP_WAYS = ("eager", "compiled", "chunked", "eagerhead")
+"""How a step arm's name may say it runs: bench_compiled_eagerhead_512 = base, 512 targets, its layers compiled and
+its loss head (`projected_nll`) not."""
+CHUNKED_LOSS_ROWS = 8192
+"""`trainer.loss_chunk_tokens` of the `chunked` step arms: the fused linear + NLL over 8,192 rows at a time (a
+1 GB fp32 chunk of logits at `base`'s 32,000 words, where the unchunked loss holds every row's)."""
 
 
 @dataclass(frozen=True)
@@ -266,13 +292,16 @@ def recipe_model_config(smoke: bool):
 def recipe_trainer(variant: str, bucket_rows: int, bucket_width: int, smoke: bool) -> TrainerConfig:
     """The trainer's execution settings (`default`: unpadded, cuDNN's SDPA off, attention buckets of --bucket-rows
     and --bucket-width), or those with one or two things changed (`cudnn_on`; `exact_shapes`: no buckets, cuDNN's
-    SDPA on; `exact_cudnn_off`: no buckets; `packed_cross`)."""
+    SDPA on; `exact_cudnn_off`: no buckets; `packed_cross`; `compiled`: no buckets, each layer compiled with
+    dynamic shapes, what `trainer.compile: true` trains with the GPU configs' attention settings)."""
     trainer = TrainerConfig(lr=5e-4, warmup_steps=500, bf16=not smoke, grad_accum=PER_UPDATE, num_workers=1,
                             unpadded=True, bucket_rows=bucket_rows, bucket_width=bucket_width)
     if variant in ("cudnn_on", "exact_shapes"):
         trainer = dataclasses.replace(trainer, cudnn_attention=True)
     if variant in ("exact_shapes", "exact_cudnn_off"):
         return dataclasses.replace(trainer, bucket_rows=0, bucket_width=0)
+    if variant == "compiled":
+        return dataclasses.replace(trainer, bucket_rows=0, bucket_width=0, compile=True, compile_scope="layers")
     if variant == "packed_cross":
         return dataclasses.replace(trainer, cross_attention="packed")
     return trainer
@@ -323,6 +352,9 @@ def recipe_arm(args: argparse.Namespace, variant: str, device: torch.device, dea
     torch.manual_seed(0)
     model = apply_execution_settings(Marge(model_cfg).to(device).train(), trainer)  # cuDNN's SDPA on or off too
     record["cudnn_sdp"] = torch.backends.cuda.cudnn_sdp_enabled()
+    # as the trainer's hosts do (rank.py, single_process.py); a smoke run traces without Inductor's code generation
+    stepped = compiled(model, trainer.compile, trainer.compile_scope, "aot_eager" if args.smoke else "inductor",
+                       dynamic=trainer.compile_dynamic)
     optimizer = build_optimizer(model, trainer)
     scheduler = build_scheduler(optimizer, trainer, 5000)
     signatures: list[set] = []  # each update's attention calls' signatures
@@ -333,7 +365,7 @@ def recipe_arm(args: argparse.Namespace, variant: str, device: torch.device, dea
         before = len(calls.calls)
         sync(device)
         t = time.perf_counter()
-        trained = train_step(model, optimizer, scheduler, obj, made.batches[first:first + PER_UPDATE], trainer, step,
+        trained = train_step(stepped, optimizer, scheduler, obj, made.batches[first:first + PER_UPDATE], trainer, step,
                              device, prepared=prepared[first:first + PER_UPDATE])
         sync(device)
         step += 1
@@ -341,7 +373,10 @@ def recipe_arm(args: argparse.Namespace, variant: str, device: torch.device, dea
         return time.perf_counter() - t, trained.target_tokens
 
     warm = range(0, warm_batches, PER_UPDATE)
-    with AttentionCalls() as calls:
+    # compiled layers would trace the census's wrapper (its list's length becomes a guard: a recompile every call),
+    # so a compiled arm counts no attention calls
+    census = contextlib.nullcontext(AttentionCalls()) if trainer.compile else AttentionCalls()
+    with census as calls:
         warm_up = [update(k, calls) for k in warm]
         seen = [update(k, calls) for _ in range(sizes.recipe_seen_rounds) for k in warm]
         never: list[tuple[float, int]] = []
@@ -352,7 +387,13 @@ def recipe_arm(args: argparse.Namespace, variant: str, device: torch.device, dea
                 break
             never.append(update(k, calls))
     new = new_shapes_per_update(signatures)
+    launches = launches_of(lambda: update(0, calls), device)  # one more update, on seen batches, under the profiler
     never_s, never_tokens = sum(s for s, _ in never), sum(t for _, t in never)
+    counted = {} if not trainer.compile else {
+        "attention_shapes": None, "attention_calls_per_update": None, "new_attention_shapes_warm_up": None,
+        "new_attention_shapes_seen": None, "new_attention_shapes_never_seen": None,
+        "attention_census": "off: the census's wrapper would be traced into the compiled layers",
+        "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
     return {**record,
             "recipe_update_s_seen": statistics.median(s for s, _ in seen),
             "recipe_update_s_never_seen": statistics.median(s for s, _ in never),
@@ -365,7 +406,33 @@ def recipe_arm(args: argparse.Namespace, variant: str, device: torch.device, dea
             "attention_calls_per_update": len(calls.calls) / len(signatures),
             "new_attention_shapes_warm_up": new[:len(warm_up)],
             "new_attention_shapes_seen": new[len(warm_up):len(warm_up) + len(seen)],
-            "new_attention_shapes_never_seen": new[len(warm_up) + len(seen):]}
+            "new_attention_shapes_never_seen": new[len(warm_up) + len(seen):],
+            "kernel_launches_per_update": launches, **counted}
+
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                "cudaLaunchCooperativeKernel")
+"""The CUDA runtime and driver calls that launch work (Triton's kernels go through the driver's `cuLaunchKernel`, a
+CUDA graph through `cudaGraphLaunch`): what the CPU proxy's launches_per_update_all estimates."""
+
+
+def launches_of(run: Callable[[], object], device: torch.device) -> dict | None:
+    """Launch calls, by name, while `run` runs on a GPU (torch.profiler's CPU-side view of the CUDA API); None on a
+    CPU."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        sync(device)
+    averages = prof.key_averages()
+    counts = {e.key: e.count for e in averages if e.key in LAUNCH_CALLS}
+    kernels = sorted(((getattr(e, "self_device_time_total", 0.0), e.count, e.key) for e in averages
+                      if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)
+    device_ms = sum(us for us, _, _ in kernels) / 1e3
+    return {"total": sum(counts.values()), **counts, "device_ms": device_ms,
+            "top_kernels": [[key[:100], count, us / 1e3] for us, count, key in kernels[:15]]}
 
 
 # --- the bench step and the paper step -----------------------------------------------------------------------
@@ -407,7 +474,7 @@ def compile_static_layers(model: nn.Module, backend: str) -> str:
 
 
 def step_arm(args: argparse.Namespace, name: str, targets: int, compile_static: bool, device: torch.device,
-             deadline: float) -> dict:
+             deadline: float, chunked: bool = False, eager_head: bool = False) -> dict:
     sizes = SMOKE_SIZES if args.smoke else GPU_SIZES
     paper = name == "paper"
     warm, rounds, steps = ((sizes.paper_warm, sizes.paper_rounds, sizes.paper_steps) if paper else
@@ -416,8 +483,13 @@ def step_arm(args: argparse.Namespace, name: str, targets: int, compile_static: 
     rng = np.random.default_rng(0)
     batches = [synthetic_batch(s, rng, f"b{i}") for i in range(steps)]
     runner = new_step(s, device)
+    if chunked:  # the fused linear + NLL (`trainer.loss_chunk_tokens`): no [rows x vocabulary] logits held
+        runner.model.loss_chunk_tokens = CHUNKED_LOSS_ROWS
     # a smoke run checks the tracing (static, fullgraph) without a CPU's minutes of Inductor codegen
     how = compile_static_layers(runner.model, "aot_eager" if args.smoke else "inductor") if compile_static else None
+    if eager_head and hasattr(runner.model.projected_nll, "__wrapped__"):  # the layers compiled, the loss head not
+        runner.model.projected_nll = runner.model.projected_nll.__wrapped__
+        how = f"{how}; the loss head eager"
     sync(device)
     t0 = time.perf_counter()
     runner(batches[0])
@@ -434,12 +506,14 @@ def step_arm(args: argparse.Namespace, name: str, targets: int, compile_static: 
         rates.append(time_steps(runner, batches, device))
         round_s = time.perf_counter() - t0
     best = max(rates)
+    launches = launches_of(lambda: runner(batches[0]), device)
     tokens_per_step = s.targets * (s.target_tokens + 1)
     record = {"shape": name, "targets": s.targets, "target_tokens_per_step": tokens_per_step,
               "evidence_tokens_per_step": s.targets * (s.evidence_tokens + 2), "bf16": runner.bf16,
               "parameters": runner.parameters, "compiled": how, "first_step_s": first_step_s,
+              "loss_chunk_tokens": runner.model.loss_chunk_tokens,
               "target_tokens_per_s": best, "seconds_per_step": tokens_per_step / best, "rounds": rates,
-              "steps_per_round": steps, "mfu": mfu(s, best, device)}
+              "steps_per_round": steps, "mfu": mfu(s, best, device), "kernel_launches_per_step": launches}
     if compile_static:
         from torch._dynamo.utils import counters
 
@@ -651,11 +725,14 @@ def run_arm(args: argparse.Namespace) -> int:
         record.update(device=device_name(device), torch=torch.__version__)
         if name.startswith("recipe_"):
             record.update(recipe_arm(args, name.removeprefix("recipe_"), device, deadline))
-        elif name.startswith("bench_"):
-            _, how, targets = name.split("_")
-            record.update(step_arm(args, "base", int(targets), how == "compiled", device, deadline))
-        elif name.startswith("paper_"):
-            record.update(step_arm(args, "paper", int(name.split("_")[1]), False, device, deadline))
+        elif name.startswith(("bench_", "paper_")):
+            shape_name, *how, targets = name.split("_")  # bench_compiled_chunked_512, paper_16, paper_compiled_16
+            unknown = set(how) - set(STEP_WAYS)
+            if unknown:
+                raise ValueError(f"arm {name!r}: {sorted(unknown)} is not one of {STEP_WAYS}")
+            record.update(step_arm(args, "base" if shape_name == "bench" else "paper", int(targets),
+                                   "compiled" in how, device, deadline, chunked="chunked" in how,
+                                   eager_head="eagerhead" in how))
         elif name == "ddp_2_ranks":
             record.update(ddp_arm(args, device))
         elif name == "checks":
@@ -708,6 +785,9 @@ def summary(records: dict[str, dict], command: str, smoke: bool, bucket: dict) -
     recipes = {variant: records[f"recipe_{variant}"] for variant in RECIPE_VARIANTS
                if "recipe_update_s_never_seen" in records.get(f"recipe_{variant}", {})}
     ratio = {variant: r["never_seen_s_per_target_token"] * bench for variant, r in recipes.items() if bench}
+    bench_compiled = figure("bench_compiled_128", "target_tokens_per_s")
+    compiled_ratio = (recipes["compiled"]["never_seen_s_per_target_token"] * bench_compiled
+                      if bench_compiled and "compiled" in recipes else None)
 
     def best(prefix: str) -> float | None:
         values = [r["mfu"] for name, r in records.items() if name and name.startswith(prefix) and r.get("mfu")]
@@ -720,6 +800,7 @@ def summary(records: dict[str, dict], command: str, smoke: bool, bucket: dict) -
             "recipe_update_s_never_seen": figure("recipe_default", "recipe_update_s_never_seen"),
             "bench_target_tokens_per_s": bench, "recipe_over_bench_never_seen": ratio.get("default"),
             "recipe_over_bench_never_seen_by_variant": ratio,
+            "recipe_compiled_over_bench_compiled_never_seen": compiled_ratio,
             "base_mfu_bf16": best("bench_"), "paper_mfu_bf16": best("paper_"),
             "ddp_2_ranks_passed": figure("ddp_2_ranks", "passed"),
             "recipe_by_variant": {variant: {k: r.get(k) for k in keys} for variant, r in recipes.items()},
@@ -734,7 +815,7 @@ def launch(args: argparse.Namespace, arm: Arm, box: float) -> str | None:
                "--bucket-width", str(args.bucket_width)] + (["--smoke"] if args.smoke else [])
     env = dict(os.environ)
     cache = None
-    if arm.name.startswith("bench_compiled"):  # a cold compile: no kernels from an earlier arm or run
+    if "compiled" in arm.name:  # a cold compile: no kernels from an earlier arm or run
         cache = tempfile.mkdtemp(prefix="gpu-speed-compile-")
         env.update(TORCHINDUCTOR_CACHE_DIR=str(Path(cache) / "inductor"), TRITON_CACHE_DIR=str(Path(cache) / "triton"))
     process = subprocess.Popen(command, env=env, start_new_session=True)

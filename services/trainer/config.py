@@ -103,9 +103,10 @@ class TrainerConfig(OptimizerConfig):
     GPU is). An execution setting."""
     compile: bool = resumable(False)
     """Train through `torch.compile` (dynamic shapes unless `compile_dynamic` is off: a few graphs for every batch
-    size, none broken by a device read; compiled kernels cached under run.dir/compile-cache). Off by default: on one H200 it did not speed up
-    the recipe's update (eager 0.37 s; by layer 1.23 s; by layer with `key_bias: flex` 0.39 s; 62 to 81 s of
-    cold compile; docs/gpu.md), and on a CPU the first updates pay the compilation."""
+    size, none broken by a device read; compiled kernels cached under run.dir/compile-cache): each layer and the
+    loss head (`compile_scope`). Off by default: at `base` it changes the recipe's update little for a cold compile
+    of tens of seconds, and on a CPU the first updates pay the compilation; `paper.yaml` sets it (measured figures:
+    docs/gpu.md)."""
     compile_dynamic: bool = resumable(True)
     """`trainer.compile` with dynamic shapes (a few graphs for every batch size) or static ones (a graph per shape:
     what CUDA graphs need; only sensible where the shapes are bounded: `bucket_rows`, `bucket_width`). An execution

@@ -149,8 +149,9 @@ def compiled(model: nn.Module, enabled: bool, scope: str = "layers", backend: st
     `layers` (regional): each repeated layer (every member of an nn.ModuleList: the encoder's, the decoders') is
     compiled on its own, in place, with `fullgraph=True` (a graph break is an error, not a silent split); layers of
     one kind share their graphs, so a cold compile costs one layer of each kind, not the whole stack, and DDP's hooks
-    stay outside every graph. Only the training forward is compiled: in eval mode (probes, snapshots, generation) a
-    layer runs eagerly. `model`: the whole model or wrapper under `torch.compile` (DDP's buckets split its graph).
+    stay outside every graph. The loss head (`projected_nll`: the tied output projection's cast, log-softmax and NLL
+    over every row) is compiled too, where gradients are on. Only the training forward is compiled: in eval mode
+    (probes, snapshots, generation) a layer runs eagerly. `model`: the whole model or wrapper under `torch.compile` (DDP's buckets split its graph).
     `dynamic`: shapes traced as symbols (a few graphs for every batch size: the real-token count and the row widths
     vary every batch) or as constants (a graph per shape, what CUDA graphs need: only where shapes are bounded). The
     parameters, buffers and attributes stay the model's own."""
@@ -164,6 +165,9 @@ def compiled(model: nn.Module, enabled: bool, scope: str = "layers", backend: st
         if isinstance(module, nn.ModuleList):
             for layer in module:
                 compile_training_forward(layer, backend, dynamic)
+        head = getattr(module, "projected_nll", None)
+        if callable(head):  # the loss head, between the layers and the optimizer
+            setattr(module, "projected_nll", compiled_while_training(head, backend, dynamic))
     return model
 
 
@@ -176,6 +180,18 @@ def compile_training_forward(layer: nn.Module, backend: str = "inductor", dynami
         return (fast if layer.training else eager)(*args, **kwargs)
 
     layer.forward = forward
+
+
+def compiled_while_training(function: Callable, backend: str = "inductor", dynamic: bool = True) -> Callable:
+    """`function` through torch.compile where gradients are on (a training step), eagerly where they are off
+    (probes, snapshots, generation: other shapes, which a static compile would compile again)."""
+    fast = torch.compile(function, dynamic=dynamic, fullgraph=True, backend=backend)
+
+    def either(*args, **kwargs):
+        return (fast if torch.is_grad_enabled() else function)(*args, **kwargs)
+
+    either.__wrapped__ = function  # type: ignore[attr-defined]
+    return either
 
 
 def compile_cache_env(run_dir: Path) -> dict[str, str]:

@@ -67,8 +67,8 @@ def test_varied_batches_compile_into_a_bounded_number_of_graphs(scope, unpadded)
     batcher makes them: the graphs stop growing after the first 30 batches instead of one per batch. By layer
     (`trainer.compile_scope: layers`, each fullgraph) the graphs are per layer kind (encoder, local decoder,
     decoder with cross-attention) and variant (key layout, a batch of one target or row, which dynamic shapes
-    specialise), however many layers, padded or on real tokens only (9 here); in eval mode (probes, generation)
-    the layers run eagerly: nothing more is compiled."""
+    specialise), however many layers, padded or on real tokens only (9 here), plus the loss head's two (its first
+    shapes, then symbolic ones); in eval mode (probes, generation) the layers run eagerly: nothing more is compiled."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
@@ -100,7 +100,8 @@ def test_varied_batches_compile_into_a_bounded_number_of_graphs(scope, unpadded)
 
     assert len(train_on(9, 30)) >= 20
     warm = counter.frame_count
-    assert len(train_on(10, 12)) >= 10 and counter.frame_count == warm and warm <= 10, (warm, counter.frame_count)
+    bound = 11 if scope == "layers" else 10
+    assert len(train_on(10, 12)) >= 10 and counter.frame_count == warm and warm <= bound, (warm, counter.frame_count)
     if scope == "layers":
         with torch.no_grad():
             model.eval()(**last[0].as_kwargs(), width=last[0].width, layout=last[0].layout)

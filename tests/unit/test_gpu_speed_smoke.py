@@ -60,6 +60,27 @@ def test_the_summary_divides_the_recipe_by_the_bench_step_of_the_same_run():
     assert result["base_mfu_bf16"] == 0.19 and result["paper_mfu_bf16"] == 0.21  # the best arm of each
     assert result["ddp_2_ranks_passed"] is True
     assert gpu_speed.summary({}, "", False, {})["recipe_over_bench_never_seen"] is None  # no bench: no ratio
+    assert result["recipe_compiled_over_bench_compiled_never_seen"] is None  # neither compiled arm ran
+
+
+def test_the_compiled_recipe_is_divided_by_the_compiled_bench_step():
+    records = {
+        "bench_eager_128": {"arm": "bench_eager_128", "target_tokens_per_s": 250_000.0},
+        "bench_compiled_128": {"arm": "bench_compiled_128", "target_tokens_per_s": 400_000.0},
+        "recipe_compiled": {"arm": "recipe_compiled", "recipe_update_s_seen": 0.1, "recipe_update_s_never_seen": 0.2,
+                            "never_seen_s_per_target_token": 0.2 / 16_000},
+    }
+    result = gpu_speed.summary(records, "", False, {})
+    assert result["recipe_compiled_over_bench_compiled_never_seen"] == pytest.approx(5.0)  # 12.5 us against 2.5 us
+    assert result["recipe_over_bench_never_seen_by_variant"]["compiled"] == pytest.approx(3.125)  # against eager
+
+
+def test_every_step_arm_names_a_shape_its_ways_and_its_targets():
+    for arm in gpu_speed.ARMS:
+        if arm.name.startswith(("bench_", "paper_")):
+            shape_name, *how, targets = arm.name.split("_")
+            assert shape_name in ("bench", "paper") and int(targets) > 0
+            assert set(how) <= set(gpu_speed.STEP_WAYS), arm.name
 
 
 def test_the_summary_file_is_named_after_the_card():

@@ -53,7 +53,7 @@ from marge.model.layers import (
     run_layers,
     unit_relevance,
 )
-from marge.model.losses import chunked_token_nll, fused_linear_nll, token_nll
+from marge.model.losses import chunked_token_nll, fused_linear_nll, projected_token_nll, token_nll
 
 
 @dataclass
@@ -75,6 +75,10 @@ class Marge(nn.Module):
         self.loss_chunk_tokens = 0
         """Target tokens whose output logits the training loss computes at a time (0: all at once); set by the
         trainer from `trainer.loss_chunk_tokens`. Not architecture: it changes no weight."""
+        self.projected_nll = projected_token_nll
+        """The unchunked loss head: each row's NLL of the tied output projection. `trainer.compile` swaps in a
+        compiled copy, so the [rows x vocabulary] logits' cast, log-softmax and NLL (and their backward) run as a few
+        fused kernels instead of fp32 copies of the logits."""
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         self.encoder_embed_tokens = (None if cfg.tie_encoder_embeddings
                                      else nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id))
@@ -302,7 +306,7 @@ class Marge(nn.Module):
             return fused_linear_nll(states_RD, self.embed_tokens.weight, labels_R, self.cfg.pad_id, chunk)
         if chunk:
             return None, chunked_token_nll(states_RD, self.embed_tokens.weight, labels_R, self.cfg.pad_id, chunk)
-        return None, token_nll(self.logits(states_RD), labels_R, self.cfg.pad_id)
+        return None, self.projected_nll(states_RD, self.embed_tokens.weight, labels_R, self.cfg.pad_id)
 
     def _target_relevance(self, target_enc_NS: Tensor | None, relevance_MD: Tensor, shape: torch.Size,
                           detach: bool, real: RealTokens | None = None) -> Tensor:
