@@ -105,8 +105,7 @@ class TrainerConfig(OptimizerConfig):
     """Train through `torch.compile` (dynamic shapes unless `compile_dynamic` is off: a few graphs for every batch
     size, none broken by a device read; compiled kernels cached under run.dir/compile-cache): each layer and the
     loss head (`compile_scope`). Off by default: at `base` it changes the recipe's update little for a cold compile
-    of tens of seconds, and on a CPU the first updates pay the compilation; `paper.yaml` sets it (measured figures:
-    docs/gpu.md)."""
+    of tens of seconds, and on a CPU the first updates pay the compilation (measured figures: docs/gpu.md)."""
     compile_dynamic: bool = resumable(True)
     """`trainer.compile` with dynamic shapes (a few graphs for every batch size) or static ones (a graph per shape:
     what CUDA graphs need; only sensible where the shapes are bounded: `bucket_rows`, `bucket_width`). An execution
