@@ -25,7 +25,8 @@ the decoder's use of perfect evidence, beside it.
 **g's P@1** on the held-out pairs (`data.heldout_pairs`), every direction among the tokenizer's languages: g of
 every model (trained or at initialisation) is centred the same way, on the mean g of a fixed sample of training
 documents (`marge.eval.evaluation.fitted_centre`), then compared by cosine. Hits are kept per query, with the page each
-pair comes from, so that intervals resample pages.
+pair comes from (the group `marge prepare` recorded in the pairs file, `marge.eval.evaluation.pair_pages`), so that
+intervals resample pages; `heldout.pairs_own_page` counts the pairs whose page is unknown (each a page of its own).
 
 Every number is stored per item (per target, per query) in DIR/measures.json, keyed by update, so that the study's
 report can bootstrap over seeds and pages; a second call measures only checkpoints it has not measured.
@@ -44,7 +45,7 @@ import torch
 
 from marge.contracts.batch import max_text_tokens
 from marge.contracts.corpus import Corpus, ShardDocuments
-from marge.eval.evaluation import fitted_centre, pair_pages, read_pairs, retrieval_hits
+from marge.eval.evaluation import fitted_centre, own_page_pairs, pair_pages, read_pairs, retrieval_hits
 from marge.model.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
 from marge.model.network import Marge, RelevanceEncoder
 from marge.util.files import atomic_write_text
@@ -297,7 +298,8 @@ def measure_run(folder: Path, device: str = "auto", every: int = MEASURE_EVERY, 
     tokenizer = Corpus.open(Path(cfg.data.corpus), verify_checksums=False).tokenizer()
     stored["heldout"] = {"documents": sum(len(s) for s in held.shards), "shards": len(held.shards),
                          "targets": len(held.items), "targets_dropped_as_training_text": held.excluded_targets,
-                         "pair_pages": len({p for v in held.pages.values() for p in v.tolist()})}
+                         "pair_pages": len({p for v in held.pages.values() for p in v.tolist()}),
+                         "pairs_own_page": own_page_pairs(held.pages)}
     stored["pair_pages"] = {k: v.tolist() for k, v in held.pages.items()}
     for step in missing:
         model = load_model_weights(paths.init_weights) if step == 0 else load_model(checkpoints[step])

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from marge.eval.evaluation import clustered_bootstrap, page_sums
+from marge.eval.evaluation import clustered_bootstrap, own_page_pairs, page_sums
 from marge.util.files import atomic_write_text
 
 log = logging.getLogger("marge.mechanism")
@@ -371,10 +371,15 @@ def write_report(out: Path) -> dict:
             contrasts[name] = {"first": first, "second": second, "what": what,
                                **contrast(runs[first], runs[second], pages, step)}
     any_run = next(iter(next(iter(runs.values())).values()))
+    heldout = {**(any_run["measures"].get("heldout") or {}), "pairs_own_page": own_page_pairs(pages.pair_pages)}
+    if heldout["pairs_own_page"]:  # measures of a pairs file without groups: intervals narrower than over pages
+        log.warning("%d held-out pairs have no known page and are resampled as pages of their own: the P@1 "
+                    "intervals are narrower than over pages; prepare the corpus again to record each pair's group",
+                    heldout["pairs_own_page"])
     report = {
         "question": "Does the reconstruction loss teach g to retrieve through beta * f, and does the loop add to g?",
         "common_overrides": list(COMMON),
-        "heldout": any_run["measures"].get("heldout"),
+        "heldout": heldout,
         "definitions": {
             "p_at_1": "held-out P@1 of g, mean over the tokenizer's directions of the held-out pairs; g centred on the "
                       "mean g of 2,048 training documents for every model (trained and initial alike)",

@@ -32,6 +32,7 @@ from marge.util.files import setup_logging
 from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.core import DocumentStore
 from services.batcher.schedule import BatchSchedule, wait_for_version
+from services.batcher.stats import links_by_language
 from services.batcher.writer import write_slots
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,10 @@ class Batcher:
         self.produced_by_version: dict[int, int] = {}
         self.cross_share_sum = 0.0
         self.tokens_sum = 0
+        self.links_version = -1
+        self.links: dict[tuple[str, str], int] = {}
+        """Links by (target, evidence) language in this builder's batches of index version `links_version` (its
+        newest): what the progress lines judge a language's share of the cross-lingual links by."""
         self.waiting_for_version: int | None = None
         self._building: int | None = None
         """The slot whose batch is being built."""
@@ -111,6 +116,11 @@ class Batcher:
         self.produced_by_version[batch.index_version] = self.produced_by_version.get(batch.index_version, 0) + 1
         self.cross_share_sum += batch.cross_lingual_edge_share()
         self.tokens_sum += batch.cost_tokens()
+        if batch.index_version > self.links_version:
+            self.links_version, self.links = batch.index_version, {}
+        if batch.index_version == self.links_version:
+            for pair, n in links_by_language(batch).items():
+                self.links[pair] = self.links.get(pair, 0) + n
         self.metrics.inc("marge_batches_produced")
         self.metrics.set("marge_batcher_next_slot", slot + 1)
         self.metrics.set("marge_batch_crosslingual_share", self.cross_share_sum / self.produced)
@@ -122,4 +132,6 @@ class Batcher:
         return {"produced": self.produced, "produced_by_version": dict(self.produced_by_version),
                 "crosslingual_share": self.cross_share_sum / max(1, self.produced),
                 "mean_batch_tokens": self.tokens_sum / max(1, self.produced), "next_slot": self.queue.next_slot(self.group),
-                "waiting_for_version": self.waiting_for_version, "time": time.time()}
+                "waiting_for_version": self.waiting_for_version, "time": time.time(),
+                "links_version": self.links_version, "links_by_language": dict(self.links),
+                "documents_by_language": dict(self.docs.corpus.manifest["languages"])}

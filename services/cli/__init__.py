@@ -74,3 +74,27 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`marge info | head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second complaint when Python flushes
         return 0
+    except Exception as e:
+        failure = ray_failure_line(e)
+        if failure is None:
+            raise  # a fault of the program itself: its traceback is the report
+        # Ray could not start, schedule or keep what the command needed: one line; what it started is stopped
+        log.debug("error details", exc_info=True)
+        print(f"marge {args.command}: error: {failure}", file=sys.stderr)
+        return 1
+
+
+def ray_failure_line(error: Exception) -> str | None:
+    """The one line for a failure of Ray's (it did not start, could not schedule or lost an actor, a stage stopped
+    answering), None for any other error. Ray is only looked at when the command imported it."""
+    from marge.util.local_ray import RayStartError
+
+    if isinstance(error, RayStartError):
+        return str(error)
+    if "ray" not in sys.modules:
+        return None
+    from services.driver.resources import StageFailure, describe_stage_failure, is_ray_failure
+
+    if isinstance(error, StageFailure):
+        return str(error)
+    return str(describe_stage_failure(None, error)) if is_ray_failure(error) else None

@@ -26,6 +26,9 @@ def add_pretrain(sub) -> None:
                         "to resume. Needs held-out pairs (the corpus's held-out split or data.heldout_pairs): it "
                         "reports P@1 against the untrained model")
     p.add_argument("--device", default="auto", help="--single-process: auto (CUDA when present), cpu or cuda[:N]")
+    p.add_argument("--reuse-folder", action="store_true",
+                   help="run in a run.dir that holds the other mode's run (on Ray, or --single-process), over its "
+                        "files; without it such a folder is refused")
     p.set_defaults(func=cmd_pretrain)
 
 
@@ -41,12 +44,12 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     if args.dry_run:
         from services.driver.pipeline import dry_run
 
-        print(json.dumps(dry_run(cfg), indent=2, default=str), flush=True)
+        print(json.dumps(dry_run(cfg, args.reuse_folder), indent=2, default=str), flush=True)
         return 0
     if args.single_process:
         from services.driver.single_process import pretrain_single_process
 
-        report = pretrain_single_process(cfg, args.device)
+        report = pretrain_single_process(cfg, args.device, args.reuse_folder)
         print(json.dumps({key: report[key] for key in ("pipeline", "g_health", "checkpoint", "curves") if key in report}
                          | {"report": str(Path(cfg.run.dir).resolve() / "report.json")}, default=str), flush=True)
         return 0
@@ -55,7 +58,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
                          "trainer.use_gpu and indexer.use_gpu)")
     from services.driver.pipeline import run_pipeline
 
-    summary = run_pipeline(cfg)
+    summary = run_pipeline(cfg, args.reuse_folder)
     print(json.dumps(summary), flush=True)
     return 0
 

@@ -40,14 +40,17 @@ from marge.model.snapshot import drop_snapshots_after, latest_snapshot
 from marge.util.files import atomic_write_text
 from services.batcher.stats import combined_stats
 from services.driver.config import PipelineConfig, config_drift, environment_endpoints, probe_files, with_absolute_paths
-from services.driver.lock import DriverLock
+from services.driver.lock import PIPELINE, DriverLock, check_folder_mode
 from services.driver.plan import estimated_throughput, warn_if_behind
-from services.driver.progress import Progress, log_progress
+from services.driver.progress import Progress, log_progress, setup_phase
 from services.driver.redis_server import private_conf_dir
 from services.driver.resources import (
     RedisEndpoint,
+    StageFailure,
     apply_local_ray_env,
     check_local_fit,
+    describe_stage_failure,
+    is_ray_failure,
     ray_for,
     ray_running,
     redis_for,
@@ -59,8 +62,9 @@ from services.trainer.rank import process_group_backend, train_loop_per_worker
 log = logging.getLogger("marge.pipeline")
 
 
-def run_pipeline(cfg: PipelineConfig) -> dict:
-    """Prepare what is missing, start Redis, Ray and the stages, train until done, stop what was started.
+def run_pipeline(cfg: PipelineConfig, reuse_folder: bool = False) -> dict:
+    """Prepare what is missing, start Redis, Ray and the stages, train until done, stop what was started. A run.dir
+    holding a `--single-process` run is refused unless `reuse_folder`.
 
     Started again on a run that stopped or crashed, it resumes: from the newest checkpoint that verifies, with
     the snapshots and index versions of later updates discarded and the queue reset to that update (the
@@ -71,17 +75,25 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     if not cfg.ray.address and not ray_running():
         check_local_fit(cfg)  # a run a local Ray could not hold is refused before anything starts or is written
     paths.run_dir.mkdir(parents=True, exist_ok=True)
-    with DriverLock(paths.run_dir):
+    with DriverLock(paths.run_dir, PIPELINE, reuse_folder):
         check_resume(cfg, paths)
         atomic_write_text(paths.run_dir / "config.yaml", yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))
-        corpus = ensure_corpus(cfg)
+        corpus = open_corpus(cfg)
         cfg = with_probes(cfg, corpus)
         model_cfg = cfg.model_config(vocab_size=corpus.tokenizer().vocab_size)
-        ensure_initial_model(model_cfg, paths, corpus, cfg.run.seed)
+        with setup_phase(log, "initial model") as notes:
+            ensure_initial_model(model_cfg, paths, corpus, cfg.run.seed)
+            notes.append(f"{paths.init_weights.name} and the step-0 snapshot in {paths.run_dir}")
         capacity = (warn_if_behind(cfg, model_cfg, corpus, estimated_throughput(cfg)) if cfg.objectives.needs_index
                     else None)  # the plan is the indexer's against the trainers'; without an index there is none
         checkpoint = newest_good_checkpoint(paths.checkpoints)  # chosen; nothing cut back yet
-        with redis_for(cfg) as redis, redis.watched(), ray_for(cfg):
+        with contextlib.ExitStack() as running:
+            with setup_phase(log, "Redis and Ray") as notes:
+                redis = running.enter_context(redis_for(cfg))
+                running.enter_context(redis.watched())
+                running.enter_context(ray_for(cfg))
+                notes.append(f"Redis {'private redis-server' if redis.server else 'at redis.url'}, Ray "
+                             f"{'at ' + cfg.ray.address if cfg.ray.address else 'local'}")
             # a new trainer generation first: a group a killed driver left running can then neither write to the
             # queue nor finish a checkpoint this run resumes from (the lineage abandons it)
             fence = BatchQueue.connect(redis.url, paths.name, cfg.slots())  # joins the generation: not for writes
@@ -93,6 +105,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             floor = cfg.version_plan().version_for_step(point.step)
             url_file = stage_url_file(paths, redis.url)  # the stages get its path, not the password
             with running_stages(cfg, paths, url_file, floor) as stages:
+                log.info("[setup] stages asked of Ray: %s; the trainers start next, the first index is built "
+                         "meanwhile", ", ".join(stages.runs))
                 deadline = started + 60 * cfg.run.max_minutes if cfg.run.max_minutes else None
                 job = trainer_job(cfg, url_file, deadline, resume_from=point.checkpoint)
                 board = RunBoard(paths.run_dir, "index", cfg.run.tensorboard)
@@ -108,7 +122,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         return summary
 
 
-def dry_run(cfg: PipelineConfig) -> dict:
+def dry_run(cfg: PipelineConfig, reuse_folder: bool = False) -> dict:
     """What `marge pretrain` would do with `cfg`, checked as far as it can be without starting Ray or Redis or
     writing anything: the config in full, that this machine's local Ray could hold the run (when it would start
     one), that a resumed run keeps its settings, the corpus (prepared, or the inputs to prepare it from), the
@@ -118,6 +132,7 @@ def dry_run(cfg: PipelineConfig) -> dict:
     paths = cfg.paths()
     if not cfg.ray.address and not ray_running():
         check_local_fit(cfg)
+    check_folder_mode(paths.run_dir, PIPELINE, reuse_folder)
     check_resume(cfg, paths)
     checkpoint = newest_good_checkpoint(paths.checkpoints)  # what `resume_point` would pick, nothing deleted
     out: dict[str, Any] = {"run_dir": str(paths.run_dir), "objectives": list(cfg.objectives.enabled),
@@ -165,6 +180,7 @@ def final_g_health(cfg: PipelineConfig, paths: RunPaths, corpus: Corpus) -> dict
     no held-out pairs or no trained snapshot."""
     from marge.eval.evaluation import pair_pages, read_pairs
     from marge.model.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
+    from services.driver.verdict_context import add_verdict_context
     from services.trainer.health import INIT_BASELINES, centre_rows, describe_g_health, g_health, random_encoders
 
     pairs_path = cfg.health.pairs or cfg.data.heldout_pairs
@@ -183,6 +199,7 @@ def final_g_health(cfg: PipelineConfig, paths: RunPaths, corpus: Corpus) -> dict
     health = g_health(trained, initials, tokenizer, pairs, centre_rows(corpus, seed=cfg.run.seed),
                       pair_pages(pairs, documents))
     health["snapshot_step"] = newest.step
+    add_verdict_context(health, pairs, corpus, paths.index, cfg.indexer)  # chance, TF-IDF, languages cut off
     log.info(describe_g_health(health))
     if health["warning"]:
         log.warning(health["warning"])
@@ -234,6 +251,15 @@ def resume_point(paths: RunPaths, checkpoint: Path | None) -> ResumePoint:
         log.info("resuming from %s (update %d); discarded the later snapshots %s and index versions %s", checkpoint,
                  step, discarded["snapshots"], discarded["index_versions"])
     return ResumePoint(step, str(checkpoint) if checkpoint else None, discarded)
+
+
+def open_corpus(cfg: PipelineConfig) -> Corpus:
+    """`ensure_corpus` between two set-up lines (preparing a corpus, or opening a large one, takes a while)."""
+    with setup_phase(log, f"corpus {cfg.data.corpus}") as notes:
+        corpus = ensure_corpus(cfg)
+        notes.append(f"{corpus.manifest['num_documents']} documents in {len(corpus.languages)} languages, "
+                     f"{corpus.num_shards} shards")
+    return corpus
 
 
 def ensure_corpus(cfg: PipelineConfig) -> Corpus:
@@ -431,6 +457,7 @@ def supervise(trainer, stages: Stages, queue: BatchQueue, progress: Progress, pr
     a stage's `run` that fails for good, or an interrupt, asks the trainers to stop at their next step boundary
     (they checkpoint) and re-raises."""
     import ray
+    import ray.exceptions
 
     outcome: dict = {}
 
@@ -450,19 +477,37 @@ def supervise(trainer, stages: Stages, queue: BatchQueue, progress: Progress, pr
             done, _ = ray.wait(list(runs.values()), timeout=0)
             for name, ref in runs.items():
                 if ref in done:
-                    ray.get(ref)  # raises the stage's error
-                    raise RuntimeError(f"the {name} stage stopped unexpectedly")
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayError as e:
+                        if is_ray_failure(e):  # unschedulable or died for good: one line; its own error: as raised
+                            raise describe_stage_failure(name, e) from e
+                        raise
+                    raise StageFailure(f"the {name} stage's loop returned while the run was training: see its "
+                                       "worker log under the Ray session's logs folder, and start the run again to "
+                                       "resume it")
             if time.time() >= next_report:
                 log_progress(progress)
                 next_report = time.time() + progress_every_s
     except BaseException:
         queue.request_stop()  # trainers stop at the next step boundary and checkpoint
-        thread.join(timeout=120)
+        # trainers that never trained hold no update to checkpoint: a Ray that cannot start them need not be awaited
+        thread.join(timeout=120 if trained_yet(queue) else 10)
         raise
     if "error" in outcome:
+        if is_ray_failure(outcome["error"]):
+            raise describe_stage_failure("trainer", outcome["error"]) from outcome["error"]
         raise outcome["error"]
     log_progress(progress)
     return outcome["result"]
+
+
+def trained_yet(queue: BatchQueue) -> bool:
+    """Whether the trainers recorded an update (True also when Redis cannot say: then they are waited for)."""
+    try:
+        return queue.last_step() is not None
+    except Exception:  # noqa: BLE001 - asked while failing: the answer must not hide the failure
+        return True
 
 
 def summarize(paths: RunPaths, queue: BatchQueue, stages: Stages, result, started: float, point: ResumePoint,

@@ -59,6 +59,20 @@ parameter, clipping, kernel launches: about 2 ms at `base` on an H100) outweighs
 about 1.7 ms of model FLOPs at 45% of an H100's bf16 peak)."""
 
 
+UPDATE_TIME_FLOOR = (
+    "a floor, not a forecast: the update's FLOPs at the rate of a 512 x 512 matrix product on this machine, which a "
+    "training step reaches only in part (small matrices, attention, normalisation, the optimizer), with nothing for "
+    "waiting for batches, the all-reduce or a CPU shared with the indexer; `marge plan --measure --out FILE`, then "
+    "`--measured FILE`, times real training steps")
+"""What `seconds_per_update` is when the throughput is estimated. `marge plan --config deploy/configs/own-corpus.yaml
+data.corpus=C`, C prepared from 40 pages of the demo fixture (tests/conftest.py's `small_corpus`), on a 2-core CPU
+shared with other work: 0.037 s estimated, 0.285 s from `--measure` (7.7x)."""
+UPDATE_TIME_MEASURED = (
+    "one trainer worker's measured training step on its own: waiting for batches, the all-reduce and a CPU shared "
+    "with the indexer come on top (the progress lines' wait share shows the waiting)")
+"""What `seconds_per_update` is when the throughput was measured (`marge plan --measure`)."""
+
+
 STREAM_ENTRY_OVERHEAD_BYTES = 160
 """A stream entry's cost beyond its message: field names, entry id, listpack and radix-tree nodes."""
 LEDGER_ENTRY_BYTES = 190
@@ -178,6 +192,7 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
         "documents": documents, "mean_document_tokens": round(mean_document_tokens, 1),
         "throughput": asdict(rates),
         "seconds_per_update": seconds_per_update,
+        "seconds_per_update_is": UPDATE_TIME_MEASURED if rates.measured else UPDATE_TIME_FLOOR,
         "refresh_interval_s": refresh_interval_s,
         "index_lag_updates": version_plan.lag,
         "build_s": build_s,
@@ -224,8 +239,9 @@ def describe(plan: dict, cfg: PipelineConfig) -> list[str]:
     s, redis = plan["staleness_updates"], plan["redis"]
     lines = [
         f"{plan['documents']:,} documents of {plan['mean_document_tokens']:.0f} tokens; {plan['throughput']['source']}",
-        f"one update: {plan['seconds_per_update']:.3g} s -> refresh interval {cfg.indexer.reindex_every} updates = "
-        f"{plan['refresh_interval_s']:.3g} s",
+        f"one update: {'' if plan['throughput']['measured'] else 'at least '}{plan['seconds_per_update']:.3g} s "
+        f"({plan['seconds_per_update_is']}) -> refresh interval {cfg.indexer.reindex_every} updates = "
+        f"{'' if plan['throughput']['measured'] else 'at least '}{plan['refresh_interval_s']:.3g} s",
         f"one refresh with {cfg.indexer.num_workers} indexer worker(s): {plan['build_s']:.3g} s, due "
         f"{plan['index_lag_updates']} updates after its snapshot "
         f"({'keeps up' if plan['keeps_up'] else 'does NOT keep up: the trainers wait %.3g s per refresh, %.0f%% of their time' % (plan['trainer_wait_per_refresh_s'], 100 * plan['trainer_wait_share'])}; "

@@ -21,6 +21,7 @@ from marge.contracts.paths import INDEX, SNAPSHOTS
 from marge.contracts.train_log import TrainLog
 from marge.eval.refresh import RefreshCost, read_builds
 from marge.util.progress import track
+from services.driver.language_links import cut_off_languages, describe_cut_off, language_link_balance
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,15 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
         t_langs = [lang_of[d] for d in graph.column("target_id").to_pylist()]
         e_langs = [lang_of[d] for d in graph.column("evidence_id").to_pylist()]
     langs, shares = link_matrix(t_langs, e_langs, corpus.languages)
+    pair_counts: dict[tuple[str, str], int] = {}
+    for pair in zip(t_langs, e_langs):
+        pair_counts[pair] = pair_counts.get(pair, 0) + 1
+    balance = language_link_balance(pair_counts, corpus.manifest["languages"])
+    cut = cut_off_languages(balance)
+    lexical = not checkpoint and cfg.indexer.link_source(index.snapshot_step)[0] in ("tfidf", "hybrid")
+    cut_off_warning = describe_cut_off(cut, source, lexical, cfg.indexer)
+    if cut_off_warning:
+        log.warning("%s", cut_off_warning)
     files = {k: str(v) for k, v in write_link_matrix(langs, shares, out_dir, f"retrieved links by language: {source}").items()}
 
     builds = read_builds(run_dir)
@@ -214,6 +224,7 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
     report = {"source": source, "languages": langs, "link_matrix": shares.round(4).tolist(),
               "crosslingual_share": float(len([1 for a, b in zip(t_langs, e_langs) if a != b]) / max(1, len(t_langs))),
               "languages_without_links": [lang for lang, row in zip(langs, shares) if row.sum() == 0],
+              "language_links": balance, "languages_cut_off": cut, "languages_cut_off_warning": cut_off_warning,
               "steps": steps[-1] if steps else 0, "loss_last": losses[-1] if losses else None,
               "snapshot_p_at_1": curve, "link_precision": link_precision, "refresh": refresh, "files": files}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

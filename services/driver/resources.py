@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import marge.util.local_ray
+from marge.contracts.config import ConfigError
+from marge.util.local_ray import RayStartError
 from services.driver.config import PipelineConfig
 from services.driver.redis_server import LocalRedis, private_conf_dir
 from services.trainer import loopback
@@ -87,14 +89,21 @@ def ray_for(cfg: PipelineConfig) -> Iterator[None]:
     def check_cluster() -> None:
         resources = ray.cluster_resources()
         cfg.check_fits(resources.get("CPU", 0.0), resources.get("GPU", 0.0))
+        check_custom_resources(cfg, resources, "the Ray cluster")
 
     if ray.is_initialized():  # embedded in a program (or a test) that already runs Ray
         check_cluster()
         yield
         return
     if cfg.ray.address:
-        with marge.util.local_ray.keeping_sigterm_handler():
-            ray.init(address=cfg.ray.address, namespace=namespace, log_to_driver=True)
+        try:
+            with marge.util.local_ray.keeping_sigterm_handler():
+                ray.init(address=cfg.ray.address, namespace=namespace, log_to_driver=True)
+        except Exception as e:  # noqa: BLE001 - one line for every way joining fails (the cause is chained)
+            raise RayStartError(f"could not join the Ray cluster at ray.address {cfg.ray.address}: "
+                                f"{' '.join(str(e).split())[:300]} ({type(e).__name__}); is it running there "
+                                f"(`ray status --address {cfg.ray.address}`)? Or drop ray.address to start a "
+                                "local Ray") from e
         try:
             check_cluster()
         except BaseException:
@@ -113,7 +122,69 @@ def check_local_fit(cfg: PipelineConfig) -> int:
     in an explicit `ray.num_cpus`, GPUs asked for where there are none): checked before anything starts."""
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(cfg.cpus_needed() + 0.999))
     cfg.check_fits(num_cpus, local_gpus())
+    check_custom_resources(cfg, {}, "a local Ray")
     return num_cpus
+
+
+def check_custom_resources(cfg: PipelineConfig, cluster: dict[str, float], where: str) -> None:
+    """Refuse up front a stage whose custom Ray resources (`indexer.resources`, `trainer.resources`) `where` does
+    not offer: Ray would keep its actors pending for ever (infeasible), and the run would wait in silence."""
+    asked = {"trainer.resources": dict(cfg.trainer.resources)}
+    if cfg.objectives.needs_index:
+        asked["indexer.resources"] = dict(cfg.indexer.resources)
+    for key, resources in asked.items():
+        missing = {name: amount for name, amount in resources.items() if amount > cluster.get(name, 0.0) + 1e-9}
+        if missing:
+            offered = sorted(name for name in cluster if name not in ("CPU", "GPU", "memory", "object_store_memory")
+                             and not name.startswith(("node:", "accelerator_type:")))
+            raise ConfigError(f"{key} asks for {missing} per worker, which {where} does not offer (custom resources "
+                              f"there: {offered or 'none'}): start nodes that offer them (`ray start --resources "
+                              f"'{{...}}'`) and pass ray.address, or set {key}={{}}")
+
+
+class StageFailure(RuntimeError):
+    """A stage of the run failed for good or stopped answering: the message is one line naming the stage, the
+    likely cause and what to try (`describe_stage_failure`)."""
+
+
+def is_ray_failure(error: BaseException) -> bool:
+    """Whether `error` (or what it was raised from) is Ray failing to schedule, start or keep a stage's actor, as
+    opposed to the stage's own code failing (whose traceback is the useful report)."""
+    import ray.exceptions
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, (ray.exceptions.ActorUnschedulableError, ray.exceptions.ActorDiedError,
+                             ray.exceptions.TaskUnschedulableError, ray.exceptions.RuntimeEnvSetupError)) or \
+                type(seen).__name__ == "WorkerGroupStartupTimeoutError":
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def describe_stage_failure(stage: str | None, error: BaseException) -> StageFailure:
+    """What a stage's Ray error means for the run, in one line: unschedulable (Ray could not start its worker
+    process or find the resources it asks for), dead (killed, or crashed while starting), or another failure."""
+    import ray.exceptions
+
+    load = marge.util.local_ray.machine_load()
+    who = f"the {stage} stage" if stage else "a stage"
+    found = error
+    while found.__cause__ is not None and not isinstance(found, ray.exceptions.RayError):
+        found = found.__cause__
+    if isinstance(found, ray.exceptions.ActorUnschedulableError):
+        text = str(found)
+        cause = ("Ray could not start a worker process for it in time, again and again: the machine is probably too "
+                 f"loaded ({load}); try again when it is quieter, or give the run fewer workers"
+                 if "worker startup" in text else
+                 "no node offers what it asks for (num_cpus, memory or custom resources): lower its num_cpus or "
+                 f"resources, or add a node that has them ({load})")
+        return StageFailure(f"{who} could not be scheduled: {cause} (Ray: {' '.join(text.split())[:200]})")
+    if isinstance(found, ray.exceptions.ActorDiedError):
+        return StageFailure(f"{who}'s actor died ({' '.join(str(found).split())[:200]}): killed, out of "
+                            f"memory, or crashed while starting ({load}); its worker log under the Ray session's "
+                            "logs folder says which; start the run again to resume it")
+    return StageFailure(f"{who} failed: {type(found).__name__}: {' '.join(str(found).split())[:300]}")
 
 
 def ray_running() -> bool:

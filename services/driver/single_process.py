@@ -88,7 +88,9 @@ from services.driver.learning_report import (
     heldout_pairs_path,
     measure_baselines,
 )
-from services.driver.pipeline import ensure_corpus, final_g_health, with_probes
+from services.driver.lock import SINGLE_PROCESS, DriverLock
+from services.driver.pipeline import final_g_health, open_corpus, with_probes
+from services.driver.progress import setup_phase
 from services.indexer.core import build_version, describe_build, index_shard, prune_unneeded_snapshots
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
@@ -230,11 +232,14 @@ class SingleProcessRun:
         self.out_dir = Path(out_dir).resolve()
         self.cfg, self.device, self.resume = cfg, device, resume
         self.paths = cfg.paths()
-        self.corpus = ensure_corpus(cfg)
+        self.corpus = open_corpus(cfg)
         self.cfg = cfg = with_probes(cfg, self.corpus)
         self.tokenizer = self.corpus.tokenizer()
         self.pairs = read_pairs(heldout_pairs_path(cfg), self.tokenizer.languages)
-        ensure_initial_model(cfg.model_config(vocab_size=self.tokenizer.vocab_size), self.paths, self.corpus, cfg.run.seed)
+        with setup_phase(log, "initial model") as notes:
+            ensure_initial_model(cfg.model_config(vocab_size=self.tokenizer.vocab_size), self.paths, self.corpus,
+                                 cfg.run.seed)
+            notes.append(f"{self.paths.init_weights.name} and the step-0 snapshot in {self.paths.run_dir}")
         # retrieval and evidence probes of g and the decoder: for the MARGE model (a BART run's too), not VECO's
         self.monitor = HealthMonitor(cfg.health, cfg.data.heldout_pairs, self.tokenizer, seed=cfg.run.seed) \
             if cfg.objectives.model_family == "marge" else None
@@ -256,19 +261,23 @@ class SingleProcessRun:
         path = self.out_dir / "baselines.json"
         if path.exists():
             return json.loads(path.read_text(encoding="utf-8"))
-        init_model = load_model_weights(self.paths.init_weights).to(self.device).eval()
-        baselines = measure_baselines(init_model, self.tokenizer, self.pairs, self.probe, self.device,
-                                      aligned=self.monitor.aligned if self.monitor else None)
+        with setup_phase(log, f"baselines on {len(self.pairs)} held-out pairs (random init, TF-IDF)"):
+            init_model = load_model_weights(self.paths.init_weights).to(self.device).eval()
+            baselines = measure_baselines(init_model, self.tokenizer, self.pairs, self.probe, self.device,
+                                          aligned=self.monitor.aligned if self.monitor else None)
         atomic_write_text(path, json.dumps(baselines, indent=2) + "\n")
         return baselines
 
     def build_training_state(self):
         cfg = self.cfg
-        model = apply_objective_settings(
-            apply_execution_settings(load_model_weights(self.paths.init_weights).to(self.device).train(), cfg.trainer),
-            cfg.objectives)
-        optimizer = build_optimizer(model, cfg.trainer)
-        scheduler = build_scheduler(optimizer, cfg.trainer, cfg.run.max_steps)
+        with setup_phase(log, f"model and optimizer on {device_name(self.device)}") as notes:
+            model = apply_objective_settings(
+                apply_execution_settings(load_model_weights(self.paths.init_weights).to(self.device).train(),
+                                         cfg.trainer),
+                cfg.objectives)
+            optimizer = build_optimizer(model, cfg.trainer)
+            scheduler = build_scheduler(optimizer, cfg.trainer, cfg.run.max_steps)
+            notes.append(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
         state: dict[str, Any] = {"step": 0, "tokens_seen": 0, "target_tokens_seen": 0, "train_seconds": 0.0}
         checkpoint = newest_good_checkpoint(checkpoint_root(cfg)) if self.resume else None
         if checkpoint is not None:
@@ -303,7 +312,11 @@ class SingleProcessRun:
         for version in needed:
             if not (self.paths.index / version_dirname(version) / "manifest.json").exists():
                 snapshot = read_snapshot(self.paths.snapshots / snapshot_dirname(self.plan.snapshot_step(version)))
-                self.indexer.index_snapshot(snapshot, version)
+                with setup_phase(log, f"index v{version} from snapshot {snapshot.step} "
+                                      f"({self.corpus.manifest['num_documents']} documents)") as notes:
+                    self.indexer.index_snapshot(snapshot, version)
+                    build = self.indexer.history()[-1]
+                    notes.append(f"{build['docs_per_s']:.0f} docs/s")
 
     # --- the loop -----------------------------------------------------------------------------------
 
@@ -507,25 +520,27 @@ def run_single_process(config: Path | None, overrides: list[str], minutes: float
     return train_chunk(cfg, out_dir, resume, minutes, device)
 
 
-def pretrain_single_process(cfg: PipelineConfig, device: str = "auto") -> dict:
+def pretrain_single_process(cfg: PipelineConfig, device: str = "auto", reuse_folder: bool = False) -> dict:
     """`marge pretrain --single-process`: the run in `run.dir` itself (its experiment files beside the run's),
     trained to `run.max_steps` (or for `run.max_minutes`, when set), started or, when `run.dir` already holds a
     single-process run, resumed from its newest checkpoint with the settings it was trained with (`config.RESUMABLE`
-    says what may change). Returns the report."""
+    says what may change). A folder a pipeline run wrote is refused (`services.driver.lock`), unless `reuse_folder`
+    and that run never trained. Returns the report."""
     out_dir = Path(cfg.run.dir).resolve()
     cfg = with_absolute_paths(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(out_dir))))
-    resume = (out_dir / EXPERIMENT_FILE).exists()
-    if resume:
-        saved = yaml.safe_load((out_dir / "config.yaml").read_text(encoding="utf-8"))
-        drift = config_drift(saved, cfg.to_saved_dict())
-        if drift:
-            raise ConfigError(f"{out_dir} holds a single-process run trained with other settings: " + "; ".join(drift)
-                              + ". Put them back, or start a new run (another run.dir)")
-    elif (out_dir / "train_log.jsonl").exists() or (out_dir / "checkpoints").exists():
-        raise ConfigError(f"run.dir {out_dir} holds a pipeline run (`marge pretrain` without --single-process): "
-                          "resume it the way it was started, or choose another run.dir")
-    minutes = cfg.run.max_minutes or None
-    return train_chunk(cfg, out_dir, resume, minutes, device)
+    with DriverLock(out_dir, SINGLE_PROCESS, reuse_folder):
+        resume = (out_dir / EXPERIMENT_FILE).exists()
+        if resume:
+            saved = yaml.safe_load((out_dir / "config.yaml").read_text(encoding="utf-8"))
+            drift = config_drift(saved, cfg.to_saved_dict())
+            if drift:
+                raise ConfigError(f"{out_dir} holds a single-process run trained with other settings: "
+                                  + "; ".join(drift) + ". Put them back, or start a new run (another run.dir)")
+        elif (out_dir / "train_log.jsonl").exists() or (out_dir / "checkpoints").exists():
+            raise ConfigError(f"run.dir {out_dir} holds a pipeline run (`marge pretrain` without --single-process): "
+                              "resume it the way it was started, or choose another run.dir")
+        minutes = cfg.run.max_minutes or None
+        return train_chunk(cfg, out_dir, resume, minutes, device)
 
 
 def train_chunk(cfg: PipelineConfig, out_dir: Path, resume: bool, minutes: float | None, device: str) -> dict:

@@ -317,13 +317,13 @@ def is_heldout_group(group: str, permille: int) -> bool:
     return bool(permille) and int.from_bytes(hashlib.sha1(f"marge-heldout:{group}".encode()).digest()[:8], "big") % 1000 < permille
 
 
-def heldout_pairs(docs: list[RawDocument], max_per_direction: int) -> list[tuple[str, str, str, str]]:
+def heldout_pairs(docs: list[RawDocument], max_per_direction: int) -> list[tuple[str, tuple[str, str, str, str]]]:
     """Translation pairs of the held-out groups in every language direction the groups cover (each unordered pair
-    of languages once, the alphabetically first as the source; P@1 reads both ways): aligned paragraphs where the
-    input numbers them (paragraph_ids), else the groups' whole documents (cut at 1,000 characters). At most
-    `max_per_direction` pairs per pair of languages, groups in name order."""
+    of languages once, the alphabetically first as the source; P@1 reads both ways), each with its group: aligned
+    paragraphs where the input numbers them (paragraph_ids), else the groups' whole documents (cut at 1,000
+    characters). At most `max_per_direction` pairs per pair of languages, groups in name order."""
     pairs = heldout_pairs_by_direction(docs, max_per_direction)
-    return [pair for key in sorted(pairs) for _, pair in pairs[key]]
+    return [grouped for key in sorted(pairs) for grouped in pairs[key]]
 
 
 def heldout_pairs_by_direction(docs: list[RawDocument], max_per_direction: int
@@ -360,9 +360,11 @@ def heldout_row(d: RawDocument) -> dict:
             **({"paragraph_ids": list(d.paragraph_ids)} if d.paragraph_ids else {})}
 
 
-def pair_line(pair: tuple[str, str, str, str]) -> str:
-    """A translation pair as a line of `heldout/pairs.tsv`."""
-    return "\t".join(" ".join(cell.split()) for cell in pair) + "\n"
+def pair_line(pair: tuple[str, str, str, str], group: str) -> str:
+    """A translation pair as a line of `heldout/pairs.tsv`: its four cells, then its group (the page an interval
+    resamples, `marge.eval.evaluation.pair_pages`), whitespace collapsed in each as a tab or newline would break
+    the line."""
+    return "\t".join(" ".join(cell.split()) for cell in (*pair, group)) + "\n"
 
 
 MIN_HELDOUT_GROUPS = 30
@@ -380,8 +382,8 @@ def write_heldout(folder: Path, docs: list[RawDocument], opts: PrepareOptions, t
     pairs = heldout_pairs(docs, opts.max_pairs_per_direction)
     if pairs:
         with open(folder / "pairs.tsv", "w", encoding="utf-8", newline="\n") as f:
-            for pair in pairs:
-                f.write(pair_line(pair))
+            for group, pair in pairs:
+                f.write(pair_line(pair, group))
     return heldout_manifest(opts, len({d.group for d in docs}), len(docs), len(pairs), train_groups)
 
 

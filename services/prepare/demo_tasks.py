@@ -128,10 +128,10 @@ def read_reference_pairs(path: Path) -> dict[str, dict[str, str]]:
     pairs: dict[str, dict[str, str]] = defaultdict(dict)
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         cells = line.split("\t")
-        if len(cells) != 4:
+        if len(cells) not in (4, 5):  # a 5th field, the pair's group, is what `marge prepare` adds
             raise ValueError(f"{path} line {lineno}: expected 4 tab-separated fields "
-                             f"(src_lang, src_text, tgt_lang, tgt_text), got {len(cells)}")
-        src_lang, src, tgt_lang, tgt = cells
+                             f"(src_lang, src_text, tgt_lang, tgt_text) or 5 (and the pair's group), got {len(cells)}")
+        src_lang, src, tgt_lang, tgt = cells[:4]
         if src_lang != PIVOT:
             raise ValueError(f"{path} line {lineno}: field src_lang is {src_lang!r}, expected {PIVOT!r}")
         pairs[tgt_lang].setdefault(src, tgt)

@@ -631,6 +631,6 @@ def _write_heldout(batch: pa.Table, folder: str, max_per_direction: int) -> pa.T
             taken[direction] += 1
             if tsv is None:
                 tsv = stack.enter_context(open(out / "pairs.tsv", "w", encoding="utf-8", newline="\n"))
-            tsv.write(pair_line(tuple(row["cells"])))
+            tsv.write(pair_line(tuple(row["cells"]), row["group"]))
             pairs += 1
     return pa.Table.from_pylist([{"documents": documents, "pairs": pairs}])

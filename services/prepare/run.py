@@ -16,7 +16,7 @@ Steps (paper §3 "Data Pre-processing" and §2.4 "Data Sharding"):
   6. assign groups to shards: all chunks of a group share a shard, groups are spread at random
      (seeded) over shards of about `docs_per_shard` chunks; with `heldout_permille`, a fixed share of the groups
      (chosen by a hash of the group) is held out of training instead and written as the run's probes
-     (`heldout/documents.jsonl.gz` and, across languages, `heldout/pairs.tsv`);
+     (`heldout/documents.jsonl.gz` and, across languages, `heldout/pairs.tsv` with each pair's group);
   7. write shards, tokenizer and manifest into a temporary folder and rename it into place.
 
 A bad document stops the run with an error naming the file, line and field (or, with

@@ -391,7 +391,8 @@ def g_health(trained, initials: list, tokenizer, pairs, centre: list[list[int]],
 
     * 'collapsed': unrelated documents have a mean cosine >= COLLAPSED_SPREAD under the trained g;
     * 'learning': the trained g's P@1 is above the initialisations' mean by more than its 95% interval (a paired
-      bootstrap over held-out pages, `pages` from `marge.eval.evaluation.pair_pages`; None: each pair its own page);
+      bootstrap over held-out pages, `pages` from `marge.eval.evaluation.pair_pages`; None: the pairs' recorded
+      groups, else each pair its own page; `pairs_own_page` counts the pairs resampled as a page of their own);
     * 'below initialisation': below it by more than the interval;
     * 'not above initialisation': within the interval.
 
@@ -400,7 +401,9 @@ def g_health(trained, initials: list, tokenizer, pairs, centre: list[list[int]],
         centred_unit,
         clustered_bootstrap,
         fitted_centre,
+        own_page_pairs,
         page_sums,
+        pair_pages,
         raw_relevance_vectors,
         retrieval_hits,
     )
@@ -416,10 +419,7 @@ def g_health(trained, initials: list, tokenizer, pairs, centre: list[list[int]],
     initial = [scored(m) for m in initials]
     init_hits = {k: np.mean([h[k] for h, _ in initial], axis=0) for k in trained_hits}
     if pages is None:
-        pages = {}
-        for pair in pairs:
-            ids = np.array([f"{pair.src_lang}-{pair.tgt_lang}#{i}" for i in range(len(pair.sources))], dtype=object)
-            pages[f"{pair.src_lang}->{pair.tgt_lang}"] = pages[f"{pair.tgt_lang}->{pair.src_lang}"] = ids
+        pages = pair_pages(pairs, None)
     index = {p: i for i, p in enumerate(sorted({p for v in pages.values() for p in v.tolist()}))}
     diff = clustered_bootstrap(*page_sums({k: trained_hits[k].astype(np.float64) - init_hits[k] for k in trained_hits},
                                           pages, index), resamples=resamples)
@@ -458,7 +458,7 @@ def g_health(trained, initials: list, tokenizer, pairs, centre: list[list[int]],
     return {"verdict": verdict, "warning": warning, "spread": spread, "spread_at_init": spread_init,
             "variation": variation,
             "p_at_1": p, "p_at_1_at_init": p0, "difference": diff["mean"], "difference_ci95": diff["ci95"],
-            "initialisations": len(initials), "pages": len(index),
+            "initialisations": len(initials), "pages": len(index), "pairs_own_page": own_page_pairs(pages),
             "directions_above_init": sum(directions[k] > directions_init[k] for k in directions),
             "directions": len(directions), "p_at_1_by_direction": directions,
             "p_at_1_at_init_by_direction": directions_init}
@@ -466,11 +466,28 @@ def g_health(trained, initials: list, tokenizer, pairs, centre: list[list[int]],
 
 def describe_g_health(health: dict) -> str:
     """The one-line report of `g_health` for a progress log."""
+    from marge.eval.evaluation import describe_pages
+
     lo, hi = health["difference_ci95"]
+    pages = describe_pages(health["pages"], health.get("pairs_own_page", 0))
+    scored, baselines, cut_off = verdict_context(health)
     return (f"[g] {health['verdict']} | held-out P@1 {health['p_at_1']:.3f} vs {health['p_at_1_at_init']:.3f} at "
-            f"initialisation (mean of {health['initialisations']} random inits, g centred alike): "
-            f"{health['difference']:+.3f}, 95% CI {lo:+.3f} to {hi:+.3f} over {health['pages']} held-out pages | "
-            f"spread {health['spread']:.3f} (at initialisation {health['spread_at_init']:.3f})")
+            f"initialisation (mean of {health['initialisations']} random inits, g centred alike{baselines}): "
+            f"{health['difference']:+.3f}, 95% CI {lo:+.3f} to {hi:+.3f} over {pages} | {scored}"
+            f"spread {health['spread']:.3f} (at initialisation {health['spread_at_init']:.3f}){cut_off}")
+
+
+def verdict_context(health: dict) -> tuple[str, str, str]:
+    """What the verdict line adds when `health` has it: the snapshot scored (`snapshot_step`), chance and char
+    n-gram TF-IDF on the same pairs (`chance`, `tfidf_p_at_1`), the languages cut off from cross-lingual links
+    (`languages_cut_off`)."""
+    step = health.get("snapshot_step")
+    scored = "" if step is None else f"snapshot step {step} | "
+    known = [f"{name} {health[key]:.3f}" for name, key in (("chance", "chance"), ("char TF-IDF", "tfidf_p_at_1"))
+             if health.get(key) is not None]
+    langs = sorted({c["language"] for c in health.get("languages_cut_off") or []})
+    return (scored, f"; {', '.join(known)}" if known else "",
+            f" | cut off from cross-lingual links: {', '.join(langs)}" if langs else "")
 
 
 def loggable(health: dict) -> dict:
@@ -504,7 +521,8 @@ class HealthMonitor:
         self.pairs = None
         if h.pairs_per_language and pairs_path and Path(pairs_path).exists():
             n = h.pairs_per_language
-            self.pairs = [PairSet(p.src_lang, p.tgt_lang, p.sources[:n], p.targets[:n]) for p in read_pairs(Path(pairs_path), tokenizer.languages)]
+            self.pairs = [PairSet(p.src_lang, p.tgt_lang, p.sources[:n], p.targets[:n], p.groups and p.groups[:n])
+                          for p in read_pairs(Path(pairs_path), tokenizer.languages)]
 
     def measure(self, model: Marge, device: str | torch.device = "cpu") -> dict:
         """Probe health (evidence gain, cosines, spread of g, beta) and held-out P@1 at `health.eval_layer`."""

@@ -2,14 +2,16 @@
 
 A sentence's vector is the mean of encoder layer L's states over its text tokens (the paper tuned
 L = 5 on BUCC). For every language pair in a TSV of translation pairs
-(`src_lang<TAB>src_text<TAB>tgt_lang<TAB>tgt_text`), each source is ranked against every target of that
-pair; P@1 is the share of sources whose best target is their own translation, in both directions.
+(`src_lang<TAB>src_text<TAB>tgt_lang<TAB>tgt_text`, and optionally `<TAB>group`: the page the pair was drawn from,
+which `marge prepare` records), each source is ranked against every target of that pair; P@1 is the share of
+sources whose best target is their own translation, in both directions.
 Scoring is cosine, or the ratio margin of Artetxe & Schwenk (2019) with `margin=True`.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,17 +34,20 @@ class PairsError(ValueError):
 
 @dataclass
 class PairSet:
-    """Aligned translation pairs of one language pair: sources[i] translates to targets[i]."""
+    """Aligned translation pairs of one language pair: sources[i] translates to targets[i]; groups[i], where the
+    pairs file records it, is the page (document group) the pair was drawn from (None: not recorded)."""
 
     src_lang: str
     tgt_lang: str
     sources: list[str]
     targets: list[str]
+    groups: list[str | None] | None = None
 
 
 def read_pairs(path: Path, languages=None) -> list[PairSet]:
-    """Read a pairs TSV; errors name the line and the field. With `languages` (a model's tokenizer's), only the
-    pairs whose two languages it knows are kept: a model has nothing to say about a language it never saw."""
+    """Read a pairs TSV (4 fields, or 5 with the pair's group); errors name the line and the field. With `languages`
+    (a model's tokenizer's), only the pairs whose two languages it knows are kept: a model has nothing to say about a
+    language it never saw."""
     groups: dict[tuple[str, str], PairSet] = {}
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
@@ -53,9 +58,12 @@ def read_pairs(path: Path, languages=None) -> list[PairSet]:
             if not line.strip():
                 continue
             cells = line.split("\t")
-            if len(cells) != 4:
-                raise PairsError(f"{path}:{line_no}: expected 4 tab-separated fields "
-                                 f"(src_lang, src_text, tgt_lang, tgt_text), found {len(cells)}")
+            if len(cells) not in (4, 5):
+                raise PairsError(f"{path}:{line_no}: expected 4 tab-separated fields (src_lang, src_text, tgt_lang, "
+                                 f"tgt_text) or 5 (and the pair's group), found {len(cells)}")
+            if len(cells) == 5 and not cells[4].strip():
+                raise PairsError(f"{path}:{line_no}: empty group (field 5): name the page the pair comes from, "
+                                 "or leave the field out")
             try:
                 src_lang, tgt_lang = normalize_language(cells[0]), normalize_language(cells[2])
             except ValueError as e:
@@ -63,9 +71,11 @@ def read_pairs(path: Path, languages=None) -> list[PairSet]:
             if not cells[1].strip() or not cells[3].strip():
                 raise PairsError(f"{path}:{line_no}: empty text")
             key = (src_lang, tgt_lang)
-            pair = groups.setdefault(key, PairSet(src_lang, tgt_lang, [], []))
+            pair = groups.setdefault(key, PairSet(src_lang, tgt_lang, [], [], []))
             pair.sources.append(cells[1])
             pair.targets.append(cells[3])
+            assert pair.groups is not None
+            pair.groups.append(cells[4] if len(cells) == 5 else None)
     if not groups:
         raise PairsError(f"{path}: no pairs")
     if languages is not None:
@@ -257,29 +267,61 @@ def retrieval_hits(model: Marge | RelevanceEncoder, tokenizer, pairs: list[PairS
     return out
 
 
+OWN_PAGE = "own page: "
+"""How `pair_pages` labels a pair whose page is unknown (`OWN_PAGE` + "src-tgt#i"): a page of its own."""
+_LEGACY_OWN_PAGE = re.compile(r"[a-z]{2}-[a-z]{2}#\d+")
+"""The same label as measures files written before `OWN_PAGE` stored it (without the prefix)."""
+
+
 def pair_pages(pairs: list[PairSet], documents_jsonl: Path | None) -> dict[str, np.ndarray]:
-    """The page (document group) each pair of every language pair comes from, found by its source text among the
-    paragraphs of `documents_jsonl` (the held-out documents the pairs were drawn from): what a bootstrap must resample,
-    since paragraphs of one page are not independent. A pair whose page is unknown is a page of its own."""
+    """The page (document group) each pair of every language pair comes from: what a bootstrap must resample, since
+    pairs of one page are not independent. The group the pairs file records (`marge prepare` writes it); else, for a
+    pairs file without that field, the group whose paragraph or whole document (whitespace collapsed, cut at 1,000
+    characters, as `prepare` pairs documents without paragraph ids) in `documents_jsonl` (the held-out documents the
+    pairs were drawn from) has the pair's source or target text. A pair whose page is still unknown is a page of its
+    own (labelled `OWN_PAGE`...), and a warning says how many: the interval is then narrower than a page-level one."""
     from marge.contracts.corpus import split_paragraphs
     from marge.contracts.documents import read_documents
 
     page_of: dict[tuple[str, str], str] = {}
-    if documents_jsonl is not None and Path(documents_jsonl).exists():
+    unrecorded = any(p.groups is None or None in p.groups for p in pairs)
+    if unrecorded and documents_jsonl is not None and Path(documents_jsonl).exists():
         langs = {lang for p in pairs for lang in (p.src_lang, p.tgt_lang)}
         for group, texts in read_documents(Path(documents_jsonl), langs).items():
             for lang, text in texts.items():
                 for para in split_paragraphs(text):
                     page_of.setdefault((lang, para), group)
+                page_of.setdefault((lang, " ".join(" ".join(text.split())[:1000].split())), group)  # as prepare cut it
     out = {}
     for pair in pairs:
         pages = []
-        for i, (src, tgt) in enumerate(zip(pair.sources, pair.targets)):
-            key = " ".join(src.split())
-            pages.append(page_of.get((pair.src_lang, key)) or page_of.get((pair.tgt_lang, " ".join(tgt.split())))
-                         or f"{pair.src_lang}-{pair.tgt_lang}#{i}")
+        recorded = pair.groups or [None] * len(pair.sources)
+        for i, (src, tgt, recorded_group) in enumerate(zip(pair.sources, pair.targets, recorded)):
+            pages.append(recorded_group or page_of.get((pair.src_lang, " ".join(src.split())))
+                         or page_of.get((pair.tgt_lang, " ".join(tgt.split())))
+                         or f"{OWN_PAGE}{pair.src_lang}-{pair.tgt_lang}#{i}")
         out[f"{pair.src_lang}->{pair.tgt_lang}"] = out[f"{pair.tgt_lang}->{pair.src_lang}"] = np.asarray(pages, dtype=object)
+    own = own_page_pairs(out)
+    if own:
+        log.warning("%d of %d held-out pairs have no known page (a pairs file without its group field, and no "
+                    "held-out document with their text): each is resampled as a page of its own, so the interval is "
+                    "narrower than a page-level one; prepare the corpus again (it records each pair's group), or "
+                    "give the pairs file a fifth field naming each pair's page", own, sum(len(p.sources) for p in pairs))
     return out
+
+
+def own_page_pairs(pages_by_direction: dict[str, np.ndarray]) -> int:
+    """How many pairs `pair_pages` left without a known page (each resampled as a page of its own)."""
+    labels = {p for v in pages_by_direction.values() for p in np.asarray(v).tolist()}
+    return sum(1 for p in labels if p.startswith(OWN_PAGE) or _LEGACY_OWN_PAGE.fullmatch(p))
+
+
+def describe_pages(pages: int, own: int) -> str:
+    """"N held-out pages", and how many of them are pairs of unknown page resampled as pages of their own."""
+    if not own:
+        return f"{pages} held-out pages"
+    return (f"{pages} held-out pages ({own} of them a single pair whose page is unknown: the interval is narrower "
+            "than over whole pages)")
 
 
 def page_sums(values_by_direction: dict[str, np.ndarray], pages_by_direction: dict[str, np.ndarray],

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from marge.util.progress import format_seconds
+
 log = logging.getLogger(__name__)
 
 LOCAL_RAY_ENV = {
@@ -60,6 +62,29 @@ def keeping_sigterm_handler() -> Iterator[None]:
             previous(signal.SIGTERM, None)  # the program's own answer (`marge`: exit through the normal path)
 
 
+class RayStartError(RuntimeError):
+    """Ray could not be started or reached: the message is one line, with the likely cause and what to try."""
+
+
+def machine_load() -> str:
+    """`load 12.3 on 2 CPUs`: how busy this machine is, the usual reason Ray's processes start too slowly."""
+    try:
+        return f"load {os.getloadavg()[0]:.1f} on {os.cpu_count() or 1} CPUs"
+    except OSError:
+        return f"{os.cpu_count() or 1} CPUs"
+
+
+def ray_start_cause(error: BaseException) -> str:
+    """What `ray.init` raised, said in one line with its likely cause and what to try."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if "timed out during startup" in text:
+        return (f"its node did not register within Ray's 30 s (the raylet did not start in time; {machine_load()}): "
+                "the machine is probably too loaded; try again when it is quieter, or start Ray yourself "
+                "(`ray start --head`) and pass ray.address")
+    return (f"{type(error).__name__}: {text[:300]} ({machine_load()}); the Ray logs (`session_*/logs` under Ray's "
+            "temporary folder) say more")
+
+
 def apply_local_ray_env() -> None:
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)
@@ -81,11 +106,16 @@ def local_ray(num_cpus: int, namespace: str | None = None, include_dashboard: bo
     try:
         try:
             log.info("starting a local Ray (%d CPUs)", num_cpus)
+            began = time.monotonic()
             with keeping_sigterm_handler():
                 ray.init(address="local", namespace=namespace, num_cpus=num_cpus, include_dashboard=include_dashboard,
                          dashboard_host="127.0.0.1", object_store_memory=object_store_memory,
                          log_to_driver=log_to_driver,
                          runtime_env={"worker_process_setup_hook": setup_hook} if setup_hook else None)
+            log.info("[setup] local Ray up in %s (%d logical CPUs)", format_seconds(time.monotonic() - began),
+                     num_cpus)
+        except Exception as e:  # noqa: BLE001 - every way Ray's start fails becomes one line (the cause is chained)
+            raise RayStartError(f"a local Ray did not start: {ray_start_cause(e)}") from e
         finally:  # what ray.init started (gcs_server, raylet, ...), also when its start was cut short
             rays_own = set(process_tree({os.getpid()})) - children_before
         if check is not None:
