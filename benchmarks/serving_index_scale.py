@@ -10,14 +10,17 @@ documents get vectors of their own), and serving indexes are built with the newe
   * the build, once per engine (`--engines`, default `local ray`), each a real `marge index build --engine E`
     process one after the other on the same run: the seconds its build took (`build_seconds` in the manifest: for
     Ray, from the cluster being up), the command's wall time (with the interpreter's imports and, for Ray, a local
-    Ray's start and stop), the driver's peak resident memory (its own VmHWM: Ray's worker processes are not in
-    it), the lists, the nprobe chosen and the recall@10 it reached (exact top 10 computed shard by shard at build,
-    on 200 documents' own vectors as queries), and whether the engines' index files are byte for byte the same;
-  * memory: the resident memory a fresh process gains loading the index for serving (`FullCorpusIndex`: the codes,
-    the lists, one bit a document per language), after the service's document table and the snapshot's encoder
-    (reported beside it: the model, the same whatever the corpus size), against the vectors' float32 bytes, the
-    memory a flat index of the same documents needs (the layout of the training index versions, which the service
-    loads otherwise);
+    Ray's start and stop), the driver's peak resident memory (its own VmHWM, which counts the pages of the lists
+    file it writes through its mapping, and its peak RssAnon, sampled every 10 ms from /proc: what it holds of its
+    own; Ray's worker processes are in neither), the lists, the nprobe chosen and the recall@10 it reached (exact
+    top 10 computed shard by shard at build, on 200 documents' own vectors as queries), and whether the engines'
+    index files (index.faiss and the lists file) are byte for byte the same;
+  * memory: what a fresh process gains opening the index for serving (`FullCorpusIndex`: the quantiser and the
+    lists' headers read, the lists file mapped, one bit a document per language), after the service's document
+    table and the snapshot's encoder (reported beside it: the model, the same whatever the corpus size): its
+    resident memory (with the pages of the lists file it has touched: building the language bitmaps reads every
+    doc id) and its anonymous memory, against the vectors' float32 bytes, the memory a flat index of the same
+    documents needs (the layout of the training index versions, which the service loads otherwise);
   * the service: a real `marge serve --full-corpus` on loopback, one client sending `--requests` text searches
     (k=10, texts of corpus documents) and then searches by doc id, one after the other: p50 and p99 per request,
     through HTTP, each answer's hits described from the Parquet shards (`--no-service` skips it).
@@ -49,9 +52,9 @@ from pathlib import Path
 sys.path[:0] = [sys.argv[4], sys.argv[5]]
 from marge.contracts.corpus import Corpus
 
-def rss_mb():
+def rss_mb(key="VmRSS"):
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
 
 corpus = Corpus.open(sys.argv[2], verify_checksums=False)
 tokenizer = corpus.tokenizer()
@@ -62,11 +65,11 @@ from services.retrieval.index import DocumentTable
 docs = DocumentTable(corpus)  # the service's own table (18 bytes a document), there with any index
 before = rss_mb()
 encoder = load_relevance_encoder(latest_snapshot(Path(sys.argv[3]) / "snapshots"))  # the model, not the index
-with_encoder = rss_mb()
+with_encoder, anon_with_encoder = rss_mb(), rss_mb("RssAnon")
 index = FullCorpusIndex(Path(sys.argv[1]), Path(sys.argv[3]), corpus, tokenizer, docs=docs, encoder=encoder)
 after = rss_mb()
-print(json.dumps({"rss_gain_mb": after - with_encoder, "encoder_mb": with_encoder - before,
-                  "documents": int(index.index.ntotal)}))
+print(json.dumps({"rss_gain_mb": after - with_encoder, "anon_gain_mb": rss_mb("RssAnon") - anon_with_encoder,
+                  "encoder_mb": with_encoder - before, "documents": int(index.index.ntotal), "layout": index.layout}))
 """
 
 BUILD = """
@@ -82,17 +85,29 @@ print(json.dumps({"code": code, "wall_s": time.perf_counter() - started, "driver
 
 
 def build(run: Path, corpus_dir: Path, engine: str, workers: int, codec: str) -> dict:
-    """One `marge index build --engine ENGINE` process: its JSON line, its wall time and its driver's peak RSS."""
+    """One `marge index build --engine ENGINE` process: its JSON line, its wall time, its driver's peak RSS and its
+    peak anonymous memory (sampled from here)."""
+    from serving_index_merge import rss_anon
+
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     load_before = os.getloadavg()[0]
-    done = subprocess.run([sys.executable, "-c", BUILD, str(REPO / "shared"), str(REPO), "index", "build", "--run",
-                           str(run), "--corpus", str(corpus_dir), "--codec", codec, "--engine", engine,
-                           "--workers", str(workers)], capture_output=True, text=True, env=env, cwd=REPO)
-    if done.returncode != 0:
-        raise RuntimeError(f"marge index build --engine {engine} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    measured = json.loads(done.stderr.strip().splitlines()[-1])
-    return {**result, **measured, "load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-c", BUILD, str(REPO / "shared"), str(REPO), "index", "build",
+                                 "--run", str(run), "--corpus", str(corpus_dir), "--codec", codec, "--engine", engine,
+                                 "--workers", str(workers)], stdout=out, stderr=err, text=True, env=env, cwd=REPO)
+        peak_anon = 0
+        while proc.poll() is None:
+            peak_anon = max(peak_anon, rss_anon(proc.pid) or 0)
+            time.sleep(0.01)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"marge index build --engine {engine} exited {proc.returncode}:\n{stderr[-3000:]}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    measured = json.loads(stderr.strip().splitlines()[-1])
+    return {**result, **measured, "driver_peak_anon_mb": peak_anon / 2**20, "load_average_before": load_before,
+            "load_average_after": os.getloadavg()[0]}
 
 
 def percentiles(seconds: list[float]) -> dict:
@@ -170,13 +185,15 @@ def main() -> None:
                     builds[engine].append({
                         "build_seconds": manifest["build_seconds"], "wall_s": round(built["wall_s"], 1),
                         "outside_build_s": round(built["wall_s"] - manifest["build_seconds"], 1),
-                        "driver_peak_mb": round(built["driver_peak_mb"], 1), "engine": manifest["engine"],
+                        "driver_peak_mb": round(built["driver_peak_mb"], 1),
+                        "driver_peak_anon_mb": round(built["driver_peak_anon_mb"], 1), "engine": manifest["engine"],
                         "nprobe": manifest["nprobe"], "recall_at_10": manifest["recall_at_10"],
-                        "index_sha256": manifest["index_sha256"],
+                        "index_sha256": manifest["index_sha256"], "data_sha256": manifest.get("data_sha256"),
                         "load_average_before_after": [round(built["load_average_before"], 2),
                                                       round(built["load_average_after"], 2)]})
                     print(f"{times:3d}x {engine:>5}: built in {manifest['build_seconds']:.1f} s (command "
-                          f"{built['wall_s']:.1f} s), driver peak {built['driver_peak_mb']:.0f} MiB, recall@10 "
+                          f"{built['wall_s']:.1f} s), driver peak {built['driver_peak_mb']:.0f} MiB (anonymous "
+                          f"{built['driver_peak_anon_mb']:.0f} MiB), recall@10 "
                           f"{manifest['recall_at_10']:.3f}, load {built['load_average_before']:.1f} -> "
                           f"{built['load_average_after']:.1f}", flush=True)
             manifest = read_build(Path(built["path"]))
@@ -187,20 +204,24 @@ def main() -> None:
             size = {
                 "documents": manifest["documents"], "factory": manifest["factory"], "nprobe": manifest["nprobe"],
                 "recall_at_10": manifest["recall_at_10"], "recall_by_nprobe": manifest["recall_by_nprobe"],
-                "builds": builds, "index_file_mb": manifest["index_bytes"] / 2**20,
-                "vectors_mb": vector_mb, "loaded_rss_gain_mb": loaded["rss_gain_mb"], "encoder_mb": loaded["encoder_mb"],
+                "builds": builds, "layout": loaded["layout"], "index_file_mb": manifest["index_bytes"] / 2**20,
+                "vectors_mb": vector_mb, "loaded_rss_gain_mb": loaded["rss_gain_mb"],
+                "loaded_anon_gain_mb": loaded["anon_gain_mb"], "encoder_mb": loaded["encoder_mb"],
                 "loaded_over_vectors": loaded["rss_gain_mb"] / vector_mb}
-            size["same_index_bytes_every_build"] = len({b["index_sha256"] for runs in builds.values() for b in runs}) == 1
+            size["same_index_bytes_every_build"] = len({(b["index_sha256"], b["data_sha256"])
+                                                        for runs in builds.values() for b in runs}) == 1
             if len(builds) == 2:
                 for name, reduce in (("median", np.median), ("best", np.min)):  # best: the least disturbed run
                     summary = {engine: {key: float(reduce([b[key] for b in runs])) for key in
-                                        ("build_seconds", "wall_s", "driver_peak_mb")} for engine, runs in builds.items()}
+                                        ("build_seconds", "wall_s", "driver_peak_mb", "driver_peak_anon_mb")}
+                               for engine, runs in builds.items()}
                     size[name] = summary
                     size[f"ray_over_local_build_seconds_{name}"] = (summary["ray"]["build_seconds"]
                                                                     / summary["local"]["build_seconds"])
                     size[f"ray_over_local_wall_{name}"] = summary["ray"]["wall_s"] / summary["local"]["wall_s"]
             print(f"{times:3d}x: {manifest['documents']:>9,} documents, {manifest['factory']} nprobe {manifest['nprobe']}: "
-                  f"recall@10 {manifest['recall_at_10']:.3f}; loaded {loaded['rss_gain_mb']:.1f} MiB against "
+                  f"recall@10 {manifest['recall_at_10']:.3f}; loaded {loaded['rss_gain_mb']:.1f} MiB (anonymous "
+                  f"{loaded['anon_gain_mb']:.1f} MiB) against "
                   f"{vector_mb:.1f} MiB of vectors ({loaded['rss_gain_mb'] / vector_mb:.2f}x)", flush=True)
             if not args.no_service:
                 corpus = Corpus.open(corpus_dir, verify_checksums=False)

@@ -7,11 +7,17 @@ service to load instead of the newest training index version, which holds only t
       b000002/
         index.faiss            an inverted-file index (inner product) over g(z) - mean of every corpus document,
                                coded with 8-bit scalar quantisation (`sq8`: d bytes a document against 4 d for
-                               float32) or product quantisation (`pq`: d / 4 bytes), doc ids as FAISS ids
+                               float32) or product quantisation (`pq`: d / 4 bytes), doc ids as FAISS ids: the
+                               coarse quantiser and the lists' sizes and offsets, naming its lists' file by its
+                               bare name (FAISS `OnDiskInvertedLists`)
+        index.ivfdata          the inverted lists: each list's codes then its doc ids, list after list; the
+                               service maps it read-only instead of loading it
         mean.npy               the mean the vectors are stored from (float32, d)
         manifest.json          the snapshot step, codec, lists, the nprobe chosen, documents, the recall@10
-                               measured at build, sha256 of index.faiss, the engine that built it
+                               measured at build, the layout, sha256 of every file, the engine that built it
       .work-<host>-<pid>-<id>/ a Ray build's scratch (sample vectors, parts), removed when it ends
+
+Builds of format version 1 hold the lists inside index.faiss (one file, loaded whole); they still open.
 
 Vectors are stored minus their mean: for a query q, q . (z - mean) + q . mean = q . z, so the ranking is exactly
 inner-product search over g(z) (the score returned adds q . mean back), while the codes spend their 8 bits on how
@@ -26,8 +32,9 @@ computed shard by shard as the shards stream past; `nprobe` is the smallest powe
 same index, byte for byte, on a Ray cluster: tasks embed the training sample's shards and then groups of
 consecutive shards, each group added to a copy of the trained index and written to a scratch folder under
 RUN/serving as a part (tmp + rename; only the queries' top 10 travel back through Ray), and the driver merges the
-parts in shard order. Either way nothing is visible under RUN/serving until the build's folder is renamed into
-place with its manifest, and LATEST moves after that.
+parts' lists in shard order straight into the build's lists file (FAISS `OnDiskInvertedLists.merge_from_multiple`,
+the parts memory-mapped): no process holds the whole index. Either way nothing is visible under RUN/serving until
+the build's folder is renamed into place with its manifest, and LATEST moves after that.
 """
 
 from __future__ import annotations
@@ -58,9 +65,14 @@ log = logging.getLogger(__name__)
 
 SERVING = "serving"
 INDEX_FILE = "index.faiss"
+DATA_FILE = "index.ivfdata"
 MEAN_FILE = "mean.npy"
 FORMAT = "marge-serving-index"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""1: the lists inside index.faiss (`layout` absent); 2: the lists in their own file beside it (`layout` ON_DISK)."""
+SINGLE_FILE = "single-file"
+ON_DISK = "on-disk-lists"
 CODECS = ("sq8", "pq")
 MIN_POINTS_PER_LIST = 39
 """FAISS's k-means wants at least 39 training points a centroid (it warns below)."""
@@ -200,50 +212,102 @@ def build_serving_index(run_dir: Path, corpus: Corpus, snapshot: SnapshotInfo, o
         ids, vectors = sample.pop(shard) if shard in sample else _embed_shard(corpus, shard, encoder, specials, opts)
         index.add_with_ids(np.ascontiguousarray(vectors - mean), ids)
         best_scores, best_ids = _merge_top(best_scores, best_ids, queries @ vectors.T, ids)
-    return _commit(run_dir, snapshot, opts, plan, index, mean, queries, best_ids, started, {"name": "local"})
+    # the lists written out through the same merge as the Ray build's parts, one source here: the same files
+    return _commit(run_dir, snapshot, opts, plan, index, [index.invlists], mean, queries, best_ids, started,
+                   {"name": "local"})
 
 
 def _commit(run_dir: Path, snapshot: SnapshotInfo, opts: BuildOptions, plan: _Plan, index: faiss.Index,
-            mean: np.ndarray, queries: np.ndarray, best_ids: np.ndarray, started: float, engine: dict) -> Path:
-    """Choose nprobe on the queries' exact top 10, then write the build under RUN/serving (manifest last) and move
-    LATEST to it."""
+            lists: list, mean: np.ndarray, queries: np.ndarray, best_ids: np.ndarray, started: float,
+            engine: dict) -> Path:
+    """Write the build under RUN/serving and move LATEST to it: `lists` (FAISS inverted lists, each list's entries
+    taken from them in their order) merged into the build's lists file, which becomes `index`'s lists, nprobe chosen
+    on the queries' exact top 10 by searching that file, then index.faiss, the mean and the manifest last."""
     dim, nlist, k = index.d, plan.nlist, RECALL_K
-    curve, nprobe = {}, index.nlist
-    for probe in [2 ** i for i in range(int(math.log2(index.nlist)) + 1)] + [index.nlist]:
-        index.nprobe = probe
-        _, found = index.search(queries, k)
-        curve[probe] = float(np.mean([len(set(a[a >= 0]) & set(b[b >= 0])) / k for a, b in zip(found, best_ids)]))
-        if curve[probe] >= opts.target_recall:
-            nprobe = probe
-            break
-    recall = curve[nprobe]
-    if recall < opts.target_recall:
-        log.warning("serving index: recall@10 %.3f at every list probed, below the %.2f asked for: build with "
-                    "--codec sq8 (if pq) or more --nlist", recall, opts.target_recall)
-
     root = Path(run_dir) / SERVING
     root.mkdir(parents=True, exist_ok=True)
     existing = BUILDS.versions(root)
     build = (_build_of(existing[-1].name) + 1) if existing else 0
     target = root / f"b{build:06d}"
     with artifacts.publish_dir(target, overwrite=False, error=ServingIndexError) as tmp:
+        merge_lists_on_disk(index, lists, tmp / DATA_FILE)
+        curve, nprobe = {}, index.nlist
+        for probe in [2 ** i for i in range(int(math.log2(index.nlist)) + 1)] + [index.nlist]:
+            index.nprobe = probe
+            _, found = index.search(queries, k)
+            curve[probe] = float(np.mean([len(set(a[a >= 0]) & set(b[b >= 0])) / k for a, b in zip(found, best_ids)]))
+            if curve[probe] >= opts.target_recall:
+                nprobe = probe
+                break
+        recall = curve[nprobe]
+        if recall < opts.target_recall:
+            log.warning("serving index: recall@10 %.3f at every list probed, below the %.2f asked for: build with "
+                        "--codec sq8 (if pq) or more --nlist", recall, opts.target_recall)
         faiss.write_index(index, str(tmp / INDEX_FILE))
         np.save(tmp / MEAN_FILE, mean)
+        index_bytes = (tmp / INDEX_FILE).stat().st_size + (tmp / DATA_FILE).stat().st_size
         artifacts.write_manifest(tmp, {
             "format": FORMAT, "version": FORMAT_VERSION, "build": build, "snapshot_step": snapshot.step,
             "codec": opts.codec, "factory": factory_string(dim, nlist, opts.codec), "nlist": int(index.nlist),
             "nprobe": int(nprobe), "dim": dim, "documents": int(index.ntotal), "corpus_documents": plan.documents,
             "recall_at_10": recall, "recall_by_nprobe": {str(p): r for p, r in curve.items()},
             "recall_queries": len(queries), "vector_bytes": int(index.ntotal) * dim * 4,
-            "index_bytes": (tmp / INDEX_FILE).stat().st_size, "index_sha256": sha256_file(tmp / INDEX_FILE),
-            "mean_sha256": sha256_file(tmp / MEAN_FILE),
+            "layout": ON_DISK, "index_bytes": index_bytes, "index_sha256": sha256_file(tmp / INDEX_FILE),
+            "data_file": DATA_FILE, "data_bytes": (tmp / DATA_FILE).stat().st_size,
+            "data_sha256": sha256_file(tmp / DATA_FILE), "mean_sha256": sha256_file(tmp / MEAN_FILE),
             "engine": engine, "build_seconds": round(time.time() - started, 1), "created_unix": time.time()})
     BUILDS.set_latest(root, target.name)
     log.info("serving index b%d: %d documents from snapshot step %d, %s, nprobe %d: recall@10 %.3f, %.0f MiB "
              "(%.2f of the vectors' bytes)", build, index.ntotal, snapshot.step, factory_string(dim, nlist, opts.codec),
-             nprobe, recall, (target / INDEX_FILE).stat().st_size / 2**20,
-             (target / INDEX_FILE).stat().st_size / max(1, index.ntotal * dim * 4))
+             nprobe, recall, index_bytes / 2**20, index_bytes / max(1, index.ntotal * dim * 4))
     return target
+
+
+@contextlib.contextmanager
+def _native_stdout_to_stderr() -> Iterator[None]:
+    """FAISS's C++ prints to the process's stdout with printf (`resizing FILE to N bytes` as the lists file is
+    sized), buffered apart from Python's: sent to stderr, with the log, so that a command's stdout stays its result
+    (`marge index build` prints one JSON line last)."""
+    import ctypes
+    import sys
+
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    libc.fflush(None)
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        libc.fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def merge_lists_on_disk(index: faiss.Index, lists: list, data_file: Path) -> None:
+    """Replace `index`'s (an IVF index) inverted lists by a new file `data_file` holding the entries of `lists`
+    (FAISS InvertedLists of the same lists and code size, the index's own among them or not), each list's entries
+    from `lists` in their order: the order of adding them one after the other. FAISS's own merge
+    (`OnDiskInvertedLists.merge_from_multiple`) sizes the file once and copies list by list into its mapping, so
+    with `lists` memory-mapped (`opened_parts`) the codes go from file to file through the page cache, never all in
+    this process's memory. The file is named by its bare name in the lists' header, which index.faiss records:
+    readers find it beside index.faiss, wherever the folder was written."""
+    ivf = faiss.extract_index_ivf(index)
+    for i, source in enumerate(lists):
+        if (source.nlist, source.code_size) != (ivf.nlist, ivf.code_size):
+            raise ServingIndexError(f"merging into {data_file}: source {i} has {source.nlist} lists of "
+                                    f"{source.code_size}-byte codes, the index {ivf.nlist} of {ivf.code_size}: "
+                                    "a part of another build")
+    on_disk = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(data_file))
+    sources = faiss.InvertedListsPtrVector()
+    for source in lists:
+        sources.push_back(source)
+    with _native_stdout_to_stderr():
+        total = on_disk.merge_from_multiple(sources.data(), sources.size(), False, False)
+    on_disk.filename = data_file.name  # written into index.faiss: resolved beside it when read
+    ivf.replace_invlists(on_disk, True)  # the index owns it now (and frees lists it owned, a one-process build's)
+    on_disk.this.disown()
+    ivf.ntotal = index.ntotal = total
 
 
 # --- the same build on Ray ------------------------------------------------------------------------------------------
@@ -305,7 +369,38 @@ def _sample_file(work: Path, shard: int) -> Path:
 
 
 def _part_file(work: Path, group: int) -> Path:
-    return work / f"part-{group:06d}.faiss"
+    return work / f"part-{group:06d}.ivlists"
+
+
+def write_part(path: Path, index: faiss.Index) -> None:
+    """`index`'s inverted lists alone (FAISS `write_InvertedLists`: the lists' sizes, then each list's codes and
+    ids), atomically: the quantiser, the same in every part, is not written, so mapping a part costs the merge its
+    lists' sizes, not a copy of the quantiser (nlist x d floats) per part."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        writer = faiss.FileIOWriter(str(tmp))
+        faiss.write_InvertedLists(faiss.extract_index_ivf(index).invlists, writer)
+        del writer  # closes the file
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def opened_parts(paths: list[Path]) -> Iterator[list]:
+    """Parts' inverted lists (`write_part`) mapped read-only from their files (FAISS `IO_FLAG_MMAP`), not read;
+    unmapped when the block ends."""
+    parts: list = []
+    try:
+        for path in paths:
+            reader = faiss.FileIOReader(str(path))
+            parts.append(faiss.read_InvertedLists(reader, faiss.IO_FLAG_MMAP))
+            del reader  # closes the file; the mapping stays
+        yield parts
+    finally:
+        for part in parts:
+            # FAISS returns the lists unowned, and SWIG finds no destructor when told to own them: freed here
+            type(part).__swig_destroy__(part)
 
 
 def peak_rss_mb() -> float:
@@ -331,8 +426,8 @@ def embed_sample_task(corpus_root: str, snapshot_path: str, shards: list[int], w
 def add_shards_task(corpus_root: str, snapshot_path: str, group: int, shards: list[int], work: str,
                     opts: BuildOptions) -> tuple[int, int, np.ndarray, np.ndarray, float]:
     """A Ray task: a group of consecutive shards embedded (or read back from the training sample) and added to a
-    copy of the trained, empty index, written to the work folder as the group's part; returns the group, its
-    documents, the exact top 10 of the recall queries among them (queries x 10: the only arrays that travel
+    copy of the trained, empty index, its lists written to the work folder as the group's part; returns the group,
+    its documents, the exact top 10 of the recall queries among them (queries x 10: the only arrays that travel
     through Ray) and the worker's peak RSS."""
     work_dir = Path(work)
     corpus, encoder, specials = _task_inputs(corpus_root, snapshot_path, opts)
@@ -347,7 +442,7 @@ def add_shards_task(corpus_root: str, snapshot_path: str, group: int, shards: li
             ids, vectors = _embed_shard(corpus, shard, encoder, specials, opts)
         index.add_with_ids(np.ascontiguousarray(vectors - mean), ids)
         best_scores, best_ids = _merge_top(best_scores, best_ids, queries @ vectors.T, ids)
-    _write_atomic(_part_file(work_dir, group), lambda f: f.write(faiss.serialize_index(index).tobytes()))
+    write_part(_part_file(work_dir, group), index)
     return group, int(index.ntotal), best_scores, best_ids, peak_rss_mb()
 
 
@@ -391,10 +486,12 @@ def build_serving_index_ray(run_dir: Path, corpus: Corpus, snapshot: SnapshotInf
     same index: Ray tasks embed the training sample's shards (vectors written to a scratch folder under RUN/serving,
     which the tasks and the driver must both reach), the driver trains the quantisers on them as the one-process
     build does, then `workers` tasks at a time each add a group of consecutive shards to a copy of the trained index
-    and write it as a part; the driver merges the parts in shard order (FAISS `merge_from`: each list's entries in
-    the order the one-process build adds them), one part in memory at a time, and commits the build as the
-    one-process build does. A build that stops half-way leaves no build and no LATEST change; its scratch folder is
-    removed (or, after a kill, by the next build on the host)."""
+    and write it as a part; the driver maps the parts (not loaded) and merges their lists in shard order straight
+    into the build's lists file (`merge_lists_on_disk`: each list's entries in the order the one-process build
+    adds them), and commits the build as the one-process build does. The driver's memory is the trained index and
+    the lists' sizes, not the codes; the run folder holds the parts and the lists file at once (twice the index's
+    bytes) while they merge. A build that stops half-way leaves no build and no LATEST change; its scratch folder
+    is removed (or, after a kill, by the next build on the host)."""
     import ray
 
     if not ray.is_initialized():
@@ -430,18 +527,19 @@ def build_serving_index_ray(run_dir: Path, corpus: Corpus, snapshot: SnapshotInf
         results = _run_tasks(add_shards_task, calls, workers, "serving index: embedding shards",
                              lambda call: len(call[3]), gpus)
         best_scores, best_ids = _empty_top(len(queries))
-        for group, documents, scores, ids, peak in track(results, "serving index: merging the parts", unit="part"):
+        for group, documents, scores, ids, peak in results:
             peaks.append(peak)
-            part = faiss.read_index(str(_part_file(work, group)))
-            if part.ntotal != documents:
-                raise ServingIndexError(f"{_part_file(work, group)}: {part.ntotal} documents, its task added {documents}")
-            index.merge_from(part, 0)  # appends each list's entries: the order of adding shard after shard
-            del part
-            _part_file(work, group).unlink()
             best_scores, best_ids = _merge_top(best_scores, best_ids, scores, ids)
-        return _commit(run_dir, snapshot, opts, plan, index, mean, queries, best_ids, started,
-                       {"name": "ray", "workers": workers, "tasks": len(groups),
-                        "worker_peak_rss_mb": round(max(peaks), 1)})
+        with opened_parts([_part_file(work, result[0]) for result in results]) as parts:
+            for (group, documents, *_), part in zip(results, parts):
+                if part.compute_ntotal() != documents:
+                    raise ServingIndexError(f"{_part_file(work, group)}: {part.compute_ntotal()} documents, its "
+                                            f"task added {documents}: a part of another build; build again")
+            log.info("serving index: merging the lists of %d parts (%d documents) into the build's lists file",
+                     len(parts), sum(result[1] for result in results))
+            return _commit(run_dir, snapshot, opts, plan, index, parts, mean, queries, best_ids, started,
+                           {"name": "ray", "workers": workers, "tasks": len(groups),
+                            "worker_peak_rss_mb": round(max(peaks), 1)})
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -460,11 +558,53 @@ OBJECT_STORE_BYTES = 256 * 2**20
 
 
 def read_build(path: Path, verify: bool = True) -> dict:
+    """A build's manifest, checked (and, with `verify`, every file against its sha256: the lists file too)."""
     return artifacts.read_manifest(
-        Path(path), FORMAT, (FORMAT_VERSION,),
+        Path(path), FORMAT, READABLE_VERSIONS,
         fields=("build", "snapshot_step", "codec", "nprobe", "documents", "recall_at_10", "index_sha256"),
-        checksums=(lambda m: {INDEX_FILE: m["index_sha256"], MEAN_FILE: m["mean_sha256"]}) if verify else None,
-        what="serving index", error=ServingIndexError)
+        checksums=_checksums if verify else None, what="serving index", error=ServingIndexError,
+        hint="; build it again (`marge index build`)")
+
+
+def layout_of(manifest: dict) -> str:
+    """ON_DISK, or SINGLE_FILE for builds written before the lists had a file of their own."""
+    return manifest.get("layout", SINGLE_FILE)
+
+
+def _checksums(manifest: dict) -> dict[str, str]:
+    files = {INDEX_FILE: manifest["index_sha256"], MEAN_FILE: manifest["mean_sha256"]}
+    if layout_of(manifest) == ON_DISK:
+        files[manifest["data_file"]] = manifest["data_sha256"]
+    return files
+
+
+def open_index(path: Path, manifest: dict) -> faiss.Index:
+    """A build's FAISS index for searching: a single-file build read whole; an on-disk build's quantiser read and
+    its lists file mapped read-only (pages read as searches touch them, shared with the page cache, never copied
+    into this process), the file taken from the build's folder whatever folder it was written in."""
+    path = Path(path)
+    if layout_of(manifest) == SINGLE_FILE:
+        return faiss.read_index(str(path / INDEX_FILE))
+    if layout_of(manifest) != ON_DISK:
+        raise ServingIndexError(f"{path / artifacts.MANIFEST}: layout {layout_of(manifest)!r} is not one this marge "
+                                f"reads ({SINGLE_FILE!r}, {ON_DISK!r}): rebuild it with `marge index build`")
+    data = path / manifest["data_file"]
+    size = data.stat().st_size if data.is_file() else None
+    if size != manifest["data_bytes"]:  # a shorter file would be mapped past its end: SIGBUS at the first search
+        raise ServingIndexError(f"{data}: {'missing' if size is None else f'{size} bytes'}, the manifest says "
+                                f"{manifest['data_bytes']}: a damaged build; rebuild it with `marge index build`")
+    # IO_FLAG_SKIP_IVF_DATA: the lists' header only; the file is mapped below from this folder (what FAISS's
+    # IO_FLAG_ONDISK_SAME_DIR does, without its printf on stdout)
+    index = faiss.read_index(str(path / INDEX_FILE), faiss.IO_FLAG_SKIP_IVF_DATA | faiss.IO_FLAG_READ_ONLY)
+    lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists)
+    if not isinstance(lists, faiss.OnDiskInvertedLists) or lists.totsize != size:
+        raise ServingIndexError(f"{path / INDEX_FILE}: does not describe {data} ({type(lists).__name__}, "
+                                f"{getattr(lists, 'totsize', '?')} bytes): a damaged build; rebuild it")
+    lists.filename = str(data)
+    lists.read_only = True
+    lists.prefetch_nthread = 0  # else every search starts up to 32 threads to touch its lists' pages first
+    lists.do_mmap()
+    return index
 
 
 def latest_build(run_dir: Path) -> Path | None:
@@ -472,10 +612,11 @@ def latest_build(run_dir: Path) -> Path | None:
 
 
 class FullCorpusIndex:
-    """A serving index loaded for the service: the interface of `services.retrieval.index.LoadedIndex` (what the
-    app calls), over every corpus document. Beyond the codes it holds one bit a document per language (the
-    language filters) and no id map: a search by doc id embeds that document's tokens again, which gives its vector
-    exactly (the codes give it to within the quantisation)."""
+    """A serving index opened for the service: the interface of `services.retrieval.index.LoadedIndex` (what the
+    app calls), over every corpus document. The codes of an on-disk build stay in its lists file, mapped read-only
+    (`open_index`); beyond them it holds one bit a document per language (the language filters) and no id map: a
+    search by doc id embeds that document's tokens again, which gives its vector exactly (the codes give it to
+    within the quantisation)."""
 
     def __init__(self, path: Path, run_dir: Path, corpus: Corpus, tokenizer, docs=None, encoder=None):
         from marge.contracts.paths import SNAPSHOTS
@@ -490,7 +631,8 @@ class FullCorpusIndex:
             raise ServingIndexError(f"serving index {path} was built with another tokenizer than corpus {corpus.root}")
         self.encoder = encoder if encoder is not None else load_relevance_encoder(snapshot)
         self.tokenizer = tokenizer
-        self.index = faiss.read_index(str(Path(path) / INDEX_FILE))
+        self.index = open_index(Path(path), manifest)
+        self.layout = layout_of(manifest)
         self.mean = np.load(Path(path) / MEAN_FILE).astype(np.float32)
         self.index.nprobe = int(manifest["nprobe"])
         self.kind = f"full corpus, {manifest['factory']} (nprobe {manifest['nprobe']})"
