@@ -111,7 +111,7 @@ def run_pipeline(cfg: PipelineConfig, reuse_folder: bool = False) -> dict:
                 job = trainer_job(cfg, url_file, deadline, resume_from=point.checkpoint)
                 board = RunBoard(paths.run_dir, "index", cfg.run.tensorboard)
                 progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batchers, board, point.step,
-                                    deadline)
+                                    deadline, joined_cluster=bool(cfg.ray.address))
                 try:
                     result = supervise(make_trainer(cfg, job), stages, queue, progress, cfg.run.progress_every_s)
                 finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ class Progress:
     """How long a stage's actor has to answer for its figures before this report is skipped."""
 
     def __init__(self, max_steps: int, queue: BatchQueue, coordinator, batchers: list, board: RunBoard | None = None,
-                 start_step: int = 0, deadline_unix: float | None = None):
+                 start_step: int = 0, deadline_unix: float | None = None, joined_cluster: bool = False):
         self.max_steps, self.queue, self.coordinator, self.batchers = max_steps, queue, coordinator, batchers
         self.board = board
         self.start_step, self.deadline_unix = start_step, deadline_unix
@@ -32,7 +33,7 @@ class Progress:
         stops it: the ETA is the rate of this session's updates, or the time left, whichever ends first."""
         """Where each new index version's figures go (TensorBoard), as the coordinator reports them."""
         self.boarded: set[int] = set()
-        self.silence_limit_s = float(os.environ.get("MARGE_STAGE_SILENCE_LIMIT_S", SILENCE_LIMIT_S))
+        self.silence_limit_s = stage_silence_limit_s(joined_cluster)
         self.last_answer, self.answered = time.monotonic(), False
         """When every stage last answered (or the reports began): a stage silent for `silence_limit_s` ends the run."""
         self.warned: set[tuple] = set()
@@ -132,6 +133,15 @@ def setup_phase(logger: logging.Logger, what: str) -> Iterator[list[str]]:
 SILENCE_LIMIT_S = 300.0
 """How long a stage may go without answering before the run ends with a line saying so (MARGE_STAGE_SILENCE_LIMIT_S
 overrides it): longer than Ray takes to restart an actor of a lost node, far shorter than a user waits in silence."""
+
+
+def stage_silence_limit_s(joined_cluster: bool) -> float:
+    """How long the stages may stay silent before the run ends: MARGE_STAGE_SILENCE_LIMIT_S where set; else
+    SILENCE_LIMIT_S on a Ray the run started or was given in-process, and no limit on a cluster it joined
+    (`ray.address`), where an autoscaler may take longer than that to start the nodes a stage waits for."""
+    if "MARGE_STAGE_SILENCE_LIMIT_S" in os.environ:
+        return float(os.environ["MARGE_STAGE_SILENCE_LIMIT_S"])
+    return math.inf if joined_cluster else SILENCE_LIMIT_S
 
 
 class StagesSilent(TimeoutError):

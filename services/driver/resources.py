@@ -89,7 +89,10 @@ def ray_for(cfg: PipelineConfig) -> Iterator[None]:
     def check_cluster() -> None:
         resources = ray.cluster_resources()
         cfg.check_fits(resources.get("CPU", 0.0), resources.get("GPU", 0.0))
-        check_custom_resources(cfg, resources, "the Ray cluster")
+        try:
+            check_custom_resources(cfg, resources, "the Ray cluster")
+        except ConfigError as e:  # a cluster may grow (an autoscaler starts such nodes when actors wait for them)
+            log.warning("%s; until a node offering them joins, Ray keeps that stage waiting", e)
 
     if ray.is_initialized():  # embedded in a program (or a test) that already runs Ray
         check_cluster()
@@ -128,7 +131,8 @@ def check_local_fit(cfg: PipelineConfig) -> int:
 
 def check_custom_resources(cfg: PipelineConfig, cluster: dict[str, float], where: str) -> None:
     """Refuse up front a stage whose custom Ray resources (`indexer.resources`, `trainer.resources`) `where` does
-    not offer: Ray would keep its actors pending for ever (infeasible), and the run would wait in silence."""
+    not offer: on a local Ray nothing can add them, so Ray would keep its actors pending for ever and the run would
+    wait in silence. On a joined cluster `ray_for` logs it instead: an autoscaler may yet start such nodes."""
     asked = {"trainer.resources": dict(cfg.trainer.resources)}
     if cfg.objectives.needs_index:
         asked["indexer.resources"] = dict(cfg.indexer.resources)

@@ -31,7 +31,7 @@ from services.driver.redis_server import LocalRedis, free_port
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 RUN = "cluster"
-STEPS = 60
+STEPS = 80  # index versions v0 to v7: room after the shrink for a version built by one worker
 
 
 @dataclass
@@ -170,16 +170,17 @@ def test_a_submitted_job_trains_while_the_indexer_is_scaled_and_every_stage_repo
         status = client.get_job_status(job)
         if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
             break
-        alive = list_actors(address=cluster.dashboard, filters=[("ray_namespace", "=", namespace),
-                                                                 ("state", "=", "ALIVE")], raise_on_missing_output=False)
-        stages_seen |= {a.name for a in alive if a.name}
         index_manifests(run_dir / "index", manifests)
         newest = max(manifests, default=-1)
-        # 1 -> 2 once the first version is in, 2 -> 1 once a version was built by two workers
+        # 1 -> 2 once the first version is in, 2 -> 1 once a version was built by two workers: first in the loop,
+        # since versions come seconds apart and a late request applies only after the run's last version
         if not scaled and newest >= 0:
             scaled.append((2, marge_scale(cluster, 2)["from_version"]))
         elif len(scaled) == 1 and any(m.get("indexer_workers") == 2 for m in manifests.values()):
             scaled.append((1, marge_scale(cluster, 1)["from_version"]))
+        alive = list_actors(address=cluster.dashboard, filters=[("ray_namespace", "=", namespace),
+                                                                 ("state", "=", "ALIVE")], raise_on_missing_output=False)
+        stages_seen |= {a.name for a in alive if a.name}
         if not listening and len(manifests) >= 2:  # everything is up: trainers, indexer, batcher, dashboard
             listening = listening_addresses([*pids_in_session(cluster.process.pid), cluster.redis.pid])
         scrape(cluster)
@@ -222,6 +223,7 @@ def test_a_submitted_job_trains_while_the_indexer_is_scaled_and_every_stage_repo
         assert manifest["build_seconds"] > 0 and manifest["embed_seconds"] > 0
     workers_of = {v: m["indexer_workers"] for v, m in manifests.items()}
     (grow_asked, grow_from), (shrink_asked, shrink_from) = scaled
+    assert shrink_from <= max(workers_of), f"the shrink applies from v{shrink_from}, after the run's last version"
     assert all(w == 1 for v, w in workers_of.items() if v < grow_from), workers_of
     assert 2 in workers_of.values() and workers_of[max(workers_of)] == 1, workers_of
     assert all(w == 1 for v, w in workers_of.items() if v >= shrink_from), workers_of

@@ -108,6 +108,10 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
     assert Path(summary["snapshot"]).name == "step-00000024"
     text = caplog.text
     assert "[indexer] v" in text and "[batcher] produced" in text and "[trainer] step" in text
+    # each slow set-up phase is said, in order, before the first update's line
+    at = [text.find(phase) for phase in ("[setup] corpus", "[setup] initial model", "[setup] Redis and Ray",
+                                         "[setup] stages asked of Ray", "[trainer] step")]
+    assert -1 not in at and at == sorted(at), at
     # the run ends with g's health: the trained g against the same model at initialisation, on held-out pairs
     g = summary["g_health"]
     assert g["snapshot_step"] == 24 and g["directions"] == 14 and g["initialisations"] == 3

@@ -50,3 +50,17 @@ def test_the_pretraining_line_gives_the_eta_of_this_sessions_rate_or_of_the_dead
     assert run.eta({"step": 100, "elapsed_s": 0.0}) == ""  # no rate yet
     run.deadline_unix = time.time() + 30
     assert run.eta({"step": 150, "elapsed_s": 25.0}) in (" | ETA 30s", " | ETA 29s")  # run.max_minutes comes first
+
+
+def test_a_joined_cluster_waits_on_silent_stages_unless_told_a_limit(monkeypatch):
+    """An autoscaler may take longer than SILENCE_LIMIT_S to start the nodes a stage waits for: on a cluster the run
+    joined (`ray.address`) silence ends the run only at MARGE_STAGE_SILENCE_LIMIT_S."""
+    import math
+
+    from services.driver.progress import SILENCE_LIMIT_S, stage_silence_limit_s
+
+    monkeypatch.delenv("MARGE_STAGE_SILENCE_LIMIT_S", raising=False)
+    assert stage_silence_limit_s(joined_cluster=False) == SILENCE_LIMIT_S
+    assert stage_silence_limit_s(joined_cluster=True) == math.inf
+    monkeypatch.setenv("MARGE_STAGE_SILENCE_LIMIT_S", "900")
+    assert stage_silence_limit_s(joined_cluster=True) == stage_silence_limit_s(joined_cluster=False) == 900.0
