@@ -10,8 +10,9 @@ import numpy as np
 
 
 def chance_p_at_1(pairs) -> float:
-    """P@1 of a retriever that ranks at random, mean over directions: 1 / the candidates of each direction."""
-    return float(np.mean([1.0 / len(p.targets) for p in pairs for _ in range(2) if p.targets])) if pairs else 0.0
+    """P@1 of a retriever that ranks at random, mean over directions: 1 / the candidates of each direction (a pair
+    set's two directions have as many)."""
+    return float(np.mean([1.0 / len(p.targets) for p in pairs if p.targets])) if pairs else 0.0
 
 
 def add_verdict_context(health: dict, pairs, corpus, index_root: Path, indexer=None,
