@@ -182,7 +182,7 @@ def restore_rank(rank: int, world: int, port: int, args: dict, root: str, out: s
     import torch
     import torch.distributed as dist
 
-    from marge.model.checkpoint import restore_training
+    from marge.model.restore import restore_training
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

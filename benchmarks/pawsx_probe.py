@@ -29,9 +29,9 @@ sys.path[:0] = [str(REPO), str(REPO / "shared")]
 
 from marge.contracts.batch import as_decoder_input, as_encoder_input, as_labels  # noqa: E402
 from marge.contracts.tokenizer import MargeTokenizer  # noqa: E402
-from marge.model.checkpoint import load_model  # noqa: E402
 from marge.model.finetuned import own_input_memory  # noqa: E402
 from marge.model.layers import pad_rows  # noqa: E402
+from marge.model.restore import load_model  # noqa: E402
 
 MAX_TOKENS = 120
 BATCH = 32

@@ -273,7 +273,8 @@ def run_sweep(config: Path, overrides: list[str], minutes: float, out: Path, siz
 
 
 def parameters(run: Path) -> int | None:
-    from marge.model.checkpoint import complete_checkpoints, load_model
+    from marge.model.checkpoint import complete_checkpoints
+    from marge.model.restore import load_model
 
     checkpoints = complete_checkpoints(run / "run" / "checkpoints")
     return sum(p.numel() for p in load_model(checkpoints[-1]).parameters()) if checkpoints else None

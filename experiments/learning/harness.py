@@ -20,7 +20,8 @@ import torch
 
 from marge.contracts.train_log import read_train_log
 from marge.eval.evaluation import read_pairs
-from marge.model.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
+from marge.model.checkpoint import checkpoint_order, complete_checkpoints, load_model_weights
+from marge.model.restore import load_model
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
 from services.driver.learning_report import (
     assemble_report,

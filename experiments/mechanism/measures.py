@@ -46,8 +46,9 @@ import torch
 from marge.contracts.batch import max_text_tokens
 from marge.contracts.corpus import Corpus, ShardDocuments
 from marge.eval.evaluation import fitted_centre, own_page_pairs, pair_pages, read_pairs, retrieval_hits
-from marge.model.checkpoint import checkpoint_order, complete_checkpoints, load_model, load_model_weights
+from marge.model.checkpoint import checkpoint_order, complete_checkpoints, load_model_weights
 from marge.model.network import Marge, RelevanceEncoder
+from marge.model.restore import load_model
 from marge.util.files import atomic_write_text
 from services.driver.config import PipelineConfig, load_config
 from services.indexer.core import embed_documents, version_links

@@ -33,8 +33,9 @@ import torch
 from marge.contracts.tokenizer import MargeTokenizer
 from marge.contracts.train_log import UpdateRecord, read_train_log
 from marge.eval.evaluation import mean_score, read_pairs
-from marge.model.checkpoint import complete_checkpoints, load_model
+from marge.model.checkpoint import complete_checkpoints
 from marge.model.generate import GenerationConfig, generate
+from marge.model.restore import load_model
 from marge.util.files import atomic_write_text
 from services.driver.single_process import train_for_minutes
 

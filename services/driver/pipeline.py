@@ -76,7 +76,7 @@ def run_pipeline(cfg: PipelineConfig, reuse_folder: bool = False) -> dict:
         check_local_fit(cfg)  # a run a local Ray could not hold is refused before anything starts or is written
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     with DriverLock(paths.run_dir, PIPELINE, reuse_folder):
-        check_resume(cfg, paths)
+        checkpoint = resume_checkpoint(cfg, paths)  # chosen (read once); nothing cut back yet
         atomic_write_text(paths.run_dir / "config.yaml", yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))
         corpus = open_corpus(cfg)
         cfg = with_probes(cfg, corpus)
@@ -86,7 +86,6 @@ def run_pipeline(cfg: PipelineConfig, reuse_folder: bool = False) -> dict:
             notes.append(f"{paths.init_weights.name} and the step-0 snapshot in {paths.run_dir}")
         capacity = (warn_if_behind(cfg, model_cfg, corpus, estimated_throughput(cfg)) if cfg.objectives.needs_index
                     else None)  # the plan is the indexer's against the trainers'; without an index there is none
-        checkpoint = newest_good_checkpoint(paths.checkpoints)  # chosen; nothing cut back yet
         with contextlib.ExitStack() as running:
             with setup_phase(log, "Redis and Ray") as notes:
                 redis = running.enter_context(redis_for(cfg))
@@ -133,8 +132,7 @@ def dry_run(cfg: PipelineConfig, reuse_folder: bool = False) -> dict:
     if not cfg.ray.address and not ray_running():
         check_local_fit(cfg)
     check_folder_mode(paths.run_dir, PIPELINE, reuse_folder)
-    check_resume(cfg, paths)
-    checkpoint = newest_good_checkpoint(paths.checkpoints)  # what `resume_point` would pick, nothing deleted
+    checkpoint = resume_checkpoint(cfg, paths)  # what `resume_point` would pick, nothing deleted
     out: dict[str, Any] = {"run_dir": str(paths.run_dir), "objectives": list(cfg.objectives.enabled),
                            "resumes_from_step": read_manifest(checkpoint, verify=False)["step"] if checkpoint else 0,
                            "ray": cfg.ray.address or "a local Ray started for the run",
@@ -206,12 +204,20 @@ def final_g_health(cfg: PipelineConfig, paths: RunPaths, corpus: Corpus) -> dict
     return health
 
 
-def check_resume(cfg: PipelineConfig, paths: RunPaths) -> None:
-    """A run resumed from a checkpoint trains on with the settings it was trained with: a config that changes
+def resume_checkpoint(cfg: PipelineConfig, paths: RunPaths) -> Path | None:
+    """The checkpoint a (re)started run resumes from: its newest good one (`newest_good_checkpoint`, every part
+    hashed), read once by the driver, with the config checked against the one it was trained with (`check_resume`).
+    The ranks hash again only the share each of them reads."""
+    checkpoint = newest_good_checkpoint(paths.checkpoints)
+    check_resume(cfg, paths, checkpoint)
+    return checkpoint
+
+
+def check_resume(cfg: PipelineConfig, paths: RunPaths, checkpoint: Path | None) -> None:
+    """A run resumed from `checkpoint` trains on with the settings it was trained with: a config that changes
     anything else (`config.RESUMABLE` says what may change) is refused with the differences. Extending a run past its
     schedule says what happens to the learning rate."""
     saved_path = paths.run_dir / "config.yaml"
-    checkpoint = newest_good_checkpoint(paths.checkpoints)
     if not saved_path.exists() or checkpoint is None:
         return  # a new run (or one that never reached a checkpoint: it starts over)
     saved = yaml.safe_load(saved_path.read_text(encoding="utf-8"))

@@ -147,8 +147,8 @@ def make_report(run_dir: Path, out_dir: Path, pairs: str | None = None, checkpoi
         lang_of.update(zip(table.column("doc_id").to_pylist(), table.column("lang").to_pylist()))
     with tempfile.TemporaryDirectory() as tmp:
         if checkpoint:
-            from marge.model.checkpoint import load_model
             from marge.model.network import Marge, RelevanceEncoder
+            from marge.model.restore import load_model
             from services.indexer.core import index_corpus
 
             model = load_model(Path(checkpoint))

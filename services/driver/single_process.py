@@ -61,15 +61,10 @@ from marge.contracts.train_log import TrainLog, UpdateRecord
 from marge.eval.evaluation import read_pairs
 from marge.eval.refresh import INDEX_BUILDS
 from marge.eval.tensorboard import RunBoard
-from marge.model.checkpoint import (
-    checkpoint_order,
-    complete_checkpoints,
-    load_model_weights,
-    restore_training,
-    save_checkpoint,
-)
+from marge.model.checkpoint import checkpoint_order, complete_checkpoints, load_model_weights, save_checkpoint
 from marge.model.lineage import newest_good_checkpoint
 from marge.model.network import Marge
+from marge.model.restore import restore_training
 from marge.model.snapshot import (
     SnapshotInfo,
     drop_snapshots_after,

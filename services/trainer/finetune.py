@@ -36,7 +36,6 @@ from marge.contracts.artifacts import atomic_directory
 from marge.contracts.config import FieldError, at_least, positive
 from marge.contracts.tasks import PAIR_INPUTS, TASKS, Example, label_counts, label_set, read_task_file
 from marge.contracts.tokenizer import MargeTokenizer
-from marge.model.checkpoint import load_model
 from marge.model.finetuned import (
     FineTunedModel,
     MargeForClassification,
@@ -50,6 +49,7 @@ from marge.model.finetuned import (
     task_loss,
 )
 from marge.model.network import Marge
+from marge.model.restore import load_model
 from services.trainer import loopback
 from services.trainer.config import OptimizerConfig
 from services.trainer.step import build_optimizer, has_own_relevance_encoder, lr_factor

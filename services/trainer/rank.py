@@ -225,8 +225,9 @@ class Rank:
         """(model, optimizer, scheduler) on this rank's device: the run's init weights, or only their model's shape
         (`load_model_shell`) for a checkpoint to be loaded over."""
         t = job.trainer
-        base = (load_model_weights if from_init_weights else load_model_shell)(job.paths.init_weights)
-        model = apply_objective_settings(apply_execution_settings(base.to(self.device), t), job.objectives)
+        base = load_model_weights(job.paths.init_weights).to(self.device) if from_init_weights else \
+            load_model_shell(job.paths.init_weights, self.device)  # built where it trains: no host copy per rank
+        model = apply_objective_settings(apply_execution_settings(base, t), job.objectives)
         optimizer = build_optimizer(model, t)
         return model, optimizer, build_scheduler(optimizer, t, job.max_steps)
 

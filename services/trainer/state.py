@@ -9,13 +9,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from marge.model.checkpoint import CheckpointError, CheckpointWrite, checkpoint_dir_name, restore_training
+from marge.model.checkpoint import CheckpointError, CheckpointWrite, checkpoint_dir_name
 from marge.model.lineage import (  # noqa: F401  # IO_RETRY_DELAYS_S, with_io_retries: importable from here too
     IO_RETRY_DELAYS_S,
     good_checkpoints,
     resume_candidates,
     with_io_retries,
 )
+from marge.model.restore import restore_training
 
 log = logging.getLogger(__name__)
 

@@ -22,15 +22,9 @@ import torch
 from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
 
 from marge.contracts.slots import Slots
-from marge.model.checkpoint import (
-    CheckpointError,
-    CheckpointWrite,
-    load_model,
-    read_manifest,
-    restore_training,
-    save_checkpoint,
-)
+from marge.model.checkpoint import CheckpointError, CheckpointWrite, read_manifest, save_checkpoint
 from marge.model.lineage import newest_good_checkpoint
+from marge.model.restore import load_model, restore_training
 from marge.util.files import sha256_file
 
 REPO = Path(__file__).resolve().parents[2]

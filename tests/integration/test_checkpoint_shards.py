@@ -17,15 +17,14 @@ from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_traini
 
 from marge.model.checkpoint import (
     CheckpointWrite,
-    load_model,
     read_manifest,
-    restore_training,
     save_checkpoint,
     save_checkpoint_v1,
     tensor_sha256,
     training_tensors,
 )
 from marge.model.lineage import newest_good_checkpoint
+from marge.model.restore import load_model, restore_training
 
 
 def free_port() -> int:
@@ -69,10 +68,12 @@ def rank_main(rank: int, world: int, port: int, task: str, directory: str, out: 
             write.wait()
             assert (Path(directory) / "manifest.json").exists() and not staging.exists()  # renamed into place
             report = {"bytes_written": write.bytes_written, "bytes_staged": write.bytes_staged}
-        else:
+        else:  # "restore", or "restore-<batch bytes>"
             model, optimizer, scheduler = tiny_training(seed=10 + rank)  # fresh weights, empty optimizer
             stats: dict = {}
-            state = restore_training(Path(directory), model, optimizer, scheduler, verify=rank == 0, stats=stats)
+            batch = {"batch_bytes": int(task.split("-")[1])} if "-" in task else {}
+            state = restore_training(Path(directory), model, optimizer, scheduler, verify=rank == 0, stats=stats,
+                                     **batch)
             report = {"stats": stats, "step": state["step"], "tokens_seen": state["tokens_seen"],
                       "digest": digest(model, optimizer, scheduler)}
         Path(out, f"{task}-{world}-rank{rank}.json").write_text(json.dumps(report))
@@ -128,6 +129,23 @@ def test_saved_by_two_restores_identically_in_another_world(saved_by_two, world:
     for r in restored:
         assert r["stats"]["state_bytes_read"] <= whole / world + metadata + 2 * largest
     assert sum(r["stats"]["state_bytes_read"] for r in restored) <= whole + world * metadata
+
+
+def test_a_restore_holds_a_batch_on_the_host_not_the_training_state(saved_by_two):
+    """Each rank reads and broadcasts its share a batch at a time, straight into the model and optimizer: the host
+    bytes it holds at once are its batch and one broadcast buffer, whatever the state's size."""
+    directory, out, _ = saved_by_two
+    expected = digest(*trained())
+    model, optimizer, _ = trained()
+    sizes = [t.numel() * t.element_size() for t in training_tensors(model, optimizer).values()]
+    batch = 4096
+    for r in run_world(2, f"restore-{batch}", directory, out):
+        assert r["digest"] == expected
+        held = r["stats"]["restore_host_bytes"]
+        assert 0 < held <= 2 * max(batch, max(sizes)), held
+        assert held < sum(sizes) / 10  # the tiny state is ~50x the batch: a whole copy would fail this
+    whole = run_world(2, "restore", directory, out)  # the default batch holds the tiny state at once
+    assert all(r["stats"]["restore_host_bytes"] >= sum(sizes) / 2 for r in whole)
 
 
 def test_single_process_round_trip_with_row_blocks(tmp_path: Path):

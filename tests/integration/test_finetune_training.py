@@ -214,7 +214,7 @@ def test_bad_task_files_fail_with_file_line_and_field(checkpoint, tmp_path, caps
 def test_a_fine_tuned_directory_serves_translate_and_retrieval_eval_as_its_marge_model(checkpoint, tmp_path, capsys):
     """`marge translate` and `marge eval retrieval` take fine-tuned folders; a classifier's head is left out,
     and translating with a classifier is refused with what to use instead."""
-    from marge.model.checkpoint import load_model
+    from marge.model.restore import load_model
 
     train = write_jsonl(tmp_path / "train.jsonl", pawsx_rows("train", 8))
     out = tmp_path / "clf"

@@ -188,7 +188,7 @@ def test_bart_and_veco_pretrain_through_the_same_pipeline_without_an_index(ray_c
                                                                            tmp_path, objective):
     """deploy/configs/tiny-{bart,veco}.yaml through the real pipeline: no indexer, document batches from the
     batcher, the objective's loss falling, every batch trained once, the checkpoint holding the right model."""
-    from marge.model.checkpoint import load_model
+    from marge.model.restore import load_model
     from services.driver.pipeline import run_pipeline
 
     cfg = load_config(REPO / f"deploy/configs/tiny-{objective}.yaml", [

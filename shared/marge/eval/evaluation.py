@@ -108,7 +108,8 @@ def load_eval_model(checkpoint: str | Path | None = None, snapshot: str | Path |
     (a run config's `model_config`) with the prepared `corpus`'s tokenizer. Untrained weights are drawn with `seed`.
     The label says which: "snapshot step N", "trained" or "random init"."""
     from marge.contracts.tokenizer import MargeTokenizer
-    from marge.model.checkpoint import build_model, load_model
+    from marge.model.checkpoint import build_model
+    from marge.model.restore import load_model
     from marge.model.snapshot import load_relevance_encoder, read_snapshot
 
     if snapshot:

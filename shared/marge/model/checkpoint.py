@@ -23,7 +23,8 @@ ranks) is `marge.model.lineage`.
 
 A rank restoring reads only its share of the keys (by size, for the world it runs in, whatever the world that
 saved) and the ranks broadcast the rest to each other: about checkpoint size / world read from storage per rank,
-plus the small files (`restore_training`). `marge.load`, eval and serve read the model's keys alone (`load_model`).
+plus the small files (`marge.model.restore`, which also reads the model's keys alone for `marge.load`, eval and
+serve: `load_model`).
 
 Format version 1 (read, no longer written): `model.safetensors` (weights) and `training_state.pt` holding the
 optimizer and schedule too, written by rank 0 alone; every restoring rank read all of it.
@@ -569,53 +570,6 @@ def _state_reader(directory: Path):
     return CheckedReader(str(Path(directory) / STATE_DIR))
 
 
-def read_state_tensors(directory: Path, manifest: dict[str, Any], keys=None, group=None,
-                       stats: dict | None = None) -> dict[str, torch.Tensor]:
-    """A format 2 checkpoint's tensors (the keys `keys` selects, all by default) on the host, each checked against
-    its sha256. In a process group (every rank calls it) each rank reads its share of the keys from storage, by
-    size for this world, and the ranks broadcast their shares to each other: size / world read per rank."""
-    import torch.distributed as dist
-
-    distributed = _distributed(group)
-    rank, world = _rank_world(group)
-    reader = _state_reader(directory)
-    metadata = reader.read_metadata()
-    entries = {k: md for k, md in metadata.state_dict_metadata.items() if keys is None or keys(k)}
-    sizes = {k: md.size.numel() * md.properties.dtype.itemsize for k, md in entries.items()}
-    owners = partition(sizes, world)
-    mine = {k: torch.empty(entries[k].size, dtype=entries[k].properties.dtype) for k in owners[rank]}
-    _load(mine, reader, directory, group, distributed)
-    bad = mismatched(mine, manifest["tensors"])
-    if distributed:
-        flag = torch.tensor([len(bad)])
-        dist.all_reduce(flag, group=group)
-        failed = int(flag)
-    else:
-        failed = len(bad)
-    if failed:
-        raise CheckpointError(f"{Path(directory) / STATE_DIR}: {failed} tensor(s) do not match the manifest's sha256 "
-                              f"({', '.join(bad[:3]) or 'on another rank'}): the checkpoint is corrupt{HINT}")
-    loaded = dict(mine)
-    if distributed:
-        for owner, owned in enumerate(owners):
-            by_dtype: dict[torch.dtype, list[str]] = {}
-            for k in owned:
-                by_dtype.setdefault(entries[k].properties.dtype, []).append(k)
-            for dtype, ks in sorted(by_dtype.items(), key=lambda item: str(item[0])):
-                numel = [entries[k].size.numel() for k in ks]
-                flat = torch.cat([mine[k].reshape(-1) for k in ks]) if owner == rank else \
-                    torch.empty(sum(numel), dtype=dtype)
-                dist.broadcast(flat, src=dist.get_global_rank(group, owner) if group is not None else owner,
-                               group=group)
-                if owner != rank:
-                    for k, piece in zip(ks, torch.split(flat, numel)):
-                        loaded[k] = piece.view(entries[k].size)
-    if stats is not None:
-        stats["state_bytes_read"] = stats.get("state_bytes_read", 0) + reader.bytes_read
-        stats["state_bytes"] = sum(sizes.values())
-    return loaded
-
-
 def _load(tensors: dict[str, torch.Tensor], reader, directory: Path, group, distributed: bool) -> None:
     """dcp.load into `tensors`; a part that cannot be read raises CheckpointError (on every rank: DCP gathers any
     rank's error to all)."""
@@ -661,78 +615,6 @@ def verify_state_tensors(directory: Path, manifest: dict[str, Any], batch_bytes:
         batch, size = [], 0
 
 
-def joined(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """The tensors under `prefix` by their own name, row blocks `<key>#<i>` joined back into one tensor."""
-    blocks: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for key, t in tensors.items():
-        if key.startswith(prefix):
-            name, _, index = key[len(prefix):].partition("#")
-            blocks.setdefault(name, []).append((int(index or 0), t))
-    return {name: pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])])
-            for name, pieces in blocks.items()}
-
-
-def restore_training(directory: Path, model: nn.Module, optimizer, scheduler, device: str | torch.device = "cpu",
-                     verify: bool = True, group=None, stats: dict | None = None) -> dict[str, Any]:
-    """Put a checkpoint's weights, optimizer, schedule and RNG back (verified against the manifest unless `verify`
-    is False: a DDP rank whose rank 0 verified it); returns the rest of its training state (step, consumed batches,
-    and whatever the trainer saved).
-
-    A format 2 checkpoint in a process group: every rank calls it, reads its share and gets the rest from the
-    others (`read_state_tensors`), whatever the world that saved it; `stats` gets the bytes read from storage."""
-    directory = Path(directory)
-    manifest = read_manifest(directory, verify=verify)
-    if stats is not None:  # the files read whole: the manifest, the verified ones, the training state (and weights)
-        files = ["manifest.json"] + (list(manifest["sha256"]) if verify else [])
-        files += ["training_state.pt"] + ([] if sharded(manifest) else ["model.safetensors"])
-        stats["small_bytes_read"] = sum((directory / n).stat().st_size for n in files)
-    state = torch.load(directory / "training_state.pt", map_location="cpu", weights_only=True)
-    if not sharded(manifest):
-        model.load_state_dict(load_file(str(directory / "model.safetensors"), device=str(device)))
-        optimizer.load_state_dict(state.pop("optimizer"))
-        scheduler.load_state_dict(state.pop("scheduler"))
-        set_rng_state(state.pop("rng"))
-        return state
-    tensors = read_state_tensors(directory, manifest, group=group, stats=stats)
-    model.load_state_dict(joined(tensors, "model/"))
-    index = {name: i for i, name in enumerate(param_names(model, optimizer))}
-    moments: dict[int, dict[str, Any]] = {int(i): dict(other) for i, other in state.pop("optimizer_other").items()}
-    for key, t in joined(tensors, "optim/").items():
-        name, _, field = key.rpartition("/")
-        if name not in index:
-            raise CheckpointError(f"{directory}: the optimizer state of parameter {name!r} has no parameter of that "
-                                  "name in this model")
-        moments.setdefault(index[name], {})[field] = t
-    saved_names = state.pop("param_names")
-    if saved_names != list(index):
-        raise CheckpointError(f"{directory}: the optimizer's parameters differ from this model's "
-                              f"({len(saved_names)} saved, {len(index)} here)")
-    optimizer.load_state_dict({"state": moments, "param_groups": state.pop("param_groups")})
-    scheduler.load_state_dict(state.pop("scheduler"))
-    set_rng_state(state.pop("rng"))
-    return state
-
-
-def load_model(directory: Path, device: str | torch.device = "cpu") -> nn.Module:
-    """The trained model in a checkpoint folder (eval mode): a `Marge`, or a `Veco` for a VECO run.
-
-    A fine-tuned model folder (`marge finetune`) loads too, as its MARGE model without a classifier head
-    (`marge.model.finetuned.load` gives the whole fine-tuned model). Of a format 2 checkpoint, the model's keys alone
-    are read (not the optimizer's), in this process."""
-    directory = Path(directory)
-    manifest = read_manifest(directory, formats=(CHECKPOINT_FORMAT, FINETUNED_FORMAT))
-    model = build_model(config_from_saved(json.loads((directory / "model_config.json").read_text(encoding="utf-8"))))
-    if sharded(manifest):
-        weights = joined(read_state_tensors(directory, manifest, keys=lambda k: k.startswith("model/"),
-                                            group=LOCAL), "model/")
-    else:
-        weights = load_file(str(directory / "model.safetensors"), device="cpu")
-    if manifest["format"] == FINETUNED_FORMAT:
-        weights = {k: v for k, v in weights.items() if not k.startswith("classifier.")}
-    model.load_state_dict(weights)
-    return model.to(device).eval()
-
-
 def save_model_weights(path: Path, model: nn.Module) -> None:
     """Weights alone plus config next to them (the run's initial model)."""
     path = Path(path)
@@ -748,7 +630,10 @@ def load_model_weights(path: Path) -> nn.Module:
     return model
 
 
-def load_model_shell(path: Path) -> nn.Module:
-    """The model `path` (a `model.safetensors` beside its `model.json`) holds, built from its config with freshly
-    initialised weights and without reading the weights file: for a rank that loads a checkpoint over it."""
-    return build_model(config_from_saved(json.loads(Path(path).with_suffix(".json").read_text(encoding="utf-8"))))
+def load_model_shell(path: Path, device: str | torch.device = "cpu") -> nn.Module:
+    """The model `path` (a `model.safetensors` beside its `model.json`) holds, built from its config on `device` with
+    freshly initialised weights and without reading the weights file: for a rank that loads a checkpoint over it
+    (built on its GPU, it never has a host copy)."""
+    cfg = config_from_saved(json.loads(Path(path).with_suffix(".json").read_text(encoding="utf-8")))
+    with torch.device(device):
+        return build_model(cfg)

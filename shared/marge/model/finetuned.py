@@ -49,7 +49,6 @@ from marge.model.checkpoint import (
     CHECKPOINT_FORMAT,
     FINETUNED_FORMAT,
     config_from_saved,
-    load_model,
     read_manifest,
     saved_config,
     write_manifest,
@@ -57,6 +56,7 @@ from marge.model.checkpoint import (
 from marge.model.generate import GenerationConfig, translate
 from marge.model.layers import pad_rows
 from marge.model.network import Marge
+from marge.model.restore import load_model
 
 FINETUNED_FILES = ("model.safetensors", "model_config.json", "finetune_config.json", "tokenizer.model",
                    "tokenizer.json", "metrics.json")
