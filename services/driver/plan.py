@@ -49,6 +49,7 @@ from marge.model.architecture import MargeConfig
 from marge.model.sizes import training_flops_per_token
 from marge.model.veco import VecoConfig
 from services.driver.config import PipelineConfig
+from services.driver.scale_costs import describe_costs, over_budget, scale_costs
 
 log = logging.getLogger("marge.plan")
 
@@ -188,6 +189,7 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
     needed = batches_per_update / seconds_per_update
     builders = min(BUILDER_BATCHES_PER_S * cfg.batcher.builders, 1e6 / OFFER_REDIS_CPU_US)
     redis = redis_footprint(cfg, mean_document_tokens)
+    at_scale = scale_costs(cfg, parameters, checkpoint_bytes, redis["peak_bytes"])
     return {
         "documents": documents, "mean_document_tokens": round(mean_document_tokens, 1),
         "throughput": asdict(rates),
@@ -232,6 +234,9 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
         "checkpoint_bytes": checkpoint_bytes,
         "restart_read_bytes_per_rank": restart_read,
         "restart_read_bytes_all_ranks": 2 * checkpoint_bytes,  # the ranks' shares, and the driver's verification
+        "at_scale": at_scale,
+        "over_budget_at_scale": over_budget(at_scale),
+        **{name: cost["value"] for name, cost in at_scale.items()},
     }
 
 
@@ -269,6 +274,7 @@ def describe(plan: dict, cfg: PipelineConfig) -> list[str]:
         f"({plan['parameters'] / 1e6:,.0f}M parameters, {plan['checkpoint_bytes'] / 1e9:,.1f} GB) and gets the rest "
         f"from the others: {plan['restart_read_bytes_per_rank'] / 1e9:,.2f} GB a rank; "
         f"{plan['restart_read_bytes_all_ranks'] / 1e9:,.1f} GB in all with the driver's verification",
+        describe_costs(plan["at_scale"], cfg.trainer.num_workers),
     ]
     if plan["shard_sampling"] is not None:
         lines.insert(3, f"a refresh embeds {plan['shards_per_build']:,} of {plan['shards']:,} shards "
