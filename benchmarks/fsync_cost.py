@@ -11,7 +11,8 @@ protocol's own calls:
 
   offer     one batch of `--message-bytes` written by `BatchQueue.offer` (one script), `--offers` times, by
             `--writers` threads at once (the batch builders)
-  commit    one rank's checkpoint commit of `--pairs` (slot, batch id) pairs (`BatchQueue.commit`)
+  commit    one rank's checkpoint commit (`BatchQueue.commit`): its record of an interval of `--pairs` batches and
+            the previous interval's again, as the trainer commits
   generation  a trainer group's `start_generation` (one INCR)
 
     python benchmarks/fsync_cost.py --out benchmarks/results/fsync-cost-cpu-2core.json
@@ -34,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO)]
 
 from marge.contracts.protocol import BatchQueue, entry_id  # noqa: E402
-from marge.contracts.slots import Slots  # noqa: E402
+from marge.contracts.slots import CommitRecord, Slots  # noqa: E402
 from services.driver.redis_server import LocalRedis  # noqa: E402
 
 POLICIES = ("everysec", "always")
@@ -66,11 +67,14 @@ def commits(server: LocalRedis, count: int, pairs: int) -> list[float]:
     slots = Slots(1, pairs)
     q = BatchQueue.connect(server.url, "fsync-commit", slots)
     times = []
+    previous: CommitRecord | None = None
     for step in range(1, count + 1):
-        trained = [(slots.slot(step - 1, 0, m), f"v0-e0-s{step}-{m}") for m in range(pairs)]
+        record = CommitRecord.of(step, step - 1, [(slots.slot(step - 1, 0, m), f"v0-e0-s{step}-{m}")
+                                                  for m in range(pairs)])
         started = time.perf_counter()
-        q.commit(0, step, trained)
+        q.commit(0, step, ([(0, previous)] if previous else []) + [(0, record)])
         times.append(time.perf_counter() - started)
+        previous = record
     return times
 
 

@@ -9,11 +9,11 @@ run's keys. It reports
     2x), both with the plan's own message-size estimate and with the mean message measured here;
   * whether memory is flat: the peak over the last third of the run against the peak over the middle third
     (after the first checkpoints; goal <= 1.1), and the growth per 1,000 updates;
-  * the named alternative, in the same run: a per-batch ledger that is never trimmed (the layout before the
-    ledger window), at this run's length and at the paper's 450k updates x 256 batches, from the per-entry cost
-    measured here;
+  * the named alternative: a per-batch ledger that is never trimmed (one hash entry a trained batch), at this run's
+    length and at the paper's 450k updates x 256 batches, priced at the 190 bytes an entry such a ledger measured
+    (`PER_BATCH_ENTRY_BYTES`), against the commit records measured here;
   * the per-entry costs the plan's constants come from, and `marge audit`'s verdict on the run (nothing lost,
-    nothing trained twice, the retired updates checked against train_log.jsonl).
+    nothing trained twice, every checkpoint interval adding up to its ranks' commits).
 
     python benchmarks/redis_soak.py --steps 2000 --out benchmarks/results/redis-soak-cpu-2core.json
 """
@@ -33,6 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench")
 
 PAPER_UPDATES, PAPER_BATCHES_PER_UPDATE = 450_000, 256
+PER_BATCH_ENTRY_BYTES = 199
+"""One batch in a per-batch ledger (its hash field and sorted-set member), as this soak measured that layout on a
+2-core CPU, 2026-11-26 (before commit records)."""
 
 
 def key_bytes(r, key: str) -> int:
@@ -44,15 +47,14 @@ def sample(queue, world: int) -> dict:
     r, keys = queue.r, queue.keys
     info = r.info("memory")
     streams = [keys.slots(rank) for rank in range(world)]
-    window = [keys.ledger_slots(rank) for rank in range(world)]
+    ledger = [keys.ledger(step) for step in queue.committed_steps()] + [keys.ledger_steps, keys.ledger_trained]
     last = queue.last_step() or {}
     return {
         "time": time.time(), "step": int(last.get("step", 0)),
         "used_memory": int(info["used_memory"]), "used_memory_dataset": int(info["used_memory_dataset"]),
         "streams_bytes": sum(key_bytes(r, k) for k in streams), "stream_entries": sum(int(r.xlen(k)) for k in streams),
-        "ledger_bytes": key_bytes(r, keys.ledger) + sum(key_bytes(r, k) for k in window),
-        "ledger_entries": int(r.hlen(keys.ledger)),
-        "retired_bytes": key_bytes(r, keys.ledger_retired), "retired_updates": int(r.hlen(keys.ledger_retired)),
+        "ledger_bytes": sum(key_bytes(r, k) for k in ledger),
+        "ledger_records": sum(int(r.hlen(k)) for k in ledger[:-2]),
         "step_records_bytes": key_bytes(r, keys.steps) + key_bytes(r, keys.trainer_status),
         "step_records": int(r.llen(keys.steps)),
     }
@@ -104,10 +106,8 @@ def soak(steps: int, every_s: float, workdir: Path, overrides: list[str]) -> dic
     mean_doc_tokens = manifest["num_tokens"] / max(1, manifest["num_documents"])
     with_entries = [s for s in samples if s["stream_entries"]]
     stream_entry = max(s["streams_bytes"] / s["stream_entries"] for s in with_entries) if with_entries else None
-    with_ledger = [s for s in samples if s["ledger_entries"]]
-    ledger_entry = max(s["ledger_bytes"] / s["ledger_entries"] for s in with_ledger) if with_ledger else None
-    retired_update = max((s["retired_bytes"] / s["retired_updates"] for s in samples if s["retired_updates"] >= 100),
-                         default=None)
+    with_ledger = [s for s in samples if s["ledger_records"]]
+    ledger_record = max(s["ledger_bytes"] / s["ledger_records"] for s in with_ledger) if with_ledger else None
     last_records = [s for s in samples if s["step_records"]]
     step_record = last_records[-1]["step_records_bytes"] / last_records[-1]["step_records"] if last_records else None
     peak = max(s["used_memory_dataset"] for s in samples) - empty
@@ -129,21 +129,19 @@ def soak(steps: int, every_s: float, workdir: Path, overrides: list[str]) -> dic
         "predicted_with_measured_message_bytes": predicted_measured_message["peak_bytes"],
         "flat": {"peak_middle_third_bytes": middle, "peak_last_third_bytes": last,
                  "last_over_middle": (last / middle) if middle and last else None},
-        "per_entry_bytes": {"stream_entry_with_message": stream_entry, "ledger_window_entry": ledger_entry,
-                            "retired_update": retired_update, "step_record": step_record,
-                            "plan_message_estimate": predicted["message_bytes"]},
+        "per_entry_bytes": {"stream_entry_with_message": stream_entry, "ledger_record_with_keys": ledger_record,
+                            "step_record": step_record, "plan_message_estimate": predicted["message_bytes"]},
         "alternative_untrimmed_ledger": {
-            "what": "one hash entry per trained batch, never trimmed (the ledger before its window)",
-            "bytes_at_this_run_end": (ledger_entry or 0) * steps * per_step,
-            "ledger_bytes_at_this_run_end": samples[-1]["ledger_bytes"] + samples[-1]["retired_bytes"],
-            "bytes_at_paper_scale": (ledger_entry or 0) * PAPER_UPDATES * PAPER_BATCHES_PER_UPDATE,
-            "window_plus_retired_at_paper_scale": redis_footprint(cfg, mean_doc_tokens, steps=PAPER_UPDATES)["parts"][
-                "ledger_retired"] + 2 * cfg.trainer.checkpoint_every * PAPER_BATCHES_PER_UPDATE * (ledger_entry or 0),
+            "what": "one hash entry per trained batch, never trimmed, at PER_BATCH_ENTRY_BYTES an entry",
+            "bytes_at_this_run_end": PER_BATCH_ENTRY_BYTES * steps * per_step,
+            "ledger_bytes_at_this_run_end": samples[-1]["ledger_bytes"],
+            "bytes_at_paper_scale": PER_BATCH_ENTRY_BYTES * PAPER_UPDATES * PAPER_BATCHES_PER_UPDATE,
+            "records_at_paper_scale": redis_footprint(cfg, mean_doc_tokens, steps=PAPER_UPDATES)["parts"]["ledger"],
         },
         "audit": {k: verdict[k] for k in ("ok", "steps", "batches_trained", "batches_lost", "trained_twice",
-                                          "batches_retired_from_ledger", "retired_counts_disagree_with_train_log")},
-        "trace": [{k: s[k] for k in ("step", "used_memory_dataset", "streams_bytes", "ledger_bytes", "retired_bytes",
-                                     "step_records_bytes", "stream_entries", "ledger_entries")} for s in samples],
+                                          "commits_disagree_with_train_log", "checkpoint_intervals")},
+        "trace": [{k: s[k] for k in ("step", "used_memory_dataset", "streams_bytes", "ledger_bytes",
+                                     "step_records_bytes", "stream_entries", "ledger_records")} for s in samples],
     }
 
 

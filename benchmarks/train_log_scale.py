@@ -1,14 +1,18 @@
 """A run's train log at 10^4, 10^5 and 10^6 updates: peak memory and seconds of what reads and trims it, streamed
-over the segmented log against the whole log held as one list.
+over the segmented log, against the whole log held as one list (summary, truncation) and the whole ledger held as
+one dict (audit).
 
 Synthetic logs, written once through `TrainLog.append` (so the segmented ones are rolled by the real writer, every
 `SEGMENT_UPDATES` updates) into a temporary folder: 8 slots an update (8 ranks), batch ids in the batcher's order
 (index version v serves updates [v*1000, (v+1)*1000); within a version, passes over 64 shards in a seeded order, 40
 batches a shard, each id with a content digest), two objectives, 12 beta values, the index version and snapshot,
 times one second apart, and a dead letter every 50,000 updates replayed 10 updates later (what the audit must tell
-from a batch trained twice). The Redis side of the audit is what a run at that point holds: a ledger window of the
-last two checkpoint intervals (checkpoint every 500 updates: 8,000 entries), one retired count for every older
-update, the dead letters, and the checkpoint's last interval (4,000 slots).
+from a batch trained twice). The Redis side of the audit is what a run at that point holds, checkpointing every 500
+updates: each rank's commit of each checkpoint interval (`CommitRecord`: how many batches it trained and their
+`trained_digest`, computed from the interval's synthetic records) but the last, the dead letters and their replays.
+The checkpoint holds the commits of its own last interval (`CheckpointState.commits`), which Redis has not got, as
+when the driver died after the checkpoint and before the ranks committed it: the account takes that interval on
+its awaiting path (`batches_awaiting_commit`, 4,000 slots).
 
 Each measurement is a fresh Python process that imports marge, builds its inputs, and then runs one operation; its
 memory is the rise of the process's peak resident set (`ru_maxrss`) over the operation, its time the operation's
@@ -16,28 +20,37 @@ wall seconds. Operations:
 
   * summary: the driver's summary fold (`summarize`: `RunFigures` and `RefreshCost` over one pass, one index build
     record per version);
-  * audit: `marge audit`'s account (`services.driver.audit.account`: one pass, its replays' positions named by dead letters);
+  * audit: `marge audit`'s account (`services.driver.audit.account`: one pass over the log, one interval's commits
+    at a time as the log reaches it, its replays' positions named by dead letters);
   * truncate: `TrainLog.truncate_after(last update - 5)`, what rank 0 does at every restart.
 
-The named alternative, at 10^4 and 10^5 updates: the log as one file (the layout before segments), read into one
-list, and the code that took that list before (kept below, verbatim but for names: its summary figures and
-refresh cost, its audit, its truncation that read and rewrote the whole file). Its results are checked against the
-streamed ones (the same dicts), so the two compute the same thing.
+The named alternative of summary and truncate, at 10^4 and 10^5 updates: the log as one file (the layout before
+segments), read into one list, and the code that took that list before (kept below, verbatim but for names: its
+summary figures and refresh cost, its truncation that read and rewrote the whole file). Its summaries are checked
+against the streamed ones (the same dicts), so the two compute the same thing.
 
-The retired counts are handed to the streamed audit as a mapping computed on the fly, so its figure is the
-account's own memory. The audit with Redis (`audit` of the approaches `redis-blocks` and `redis-whole-dict`, on the
-segmented log) takes them from a real redis-server the benchmark starts on loopback (`LocalRedis`, as the tests
-do), the ledger's retired hash filled with one field per update before the window (`RunKeys.ledger_retired`):
-  * redis-blocks: what `marge audit` does (`QueueState.of`: `RetiredCounts`, an HMGET of RETIRED_BLOCK updates at a
-    time as the log goes past), so its memory includes the retired counts as they come from Redis;
-  * redis-whole-dict, the named alternative: the whole hash read into a dict (`BatchQueue.retired_by_update`, an
-    HGETALL), inside the measured operation, then the same account.
-Both give the result of the streamed audit (checked). `retired_dict_mib` is the dict's own size (tracemalloc).
+The audit runs three ways over the segmented log, each checked to give the same result:
+  * streaming: the account alone, without Redis. `commits(step)` computes an interval's commits from its 500
+    synthetic records when the account asks for them, and nothing holds them after, so the memory figure is the
+    account's own; its seconds include that computing (`commits_call_s`: the seconds spent inside `commits`;
+    `commits_calls`: how many intervals it was asked for);
+  * redis-records: what `marge audit` does, against a real redis-server the benchmark starts on loopback
+    (`LocalRedis`, as the tests do), filled through the queue's own calls (`BatchQueue.commit` of each rank's record
+    of each interval, `dead_letter`, `request_replay` and `offer` of the replays, each rank's `progress` through the
+    checkpoint; the builders' `produced` counter set to the slots written, since the benchmark writes no other
+    batches into the streams, which the account does not read): `QueueState.of` (counters, the ledger's checkpoint
+    updates, dead letters) and, as the log reaches each interval, one HGETALL of its `RunKeys.ledger(step)`, all
+    inside the measured operation;
+  * redis-whole-dict, the named alternative: every interval's commits read into one dict up front (an HGETALL of
+    each ledger hash, inside the measured operation), then the same account.
+`redis_ledgers` gives, for each size, the ledger's Redis memory (MEMORY USAGE of its hashes, summed; its sorted set
+of checkpoint updates and its hash of trained counts apart) and the size of the whole-dict arm's dict (tracemalloc).
 
     python benchmarks/train_log_scale.py --out benchmarks/results/train-log-scale-cpu-2core.json
+    python benchmarks/train_log_scale.py --sizes 2000 10000 --whole-list-sizes 2000   # a quick check
 
 About 1 KB an update: the 10^6 log is about 1 GB; the script checks the free disk first and leaves out a size that
-does not fit (saying so). 16.5 minutes on a 2-core CPU that other jobs loaded (2026-11-27).
+does not fit (saying so). Sizes are multiples of the checkpoint interval. 9.5 minutes on a 2-core CPU (2026-11-29).
 """
 
 from __future__ import annotations
@@ -50,34 +63,34 @@ import os
 import platform
 import random
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable
 from functools import lru_cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "shared"), str(REPO)]
 
-from marge.contracts.slots import BatchId, Slots  # noqa: E402
+from marge.contracts.slots import BatchId, CommitRecord, Slots  # noqa: E402
 from marge.contracts.train_log import SEGMENT_UPDATES, RunFigures, TrainLog, UpdateRecord, feed  # noqa: E402
 
 SLOTS = Slots(world=8, grad_accum=1)
 REINDEX_EVERY = 1000
 SHARDS, BATCHES_PER_SHARD = 64, 40
 CHECKPOINT_EVERY = 500
-REPLAY_EVERY, REPLAY_AFTER = 50_000, 10
+REPLAY_EVERY, REPLAY_AFTER, DEAD_LETTER_AT = 50_000, 10, 17
 T0 = 1.7e9
 BYTES_PER_UPDATE_GUESS = 1100
 SIZES, WHOLE_LIST_SIZES = (10_000, 100_000, 1_000_000), (10_000, 100_000)
 RUN_ID = "train-log-scale"
 REDIS_URL_ENV = "TRAIN_LOG_SCALE_REDIS_URL"
 """How the driver tells a measurement process where its redis-server listens."""
-REDIS_APPROACHES = ("redis-blocks", "redis-whole-dict")
+REDIS_APPROACHES = ("redis-records", "redis-whole-dict")
 
 
 # -- the synthetic run
@@ -100,7 +113,7 @@ def scheduled_id(slot: int) -> str:
 
 def dead_lettered_slot(update: int) -> int | None:
     """Every REPLAY_EVERY updates, one slot is dead-lettered (and replayed REPLAY_AFTER updates later)."""
-    return SLOTS.slot(update, 3, 0) if update % REPLAY_EVERY == 17 else None
+    return SLOTS.slot(update, 3, 0) if update % REPLAY_EVERY == DEAD_LETTER_AT else None
 
 
 def replay_into(update: int) -> tuple[int, str] | None:
@@ -139,43 +152,69 @@ def builds(updates: int) -> list[dict]:
     return out
 
 
-class RetiredCounts(Mapping):
-    """The ledger's retired count of every update before the window, computed on the fly (see the module
-    docstring): what `queue.retired_by_update()` returns, without holding it."""
-
-    def __init__(self, window_start: int):
-        self.window_start = window_start
-
-    def __getitem__(self, update: int) -> int:
-        if not 0 <= update < self.window_start:
-            raise KeyError(update)
-        return SLOTS.per_step - (dead_lettered_slot(update) is not None)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.window_start))
-
-    def __len__(self) -> int:
-        return self.window_start
-
-
-def audit_inputs(updates: int, retired_as_dict: bool = False):
-    from services.driver.audit import CheckpointState, QueueState
-
-    window_start = max(0, updates - 2 * CHECKPOINT_EVERY)
-    ledger = {}
-    for update in range(window_start, updates):
-        record = synthetic_record(update)
+def commits_of(step: int, records: Iterable[UpdateRecord]) -> dict[int, CommitRecord]:
+    """Each rank's commit of the checkpoint interval ending at update `step`, whose records are `records`."""
+    pairs: dict[int, list[tuple[int, str]]] = {rank: [] for rank in range(SLOTS.world)}
+    for record in records:
         for slot, batch_id in record.trained_slots().items():
-            ledger[batch_id] = {"step": update, "slot": slot}
-    retired = RetiredCounts(window_start)
-    dead = [{"entry": f"{u}-0", "slot": dead_lettered_slot(u), "batch_id": scheduled_id(dead_lettered_slot(u)),
-             "reason": "synthetic", "replayed_to_slot": SLOTS.slot(u + REPLAY_AFTER, 5, 0)}
-            for u in range(updates) if dead_lettered_slot(u) is not None and u + REPLAY_AFTER < updates]
-    last_interval = range(max(0, updates - CHECKPOINT_EVERY), updates)
-    trained = [(n, b) for u in last_interval for n, b in synthetic_record(u).trained_slots().items()]
-    counts = {"committed_step": updates, "pending": 0, "produced": updates * SLOTS.per_step, "trained_twice": 0}
-    return (CheckpointState(updates, None, trained, []),
-            QueueState(counts, ledger, dict(retired) if retired_as_dict else retired, dead))
+            pairs[SLOTS.rank_of(slot)].append((slot, str(batch_id)))
+    return {rank: CommitRecord.of(step, step - CHECKPOINT_EVERY, p) for rank, p in pairs.items()}
+
+
+def interval_commits(step: int) -> dict[int, CommitRecord]:
+    """`commits_of` the interval ending at `step`, its records made again (they are a function of the update)."""
+    return commits_of(step, (synthetic_record(u) for u in range(step - CHECKPOINT_EVERY, step)))
+
+
+def ledger_steps(updates: int) -> list[int]:
+    """The checkpoints whose commits Redis holds at the checkpoint of update `updates`: all but that one."""
+    return list(range(CHECKPOINT_EVERY, updates - CHECKPOINT_EVERY + 1, CHECKPOINT_EVERY))
+
+
+def synthetic_dead_letters(updates: int) -> list[dict]:
+    """The dead letters up to update `updates`, each with the slot its replay went to (None: not replayed yet)."""
+    out = []
+    for update in range(DEAD_LETTER_AT, updates, REPLAY_EVERY):
+        slot = dead_lettered_slot(update)
+        replayed = update + REPLAY_AFTER < updates
+        out.append({"slot": slot, "batch_id": scheduled_id(slot),
+                    "replayed_to_slot": SLOTS.slot(update + REPLAY_AFTER, 5, 0) if replayed else None})
+    return out
+
+
+def queue_counts(updates: int) -> dict[str, int]:
+    """The counters the account reads, as the run's Redis holds them (`fill_ledger` checks it): rank 0 committed
+    the interval before the checkpoint's own; the ranks' progress trimmed their streams."""
+    return {"committed_step": max(0, updates - CHECKPOINT_EVERY), "pending": 0,
+            "produced": updates * SLOTS.per_step, "trained_twice": 0, "commit_conflicts": 0}
+
+
+def checkpoint_state(updates: int):
+    from services.driver.audit import CheckpointState
+
+    return CheckpointState(updates, None, interval_commits(updates), [])
+
+
+def synthetic_queue(updates: int):
+    """The queue's state without Redis; its `commits` computes an interval's when asked (`interval_commits`)."""
+    from services.driver.audit import QueueState
+
+    return QueueState(queue_counts(updates), ledger_steps(updates), interval_commits, synthetic_dead_letters(updates))
+
+
+class TimedCommits:
+    """A `QueueState.commits` with the seconds spent in it and the intervals asked for."""
+
+    def __init__(self, commits: Callable[[int], dict[int, CommitRecord]]):
+        self.commits, self.seconds, self.calls = commits, 0.0, 0
+
+    def __call__(self, step: int) -> dict[int, CommitRecord]:
+        started = time.perf_counter()
+        try:
+            return self.commits(step)
+        finally:
+            self.seconds += time.perf_counter() - started
+            self.calls += 1
 
 
 # -- the named alternative: the whole log as one list, and the code that took it (before segments)
@@ -228,45 +267,6 @@ def whole_list_refresh_cost(builds: list[dict], records: list[UpdateRecord]) -> 
             "tokens_per_s_building": tokens_per_s(building), "tokens_per_s_idle": tokens_per_s(idle)}
 
 
-def whole_list_account(records: list[UpdateRecord], checkpoint, queue) -> dict:
-    from services.driver.audit import content_changed
-
-    step, covered = checkpoint.step, checkpoint.step * SLOTS.per_step
-    counts, ledger = queue.counts, queue.ledger
-    trained_slot = {entry["slot"]: batch_id for batch_id, entry in ledger.items() if entry["slot"] < covered}
-    logged = {n: b for r in records for n, b in r.trained_slots().items()}
-    retired = {s: k for s, k in queue.retired_by_update.items() if s < step}
-    from_log = {n: b for n, b in logged.items() if n not in trained_slot and SLOTS.step_of(n) in retired}
-    logged_per_update = Counter(SLOTS.step_of(n) for n in from_log)
-    retired_disagree = sorted(s for s in retired if logged_per_update[s] != retired[s])
-    trained_slot.update(from_log)
-    dead = queue.dead_letters
-    dead_slots = {d["slot"] for d in dead}
-    awaiting = {n: b for n, b in checkpoint.trained if n not in trained_slot}
-    awaiting_dead = {n for n, _ in checkpoint.dead if n not in dead_slots}
-    trained_slot.update(awaiting)
-    lost = [n for n in range(covered) if n not in trained_slot and n not in dead_slots and n not in awaiting_dead]
-    logged_twice = [b for b, k in Counter(b for r in records for b in r.trained_slots().values()).items() if k > 1]
-    disagree = sorted(n for n, b in logged.items() if n in trained_slot and trained_slot[n] != b)
-    trained_twice = counts.get("trained_twice", 0) + len(logged_twice)
-    changed = content_changed([*ledger, *(b for r in records for b in r.batch_ids), *(d["batch_id"] for d in dead)])
-    return {
-        "ok": not lost and trained_twice == 0 and not disagree and not retired_disagree and not changed,
-        "steps": step, "checkpoint": checkpoint.path, "committed_step": counts["committed_step"],
-        "batches_produced": counts.get("produced", 0), "batches_trained": len(trained_slot),
-        "batches_lost": len(lost), "lost_slots": lost[:100],
-        "trained_twice": trained_twice, "trained_twice_ids": logged_twice[:100],
-        "ledger_disagrees_with_train_log": disagree[:100], "content_changed": changed[:100],
-        "batches_retired_from_ledger": sum(retired.values()),
-        "retired_counts_disagree_with_train_log": retired_disagree[:100],
-        "batches_pending": counts["pending"],
-        "batches_awaiting_commit": len(awaiting) + len(awaiting_dead),
-        "batches_dead_lettered": sum(1 for d in dead if d["replayed_to_slot"] is None) + len(awaiting_dead),
-        "batches_replayed": sum(1 for d in dead if d["replayed_to_slot"] is not None),
-        "train_log_updates": len(records),
-    }
-
-
 def whole_file_truncate_after(path: Path, step: int) -> None:
     from marge.util.files import atomic_write_text
 
@@ -296,20 +296,20 @@ def digest(value) -> str:
 def measure(operation: str, approach: str, log_dir: Path, updates: int) -> dict:
     from marge.eval.refresh import RefreshCost
     from services.driver.audit import QueueState, account
-    from services.driver.audit import RetiredCounts as RetiredInRedis
 
     history = builds(updates)
     log = TrainLog.of_run(log_dir)
-    checkpoint, queue = audit_inputs(updates, retired_as_dict=approach == "whole-list") \
-        if operation == "audit" else (None, None)
+    checkpoint = checkpoint_state(updates) if operation == "audit" else None
+    commits_timed = None
+    if operation == "audit" and approach == "streaming":
+        queue = synthetic_queue(updates)
+        queue.commits = commits_timed = TimedCommits(queue.commits)
     if approach in REDIS_APPROACHES:
         from marge.contracts.protocol import BatchQueue
 
         redis_queue = BatchQueue.connect(os.environ[REDIS_URL_ENV], RUN_ID, SLOTS)
-        redis_queue.r.ping()
-        retired_fields = int(redis_queue.r.hlen(redis_queue.keys.ledger_retired))
-        assert retired_fields == len(queue.retired_by_update), (retired_fields, len(queue.retired_by_update))
-        queue.retired_by_update = {}  # the measured operation takes them from Redis
+        checkpoints_in_redis = len(redis_queue.committed_steps())
+        assert checkpoints_in_redis == len(ledger_steps(updates)), (checkpoints_in_redis, updates)
     before = peak_rss_mib()
     started = time.perf_counter()
     if operation == "summary" and approach == "streaming":
@@ -323,17 +323,20 @@ def measure(operation: str, approach: str, log_dir: Path, updates: int) -> dict:
         result = whole_list_summary(log.read(), history)
     elif operation == "audit" and approach == "streaming":
         result = account(lambda: log.iter_records(through_step=updates), SLOTS, checkpoint, queue)
-    elif operation == "audit" and approach in REDIS_APPROACHES:
-        retired = RetiredInRedis(redis_queue.r, redis_queue.keys.ledger_retired) if approach == "redis-blocks" \
-            else redis_queue.retired_by_update()
-        queue = QueueState(queue.counts, queue.ledger, retired, queue.dead_letters)
+    elif operation == "audit" and approach == "redis-records":
+        queue = QueueState.of(redis_queue)
+        queue.commits = commits_timed = TimedCommits(queue.commits)
         result = account(lambda: log.iter_records(through_step=updates), SLOTS, checkpoint, queue)
-    elif operation == "audit":
-        result = whole_list_account(log.read(through_step=updates), checkpoint, queue)
+    elif operation == "audit" and approach == "redis-whole-dict":
+        steps = redis_queue.committed_steps()
+        ledger = {step: redis_queue.commits(step) for step in steps}
+        commits_timed = TimedCommits(ledger.__getitem__)
+        queue = QueueState(redis_queue.counts(), steps, commits_timed, redis_queue.dead_letters())
+        result = account(lambda: log.iter_records(through_step=updates), SLOTS, checkpoint, queue)
     elif operation == "truncate" and approach == "streaming":
         log.truncate_after(updates - 5)
         result = {"kept": updates - 5}
-    elif operation == "truncate":
+    elif operation == "truncate" and approach == "whole-list":
         whole_file_truncate_after(log.path, updates - 5)
         result = {"kept": updates - 5}
     else:
@@ -342,10 +345,15 @@ def measure(operation: str, approach: str, log_dir: Path, updates: int) -> dict:
     out = {"operation": operation, "approach": approach, "updates": updates, "seconds": round(seconds, 2),
            "peak_rss_rise_mib": round(max(0.0, peak_rss_mib() - before), 1), "result_digest": digest(result)}
     if approach in REDIS_APPROACHES:
-        out["retired_fields_in_redis"] = retired_fields
+        out["checkpoints_in_redis"] = checkpoints_in_redis
     if operation == "audit":
         out["audit_ok"], out["trained_twice"] = result["ok"], result["trained_twice"]
+        out["batches_lost"], out["commits_disagree"] = result["batches_lost"], len(
+            result["commits_disagree_with_train_log"])
         out["batches_replayed"], out["batches_trained"] = result["batches_replayed"], result["batches_trained"]
+        out["batches_awaiting_commit"] = result["batches_awaiting_commit"]
+        out["checkpoint_intervals"] = result["checkpoint_intervals"]
+        out["commits_calls"], out["commits_call_s"] = commits_timed.calls, round(commits_timed.seconds, 2)
     if operation == "truncate":
         out["last_update_after"] = TrainLog.of_run(log_dir).read()[-1].step if approach == "whole-list" \
             else last_step(TrainLog.of_run(log_dir))
@@ -359,45 +367,73 @@ def last_step(log: TrainLog) -> int:
     return last.step if last else 0
 
 
-def retired_dict_mib(updates: int) -> float:
-    """Memory of the dict `queue.retired_by_update()` returns at this point of the run (one entry per update)."""
-    import tracemalloc
-
-    tracemalloc.start()
-    retired = dict(RetiredCounts(max(0, updates - 2 * CHECKPOINT_EVERY)))
-    size = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    del retired
-    return round(size / 2**20, 1)
-
-
 # -- the driver of the whole benchmark
 
 
-def write_log(log_dir: Path, updates: int, segment_updates: int) -> dict:
+def write_log(log_dir: Path, updates: int, segment_updates: int) -> tuple[dict, dict[int, dict[int, CommitRecord]]]:
+    """The log, and each checkpoint's commits (update -> rank -> its record), from the same records."""
     started = time.perf_counter()
     log = TrainLog.of_run(log_dir, segment_updates=segment_updates)
+    ledger, interval = {}, []
     for update in range(updates):
-        log.append(synthetic_record(update))
+        record = synthetic_record(update)
+        log.append(record)
+        interval.append(record)
+        if (update + 1) % CHECKPOINT_EVERY == 0:
+            ledger[update + 1], interval = commits_of(update + 1, interval), []
     size = sum(p.stat().st_size for p in log_dir.rglob("*.jsonl"))
-    return {"updates": updates, "segment_updates": segment_updates, "segments": len(log.segments()),
-            "bytes": size, "bytes_per_update": round(size / updates), "write_s": round(time.perf_counter() - started, 1)}
+    return ({"updates": updates, "segment_updates": segment_updates, "segments": len(log.segments()), "bytes": size,
+             "bytes_per_update": round(size / updates), "write_s": round(time.perf_counter() - started, 1)}, ledger)
 
 
-def fill_retired(url: str, updates: int) -> dict:
-    """The run's ledger:retired hash in Redis at this point of the run: one field per update before the window."""
+def batch_fields(batch_id: str) -> dict[bytes, bytes]:
+    return {b"header": json.dumps({"batch_id": batch_id}).encode()}
+
+
+def fill_ledger(url: str, updates: int, ledger: dict[int, dict[int, CommitRecord]]) -> dict:
+    """The run's queue in Redis at the checkpoint of update `updates` (see the module docstring), written through
+    the queue's own calls; the ledger's Redis memory and the size of the dict the whole-dict arm reads it into."""
+    import tracemalloc
+
     from marge.contracts.protocol import BatchQueue
 
     queue = BatchQueue.connect(url, RUN_ID, SLOTS)
-    key = queue.keys.ledger_retired
-    queue.r.delete(key)
+    queue.r.flushdb()  # the benchmark's own server: one run's queue at a time
     started = time.perf_counter()
-    counts = RetiredCounts(max(0, updates - 2 * CHECKPOINT_EVERY))
-    for start in range(0, len(counts), 10_000):
-        queue.r.hset(key, mapping={str(u): counts[u] for u in range(start, min(start + 10_000, len(counts)))})
-    memory = queue.r.memory_usage(key) if len(counts) else 0
-    return {"updates": updates, "retired_fields": int(queue.r.hlen(key)),
-            "redis_hash_mib": round((memory or 0) / 2**20, 1), "fill_s": round(time.perf_counter() - started, 1)}
+    dead_letters = synthetic_dead_letters(updates)
+    for dead in dead_letters:
+        assert queue.dead_letter(dead["slot"], batch_fields(dead["batch_id"]), "synthetic")
+        if dead["replayed_to_slot"] is not None:
+            entry = queue.dead_letters()[-1]["entry"]
+            queue.request_replay(entry)
+            status, _ = queue.offer(dead["replayed_to_slot"], batch_fields(dead["batch_id"]), updates,
+                                    replay_entry=entry)
+            assert status == "written", (status, dead)
+    steps = ledger_steps(updates)
+    for step in steps:
+        for rank, record in ledger[step].items():
+            assert queue.commit(rank, step, [(rank, record)]) == [], (step, rank)
+    for rank in range(SLOTS.world):
+        queue.progress(rank, updates)
+    queue.r.hset(queue.counters, "produced", updates * SLOTS.per_step)
+    fill_s = time.perf_counter() - started
+    counts, expected = queue.counts(), queue_counts(updates)
+    assert {k: counts.get(k, 0) for k in expected} == expected, (counts, expected)
+    pipe = queue.r.pipeline(transaction=False)
+    for step in steps:
+        pipe.memory_usage(queue.keys.ledger(step), samples=0)
+    hashes_bytes = sum(int(b) for b in pipe.execute())
+    index_bytes = sum(int(queue.r.memory_usage(key, samples=0) or 0)
+                      for key in (queue.keys.ledger_steps, queue.keys.ledger_trained))
+    tracemalloc.start()
+    whole = {step: queue.commits(step) for step in steps}
+    whole_dict_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert whole == {step: ledger[step] for step in steps}  # what Redis gives back is what was committed
+    return {"updates": updates, "checkpoints_in_redis": len(steps), "commits_in_redis": len(steps) * SLOTS.world,
+            "dead_letters": len(dead_letters), "ledger_hashes_bytes": hashes_bytes,
+            "ledger_hashes_mib": round(hashes_bytes / 2**20, 2), "ledger_index_bytes": index_bytes,
+            "whole_dict_mib": round(whole_dict_bytes / 2**20, 2), "fill_s": round(fill_s, 1)}
 
 
 def run_measurement(operation: str, approach: str, log_dir: Path, updates: int, redis_url: str | None = None) -> dict:
@@ -420,6 +456,8 @@ def main() -> None:
     parser.add_argument("--measure", nargs=4, metavar=("OPERATION", "APPROACH", "LOG_DIR", "UPDATES"),
                         help=argparse.SUPPRESS)  # one measurement, in the fresh process the driver starts
     args = parser.parse_args()
+    if any(size < CHECKPOINT_EVERY or size % CHECKPOINT_EVERY for size in args.sizes):
+        parser.error(f"--sizes: multiples of the checkpoint interval ({CHECKPOINT_EVERY} updates)")
     if args.measure:
         operation, approach, log_dir, updates = args.measure
         print(json.dumps(measure(operation, approach, Path(log_dir), int(updates))))
@@ -427,7 +465,8 @@ def main() -> None:
     from services.driver.redis_server import LocalRedis
 
     workdir = Path(tempfile.mkdtemp(prefix="train-log-scale-", dir=args.workdir))
-    server = LocalRedis(workdir / "redis", maxmemory="2gb").start()  # on loopback, a free port, as the tests' fixture
+    # on loopback, a free port, as the tests' fixture; nothing here needs its writes to reach the disk
+    server = LocalRedis(workdir / "redis", appendfsync="no", maxmemory="2gb").start()
     try:
         results = run(args, workdir, server.url)
     finally:
@@ -450,18 +489,19 @@ def run(args, workdir: Path, redis_url: str) -> dict:
             left_out.append({"updates": size, "why": f"{free / 2**30:.1f} GiB free, about "
                              f"{BYTES_PER_UPDATE_GUESS * size / 2**30:.1f} GiB needed"})
     print(f"{free / 2**30:.1f} GiB free for about {needed / 2**30:.1f} GiB of logs; sizes {sizes}", flush=True)
-    logs, measurements, redis_hashes = [], [], []
+    logs, measurements, redis_ledgers = [], [], []
     for size in sizes:
         for approach in ("streaming", "whole-list") if size in args.whole_list_sizes else ("streaming",):
             log_dir = workdir / f"{approach}-{size}"
             # the whole-list alternative reads the layout it was written for: one file
-            written = write_log(log_dir, size, SEGMENT_UPDATES if approach == "streaming" else size + 1)
+            written, ledger = write_log(log_dir, size, SEGMENT_UPDATES if approach == "streaming" else size + 1)
             logs.append({"approach": approach, **written})
             print(json.dumps(logs[-1]), flush=True)
-            for operation in ("summary", "audit", "truncate"):  # truncation last: it cuts the log
+            operations = ("summary", "audit", "truncate") if approach == "streaming" else ("summary", "truncate")
+            for operation in operations:  # truncation last: it cuts the log
                 if operation == "truncate" and approach == "streaming":
-                    redis_hashes.append(fill_retired(redis_url, size))
-                    print(json.dumps(redis_hashes[-1]), flush=True)
+                    redis_ledgers.append(fill_ledger(redis_url, size, ledger))
+                    print(json.dumps(redis_ledgers[-1]), flush=True)
                     for redis_approach in REDIS_APPROACHES:
                         measurements.append(run_measurement("audit", redis_approach, log_dir, size, redis_url))
                 measurements.append(run_measurement(operation, approach, log_dir, size))
@@ -476,21 +516,21 @@ def run(args, workdir: Path, redis_url: str) -> dict:
                 same[f"{m['operation']}@{m['updates']}"] = equal
             else:
                 same_redis[f"{m['approach']}@{m['updates']}"] = equal
-    audit_rss = {(m["approach"], m["updates"]): m["peak_rss_rise_mib"] for m in measurements
-                 if m["operation"] == "audit" and m["approach"] in REDIS_APPROACHES}
+    audits = [m for m in measurements if m["operation"] == "audit"]
+    audit_rss = {(m["approach"], m["updates"]): m["peak_rss_rise_mib"] for m in audits}
     smallest, largest = min(sizes), max(sizes)
     ratio = {a: round(audit_rss[a, largest] / audit_rss[a, smallest], 2) if audit_rss.get((a, smallest)) else None
              for a in REDIS_APPROACHES} if len(sizes) > 1 else {}
     return {"machine": "2-core CPU", "python": platform.python_version(),
-            "command": "python benchmarks/train_log_scale.py --out benchmarks/results/train-log-scale-cpu-2core.json",
+            "command": shlex.join(["python", "benchmarks/train_log_scale.py", *sys.argv[1:]]),
             "segment_updates": SEGMENT_UPDATES, "slots_per_update": SLOTS.per_step,
+            "checkpoint_every": CHECKPOINT_EVERY,
             "sizes_left_out": left_out, "logs": logs, "measurements": measurements,
             "streamed_results_equal_whole_list_results": same,
-            "redis_retired_hashes": redis_hashes,
+            "audits_ok": all(m["audit_ok"] for m in audits),
+            "redis_ledgers": redis_ledgers,
             "redis_audit_results_equal_streamed_results": same_redis,
-            f"redis_audit_rss_ratio_{largest}_over_{smallest}": ratio,
-            "retired_dict_mib": {str(size): retired_dict_mib(size) for size in sizes}}
-
+            f"redis_audit_rss_ratio_{largest}_over_{smallest}": ratio}
 
 if __name__ == "__main__":
     main()

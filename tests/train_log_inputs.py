@@ -8,7 +8,7 @@ import itertools
 import random
 from collections.abc import Container, Iterable, Iterator
 
-from marge.contracts.slots import BatchId, Slots
+from marge.contracts.slots import BatchId, CommitRecord, Slots
 from marge.contracts.train_log import TrainLog, UpdateRecord
 
 SLOTS = Slots(world=2, grad_accum=1)
@@ -25,9 +25,25 @@ def scheduled_ids(count: int) -> list[str]:
     return ids[:count]
 
 
+def ledger_of(records: Iterable[UpdateRecord], slots: Slots, every: int, through: int
+              ) -> tuple[list[int], dict[int, dict[int, CommitRecord]]]:
+    """(checkpoint updates, update -> rank -> commit): what the ranks commit for a log whose run checkpoints every
+    `every` updates up to update `through` (every rank commits each interval, its trained batches of the log's
+    lines: none trained, a record of 0)."""
+    steps = list(range(every, through + 1, every))
+    pairs: dict[int, dict[int, list[tuple[int, str]]]] = {s: {r: [] for r in range(slots.world)} for s in steps}
+    for record in records:
+        update = record.step - 1
+        step = (update // every + 1) * every
+        if step in pairs:
+            for n, batch_id in record.trained_slots().items():
+                pairs[step][slots.rank_of(n)].append((n, str(batch_id)))
+    return steps, {s: {r: CommitRecord.of(s, s - every, p) for r, p in by_rank.items()} for s, by_rank in pairs.items()}
+
+
 def audited_run(tmp_path, updates: int = 16, edit=None) -> tuple[TrainLog, list[dict]]:
-    """A run's log of `updates` updates in segments of 4, every update retired from the ledger's window (so the log
-    is the account's only source for its slots); `edit(slot -> batch id, dead-lettered slots)` changes the run."""
+    """A run's log of `updates` updates in segments of 4; `edit(slot -> batch id, dead-lettered slots)` changes the
+    run."""
     ids = dict(enumerate(scheduled_ids(updates * SLOTS.per_step)))
     dead: list[int] = []
     dead_letters = edit(ids, dead) if edit else []

@@ -29,6 +29,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
               f"{result['batches_produced']}, trained {result['batches_trained']}, lost {result['batches_lost']}, "
               f"trained twice {result['trained_twice']}, pending {result['batches_pending']}, dead-lettered "
               f"{result['batches_dead_lettered']} (replayed {result['batches_replayed']})", file=sys.stderr)
+        for wrong in result["commits_disagree_with_train_log"]:
+            rank = "" if wrong["rank"] is None else f", rank {wrong['rank']}"
+            print(f"checkpoint of update {wrong['checkpoint']}{rank}: {wrong['what']}", file=sys.stderr)
         for changed in result["content_changed"]:
             print(f"batch {changed['position']} was made with different contents {changed['contents']}: its "
                   "builder is not deterministic for the run's seed (see docs/pipeline.md)", file=sys.stderr)

@@ -2,30 +2,31 @@
 
 The account of one run (the `marge.contracts.protocol` delivery rules), from the newest good checkpoint C:
 
-    slots of updates 0..C-1   each trained (in the ledger's window, with the batch id train_log.jsonl gives
-                              that slot; for an update whose batches left the window, in train_log.jsonl, as
-                              many as the ledger's retired count of that update)
-                              or dead-lettered (in the dead-letter stream with that slot)
-                              (or in the checkpoint's record of its last interval, when the driver died
-                              before the ranks recorded it in Redis: `batches_awaiting_commit`)
-    lost                      such a slot in none of these
-    trained twice             a batch id the ledger recorded for two slots (counted at commit), or that
-                              train_log.jsonl shows in two updates up to C
-    content changed           a batch position (version, pass, shard, n) that the ledger, train_log.jsonl or the
-                              dead letters name with two content digests (`BatchId`): a builder made it again
-                              with other content, so "the same batch" was not the same
+    slots of updates 0..C-1   each trained (train_log.jsonl names it, and a commit of its rank covers its update:
+                              the ledger's record of a checkpoint interval, or the checkpoint's own record of its
+                              last interval when the driver died before the ranks recorded it in Redis:
+                              `batches_awaiting_commit`)
+                              or dead-lettered (in the dead-letter stream with that slot, or in the checkpoint's
+                              record of the ones its interval left out)
+    lost                      such a slot in none of these: no line names it trained and no dead letter names
+                              it, or its update is in no committed interval of its rank
+    commits disagree          a checkpoint interval whose lines do not add up to its ranks' commits: a rank's count
+                              of trained batches, or the interval's `trained_digest` (the lines' against the
+                              commits', content digests included), or a rank that trained without a commit
+    trained twice             a batch id (a position, on a compact line) that train_log.jsonl shows in two
+                              trained slots up to C
+    content changed           a batch position (version, pass, shard, n) that train_log.jsonl (lines listing ids in
+                              full) or the dead letters name with two content digests (`BatchId`): a builder made it
+                              again with other content, so "the same batch" was not the same
     pending                   written into the streams, not yet covered by a checkpoint
 
 The account streams train_log.jsonl (its segments, then the live file) and holds no map over the run's slots or
 batch ids, so its memory does not grow with the run, whatever the number of batch builders: `account` is that core,
-from its inputs alone (no Redis, no files), `audit` reads them. Beyond the ledger's window and the dead letters it
-holds each builder's place in its own schedule and the shards of the passes the builders are in, and reads the log
-once; only ids out of their builder's order that no dead letter names (a batch doubled or rebuilt) are remembered,
-and counted over the log a second time.
-
-The ledger's retired counts (one per update that left the window: 450,000 at the paper's run length) stay in Redis:
-the account reads them a block of RETIRED_BLOCK updates at a time, as the log goes past (`RetiredCounts`), and sums
-them as it goes, so the audit's memory stays flat in the run's length with them too (`benchmarks/train_log_scale.py`).
+from its inputs alone (no Redis, no files), `audit` reads them. It holds one checkpoint interval's commits at a time
+(one record a rank, read from Redis as the log reaches the interval), the dead letters, each builder's place in its
+own schedule and the shards of the passes the builders are in, and reads the log once; only ids out of their
+builder's order that no dead letter names (a batch doubled or rebuilt) are remembered, and counted over the log a
+second time.
 
 The run's Redis is opened as the run left it: a `redis.url` from --redis-url or MARGE_REDIS_URL, else the
 run's private server, started from its AOF for the audit (and stopped again) when it is not running.
@@ -34,12 +35,12 @@ run's private server, started from its AOF for the audit (and stopped again) whe
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from marge.contracts.protocol import BatchQueue
-from marge.contracts.slots import BatchId, Slots
+from marge.contracts.slots import BatchId, CommitRecord, Slots, add_digests, trained_digest
 from marge.contracts.train_log import TrainLog, TrainLogError, UpdateRecord
 from marge.model.checkpoint import read_manifest
 from marge.model.lineage import newest_good_checkpoint
@@ -85,15 +86,16 @@ def single_process_run(run_dir: Path) -> bool:
     return (run_dir / "checkpoints").is_dir() and not (run_dir / "ray_train").exists()
 
 
-def checkpoint_deliveries(checkpoint: Path | None) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
-    """(slot, batch id) trained and (slot, reason) left out in the checkpoint's last interval (its tensors are
-    memory-mapped, not read)."""
+def checkpoint_deliveries(checkpoint: Path | None) -> tuple[dict[int, CommitRecord], list[tuple[int, str]]]:
+    """(rank -> its commit of the checkpoint's last interval, (slot, reason) of the batches the interval left out)
+    (its tensors are memory-mapped, not read)."""
     if checkpoint is None:
-        return [], []
+        return {}, []
     import torch
 
     state = torch.load(Path(checkpoint) / "training_state.pt", map_location="cpu", weights_only=True, mmap=True)
-    return ([(int(n), str(b)) for n, b in state.get("trained_since_previous", ())],
+    step = int(read_manifest(checkpoint, verify=False)["step"])
+    return ({int(r): CommitRecord(step, int(since), int(t), str(d)) for r, since, t, d in state.get("commits", ())},
             [(int(n), str(r)) for n, _, r in state.get("dead_since_previous", ())])
 
 
@@ -107,87 +109,46 @@ def content_changed(batch_ids) -> list[dict]:
     return [{"position": p, "contents": sorted(c)} for p, c in sorted(contents.items()) if len(c) > 1]
 
 
-RETIRED_BLOCK = 10_000
-"""Updates whose retired counts one HMGET reads (`RetiredCounts`): 45 round trips for the paper's 450,000 updates."""
-
-
-class RetiredCounts(Mapping):
-    """The ledger's retired counts (update -> batches that left the window) read in place in Redis, a block of
-    `block` consecutive updates at a time (one HMGET), holding one block: the account asks for them in update order, so
-    a run of U updates costs U / `block` round trips and the memory of one block, whatever U. Iterating goes through
-    HSCAN (which may give a field twice, as Redis documents; the account does not iterate)."""
-
-    def __init__(self, client, key: str, block: int = RETIRED_BLOCK):
-        self.client, self.key, self.block = client, key, block
-        self._start: int | None = None
-        self._counts: list = []
-
-    def get(self, update: int, default=None):
-        start = update - update % self.block
-        if start != self._start:
-            self._counts = self.client.hmget(self.key, [str(u) for u in range(start, start + self.block)])
-            self._start = start
-        count = self._counts[update - start]
-        return default if count is None else int(count)
-
-    def __getitem__(self, update: int) -> int:
-        count = self.get(update)
-        if count is None:
-            raise KeyError(update)
-        return count
-
-    def __contains__(self, update: object) -> bool:
-        return isinstance(update, int) and self.get(update) is not None
-
-    def __iter__(self) -> Iterator[int]:
-        return (int(k) for k, _ in self.client.hscan_iter(self.key, count=self.block))
-
-    def __len__(self) -> int:
-        return int(self.client.hlen(self.key))
-
-
 @dataclass
 class QueueState:
-    """What the audit reads from the run's Redis. The ledger is its window of two checkpoint intervals and the dead
-    letters are few; `retired_by_update` has one count per update that left the window, which `of` leaves in Redis
-    (`RetiredCounts`)."""
+    """What the audit reads from the run's Redis: the counters, the checkpoint updates that have commits, each
+    interval's commits when the account reaches it (`commits`, one HGETALL: never every interval at once), and the
+    dead letters (few)."""
 
     counts: dict[str, int]
-    ledger: dict[str, dict]
-    """Batch id -> {"step", "slot"} of the batches in the ledger's window."""
-    retired_by_update: Mapping[int, int]
-    """Update -> how many of its batches left the window (the account asks in update order, with `get`)."""
+    committed_steps: list[int]
+    """Checkpoint updates with commits in the ledger, in order."""
+    commits: Callable[[int], dict[int, CommitRecord]]
+    """Checkpoint update -> rank -> its commit."""
     dead_letters: list[dict]
 
     @classmethod
     def of(cls, queue: BatchQueue) -> "QueueState":
-        # the ledger before the retired counts (read later, as the account goes): an entry retired in between is then
-        # seen twice (harmless), not missed
-        counts, ledger = queue.counts(), queue.ledger_entries()
-        return cls(counts, ledger, RetiredCounts(queue.r, queue.keys.ledger_retired), queue.dead_letters())
+        return cls(queue.counts(), queue.committed_steps(), queue.commits, queue.dead_letters())
 
 
 @dataclass
 class CheckpointState:
-    """The newest good checkpoint: the update it holds and what its last interval trained and left out."""
+    """The newest good checkpoint: the update it holds and what its last interval committed and left out."""
 
     step: int
     path: str | None = None
-    trained: list[tuple[int, str]] = field(default_factory=list)
-    """(slot, batch id) trained in its last interval (`checkpoint_deliveries`)."""
+    commits: dict[int, CommitRecord] = field(default_factory=dict)
+    """Rank -> its commit of the checkpoint's last interval (`checkpoint_deliveries`)."""
     dead: list[tuple[int, str]] = field(default_factory=list)
     """(slot, reason) left out in its last interval."""
 
 
 def audit(cfg: PipelineConfig, queue: BatchQueue) -> dict:
-    """The run's account (see the module docstring); `ok` is whether nothing was lost or trained twice."""
+    """The run's account (see the module docstring); `ok` is whether nothing was lost, trained twice or changed,
+    and every interval adds up to its commits."""
     path = newest_good_checkpoint(cfg.paths().checkpoints)
     step = int(read_manifest(path, verify=False)["step"]) if path else 0
     state = QueueState.of(queue)
-    trained, dead = checkpoint_deliveries(path)
+    commits, dead = checkpoint_deliveries(path)
     log = TrainLog.of_run(cfg.paths().run_dir)
     return account(lambda: log.iter_records(through_step=step), cfg.slots(),
-                   CheckpointState(step, str(path) if path else None, trained, dead), state, source=str(log.path))
+                   CheckpointState(step, str(path) if path else None, commits, dead), state, source=str(log.path))
 
 
 def account(read_records: Callable[[], Iterable[UpdateRecord]], slots: Slots, checkpoint: CheckpointState,
@@ -196,18 +157,17 @@ def account(read_records: Callable[[], Iterable[UpdateRecord]], slots: Slots, ch
     records up to the checkpoint, in update order, and is called once, or twice when the log holds ids out of their
     builder's order that no dead letter names (each call a new pass).
 
-    It holds what the ledger window and the dead letters hold, each builder's place in its schedule, and those
-    out-of-order ids, never a map over the run's slots or batch ids: exactly-once is checked while streaming
-    (`_SlotAccount` for the slots, `_BatchIdAccount` for the batch ids)."""
+    It holds one interval's commits, the dead letters, each builder's place in its schedule and those out-of-order
+    ids, never a map over the run's slots or batch ids: exactly-once is checked while streaming (`_SlotAccount` for
+    the slots and the commits, `_BatchIdAccount` for the batch ids)."""
     counts = queue.counts
     slot_account = _SlotAccount(slots, checkpoint, queue)
     ids = _BatchIdAccount(queue, slots)
     updates = 0
     for record in read_records():
         updates += 1
-        trained = record.trained_slots()
         if record.slots:
-            slot_account.settle_through(min(record.slots), max(record.slots), trained, record.step, source)
+            slot_account.settle_update(record, source)
         ids.first_pass(record)
     slot_account.finish()
     if ids.needs_second_pass:
@@ -217,121 +177,163 @@ def account(read_records: Callable[[], Iterable[UpdateRecord]], slots: Slots, ch
     logged_twice = ids.trained_twice()
     changed = ids.content_changed()
     trained_twice = counts.get("trained_twice", 0) + len(logged_twice)
-    awaiting = slot_account.awaiting()
-    awaiting_dead = slot_account.awaiting_dead
     dead = queue.dead_letters
+    conflicts = counts.get("commit_conflicts", 0)
     return {
-        "ok": (not slot_account.lost_count and trained_twice == 0 and not slot_account.disagree_count
-               and not slot_account.retired_disagree and not changed),
+        "ok": (not slot_account.lost_count and trained_twice == 0 and not slot_account.disagree and not changed
+               and not conflicts),
         "steps": checkpoint.step, "checkpoint": checkpoint.path,
         "committed_step": counts["committed_step"],
         "batches_produced": counts.get("produced", 0),
-        "batches_trained": len(slot_account.ledger_slot) + slot_account.from_log_count + len(awaiting),
+        "batches_trained": slot_account.trained_count + slot_account.awaiting_count,
         "batches_lost": slot_account.lost_count, "lost_slots": slot_account.lost,
         "trained_twice": trained_twice, "trained_twice_ids": logged_twice[:REPORTED],
-        "ledger_disagrees_with_train_log": slot_account.disagree,
+        "commits_disagree_with_train_log": slot_account.disagree[:REPORTED],
+        "commit_conflicts": conflicts,
         "content_changed": changed[:REPORTED],
-        "batches_retired_from_ledger": slot_account.retired_total,
-        "retired_counts_disagree_with_train_log": slot_account.retired_disagree[:REPORTED],
+        "checkpoint_intervals": slot_account.intervals_checked,
         "batches_pending": counts["pending"],
-        "batches_awaiting_commit": len(awaiting) + len(awaiting_dead),
-        "batches_dead_lettered": sum(1 for d in dead if d["replayed_to_slot"] is None) + len(awaiting_dead),
+        "batches_awaiting_commit": slot_account.awaiting_count + len(slot_account.awaiting_dead),
+        "batches_dead_lettered": sum(1 for d in dead if d["replayed_to_slot"] is None)
+        + len(slot_account.awaiting_dead),
         "batches_replayed": sum(1 for d in dead if d["replayed_to_slot"] is not None),
         "train_log_updates": updates,
     }
 
 
 REPORTED = 100
-"""Slots, batch ids and updates listed in the account (each list's count is given in full where it has one)."""
+"""Slots, batch ids, intervals and updates listed in the account (each list's count is given in full where it has
+one)."""
+
+
+@dataclass
+class _Interval:
+    """One checkpoint interval's commits (updates `since` .. `step` - 1) and what the log said of it so far."""
+
+    since: int
+    step: int
+    commits: dict[int, CommitRecord]
+    awaiting: bool
+    """Its commits are the checkpoint's own, not yet in the ledger."""
+    trained_by_rank: dict[int, int] = field(default_factory=dict)
+    digests: list[str] = field(default_factory=list)
 
 
 class _SlotAccount:
-    """Every slot of updates 0..C-1, in slot order as the log streams past: trained (in the ledger's window; for
-    an update retired from it, in the log; or in the checkpoint's last interval), dead-lettered, or lost; and where
-    the ledger and the log name different batches. Holds the ledger's window, the dead letters and the first
-    `REPORTED` slots of each finding."""
+    """Every slot of updates 0..C-1, in slot order as the log streams past: trained (named by a line, in an interval
+    its rank committed, or in the checkpoint's own last interval), dead-lettered, or lost; and each checkpoint
+    interval checked against its commits (each rank's count, the interval's digest). Holds the current interval's
+    commits, the dead letters and the first `REPORTED` slots of each finding."""
 
     def __init__(self, slots: Slots, checkpoint: CheckpointState, queue: QueueState):
+        self.slots = slots
         self.per_step = slots.per_step
         self.step = checkpoint.step
         self.covered = checkpoint.step * slots.per_step
-        self.ledger_slot = {entry["slot"]: batch_id for batch_id, entry in queue.ledger.items()
-                            if entry["slot"] < self.covered}
-        self.retired = queue.retired_by_update  # read in place, in update order: one count per update, not copied
-        self.retired_total = 0
-        """The retired counts of updates 0..C-1, summed as each update's slots are settled (every one is)."""
+        self.commits = queue.commits
+        steps = [s for s in queue.committed_steps if s <= checkpoint.step]
+        self.awaiting_commits = checkpoint.commits if checkpoint.step and checkpoint.step not in steps else {}
+        """The checkpoint's own interval's commits, when the ledger does not have them yet."""
+        if self.awaiting_commits:
+            steps.append(checkpoint.step)
+        self.pending_steps = steps
+        """Checkpoint updates whose intervals are still ahead of the log, in order."""
+        self.interval: _Interval | None = None
         self.dead_slots = {d["slot"] for d in queue.dead_letters}
-        # the checkpoint is the commit point: its last interval counts even if the driver died before the ranks
-        # recorded it in Redis (the resumed run records it first thing)
-        self.checkpoint_trained = dict(checkpoint.trained)
         self.awaiting_dead = {n for n, _ in checkpoint.dead if n not in self.dead_slots}
-        self.from_log_in_checkpoint: set[int] = set()
-        """Slots of the checkpoint's last interval that the log gave already (an update retired from the ledger)."""
         self.next_slot = 0
-        self.update: int | None = None
-        self.from_log_in_update = 0
-        self.from_log_count = 0
+        self.trained_count = self.awaiting_count = 0
+        self.intervals_checked = 0
         self.lost_count, self.lost = 0, list[int]()
-        self.disagree_count, self.disagree = 0, list[int]()
-        self.retired_disagree: list[int] = []
+        self.disagree: list[dict] = []
 
-    def settle_through(self, first: int, last: int, logged: dict[int, str | None], step: int, source: str) -> None:
-        """Settle every slot from the next one up to `last`, `logged` being the trained slots of the record of
-        update `step`, which holds slots `first`..`last`."""
+    def _interval_of(self, update: int) -> _Interval | None:
+        """The interval holding `update` (checking the ones the log has left behind); None: no commit covers it."""
+        while self.interval is not None and update >= self.interval.step:
+            self._check(self.interval)
+            self.interval = None
+        while self.interval is None and self.pending_steps and self.pending_steps[0] <= update:
+            self._check(self._open(self.pending_steps.pop(0)))  # an interval the log has no line of
+        if self.interval is None and self.pending_steps:
+            self.interval = self._open(self.pending_steps.pop(0))
+        interval = self.interval
+        return interval if interval is not None and interval.since <= update < interval.step else None
+
+    def _open(self, step: int) -> _Interval:
+        awaiting = step == self.step and bool(self.awaiting_commits)
+        commits = self.awaiting_commits if awaiting else self.commits(step)
+        starts = {c.since for c in commits.values()}
+        if len(starts) > 1:
+            self._disagree(step, None, f"its ranks' commits start at different updates {sorted(starts)}")
+        return _Interval(min(starts, default=step), step, commits, awaiting)
+
+    def settle_update(self, record: UpdateRecord, source: str) -> None:
+        """Settle every slot up to the record's last, the record being update `record.step` - 1's."""
+        first, last = min(record.slots), max(record.slots)
         if first < self.next_slot:
-            raise TrainLogError(f"{source}: update {step} records slot {first}, which an earlier line already passed: "
-                                "the log's lines are out of update order (two writers?); cut it at the checkpoint "
-                                "with TrainLog.truncate_after, or restore it from a copy, and audit again")
-        for n in range(self.next_slot, last + 1):
-            self._settle(n, n in logged, logged.get(n))
+            raise TrainLogError(f"{source}: update {record.step} records slot {first}, which an earlier line already "
+                                "passed: the log's lines are out of update order (two writers?); cut it at the "
+                                "checkpoint with TrainLog.truncate_after, or restore it from a copy, and audit again")
+        for n in range(self.next_slot, first):  # updates no line names
+            self._settle(n, False, None)
+        update = record.step - 1
+        interval = self._interval_of(update) if update < self.step else None
+        trained = record.trained_slots()
+        for n in range(first, last + 1):
+            self._settle(n, n in trained, interval)
+        if interval is not None:
+            interval.digests.append(record.trained_digest or trained_digest(trained.items()))
         self.next_slot = last + 1
 
     def finish(self) -> None:
-        """Settle the slots up to the checkpoint that no record named."""
+        """Settle the slots up to the checkpoint that no record named, and check the intervals left."""
         for n in range(self.next_slot, self.covered):
             self._settle(n, False, None)
         self.next_slot = max(self.next_slot, self.covered)
-        self._end_update()
+        if self.interval is not None:
+            self._check(self.interval)
+            self.interval = None
+        while self.pending_steps:
+            self._check(self._open(self.pending_steps.pop(0)))
 
-    def _settle(self, n: int, has_log: bool, logged_id: str | None) -> None:
-        update = n // self.per_step
-        if update != self.update:
-            self._end_update()
-            self.update, self.from_log_in_update = update, 0
-        if n in self.ledger_slot:
-            trained_id = self.ledger_slot[n]
-        elif has_log and update < self.step and self.retired.get(update) is not None:
-            self.from_log_count += 1
-            self.from_log_in_update += 1
-            if n in self.checkpoint_trained:
-                self.from_log_in_checkpoint.add(n)
-            return  # the log's batch is the slot's: nothing to disagree with
-        elif n in self.checkpoint_trained:
-            trained_id = self.checkpoint_trained[n]
-        else:
-            if n < self.covered and n not in self.dead_slots and n not in self.awaiting_dead:
-                self.lost_count += 1
-                if len(self.lost) < REPORTED:
-                    self.lost.append(n)
+    def _settle(self, n: int, trained: bool, interval: _Interval | None) -> None:
+        if n >= self.covered:
             return
-        if has_log and trained_id != logged_id:
-            self.disagree_count += 1
-            if len(self.disagree) < REPORTED:
-                self.disagree.append(n)
+        rank = self.slots.rank_of(n)
+        if trained and interval is not None and rank in interval.commits:
+            interval.trained_by_rank[rank] = interval.trained_by_rank.get(rank, 0) + 1
+            if interval.awaiting:
+                self.awaiting_count += 1
+            else:
+                self.trained_count += 1
+            return
+        if trained and interval is not None:  # trained, but its rank committed nothing for the interval
+            interval.trained_by_rank[rank] = interval.trained_by_rank.get(rank, 0) + 1
+        if not trained and (n in self.dead_slots or n in self.awaiting_dead):
+            return
+        self.lost_count += 1
+        if len(self.lost) < REPORTED:
+            self.lost.append(n)
 
-    def _end_update(self) -> None:
-        """An update's slots are settled: the log holds as many of its batches as the ledger retired."""
-        u = self.update
-        retired = self.retired.get(u) if u is not None and u < self.step else None
-        if retired is not None and u is not None:  # retired is found only for an update u
-            self.retired_total += retired
-            if retired != self.from_log_in_update:
-                self.retired_disagree.append(u)
+    def _check(self, interval: _Interval) -> None:
+        """An interval the log has passed: each rank's count and the interval's digest against its commits."""
+        self.intervals_checked += 1
+        found = len(self.disagree)
+        for rank in sorted(set(interval.commits) | set(interval.trained_by_rank)):
+            committed = interval.commits[rank].trained if rank in interval.commits else None
+            logged = interval.trained_by_rank.get(rank, 0)
+            if committed is None:
+                self._disagree(interval.step, rank, f"trained {logged} batches it never committed")
+            elif committed != logged:
+                self._disagree(interval.step, rank, f"committed {committed} batches, the log names {logged}")
+        if len(self.disagree) > found:  # the digest cannot agree either: one finding an interval is enough
+            return
+        committed_digest = add_digests(c.digest for c in interval.commits.values())
+        if committed_digest != add_digests(interval.digests):
+            self._disagree(interval.step, None, "its batches are not the ones its ranks committed (digest)")
 
-    def awaiting(self) -> dict[int, str]:
-        """The checkpoint's last interval's trained slots that neither the ledger nor the log gave."""
-        return {n: b for n, b in self.checkpoint_trained.items()
-                if n not in self.ledger_slot and n not in self.from_log_in_checkpoint}
+    def _disagree(self, step: int, rank: int | None, what: str) -> None:
+        self.disagree.append({"checkpoint": step, "rank": rank, "what": what})
 
 
 class _BatchIdAccount:
@@ -349,10 +351,10 @@ class _BatchIdAccount:
         self.slots = slots
         self.order = _ScheduleOrder(slots.builders)
         self.contents: dict[tuple[int, int, int, int], set[str]] = {}
-        """Position -> content digests, for the positions named out of order, in the ledger or in the dead letters."""
+        """Position -> content digests, for the positions named out of order or in the dead letters."""
         self.dead_positions: set[tuple[int, int, int, int]] = set()
         """Positions the dead letters name: each occurrence counted on the first pass, none checked for order."""
-        for text in [*queue.ledger, *(d["batch_id"] for d in queue.dead_letters)]:
+        for text in [d["batch_id"] for d in queue.dead_letters]:
             parsed = BatchId.parse(text) if text else None
             if parsed is not None and parsed.content:
                 self.contents.setdefault(_position(parsed), set()).add(parsed.content)

@@ -28,9 +28,9 @@ and from them
     staleness (updates)      a batch's trainer step minus the snapshot its index came from: L to L + R - 1
     Redis memory (peak)      the streams: the slots of the update being trained and the look-ahead
                              (`queue.max_depth`), (look-ahead + 1) x B messages of 4 bytes a token + header; the
-                             ledger's window, 2 x checkpoint_every x B entries; one retired count per update;
-                             the last STEP_RECORDS_KEPT step records (`redis_footprint`; per-entry costs measured
-                             with MEMORY USAGE by benchmarks/redis_soak.py)
+                             ledger, one commit record a rank and checkpoint; the last STEP_RECORDS_KEPT step records
+                             (`redis_footprint`; per-entry costs measured with MEMORY USAGE by
+                             benchmarks/redis_soak.py and benchmarks/checkpoint_records_scale.py)
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from marge.model.architecture import MargeConfig
 from marge.model.sizes import training_flops_per_token
 from marge.model.veco import VecoConfig
 from services.driver.config import PipelineConfig
-from services.driver.scale_costs import describe_costs, over_budget, scale_costs
+from services.driver.scale_costs import LEDGER_BYTES_PER_RECORD, describe_costs, over_budget, scale_costs
 
 log = logging.getLogger("marge.plan")
 
@@ -76,10 +76,6 @@ UPDATE_TIME_MEASURED = (
 
 STREAM_ENTRY_OVERHEAD_BYTES = 160
 """A stream entry's cost beyond its message: field names, entry id, listpack and radix-tree nodes."""
-LEDGER_ENTRY_BYTES = 190
-"""One batch in the ledger's window: its hash field and JSON value, and its member of the rank's sorted set."""
-RETIRED_UPDATE_BYTES = 60
-"""One update's retired count (a hash field)."""
 STEP_RECORD_BYTES = 900
 """One trainer step record (JSON) in the capped list."""
 
@@ -106,11 +102,11 @@ def message_bytes(max_tokens: int, mean_document_tokens: float) -> float:
 
 def redis_footprint(cfg: PipelineConfig, mean_document_tokens: float, message: float | None = None,
                     steps: int | None = None) -> dict:
-    """The run's peak Redis memory, part by part (bytes): it does not grow with the run but for 60 bytes an update.
+    """The run's peak Redis memory, part by part (bytes): it grows with the run only by one commit record a rank and
+    checkpoint.
 
     Each rank's stream holds the update it trains and the builders' look-ahead (a rank's progress drops what it
-    has trained); the ledger holds the last two checkpoint intervals' batches and a count per older update
-    (`marge.contracts.protocol`)."""
+    has trained); the ledger holds one `CommitRecord` a rank and checkpoint (`marge.contracts.protocol`)."""
     from marge.contracts.protocol import STEP_RECORDS_KEPT
 
     t = cfg.trainer
@@ -118,11 +114,10 @@ def redis_footprint(cfg: PipelineConfig, mean_document_tokens: float, message: f
     lookahead_steps = math.ceil(cfg.queue.max_depth / per_step)
     message = message if message is not None else message_bytes(cfg.batcher.max_tokens, mean_document_tokens)
     steps = cfg.run.max_steps if steps is None else steps
-    interval = min(t.checkpoint_every, steps)
+    checkpoints = max(1, steps // t.checkpoint_every)
     parts = {
         "streams": (lookahead_steps + 1) * per_step * (message + STREAM_ENTRY_OVERHEAD_BYTES),
-        "ledger_window": 2 * interval * per_step * LEDGER_ENTRY_BYTES,
-        "ledger_retired": steps * RETIRED_UPDATE_BYTES,
+        "ledger": checkpoints * t.num_workers * LEDGER_BYTES_PER_RECORD,
         "step_records": min(STEP_RECORDS_KEPT, steps) * STEP_RECORD_BYTES,
     }
     return {"parts": parts, "peak_bytes": sum(parts.values()), "message_bytes": message,
@@ -189,7 +184,7 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
     needed = batches_per_update / seconds_per_update
     builders = min(BUILDER_BATCHES_PER_S * cfg.batcher.builders, 1e6 / OFFER_REDIS_CPU_US)
     redis = redis_footprint(cfg, mean_document_tokens)
-    at_scale = scale_costs(cfg, parameters, checkpoint_bytes, redis["peak_bytes"])
+    at_scale = scale_costs(cfg, parameters, checkpoint_bytes, redis["peak_bytes"], documents, model_cfg.d_model)
     return {
         "documents": documents, "mean_document_tokens": round(mean_document_tokens, 1),
         "throughput": asdict(rates),
@@ -262,7 +257,8 @@ def describe(plan: dict, cfg: PipelineConfig) -> list[str]:
         f"Redis memory at its peak: {redis['peak_bytes'] / 2**20:,.1f} MiB = "
         + ", ".join(f"{name.replace('_', ' ')} {size / 2**20:,.1f}" for name, size in redis["parts"].items())
         + f" MiB (streams: {redis['lookahead_updates'] + 1} updates of {redis['batches_per_update']} batches; "
-        f"ledger: 2 x trainer.checkpoint_every={cfg.trainer.checkpoint_every} updates; size Redis's maxmemory above it)",
+        f"ledger: a record a rank every trainer.checkpoint_every={cfg.trainer.checkpoint_every} updates; size Redis's "
+        "maxmemory above it)",
         f"batches: the trainers need {plan['batches_per_s_needed']:,.0f}/s; {plan['batch_builders']} batch "
         f"builder(s) plan {plan['batches_per_s_builders']:,.0f}/s ({BUILDER_BATCHES_PER_S:,.0f}/s each) and each "
         f"offer costs Redis {OFFER_REDIS_CPU_US:.0f} us of CPU ({100 * plan['redis_cpu_share_offers']:.1f}% of a "

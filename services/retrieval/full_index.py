@@ -164,15 +164,25 @@ def _plan(corpus: Corpus, snapshot: SnapshotInfo, opts: BuildOptions) -> _Plan:
     return _Plan(documents, nlist, wanted, sample, rng)
 
 
-def _train(plan: _Plan, training: np.ndarray, opts: BuildOptions) -> tuple[faiss.Index, np.ndarray, np.ndarray]:
-    """The empty index with its quantisers trained, the mean the vectors are stored from, and the recall queries
-    (documents' own vectors), from the sample's vectors in the sample's order."""
-    dim = training.shape[1]
+def _training_rows(plan: _Plan, training: np.ndarray, opts: BuildOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the rows the quantisers train on, centred in place in an array of their own; the mean the vectors are stored
+    from; the recall queries, documents' own vectors), from the sample's vectors in the sample's order (`training`
+    is read, not changed: a caller that lets it go before `_trained` holds the sample once)."""
     mean = training.mean(axis=0).astype(np.float32)
     queries = training[plan.rng.choice(len(training), size=min(opts.recall_queries, len(training)), replace=False)]
+    rows = training[plan.rng.permutation(len(training))[:plan.wanted]]  # a new C-contiguous array
+    rows -= mean
+    return rows, mean, queries
+
+
+def _trained(plan: _Plan, rows: np.ndarray, opts: BuildOptions) -> faiss.Index:
+    """The empty index with its quantisers trained on `rows`. FAISS holds their residuals meanwhile, a second copy:
+    with the sample let go first, the training holds about two samples (benchmarks/serving_index_train.py; at
+    100M documents and d 1024 a sample is 6.4 GB)."""
+    dim = rows.shape[1]
     index = faiss.index_factory(dim, factory_string(dim, plan.nlist, opts.codec), faiss.METRIC_INNER_PRODUCT)
-    index.train(np.ascontiguousarray(training[plan.rng.permutation(len(training))[:plan.wanted]] - mean))
-    return index, mean, queries
+    index.train(rows)
+    return index
 
 
 RECALL_K = 10
@@ -203,7 +213,13 @@ def build_serving_index(run_dir: Path, corpus: Corpus, snapshot: SnapshotInfo, o
     # pass 1: the quantisers, trained on the vectors of a seeded sample of shards (kept for pass 2)
     sample = {shard: _embed_shard(corpus, shard, encoder, specials, opts)
               for shard in track(plan.sample_shards, "serving index: embedding the training sample", unit="shard")}
-    index, mean, queries = _train(plan, np.concatenate([vectors for _, vectors in sample.values()]), opts)
+    training = np.concatenate([vectors for _, vectors in sample.values()])
+    starts = np.cumsum([0] + [len(ids) for ids, _ in sample.values()])
+    sample = {shard: (ids, training[a:b]) for (shard, (ids, _)), a, b in zip(sample.items(), starts, starts[1:])}
+    rows, mean, queries = _training_rows(plan, training, opts)  # the sample held once: its shards are views of it
+    del training
+    index = _trained(plan, rows, opts)
+    del rows
     # no direct map (about 50 bytes a document): a search by doc id embeds the document again
 
     # pass 2: every shard added, the exact top 10 of the queries kept as the shards stream past
@@ -511,12 +527,16 @@ def build_serving_index_ray(run_dir: Path, corpus: Corpus, snapshot: SnapshotInf
         calls: list[tuple] = [(*common, shards, str(work), opts) for shards in _groups(plan.sample_shards, workers)]
         peaks = _run_tasks(embed_sample_task, calls, workers, "serving index: embedding the training sample",
                            lambda call: len(call[2]), gpus)
-        training = []
+        shard_vectors = []
         for shard in plan.sample_shards:
             with np.load(_sample_file(work, shard)) as saved:
-                training.append(saved["vectors"])
-        index, mean, queries = _train(plan, np.concatenate(training), opts)
-        del training
+                shard_vectors.append(saved["vectors"])
+        training = np.concatenate(shard_vectors)
+        del shard_vectors  # the sample held once while the quantisers train
+        rows, mean, queries = _training_rows(plan, training, opts)
+        del training  # the rows alone while FAISS trains on them and holds their residuals
+        index = _trained(plan, rows, opts)
+        del rows
         _write_atomic(work / TRAINED_FILE, lambda f: f.write(faiss.serialize_index(index).tobytes()))
         _write_atomic(work / MEAN_FILE, lambda f: np.save(f, mean))
         _write_atomic(work / QUERIES_FILE, lambda f: np.save(f, queries))

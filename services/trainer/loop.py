@@ -66,7 +66,8 @@ class LoopHost(Protocol):
         """The batches of update `step`, waiting for them; None: stop (on DDP every rank stops together)."""
 
     def gather(self, part: list) -> list[list]:
-        """Every process's `part`, in rank order (one process: `[part]`)."""
+        """Every process's `part`, in rank order, on the process that writes the log; elsewhere `[part]` (one
+        process: `[part]`)."""
 
     def reduce(self, values: torch.Tensor) -> None:
         """Sum `values` over the processes, in place, on its device (one process: nothing to do)."""

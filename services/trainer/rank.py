@@ -12,7 +12,9 @@ The loop itself (next batches → update → record → snapshot/health → log 
     snapshot      rank 0 publishes g for the indexer (which builds on its own) and measures retrieval health
     log           rank 0 sets the gauges and publishes the record in Redis for the driver's progress lines
     checkpoint    all ranks start writing the training state, each its share (marge.model.checkpoint, format 2), rank 0
-                  with every rank's batches, the ones it left out, and RNG, and go on training while it is written;
+                  with every rank's commit record (a count and a digest of its interval's batches: what the ranks
+                  exchange does not grow with the interval), the batches they left out, and RNG, and go on training
+                  while it is written;
                   at the first update boundary where every rank's part is durable and the manifest written (or
                   before the next checkpoint, or at the end) they report it to Ray Train, and each rank
                   dead-letters the ones it could not train and commits the rest: only then do they count
@@ -33,7 +35,7 @@ import torch.distributed as dist
 
 from marge.contracts.corpus import Corpus
 from marge.contracts.protocol import Delivery
-from marge.contracts.slots import Slots
+from marge.contracts.slots import CommitRecord, Slots
 from marge.contracts.train_log import TrainLog, UpdateRecord
 from marge.eval.metrics import StageMetrics
 from marge.eval.tensorboard import RunBoard
@@ -101,7 +103,7 @@ def trainer_metrics(run: str, rank: int, with_health: bool) -> StageMetrics:
 def process_group_backend(use_gpu: bool) -> str:
     """The DDP process group's backend per device type. On GPUs: NCCL for CUDA tensors and gloo for CPU ones (an
     NCCL-only group refuses a CPU tensor, "No backend type associated with device type cpu", and picklable
-    objects gathered with `all_gather_object` are CPU-side); on CPUs: gloo."""
+    objects gathered with `gather_object` are CPU-side); on CPUs: gloo."""
     return "cpu:gloo,cuda:nccl" if use_gpu else "gloo"
 
 
@@ -187,14 +189,16 @@ class Rank:
         if dist.is_initialized():
             dist.barrier()  # no rank reads its stream before the queue agrees with the checkpoint
         self.source.progress(self.step)  # a resumed rank: the batcher may write up to `lookahead` past it
-        self.committed = [(n, b) for n, b in resumed.trained if self.slots.rank_of(n) == self.rank]
-        """(slot, batch id) of this rank's last commit: committed again with the next one (commits are
-        idempotent), so a commit a Redis restart lost, or a crash cut off, is made good."""
-        if self.step:  # dead letters first (from the checkpoint's copy of their entries), then the commit
+        self.committed: CommitRecord | None = next((c for r, c in resumed.commits if r == self.rank), None)
+        """This rank's last commit: committed again with the next one (commits are idempotent), so a commit a Redis
+        restart lost, or a crash cut off, is made good."""
+        if self.step:  # dead letters first (from the checkpoint's copy of their entries), then the commits
             for slot, fields, reason in resumed.dead:
                 if self.slots.rank_of(slot) == self.rank:
                     self.source.dead_letter(Delivery(slot, None, fields), reason)
-            self.source.commit(self.step, self.committed)
+            # this rank stands for the saving group's ranks r with r % world == rank (the same ranks, in a group of
+            # the same size)
+            self.source.commit(self.step, [(r, c) for r, c in resumed.commits if r % self.world == self.rank])
         self.metrics = trainer_metrics(job.paths.name, self.rank, with_health=self.writes_log)
         self.health = HealthMonitor(job.health, job.heldout_pairs, self.tokenizer, seed=job.seed) \
             if self.writes_log and job.objectives.model_family == "marge" else None
@@ -202,7 +206,9 @@ class Rank:
         self.board = RunBoard(job.paths.run_dir, "trainer", job.tensorboard and self.writes_log)
         """Rank 0's TensorBoard writer (run.tensorboard): every update's record."""
         self.uncommitted: list[tuple[int, str]] = []
-        """(slot, batch id) this rank trained since the last durable checkpoint."""
+        """(slot, batch id) this rank trained since the last checkpoint it began."""
+        self.interval_start = self.step
+        """The update the next checkpoint's interval starts at (the last checkpoint begun, or the one resumed)."""
         self.uncommitted_dead: list[tuple[Delivery, str]] = []
         """Deliveries this rank could not train since the last durable checkpoint, and why."""
         self.prefetcher = Prefetcher(self.read_prepared) if t.prefetch else None
@@ -280,9 +286,11 @@ class Rank:
                            [d for d, _ in taken])
 
     def gather(self, part: Any) -> list[Any]:
-        gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, part)
-        return gathered
+        """Every rank's `part` on rank 0, the only one that writes them (the log, the checkpoint's small files);
+        another rank gets its own alone: what a rank receives does not grow with the world."""
+        gathered: list | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(part, gathered, dst=0)
+        return gathered if gathered is not None else [part]
 
     def reduce(self, values: torch.Tensor) -> None:
         dist.all_reduce(values)
@@ -351,12 +359,15 @@ class Rank:
         if self.writes_log:  # the log's lines of the interval are durable before its batches count (the audit's input)
             self.train_log.sync()
         dead = [(d.slot, d.fields, reason) for d, reason in self.uncommitted_dead]
-        gathered = self.gather({"trained": self.uncommitted, "dead": dead, "rng": rng_state()})
+        # the rank's pairs stay here: the record stands for them
+        record = CommitRecord.of(step, self.interval_start, self.uncommitted)
+        self.interval_start = step
+        gathered = self.gather({"commit": (record.trained, record.digest), "dead": dead, "rng": rng_state()})
         write = begin_checkpoint(self.rank, step, self.model, self.optimizer, self.scheduler, self.corpus_root,
-                                 [item for part in gathered for item in part["trained"]],
+                                 [(r, record.since, *part["commit"]) for r, part in enumerate(gathered)],
                                  [item for part in gathered for item in part["dead"]], [part["rng"] for part in gathered],
                                  self.tokens_seen, self.job, self.checkpoint_group, generation=self.generation)
-        self.pending = PendingCheckpoint(write, dict(self.last_metrics), self.uncommitted, self.uncommitted_dead)
+        self.pending = PendingCheckpoint(write, dict(self.last_metrics), record, self.uncommitted_dead)
         self.uncommitted, self.uncommitted_dead = [], []
 
     def finish_checkpoint(self) -> None:
@@ -373,8 +384,9 @@ class Rank:
         self.fault_point("after_barrier", step)
         for delivery, reason in pending.dead:  # before the commit (their entries are held here, not read again)
             self.source.dead_letter(delivery, reason)
-        self.source.commit(step, self.committed + pending.trained)
-        self.committed = pending.trained
+        previous = [(self.rank, self.committed)] if self.committed is not None else []
+        self.source.commit(step, previous + [(self.rank, pending.record)])
+        self.committed = pending.record
 
 
 @dataclass
@@ -383,7 +395,7 @@ class PendingCheckpoint:
     write: CheckpointWrite
     metrics: dict
     """What rank 0 reports to Ray Train with it (the metrics of its update)."""
-    trained: list[tuple[int, str]]
-    """(slot, batch id) this rank trained in the checkpoint's interval."""
+    record: CommitRecord
+    """What this rank trained in the checkpoint's interval (how many batches, their digest)."""
     dead: list[tuple[Delivery, str]]
     """Deliveries this rank could not train in the interval, and why."""

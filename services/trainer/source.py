@@ -7,7 +7,7 @@ import time
 from typing import Protocol
 
 from marge.contracts.protocol import BatchQueue, Delivery, SlotGone, Stalled
-from marge.contracts.slots import Slots
+from marge.contracts.slots import CommitRecord, Slots
 from services.trainer.job import TrainerJob
 
 log = logging.getLogger(__name__)
@@ -20,8 +20,8 @@ class BatchSource(Protocol):
     def progress(self, step: int) -> None:
         """This rank has trained every update before `step`."""
 
-    def commit(self, step: int, trained: list[tuple[int, str]]) -> None:
-        """The checkpoint of update `step` is durable: `trained` (slot, batch id) of this rank are trained."""
+    def commit(self, step: int, records: list[tuple[int, CommitRecord]]) -> None:
+        """The checkpoint of update `step` is durable: `records` ((rank, record) of checkpoint intervals) count."""
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Keep a batch that could not be trained, with the reason."""
@@ -101,8 +101,8 @@ class RedisSource:
 
     def agree_with(self, step: int) -> None:
         """A group restarted by Ray Train from the checkpoint of `step` needs the slots since `step` again, which
-        the ranks' progress (and any commit after it) trimmed from the streams: the queue is reset to `step` (its
-        later ledger entries and retired counts go, the builders write the same batches into the same slots
+        the ranks' progress (and any commit after it) trimmed from the streams: the queue is reset to `step` (the
+        later checkpoints' commit records go, the builders write the same batches into the same slots
         again), as the driver does when a run starts. Said in the log."""
         if self.queue.needs_reset(step):
             committed = self.queue.committed_step()
@@ -115,8 +115,8 @@ class RedisSource:
     def progress(self, step: int) -> None:
         self.queue.progress(self.rank, step)
 
-    def commit(self, step: int, trained: list[tuple[int, str]]) -> None:
-        self.queue.commit(self.rank, step, trained)
+    def commit(self, step: int, records: list[tuple[int, CommitRecord]]) -> None:
+        self.queue.commit(self.rank, step, records)
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         self.queue.dead_letter(delivery.slot, delivery.fields, reason)
@@ -150,7 +150,7 @@ class MemorySource:
     def progress(self, step: int) -> None:
         pass
 
-    def commit(self, step: int, trained: list[tuple[int, str]]) -> None:
+    def commit(self, step: int, records: list[tuple[int, CommitRecord]]) -> None:
         pass
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:

@@ -9,6 +9,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from marge.contracts.slots import CommitRecord
 from marge.model.checkpoint import CheckpointError, CheckpointWrite, checkpoint_dir_name
 from marge.model.lineage import (  # noqa: F401  # IO_RETRY_DELAYS_S, with_io_retries: importable from here too
     IO_RETRY_DELAYS_S,
@@ -25,8 +26,9 @@ log = logging.getLogger(__name__)
 class Resumed:
     step: int = 0
     tokens_seen: int = 0
-    trained: tuple[tuple[int, str], ...] = ()
-    """(slot, batch id) of every rank's batches the checkpoint's interval trained (committed again on resume)."""
+    commits: tuple[tuple[int, CommitRecord], ...] = ()
+    """(rank, record) of every rank of the saving group for the checkpoint's interval: committed again on resume (a
+    commit the crash cut off, or a Redis restart lost, is made good)."""
     dead: tuple[tuple[int, dict, str], ...] = ()
     """(slot, stream fields, reason) of every rank's batches the interval left out: dead-lettered again on resume
     (once per slot), so a crash between the checkpoint and the dead letters loses none of them."""
@@ -115,18 +117,20 @@ def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None,
         return Resumed()
     rng_by_rank = loaded.get("rng_by_rank") or []
     return Resumed(step, int(loaded["tokens_seen"]),
-                   tuple((int(n), str(b)) for n, b in loaded.get("trained_since_previous", ())),
+                   tuple((int(r), CommitRecord(step, int(since), int(t), str(d)))
+                         for r, since, t, d in loaded.get("commits", ())),
                    tuple((int(n), dict(f), str(r)) for n, f, r in loaded.get("dead_since_previous", ())),
                    rng_by_rank[rank] if rank < len(rng_by_rank) else None)
 
 
 def begin_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenizer_dir: Path,
-                     trained: list[tuple[int, str]], dead: list[tuple[int, dict, str]], rng_by_rank: list,
+                     commits: list[tuple[int, int, int, str]], dead: list[tuple[int, dict, str]], rng_by_rank: list,
                      tokens_seen: int, job, group, generation: int | None = None) -> CheckpointWrite:
     """Every rank starts writing its part of the checkpoint of update `step` into the run's checkpoint storage
     and returns to training (`CheckpointWrite`: a host copy of its share, then a thread). Rank 0 adds the rest:
-    optimizer param groups, schedule, every rank's RNG, the (slot, batch id) every rank trained since the previous
-    checkpoint and the (slot, fields, reason) of those it left out, then the manifest once every part is durable.
+    optimizer param groups, schedule, every rank's RNG, every rank's commit of the interval since the previous
+    checkpoint ((rank, first update, batches trained, their `trained_digest`)) and the (slot, fields, reason) of the batches the
+    ranks left out, then the manifest once every part is durable.
     The folder is named by rank 0: a run resumed from an older checkpoint writes an update again into a new
     folder (`step-N-1`), never into the one it abandoned (Ray deletes old checkpoints by folder). The ranks write
     it under a staging name and rank 0 renames it into place with its manifest: storage never holds a `step-*`
@@ -142,7 +146,7 @@ def begin_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenize
         shutil.rmtree(root / staging_name(own), ignore_errors=True)  # left by an attempt cut short
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
-    extra = {"trained_since_previous": trained, "dead_since_previous": dead, "rng_by_rank": rng_by_rank,
+    extra = {"commits": commits, "dead_since_previous": dead, "rng_by_rank": rng_by_rank,
              "tokens_seen": tokens_seen}
     folder = name[0]
     if folder is None:  # every rank has rank 0's name once the broadcast returns

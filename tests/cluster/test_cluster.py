@@ -190,7 +190,7 @@ def test_a_submitted_job_trains_while_the_indexer_is_scaled_and_every_stage_repo
 
     # the driver's summary, last on its stdout
     summary = json.loads([line for line in logs.splitlines() if line.startswith('{"steps"')][-1])
-    assert summary["steps"] == STEPS and summary["trained_twice"] == 0 and summary["batches_dead_lettered"] == 0
+    assert summary["steps"] == STEPS and summary["commit_conflicts"] == 0 and summary["batches_dead_lettered"] == 0
     # a clean end kills no stage mid-call (Ray would log "Task IndexCoordinator.run failed", or an indexer worker's
     # "Task IndexerWorker.index_shards failed"): the loops return, and a worker's call ends at a shard boundary
     assert not [line for line in logs.splitlines()

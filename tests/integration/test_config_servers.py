@@ -149,7 +149,7 @@ def test_the_shipped_redis_conf_loads_and_limits_the_pipeline_user_to_its_keys(t
     import redis
 
     from marge.contracts.protocol import BatchQueue
-    from marge.contracts.slots import Slots
+    from marge.contracts.slots import CommitRecord, Slots
     from services.driver.redis_server import free_port
 
     port, password = free_port(), "pipeline-password-123"
@@ -159,7 +159,7 @@ def test_the_shipped_redis_conf_loads_and_limits_the_pipeline_user_to_its_keys(t
         q = BatchQueue.connect(url, "acl", Slots(1, 1))
         assert q.put(0, one_batch(), 10) and q.get(0, block_ms=10).batch.batch_id == "v0-e0-s0-0"
         q.progress(0, 1)
-        assert q.commit(0, 1, [(0, "v0-e0-s0-0")]) == []
+        assert q.commit(0, 1, [(0, CommitRecord.of(1, 0, [(0, "v0-e0-s0-0")]))]) == []
         assert q.dead_letter(1, {b"header": b"{}"}, "test")  # a Lua script on the run's keys
         q.request_replay(q.dead_letters()[0]["entry"])
         q.publish_step({"step": 1})
@@ -188,7 +188,7 @@ def test_a_run_gets_its_own_redis_user_which_reaches_its_keys_alone_and_outlives
     import redis
 
     from marge.contracts.protocol import BatchQueue
-    from marge.contracts.slots import Slots
+    from marge.contracts.slots import CommitRecord, Slots
     from services.cli import main
     from services.driver.redis_server import free_port
     from services.driver.redis_users import PIPELINE_COMMANDS
@@ -209,7 +209,7 @@ def test_a_run_gets_its_own_redis_user_which_reaches_its_keys_alone_and_outlives
         assert url.startswith("redis://marge-r1:") and url.endswith(f"@127.0.0.1:{port}/0")
         q = BatchQueue.connect(url, "r1", Slots(1, 1))
         assert q.put(0, one_batch(), 10) and q.get(0, block_ms=10).batch.batch_id == "v0-e0-s0-0"
-        assert q.commit(0, 1, [(0, "v0-e0-s0-0")]) == [] and q.counts()["committed_step"] == 1
+        assert q.commit(0, 1, [(0, CommitRecord.of(1, 0, [(0, "v0-e0-s0-0")]))]) == [] and q.counts()["committed_step"] == 1
         other = BatchQueue.connect(url, "r2", Slots(1, 1))
         with pytest.raises(redis.exceptions.NoPermissionError):
             other.put(0, one_batch(), 10)

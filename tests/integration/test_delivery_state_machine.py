@@ -5,10 +5,12 @@ trainer groups crashing at any point and resuming from the newest or an older ch
 the driver's reset as a run starts), restarted builders, stragglers of replaced groups writing late, and the
 redis-server killed and started again from its append-only file.
 
-After every step: no batch counted twice, no retired count above an update's batches. At the end of every example
+After every step: no commit that differs from one recorded before for its checkpoint and rank, and the trained
+count the sum of the checkpoints' (no record counted twice). At the end of every example
 the run is driven on: it must reach a further checkpoint within a bounded number of rounds (no schedule deadlocks
 it: every wait is a poll here, and a poll that never succeeds is a failure), and `marge audit`'s account of the
-surviving lineage must be clean (every slot trained once or dead-lettered, retired counts all agreeing).
+surviving lineage must be clean (every slot trained once or dead-lettered, every interval adding up to its
+ranks' commits).
 
 CI runs `MARGE_PROTOCOL_EXAMPLES` examples (default 2,000, about 2 minutes on a 2-core CPU); the long run:
 
@@ -30,7 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from marge.contracts.batch import Batch
 from marge.contracts.protocol import BatchQueue, Fenced
-from marge.contracts.slots import Slots
+from marge.contracts.slots import CommitRecord, Slots
 from marge.contracts.train_log import UpdateRecord
 from services.batcher.writer import SlotWriter
 from services.driver.audit import CheckpointState, QueueState, account
@@ -55,11 +57,11 @@ def batch(batch_id: str) -> Batch:
 
 @dataclass
 class Checkpoint:
-    """A durable checkpoint as the ranks write it: its update, and every rank's trained and left-out batches of its
-    interval (what a resumed rank commits and dead-letters again)."""
+    """A durable checkpoint as the ranks write it: its update, every rank's commit of its interval and the batches
+    the interval left out (what a resumed rank commits and dead-letters again)."""
 
     step: int
-    trained: list[tuple[int, str]] = field(default_factory=list)
+    commits: dict[int, CommitRecord] = field(default_factory=dict)
     dead: list[tuple[int, dict, str]] = field(default_factory=list)
 
 
@@ -69,13 +71,16 @@ class Group:
 
     queues: list[BatchQueue]
     step: int
-    committed: dict[int, list[tuple[int, str]]]
+    committed: dict[int, CommitRecord | None]
+    """Each rank's last commit (committed again with its next)."""
     uncommitted: list[tuple[int, str]] = field(default_factory=list)
     uncommitted_dead: list[tuple[int, dict, str]] = field(default_factory=list)
     pending: dict[int, Checkpoint] = field(default_factory=dict)
     """Ranks that have not committed the newest checkpoint yet."""
     started_at: int = 0
     """The update it resumed from."""
+    interval_start: int = 0
+    """The update the next checkpoint's interval starts at."""
 
 
 class DeliveryMachine(RuleBasedStateMachine):
@@ -126,8 +131,8 @@ class DeliveryMachine(RuleBasedStateMachine):
         step = checkpoint.step
         if queues[0].needs_reset(step):
             queues[0].reset_from(step)
-        group = Group(queues, step, {r: [(n, b) for n, b in checkpoint.trained if self.slots.rank_of(n) == r]
-                                     for r in range(WORLD)}, started_at=step)
+        group = Group(queues, step, {r: checkpoint.commits.get(r) for r in range(WORLD)}, started_at=step,
+                      interval_start=step)
         for rank, q in enumerate(queues):
             q.progress(rank, step)
         if step:
@@ -135,7 +140,7 @@ class DeliveryMachine(RuleBasedStateMachine):
                 for slot, fields, reason in checkpoint.dead:
                     if self.slots.rank_of(slot) == rank:
                         q.dead_letter(slot, fields, reason)
-                q.commit(rank, step, group.committed[rank])
+                q.commit(rank, step, [(r, c) for r, c in checkpoint.commits.items() if r % WORLD == rank])
         return group
 
     def started(self) -> bool:
@@ -215,7 +220,10 @@ class DeliveryMachine(RuleBasedStateMachine):
         """The checkpoint of the group's update is durable (it holds the interval's batches); each rank commits next,
         the first `committing` at once."""
         g = self.group
-        saved = Checkpoint(g.step, g.uncommitted, g.uncommitted_dead)
+        commits = {r: CommitRecord.of(g.step, g.interval_start, [(n, b) for n, b in g.uncommitted
+                                                                 if self.slots.rank_of(n) == r]) for r in range(WORLD)}
+        saved = Checkpoint(g.step, commits, g.uncommitted_dead)
+        g.interval_start = g.step
         self.checkpoints.append(saved)
         g.pending = {rank: saved for rank in range(WORLD)}
         g.uncommitted, g.uncommitted_dead = [], []
@@ -229,12 +237,12 @@ class DeliveryMachine(RuleBasedStateMachine):
         if rank not in g.pending:
             rank = min(g.pending)
         saved = g.pending.pop(rank)
-        mine = [(n, b) for n, b in saved.trained if self.slots.rank_of(n) == rank]
         for slot, fields, reason in saved.dead:
             if self.slots.rank_of(slot) == rank:
                 g.queues[rank].dead_letter(slot, fields, reason)
-        g.queues[rank].commit(rank, saved.step, g.committed[rank] + mine)
-        g.committed[rank] = mine
+        previous = g.committed[rank]
+        g.queues[rank].commit(rank, saved.step, ([(rank, previous)] if previous else []) + [(rank, saved.commits[rank])])
+        g.committed[rank] = saved.commits[rank]
 
     @rule(older=st.integers(0, 2), by_driver=st.booleans())
     @precondition(lambda self: self.started() and self.group.step > self.group.started_at)  # it trained since
@@ -257,7 +265,8 @@ class DeliveryMachine(RuleBasedStateMachine):
         """A rank of a replaced group wakes and writes: every write is refused, and changes nothing."""
         stale = self.stragglers[0]
         before = self.snapshot()
-        for write in (lambda: stale.queues[0].commit(0, stale.step + 1, stale.committed[0]),
+        late = CommitRecord.of(stale.step + 1, stale.interval_start, stale.uncommitted)
+        for write in (lambda: stale.queues[0].commit(0, stale.step + 1, [(0, late)]),
                       lambda: stale.queues[1].progress(1, stale.step + 1),
                       lambda: stale.queues[0].reset_from(max(0, stale.step - 1))):
             with pytest.raises(Fenced):
@@ -301,10 +310,12 @@ class DeliveryMachine(RuleBasedStateMachine):
         if not self.started():
             return
         keys = BatchQueue(self.admin, RUN, self.slots).keys  # one round trip: this runs after every step
-        twice, retired = self.admin.pipeline(transaction=False).hget(keys.counters, "trained_twice").hvals(
-            keys.ledger_retired).execute()
-        assert int(twice or 0) == 0
-        assert all(0 < int(n) <= self.slots.per_step for n in retired), retired
+        conflicts, trained, by_checkpoint = self.admin.pipeline(transaction=False).hget(
+            keys.counters, "commit_conflicts").hget(keys.counters, "trained").hgetall(keys.ledger_trained).execute()
+        assert int(conflicts or 0) == 0
+        assert int(trained or 0) == sum(int(n) for n in by_checkpoint.values()), (trained, by_checkpoint)
+        for step, n in by_checkpoint.items():
+            assert 0 <= int(n) <= int(step) * self.slots.per_step, (step, n)
 
     def teardown(self):
         if not self.started():
@@ -323,8 +334,8 @@ class DeliveryMachine(RuleBasedStateMachine):
         self.checkpoint(committing=WORLD)
         newest = self.checkpoints[-1]
         records = [r for r in self.records if r.step <= newest.step]
-        result = account(lambda: iter(records), self.slots,
-                         CheckpointState(newest.step, None, [], []), QueueState.of(BatchQueue(self.admin, RUN, self.slots)))
+        result = account(lambda: iter(records), self.slots, CheckpointState(newest.step, None, newest.commits, []),
+                         QueueState.of(BatchQueue(self.admin, RUN, self.slots)))
         assert result["ok"] and result["batches_lost"] == 0 and result["trained_twice"] == 0, result
         trained = sum(len(r.trained_slots()) for r in records)
         assert result["batches_trained"] == trained, (result, trained)

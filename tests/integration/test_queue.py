@@ -15,7 +15,7 @@ import redis
 
 from marge.contracts.batch import Batch
 from marge.contracts.protocol import BatchQueue, ProtocolError, decode_batch, encode_batch, entry_id, slot_of_entry
-from marge.contracts.slots import BatchId, Slots
+from marge.contracts.slots import BatchId, CommitRecord, Slots
 
 
 def make_batch(i: int, rng=np.random.default_rng(0)) -> Batch:
@@ -23,6 +23,13 @@ def make_batch(i: int, rng=np.random.default_rng(0)) -> Batch:
     return Batch(f"v0-e0-s0-{i}", 0, 0, np.array([10 * i, 10 * i + 1, 10 * i + 2], dtype=np.int64),
                  ("en", "de", "zh"), tokens, np.array([0], dtype=np.int32), np.array([1, 2], dtype=np.int32),
                  np.array([[0, 0], [0, 1]], dtype=np.int32), np.array([100.0, 100.0], dtype=np.float32))
+
+
+def commit(q: BatchQueue, rank: int, step: int, pairs: list[tuple[int, str]], since: int = 0,
+           previous: CommitRecord | None = None) -> list[str]:
+    """Rank `rank`'s commit at the checkpoint of `step`: its record of `pairs` (updates `since` .. `step` - 1), after
+    `previous` (its record of the interval before, committed again), as the trainer commits."""
+    return q.commit(rank, step, ([(rank, previous)] if previous else []) + [(rank, CommitRecord.of(step, since, pairs))])
 
 
 def fill(q: BatchQueue, slots: range, lookahead: int = 100) -> None:
@@ -47,17 +54,20 @@ def test_each_rank_reads_its_slots_and_batches_count_only_when_committed(redis_s
     assert q.get(6, block_ms=10) is None  # not written yet
     assert q.counts()["pending"] == 6 and q.counts()["ledger"] == 0  # read is not trained
     # the checkpoint of update 2 is durable: each rank records its slots of updates 0-1 and trims below slot 4
-    assert q.commit(0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")]) == []
-    assert q.commit(1, 2, [(1, "v0-e0-s0-1"), (3, "v0-e0-s0-3")]) == []
+    assert commit(q, 0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")]) == []
+    assert commit(q, 1, 2, [(1, "v0-e0-s0-1"), (3, "v0-e0-s0-3")]) == []
     counts = q.counts()
-    assert counts["trained"] == 4 and counts["ledger"] == 4 and counts["pending"] == 2 and counts["committed_step"] == 2
+    assert counts["trained"] == 4 and counts["ledger"] == 1 and counts["pending"] == 2 and counts["committed_step"] == 2
+    assert q.commits(2) == {0: CommitRecord.of(2, 0, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")]),
+                            1: CommitRecord.of(2, 0, [(1, "v0-e0-s0-1"), (3, "v0-e0-s0-3")])}
     assert q.get(4, block_ms=10) is not None and q.r.xlen(q.keys.slots(0)) == 1
-    # committing the same batches again (the next commit repeats the previous one) changes nothing
-    assert q.commit(0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")]) == []
-    assert q.counts()["trained"] == 4 and q.counts().get("trained_twice", 0) == 0
-    # the same batch id in another slot is a batch trained twice, and is counted
-    assert q.commit(0, 3, [(4, "v0-e0-s0-0")]) == ["v0-e0-s0-0"]
-    assert q.counts()["trained_twice"] == 1
+    # committing the same record again (the next commit repeats the previous one) changes nothing
+    assert commit(q, 0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")]) == []
+    assert q.counts()["trained"] == 4 and q.counts().get("commit_conflicts", 0) == 0
+    # another record for the same checkpoint and rank (the interval trained otherwise without a reset) is kept out
+    # and counted
+    assert commit(q, 0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-7")]) == ["2:0"]
+    assert q.counts()["commit_conflicts"] == 1 and q.counts()["trained"] == 4
 
 
 def test_a_slot_trimmed_away_is_an_error_at_once_and_an_unwritten_one_is_waited_for_without_spinning(redis_server,
@@ -72,7 +82,7 @@ def test_a_slot_trimmed_away_is_an_error_at_once_and_an_unwritten_one_is_waited_
 
     q = BatchQueue.connect(redis_server.url, "t1g", Slots(2, 1))
     fill(q, range(6))
-    q.commit(0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")])
+    commit(q, 0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")])
     t0 = time.monotonic()
     with pytest.raises(SlotGone, match="slot 2 is not in rank 0's stream and never will be.*holds slot 4"):
         q.get(2, block_ms=5000)
@@ -93,66 +103,57 @@ def test_a_slot_trimmed_away_is_an_error_at_once_and_an_unwritten_one_is_waited_
     assert per_second <= 10, (per_second, calls[:10])
 
 
-def test_the_ledger_keeps_two_checkpoint_intervals_and_counts_the_older_updates(redis_server):
-    """A commit repeats the previous interval and retires the rank's older entries into per-update counts: the
-    ledger's Redis footprint stays two intervals however long the run."""
-    q = BatchQueue.connect(redis_server.url, "t1w", Slots(2, 1))
-    ids = {n: f"v0-e0-s0-{n}" for n in range(40)}
+def own(rank: int, updates: range) -> list[tuple[int, str]]:
+    """Rank `rank`'s (slot, batch id) in `updates` of a run of 2 ranks x 1 batch."""
+    return [(n, f"v0-e0-s0-{n}") for n in range(2 * updates.start, 2 * updates.stop) if n % 2 == rank]
 
-    def own(rank: int, updates: range) -> list[tuple[int, str]]:
-        return [(n, ids[n]) for n in range(2 * updates.start, 2 * updates.stop) if n % 2 == rank]
 
-    previous: dict[int, range] = {0: range(0, 0), 1: range(0, 0)}
-    for checkpoint in (4, 8, 12, 16, 20):  # checkpoint every 4 updates
-        interval = range(checkpoint - 4, checkpoint)
+def train_through(q: BatchQueue, checkpoints: range, since: int) -> None:
+    """Both ranks commit at each checkpoint (every 4 updates), each repeating its previous record."""
+    for checkpoint in checkpoints:
         for rank in (0, 1):
-            assert q.commit(rank, checkpoint, own(rank, previous[rank]) + own(rank, interval)) == []
-            previous[rank] = interval
-        window = q.ledger_entries()
-        assert sorted(e["step"] for e in window.values()) == sorted([*range(max(0, checkpoint - 8), checkpoint)] * 2)
-        assert q.r.zcard(q.keys.ledger_slots(0)) == q.r.zcard(q.keys.ledger_slots(1)) == len(window) // 2
-    assert q.retired_by_update() == {u: 2 for u in range(12)}  # updates 0-11 left the window, 2 batches each
+            previous = CommitRecord.of(since, since - 4, own(rank, range(since - 4, since))) if since else None
+            assert commit(q, rank, checkpoint, own(rank, range(since, checkpoint)), since, previous) == []
+        since = checkpoint
+
+
+def test_the_ledger_holds_one_record_a_rank_and_checkpoint_whatever_the_interval(redis_server):
+    """A commit records a count and a digest for the rank's interval, not its batches: the ledger grows by one small
+    record a rank and checkpoint, whatever the batches an interval holds."""
+    q = BatchQueue.connect(redis_server.url, "t1w", Slots(2, 1))
+    train_through(q, range(4, 21, 4), 0)
+    assert q.committed_steps() == [4, 8, 12, 16, 20]
+    assert q.commits(8) == {r: CommitRecord.of(8, 4, own(r, range(4, 8))) for r in (0, 1)}
     counts = q.counts()
-    assert counts["trained"] == 40 and counts["retired"] == 24 and counts["ledger"] == 16
-    assert counts.get("trained_twice", 0) == 0
+    assert counts["trained"] == 40 and counts["ledger"] == 5 and counts.get("commit_conflicts", 0) == 0
+    # a record stands for any number of batches: 100,000 of them take the same Redis memory as 4
+    big = BatchQueue.connect(redis_server.url, "t1w-big", Slots(2, 1))
+    commit(big, 0, 4, own(0, range(0, 4)))
+    commit(big, 0, 8, [(n, f"v9-e0-s0-{n}") for n in range(8, 200_008, 2)], since=4)
+    assert big.r.memory_usage(big.keys.ledger(8)) <= big.r.memory_usage(big.keys.ledger(4)) + 16  # the count's digits
+    assert big.counts()["trained"] == 4 + 100_000
     # a commit repeated after a Redis restart lost nothing changes nothing
-    q.commit(0, 20, own(0, range(12, 16)) + own(0, range(16, 20)))
-    assert q.counts()["trained"] == 40 and q.retired_by_update() == {u: 2 for u in range(12)}
-    # a run resumed from an older checkpoint (update 10): later entries and later retired counts go
-    q.reset_from(10)
-    assert q.retired_by_update() == {u: 2 for u in range(10)}
-    assert q.ledger_entries() == {} and q.counts()["trained"] == 20 and q.counts()["retired"] == 20
-    assert q.r.zcard(q.keys.ledger_slots(0)) == 0
+    commit(q, 0, 20, own(0, range(16, 20)), 16, CommitRecord.of(16, 12, own(0, range(12, 16))))
+    assert q.counts()["trained"] == 40
+    # a run resumed from an older checkpoint (update 8): the later checkpoints' records go
+    q.reset_from(8)
+    assert q.committed_steps() == [4, 8] and q.counts()["trained"] == 16 and q.commits(12) == {}
 
 
 @pytest.mark.parametrize("newest,resume", [(16, 8), (16, 12), (12, 8), (16, 4)])
 def test_a_run_resumed_from_an_older_checkpoint_counts_every_batch_once(redis_server, newest, resume):
     """Commits through update `newest` (checkpoints every 4 updates), then a resume from the checkpoint of `resume`:
-    its ranks commit the checkpoint's interval again and train on. The ledger ends where an uninterrupted run's
-    does: every update retired once (the re-committed interval was retired before: it is not recorded again, to be
-    retired a second time)."""
+    its ranks commit the checkpoint's record again and train on. The ledger ends where an uninterrupted run's does."""
     q = BatchQueue.connect(redis_server.url, f"t1r{newest}-{resume}", Slots(2, 1))
-    ids = {n: f"v0-e0-s0-{n}" for n in range(40)}
-
-    def own(rank: int, updates: range) -> list[tuple[int, str]]:
-        return [(n, ids[n]) for n in range(2 * updates.start, 2 * updates.stop) if n % 2 == rank]
-
-    def train_through(checkpoints, previous) -> None:
-        for checkpoint in checkpoints:
-            interval = range(checkpoint - 4, checkpoint)
-            for rank in (0, 1):
-                assert q.commit(rank, checkpoint, own(rank, previous) + own(rank, interval)) == []
-            previous = interval
-
-    train_through(range(4, newest + 1, 4), range(0, 0))
+    train_through(q, range(4, newest + 1, 4), 0)
     q.reset_from(resume)
-    for rank in (0, 1):  # what a resumed rank commits first: its checkpoint's batches (a lost commit made good)
-        assert q.commit(rank, resume, own(rank, range(resume - 4, resume))) == []
-    train_through(range(resume + 4, 21, 4), range(resume - 4, resume))
-    assert q.retired_by_update() == {u: 2 for u in range(12)}
+    for rank in (0, 1):  # what a resumed rank commits first: its checkpoint's record (a lost commit made good)
+        assert q.commit(rank, resume, [(rank, CommitRecord.of(resume, resume - 4, own(rank, range(resume - 4,
+                                                                                                    resume))))]) == []
+    train_through(q, range(resume + 4, 21, 4), resume)
+    assert q.committed_steps() == [4, 8, 12, 16, 20]
     counts = q.counts()
-    assert counts["trained"] == 40 and counts["retired"] == 24 and counts["ledger"] == 16, counts
-    assert counts.get("trained_twice", 0) == 0
+    assert counts["trained"] == 40 and counts["ledger"] == 5 and counts.get("commit_conflicts", 0) == 0, counts
 
 
 def test_the_batcher_waits_for_the_slowest_rank_and_drops_nothing(redis_server):
@@ -458,13 +459,13 @@ def test_a_replay_whose_request_a_reset_dropped_is_not_written(redis_server):
 def test_reset_from_rewinds_the_queue_to_a_checkpoint(redis_server):
     q = BatchQueue.connect(redis_server.url, "t5", Slots(2, 1))
     fill(q, range(10))
-    q.commit(0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")])
-    q.commit(1, 2, [(1, "v0-e0-s0-1"), (3, "v0-e0-s0-3")])
-    q.commit(0, 3, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2"), (4, "v0-e0-s0-4")])  # rank 0 committed 3, rank 1 did not: resume from 2
+    commit(q, 0, 2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")])
+    commit(q, 1, 2, [(1, "v0-e0-s0-1"), (3, "v0-e0-s0-3")])
+    commit(q, 0, 3, [(4, "v0-e0-s0-4")], since=2)  # rank 0 committed 3, rank 1 did not: resume from 2
     q.reset_from(2)
     counts = q.counts()
     assert q.next_slot() == 4 and counts["pending"] == 0 and counts["committed_step"] == 2
-    assert set(q.ledger_entries()) == {f"v0-e0-s0-{n}" for n in range(4)}
+    assert q.committed_steps() == [2] and counts["trained"] == 4
     assert q.slowest_progress() == 2
     fill(q, range(4, 6))
     assert q.get(4, block_ms=10).batch.batch_id == "v0-e0-s0-4"
@@ -472,29 +473,28 @@ def test_reset_from_rewinds_the_queue_to_a_checkpoint(redis_server):
 
 def queue_state(q: BatchQueue) -> dict:
     """Everything a resumed lineage's exactly-once depends on, without the times and entry ids a setup varies."""
-    return {"counts": q.counts(), "retired": q.retired_by_update(), "ledger": q.ledger_entries(),
+    return {"counts": q.counts(), "ledger": {s: q.commits(s) for s in q.committed_steps()},
             "progress": [q.r.get(q.keys.progress(r)) for r in range(q.slots.world)], "slowest": q.slowest_progress(),
             "streams": [q.r.xlen(q.keys.slots(r)) for r in range(q.slots.world)],
             "dead": sorted((d["slot"], d["batch_id"], d["replayed_to_slot"], d["replay_requested"])
                            for d in q.dead_letters()),
-            "window": [q.r.zrange(q.keys.ledger_slots(r), 0, -1) for r in range(q.slots.world)],
-            "retired_below": q.r.hgetall(q.keys.ledger_retired_below)}
+            "trained_by_checkpoint": q.r.hgetall(q.keys.ledger_trained)}
 
 
 def test_a_rank_0_that_dies_anywhere_inside_a_reset_leaves_the_queue_as_it_was_or_reset(redis_server, monkeypatch):
     """A reset is all or nothing: rank 0 killed after any number of its Redis round trips inside `reset_from` leaves
     a queue that the next group's rank 0 (`needs_reset`, `reset_from`) brings to exactly the state of an
-    undisturbed reset: no retired count of the discarded updates survives to be counted twice."""
+    undisturbed reset: no record of the discarded checkpoints survives to be counted twice."""
     slots = Slots(2, 1)
 
     def setup() -> BatchQueue:
         q = BatchQueue(redis.Redis.from_url(redis_server.url), "t-reset-atomic", slots)
         q.r.flushall()
         fill(q, range(18))
-        for step in (2, 4, 6, 8):  # each commit repeats the previous interval: updates 0-3 retire
+        for step in (2, 4, 6, 8):  # a checkpoint every 2 updates
             for rank in (0, 1):
-                q.commit(rank, step, [(n, f"v0-e0-s0-{n}") for n in range(max(0, step - 4) * 2, step * 2)
-                                      if n % 2 == rank])
+                commit(q, rank, step, [(n, f"v0-e0-s0-{n}") for n in range((step - 2) * 2, step * 2) if n % 2 == rank],
+                       since=step - 2)
         for slot in (3, 9):  # the reset keeps the first dead letter and drops the second (slot 9 is trained again)
             q.dead_letter(slot, encode_batch(make_batch(slot)), "poison")
         for rank in (0, 1):
@@ -502,10 +502,10 @@ def test_a_rank_0_that_dies_anywhere_inside_a_reset_leaves_the_queue_as_it_was_o
         return q
 
     q = setup()
-    assert q.retired_by_update() == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert q.committed_steps() == [2, 4, 6, 8]
     q.reset_from(2)
     expected = queue_state(q)
-    assert expected["retired"] == {0: 2, 1: 2} and expected["counts"]["trained"] == 4
+    assert list(expected["ledger"]) == [2] and expected["counts"]["trained"] == 4
     calls = {"n": 0, "die_at": 0}
     original_execute, original_pipeline = redis.Redis.execute_command, redis.client.Pipeline.execute
 
@@ -676,8 +676,8 @@ def test_a_group_resumed_below_the_last_commit_resets_the_queue_to_its_checkpoin
     q = source.queue
     fill(q, range(8))
     for rank in (0, 1):
-        q.commit(rank, 2, [(n, f"v0-e0-s0-{n}") for n in range(4) if n % 2 == rank])
-        q.commit(rank, 3, [(n, f"v0-e0-s0-{n}") for n in range(6) if n % 2 == rank])
+        commit(q, rank, 2, [(n, f"v0-e0-s0-{n}") for n in range(4) if n % 2 == rank])
+        commit(q, rank, 3, [(n, f"v0-e0-s0-{n}") for n in range(4, 6) if n % 2 == rank], since=2)
     assert q.committed_step() == 3
     source.agree_with(3)
     assert q.committed_step() == 3 and q.get(6, block_ms=10) is not None
@@ -700,7 +700,7 @@ def test_a_stream_holds_the_look_ahead_and_a_group_restarted_past_its_progress_r
     q = source.queue
     fill(q, range(8))
     for rank in (0, 1):
-        q.commit(rank, 1, [(rank, f"v0-e0-s0-{rank}")])
+        commit(q, rank, 1, [(rank, f"v0-e0-s0-{rank}")])
     q.progress(0, 3)
     q.progress(1, 2)
     assert [slot_of_entry(e.decode()) for e, _ in q.r.xrange(q.keys.slots(0))] == [6]  # updates 0-2 dropped
@@ -714,7 +714,7 @@ def test_a_stream_holds_the_look_ahead_and_a_group_restarted_past_its_progress_r
 
 def test_a_stale_rank_that_wakes_after_its_replacement_started_can_write_nothing(redis_server, caplog):
     """Fencing: a rank of the old trainer group (a partitioned node) wakes after a new group started: its commit
-    (which would trim its stream and retire ledger entries), progress, dead letter and step record are refused and
+    (which would trim its stream and record its interval), progress, dead letter and step record are refused and
     logged, and change nothing; the new group's writes go through."""
     from marge.contracts.protocol import Fenced
     from services.trainer.source import RedisSource
@@ -723,20 +723,22 @@ def test_a_stale_rank_that_wakes_after_its_replacement_started_can_write_nothing
     stale, replacement = RedisSource(job, 0), RedisSource(job, 0)
     stale.join_generation(stale.start_generation())
     fill(stale.queue, range(8))
-    stale.commit(1, [(0, "v0-e0-s0-0")])
+    stale.commit(1, [(0, CommitRecord.of(1, 0, [(0, "v0-e0-s0-0")]))])
     stale.progress(1)
     replacement.join_generation(replacement.start_generation())  # the new group starts; the old rank sleeps
     q = replacement.queue
     before = (q.counts(), q.r.xlen(q.keys.slots(0)), q.r.get(q.keys.progress(0)), q.r.llen(q.keys.steps))
     delivery = stale.get(2)
     with caplog.at_level("ERROR"):
-        for write in (lambda: stale.commit(2, [(2, "v0-e0-s0-2")]), lambda: stale.progress(2),
+        for write in (lambda: stale.commit(2, [(0, CommitRecord.of(2, 1, [(2, "v0-e0-s0-2")]))]),
+                      lambda: stale.progress(2),
                       lambda: stale.dead_letter(delivery, "stale"), lambda: stale.publish({"step": 2})):
             with pytest.raises(Fenced, match="generation 1, but generation 2 has started"):
                 write()
     assert caplog.text.count("write refused") == 4
     assert (q.counts(), q.r.xlen(q.keys.slots(0)), q.r.get(q.keys.progress(0)), q.r.llen(q.keys.steps)) == before
-    replacement.commit(2, [(0, "v0-e0-s0-0"), (2, "v0-e0-s0-2")])
+    replacement.commit(2, [(0, CommitRecord.of(1, 0, [(0, "v0-e0-s0-0")])),
+                           (0, CommitRecord.of(2, 1, [(2, "v0-e0-s0-2")]))])
     replacement.progress(2)
     replacement.publish({"step": 2})
     assert q.counts()["trained"] == 2 and q.r.get(q.keys.progress(0)) == b"2" and q.last_step() == {"step": 2}

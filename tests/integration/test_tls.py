@@ -18,7 +18,7 @@ from test_queue import fill  # tests/integration/test_queue.py
 from test_service import build_run, free_port  # tests/integration/test_service.py
 
 from marge.contracts.protocol import BatchQueue
-from marge.contracts.slots import Slots
+from marge.contracts.slots import CommitRecord, Slots
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,7 +64,7 @@ def test_the_batch_queue_runs_over_tls_with_the_ca_in_the_url(certificates, tmp_
                 time.sleep(0.1)
         fill(q, range(3))
         assert q.get(0, block_ms=10).batch.batch_id == "v0-e0-s0-0"
-        assert q.commit(0, 1, [(0, "v0-e0-s0-0")]) == [] and q.counts()["trained"] == 1
+        assert q.commit(0, 1, [(0, CommitRecord.of(1, 0, [(0, "v0-e0-s0-0")]))]) == [] and q.counts()["trained"] == 1
         import redis
 
         with pytest.raises(redis.ConnectionError):  # the plain protocol is not served

@@ -7,23 +7,24 @@ import tracemalloc
 from collections.abc import Collection, Sequence
 
 import pytest
-from train_log_inputs import builders_ids, builders_log
+from train_log_inputs import builders_ids, builders_log, ledger_of
 
 from marge.contracts.slots import BatchId, Slots
 from services.driver.audit import CheckpointState, QueueState, account
 
 REINDEX_EVERY = 100
+EVERY = 20
+"""Updates between checkpoints."""
 
 
 def audit_of(log, slots: Slots, updates: int, dead_letters: Sequence[dict] = (), dropped: Collection[int] = (),
              passes: list | None = None, measure: bool = False) -> tuple[dict, int]:
-    """The account up to update `updates` with the ledger's window empty (every update retired, as many of its
-    batches as the ranks trained: all but the dead-lettered and dropped slots), and its peak traced memory (bytes)
+    """The account up to update `updates`, the run checkpointed every EVERY updates and each rank's commits those of
+    its lines (`ledger_of`: the dead-lettered and dropped slots are not in them), and its peak traced memory (bytes)
     when `measure`."""
-    left_out = [slots.step_of(n) for n in [*(d["slot"] for d in dead_letters), *dropped]]
-    retired = {u: slots.per_step - left_out.count(u) for u in range(updates)}
     counts = {"committed_step": updates, "pending": 0, "produced": updates * slots.per_step}
-    state = QueueState(counts, {}, retired, list(dead_letters))
+    steps, commits = ledger_of(log.iter_records(), slots, EVERY, updates)
+    state = QueueState(counts, steps, lambda s: commits.get(s, {}), list(dead_letters))
 
     def read_records():
         if passes is not None:

@@ -9,9 +9,9 @@ import json
 import math
 
 import pytest
-from train_log_inputs import SLOTS, audited_run, scheduled_ids
+from train_log_inputs import SLOTS, audited_run, ledger_of, scheduled_ids
 
-from marge.contracts.slots import BatchId
+from marge.contracts.slots import BatchId, CommitRecord, Slots, trained_digest
 from marge.contracts.train_log import SCHEMA_VERSION, RunFigures, TrainLog, TrainLogError, UpdateRecord, read_train_log
 from services.driver.audit import CheckpointState, QueueState, account
 
@@ -216,10 +216,18 @@ def test_the_summary_fold_over_a_segmented_log_equals_the_whole_list(tmp_path):
 # -- `marge audit`'s account, streamed over a segmented log (services.driver.audit.account)
 
 
-def account_of(log: TrainLog, dead_letters: list[dict], step: int = 16, retired_override: dict | None = None,
+EVERY = 4
+"""Updates between the audited run's checkpoints."""
+
+
+def account_of(log: TrainLog, dead_letters: list[dict], step: int = 16, edit_commits=None,
                passes: list[int] | None = None) -> dict:
-    retired = {u: SLOTS.per_step - sum(1 for d in dead_letters if SLOTS.step_of(d["slot"]) == u) for u in range(step)}
+    """The account up to update `step`, every rank's commits those of its lines (`ledger_of`), changed by
+    `edit_commits(update -> rank -> commit)`."""
     counts = {"committed_step": step, "pending": 0, "produced": step * SLOTS.per_step}
+    steps, commits = ledger_of(log.iter_records(), SLOTS, EVERY, step)
+    if edit_commits:
+        edit_commits(commits)
 
     def read_records():
         if passes is not None:
@@ -227,7 +235,7 @@ def account_of(log: TrainLog, dead_letters: list[dict], step: int = 16, retired_
         return log.iter_records(through_step=step)
 
     return account(read_records, SLOTS, CheckpointState(step),
-                   QueueState(counts, {}, {**retired, **(retired_override or {})}, dead_letters))
+                   QueueState(counts, steps, lambda s: commits.get(s, {}), dead_letters))
 
 
 def test_the_account_of_a_clean_segmented_run_reads_its_log_once(tmp_path):
@@ -246,9 +254,40 @@ def test_the_account_finds_a_lost_slot_in_a_later_segment(tmp_path):
         return []
 
     log, dead_letters = audited_run(tmp_path, edit=untrained_without_a_dead_letter)
-    result = account_of(log, dead_letters, retired_override={10: 2})  # the ledger retired both of update 10's
+    result = account_of(log, dead_letters)
     assert not result["ok"] and result["batches_lost"] == 1 and result["lost_slots"] == [21]
-    assert result["retired_counts_disagree_with_train_log"] == [10] and result["batches_trained"] == 31
+    assert result["commits_disagree_with_train_log"] == [] and result["batches_trained"] == 31
+
+
+def test_the_account_finds_commits_that_disagree_with_the_log_and_an_uncommitted_interval(tmp_path):
+    """Each interval's lines are added up against its ranks' commits: a count, the digest of what was trained (a
+    batch id changed after the commit), and a rank whose interval has no commit (its batches never counted)."""
+    log, dead_letters = audited_run(tmp_path)
+
+    def miscounted(commits):  # rank 1 says it trained 5 batches in updates 4-7, the log names 4
+        c = commits[8][1]
+        commits[8][1] = CommitRecord(c.step, c.since, 5, c.digest)
+
+    result = account_of(log, dead_letters, edit_commits=miscounted)
+    assert not result["ok"] and result["batches_lost"] == 0
+    assert result["commits_disagree_with_train_log"] == [
+        {"checkpoint": 8, "rank": 1, "what": "committed 5 batches, the log names 4"}]
+
+    def other_batch(commits):  # rank 0's commit of updates 12-15 stands for another batch in one slot
+        c = commits[16][0]
+        commits[16][0] = CommitRecord(c.step, c.since, c.trained, trained_digest([(24, ids_at(25)), (26, ids_at(26)),
+                                                                                   (28, ids_at(28)), (30, ids_at(30))]))
+
+    result = account_of(log, dead_letters, edit_commits=other_batch)
+    assert not result["ok"] and [d["checkpoint"] for d in result["commits_disagree_with_train_log"]] == [16]
+
+    def uncommitted(commits):  # rank 1 never committed updates 0-3: its 4 batches are lost
+        del commits[4][1]
+
+    result = account_of(log, dead_letters, edit_commits=uncommitted)
+    assert not result["ok"] and result["lost_slots"] == [1, 3, 5, 7] and result["batches_trained"] == 28
+    assert result["commits_disagree_with_train_log"] == [
+        {"checkpoint": 4, "rank": 1, "what": "trained 4 batches it never committed"}]
 
 
 def test_a_replayed_dead_letter_is_trained_once_and_a_batch_trained_at_two_slots_twice(tmp_path):
@@ -296,3 +335,59 @@ def test_the_account_refuses_a_log_out_of_update_order_naming_it(tmp_path):
     log.append(UpdateRecord(step=3, loss=1.0, lr=1e-4, grad_norm=1.0, batch_ids=["x", "y"], slots=[4, 5]))
     with pytest.raises(TrainLogError, match=r"update 3 records slot 4, which an earlier line already passed"):
         account_of(log, dead_letters)
+
+
+# -- compact lines: an update of more than FULL_IDS_MAX_BATCHES batches
+
+
+def test_a_line_of_many_batches_holds_runs_and_reads_back_as_positions_with_the_digest_of_the_full_ids(tmp_path):
+    from services.driver.scale_costs import late_update_record
+
+    record = late_update_record(512, 8, 4)
+    line = record.to_json()
+    assert len(line) < 1024 and "batch_ids" not in json.loads(line)  # 192 KB with every id in full
+    (back,) = read_back(tmp_path, record)
+    assert back.slots == record.slots and back.dead_lettered == record.dead_lettered
+    assert back.batch_ids == [BatchId.parse(b).position for b in record.batch_ids]  # content digests left out
+    assert back.trained_digest == trained_digest(record.trained_slots().items())  # ... but not from the digest
+    small = UpdateRecord(step=1, loss=1.0, lr=1e-4, grad_norm=1.0, batch_ids=record.batch_ids[:64],
+                         slots=record.slots[:64])
+    assert json.loads(small.to_json())["batch_ids"] == record.batch_ids[:64]  # up to 64 batches: in full
+
+
+def read_back(tmp_path, *records: UpdateRecord) -> list[UpdateRecord]:
+    log = TrainLog.of_run(tmp_path)
+    for r in records:
+        log.append(r)
+    return log.read()
+
+
+def test_the_account_of_compact_lines_finds_a_batch_trained_twice_and_a_changed_content_by_its_digest(tmp_path):
+    """On compact lines a position stands for its batch: one in two slots is trained twice; a batch whose content
+    changed after its rank committed it makes its interval's digest disagree."""
+    slots = Slots(world=16, grad_accum=8)  # 128 batches an update: compact lines
+    ids = [str(BatchId(0, 0, n // 500, n % 500, f"{n:012x}")) for n in range(8 * slots.per_step)]
+    records = [UpdateRecord(step=u + 1, loss=1.0, lr=1e-4, grad_norm=1.0, slots=list(range(u * 128, (u + 1) * 128)),
+                            batch_ids=ids[u * 128:(u + 1) * 128]) for u in range(8)]
+    steps, commits = ledger_of(records, slots, 4, 8)
+    state = QueueState({"committed_step": 8, "pending": 0}, steps, lambda s: commits.get(s, {}), [])
+
+    def audited(lines: list[UpdateRecord]) -> dict:
+        (tmp_path / "train_log.jsonl").unlink(missing_ok=True)
+        log = TrainLog.of_run(tmp_path)
+        for r in lines:
+            log.append(r)
+        return account(lambda: log.iter_records(through_step=8), slots, CheckpointState(8), state)
+
+    assert audited(records)["ok"] and audited(records)["batches_trained"] == 8 * 128
+    doubled = [*records[:6], UpdateRecord(**{**records[6].__dict__, "batch_ids": [ids[5], *ids[6 * 128 + 1:7 * 128]],
+                                              "trained_digest": ""}), records[7]]
+    result = audited(doubled)
+    assert not result["ok"] and result["trained_twice_ids"] == [BatchId.parse(ids[5]).position]
+    changed = [*records[:2], UpdateRecord(**{**records[2].__dict__, "trained_digest": "",
+                                              "batch_ids": [ids[256][:-12] + "ffffffffffff", *ids[257:384]]}),
+               *records[3:]]
+    result = audited(changed)
+    assert not result["ok"] and result["trained_twice"] == 0 and result["batches_lost"] == 0
+    assert result["commits_disagree_with_train_log"] == [
+        {"checkpoint": 4, "rank": None, "what": "its batches are not the ones its ranks committed (digest)"}]

@@ -21,15 +21,16 @@ Delivery (every slot trained, or dead-lettered, exactly once in the run's final 
     it has trained update s, its stream drops the entries of updates <= s, so a stream holds the look-ahead,
     not a checkpoint interval;
   * a batch counts as trained only when a durable checkpoint covers its update: after the checkpoint of
-    update C is reported, each rank records its slots' batches below slot C*B in the
-    ledger (batch id -> update, slot), with `committed` = C; a batch recorded twice is counted
-    (`trained_twice`);
-  * the ledger is a window, so Redis does not grow with the run: it keeps each rank's batches of the last two
-    checkpoint intervals (a commit repeats the previous interval's batches), and a commit retires the rank's
-    older entries into one count per update (`ledger:retired`, update -> batches). train_log.jsonl (rank 0,
-    on the run's storage) keeps every update's slots and batch ids; `marge audit` reads the retired updates'
-    slots from it and checks them against those counts, and finds a batch trained twice across the whole run
-    there (at commit, only within the window);
+    update C is reported, each rank records a `CommitRecord` of its interval's batches (how many, and their
+    `trained_digest`) in the ledger (`ledger:<C>`: rank -> record), with `committed` = C. A record stands for the
+    batches, so a commit's Redis work, and what the ranks exchange at a checkpoint, do not grow with the world or
+    the interval; a rank commits its previous record again with the next (records are idempotent: one already
+    there is kept, and one that differs is counted in `commit_conflicts`);
+  * the ledger holds one record per rank and checkpoint (about 48 bytes: 5.3 MB over the paper's 225 checkpoints at
+    512 ranks). train_log.jsonl (rank 0, on the run's storage) keeps every update's slots and batch ids (compacted
+    above `train_log.FULL_IDS_MAX_BATCHES` batches, with the update's `trained_digest`); `marge audit` adds its
+    lines up per checkpoint interval and rank and checks them against the records: a slot lost, a batch trained
+    twice (an id or position in two slots), and an interval whose batches are not the ones its ranks committed;
   * a crash before that loses nothing: the resumed run (from checkpoint C) has the queue reset to C
     (`reset_from`, by the driver as a run starts and by a restarted trainer group's rank 0 when a commit or a
     rank's progress went past C: `needs_reset`), and the builders write slots C*B... again, identically;
@@ -48,8 +49,8 @@ lose about the last 2 seconds of acknowledged writes. Batches it loses are writt
 their cursors back); a lost commit is made again by the rank's next commit or by a resumed run (commits are
 idempotent); but a lost generation bump is issued again to the next group (a straggler of the lost group is then
 not fenced), and a dead letter or a replay request of those seconds is lost, or a replay placed again in another
-slot (`marge audit` reports the slot lost or trained twice). Losing the append-only file itself loses the retired
-counts: the audit then reports every retired update lost.
+slot (`marge audit` reports the slot lost or trained twice). Losing the append-only file itself loses the commits:
+the audit then reports every update before the last checkpoint lost.
 
 The layout (slots, versions, keys) is `marge.contracts.slots`.
 """
@@ -68,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from marge.contracts.batch import Batch
-from marge.contracts.slots import BatchId, RunKeys, Slots
+from marge.contracts.slots import BatchId, CommitRecord, RunKeys, Slots
 from marge.util.files import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,6 @@ class BatchQueue:
         self.keys = RunKeys(run_id)
         self.slots = slots
         self.dead = self.keys.dead_letter
-        self.ledger = self.keys.ledger
         self.counters = self.keys.counters
         self.generation: int | None = None
         """The trainer group this client writes for (`start_generation`/`join_generation`); None: unfenced."""
@@ -482,61 +482,48 @@ class BatchQueue:
                           [step, rank, entry_id(step * self._slots().per_step)])
 
     _COMMIT = FENCE + """
-        local ledger, window, retired, counters, retired_below = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[7]
-        local per_step, n = tonumber(ARGV[3]), tonumber(ARGV[4])
-        local below = tonumber(redis.call('HGET', retired_below, ARGV[1]) or '-1')
-        local fresh, doubles, first = 0, {}, nil
+        local steps, trained_by, counters, stream, committed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+        local n = tonumber(ARGV[1])
+        local conflicts = {}
         for i = 0, n - 1 do
-            local slot, id = tonumber(ARGV[5 + 2 * i]), ARGV[6 + 2 * i]
-            local seen = redis.call('HGET', ledger, id)
-            if slot < below then
-                -- retired before (a resumed rank commits its checkpoint's interval again): counted already
-            elseif not seen then
-                redis.call('HSET', ledger, id, cjson.encode({step = math.floor(slot / per_step), slot = slot}))
-                redis.call('ZADD', window, slot, id)
-                fresh = fresh + 1
-            elseif cjson.decode(seen).slot ~= slot then
-                doubles[#doubles + 1] = id
+            local step, rank, record, count = ARGV[3 + 4 * i], ARGV[4 + 4 * i], ARGV[5 + 4 * i], ARGV[6 + 4 * i]
+            local ledger = KEYS[6 + i]
+            local before = redis.call('HGET', ledger, rank)
+            if not before then
+                redis.call('HSET', ledger, rank, record)
+                redis.call('ZADD', steps, tonumber(step), step)
+                redis.call('HINCRBY', trained_by, step, tonumber(count))
+                redis.call('HINCRBY', counters, 'trained', tonumber(count))
+            elseif before ~= record then
+                conflicts[#conflicts + 1] = step .. ':' .. rank
             end
-            if first == nil or slot < first then first = slot end
         end
-        local retiring = 0
-        if first ~= nil then
-            local old = redis.call('ZRANGEBYSCORE', window, '-inf', '(' .. first, 'WITHSCORES')
-            for i = 1, #old, 2 do
-                if redis.call('HDEL', ledger, old[i]) == 1 then
-                    redis.call('HINCRBY', retired, tostring(math.floor(tonumber(old[i + 1]) / per_step)), 1)
-                    retiring = retiring + 1
-                end
-            end
-            redis.call('ZREMRANGEBYSCORE', window, '-inf', '(' .. first)
-            if first > below then redis.call('HSET', retired_below, ARGV[1], first) end
-        end
-        redis.call('HINCRBY', counters, 'trained', fresh)
-        redis.call('HINCRBY', counters, 'retired', retiring)
-        if #doubles > 0 then redis.call('HINCRBY', counters, 'trained_twice', #doubles) end
-        if ARGV[1] == '0' then redis.call('SET', KEYS[6], ARGV[2]) end
-        redis.call('XTRIM', KEYS[5], 'MINID', ARGV[5 + 2 * n])
-        return doubles"""
+        if #conflicts > 0 then redis.call('HINCRBY', counters, 'commit_conflicts', #conflicts) end
+        if ARGV[2] ~= '' then redis.call('SET', committed, ARGV[2]) end
+        redis.call('XTRIM', stream, 'MINID', ARGV[3 + 4 * n])
+        return conflicts"""
 
-    def commit(self, rank: int, step: int, trained: list[tuple[int, str]]) -> list[str]:
-        """The checkpoint of update `step` is durable: record `trained` (slot, batch id) of this rank in the
-        ledger, retire this rank's entries older than the oldest of them (counted per update), and trim its
-        stream below the update. One script, so all or nothing. Idempotent: a batch already recorded for the same
-        slot is left as it is (a rank commits its previous batches again with the next ones, and a resumed rank
-        its checkpoint's, so a commit a Redis restart lost is made good); a batch below the slot where this rank's
-        entries were retired is counted already and not recorded again (a rank resumed from a checkpoint older
-        than the last commit names it again: recorded, it would be retired, and counted, twice). Returns the ids
-        recorded before for a *different* slot: batches trained twice (counted in `trained_twice`)."""
+    def commit(self, rank: int, step: int, records: list[tuple[int, CommitRecord]]) -> list[str]:
+        """The checkpoint of update `step` is durable: record `records` ((rank, `CommitRecord`): this rank's of the
+        checkpoint's interval and of the one before, or, as a group resumes, the checkpoint's records of the ranks
+        this rank stands for) and trim this rank's stream below the update. One script, so all or nothing; its
+        Redis work does not depend on the world, the interval or the batches (a record stands for them). Idempotent:
+        a record already there is left as it is (a rank commits its previous record again with the next, and a
+        resumed rank its checkpoint's, so a commit a Redis restart lost is made good). Rank 0's commit moves
+        `committed` to `step`. Returns "step:rank" of the records that differ from one recorded before for the same
+        checkpoint and rank (counted in `commit_conflicts`: two groups trained the interval differently without a
+        reset between them)."""
         slots = self._slots()
-        pairs = [x for slot, batch_id in trained for x in (slot, batch_id)]
-        doubles = [d.decode() for d in self._fenced_eval(
-            self._COMMIT, [self.ledger, self.keys.ledger_slots(rank), self.keys.ledger_retired, self.counters,
-                           self.keys.slots(rank), self.keys.committed, self.keys.ledger_retired_below],
-            [rank, step, slots.per_step, len(trained), *pairs, entry_id(step * slots.per_step)])]
-        if doubles:
-            log.error("batches trained twice: %s", doubles)
-        return doubles
+        args: list = []
+        for owner, record in records:
+            args += [record.step, owner, record.encoded(), record.trained]
+        conflicts = [c.decode() for c in self._fenced_eval(
+            self._COMMIT, [self.keys.ledger_steps, self.keys.ledger_trained, self.counters, self.keys.slots(rank),
+                           self.keys.committed, *(self.keys.ledger(record.step) for _, record in records)],
+            [len(records), step if rank == 0 else "", *args, entry_id(step * slots.per_step)])]
+        if conflicts:
+            log.error("commits that differ from the ones recorded before (checkpoint:rank): %s", conflicts)
+        return conflicts
 
     _DEAD_LETTER_ONCE = FENCE + """
         if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
@@ -571,10 +558,10 @@ class BatchQueue:
 
     _RESET = FENCE + """
         local dead, requests, counters, dead_slots, replays = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-        local retired_below, by_rank, committed, ledger, retired = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+        local ledger_steps, by_rank, committed, trained_by = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
         local step, first, world, builders = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-        local per_step, grad_accum = tonumber(ARGV[5]), tonumber(ARGV[6])
-        local rank_keys, group_keys = 10, 10 + 3 * world
+        local ledger_prefix = ARGV[5]
+        local rank_keys, group_keys = 9, 9 + 2 * world
         -- dead letters of the discarded updates: those slots are trained again (and may be dead-lettered again)
         local dropped, n_dropped = {}, 0
         for _, e in ipairs(redis.call('XRANGE', dead, '-', '+')) do
@@ -604,50 +591,43 @@ class BatchQueue:
         -- every rank back at the checkpoint; ranks of another world size must not linger in the progress set
         redis.call('DEL', by_rank)
         for rank = 0, world - 1 do
-            redis.call('DEL', KEYS[rank_keys + 1 + 3 * rank])
-            redis.call('SET', KEYS[rank_keys + 2 + 3 * rank], step)
+            redis.call('DEL', KEYS[rank_keys + 1 + 2 * rank])
+            redis.call('SET', KEYS[rank_keys + 2 + 2 * rank], step)
             redis.call('ZADD', by_rank, step, rank)
-            local below = tonumber(redis.call('HGET', retired_below, rank) or '-1')
-            if below > first then redis.call('HSET', retired_below, rank, first) end
         end
-        for group = 0, builders - 1 do redis.call('SET', KEYS[group_keys + 1 + group], ARGV[7 + group]) end
+        for group = 0, builders - 1 do redis.call('SET', KEYS[group_keys + 1 + group], ARGV[6 + group]) end
         redis.call('HSET', counters, 'produced', first)  -- the later slots are written (and counted) again
         redis.call('SET', committed, step)
-        -- ledger entries and retired counts of the later updates go: those batches are trained again
-        local entries = redis.call('HGETALL', ledger)
-        for i = 1, #entries, 2 do
-            local slot = cjson.decode(entries[i + 1]).slot
-            if math.floor(slot / per_step) >= step then
-                redis.call('HDEL', ledger, entries[i])
-                local rank = math.floor((slot % per_step) / grad_accum)
-                if rank < world then redis.call('ZREM', KEYS[rank_keys + 3 + 3 * rank], entries[i]) end
-            end
+        -- the commits of later checkpoints go: those batches are trained again
+        local later_steps = redis.call('ZRANGEBYSCORE', ledger_steps, '(' .. step, '+inf')
+        for _, s in ipairs(later_steps) do
+            redis.call('DEL', ledger_prefix .. s)
+            redis.call('HDEL', trained_by, s)
         end
+        redis.call('ZREMRANGEBYSCORE', ledger_steps, '(' .. step, '+inf')
         local total = 0
-        local counts = redis.call('HGETALL', retired)
-        for i = 1, #counts, 2 do
-            if tonumber(counts[i]) >= step then redis.call('HDEL', retired, counts[i])
-            else total = total + tonumber(counts[i + 1]) end
-        end
-        redis.call('HSET', counters, 'trained', redis.call('HLEN', ledger) + total, 'retired', total)
+        local counts = redis.call('HVALS', trained_by)
+        for i = 1, #counts do total = total + tonumber(counts[i]) end
+        redis.call('HSET', counters, 'trained', total)
         return 1"""
 
     def reset_from(self, step: int) -> None:
         """Make the queue agree with a run resumed from the checkpoint of `step`: every slot from `step` on
-        is written again (the builders' sequences are deterministic), ledger entries, retired counts and dead
+        is written again (the builders' sequences are deterministic), the commits of later checkpoints and the dead
         letters of later updates go (those slots are trained again), and batches requeued into those slots are
         requested again (placed anew). One script: a caller that dies during it leaves the queue as it was
         (`needs_reset` still says so) or reset, never between; fenced like every trainer write, so a replaced
         group's rank 0 cannot rewind its successor's queue."""
         slots = self._slots()
         keys = [self.dead, self.keys.replay_requests, self.counters, self.keys.dead_slots, self.keys.replays,
-                self.keys.ledger_retired_below, self.keys.progress_by_rank, self.keys.committed, self.ledger,
-                self.keys.ledger_retired]
+                self.keys.ledger_steps, self.keys.progress_by_rank, self.keys.committed, self.keys.ledger_trained]
         for rank in range(slots.world):
-            keys += [self.keys.slots(rank), self.keys.progress(rank), self.keys.ledger_slots(rank)]
+            keys += [self.keys.slots(rank), self.keys.progress(rank)]
         keys += [self.keys.next_slot(group) for group in range(slots.builders)]
-        self._fenced_eval(self._RESET, keys, [step, step * slots.per_step, slots.world, slots.builders, slots.per_step,
-                                              slots.grad_accum,
+        # the commits' hashes are named by their update (`RunKeys.ledger`): the script deletes the later ones by that
+        # prefix (one Redis, never a cluster: the run's keys all live on the one server)
+        self._fenced_eval(self._RESET, keys, [step, step * slots.per_step, slots.world, slots.builders,
+                                              self.keys.ledger(0)[:-1],
                                               *(slots.first_slot_of_group(g, step) for g in range(slots.builders))])
 
     # --- accounting ------------------------------------------------------------------------------
@@ -663,17 +643,18 @@ class BatchQueue:
         committed = self.r.get(self.keys.committed)
         out["committed_step"] = int(committed) if committed is not None else 0
         out["pending"] = self.pending() if self.slots is not None else 0
-        out["ledger"] = int(self.r.hlen(self.ledger))
+        out["ledger"] = int(self.r.zcard(self.keys.ledger_steps))
         out["dead_letter_depth"] = int(self.r.xlen(self.dead)) if self.r.exists(self.dead) else 0
         return out
 
-    def ledger_entries(self) -> dict[str, dict[str, Any]]:
-        """The ledger's window: batch id -> {"step", "slot"} of the batches not yet retired."""
-        return {k.decode(): json.loads(v) for k, v in self.r.hgetall(self.ledger).items()}
+    def committed_steps(self) -> list[int]:
+        """The checkpoint updates that have commits, in order."""
+        return [int(s) for s in self.r.zrange(self.keys.ledger_steps, 0, -1)]
 
-    def retired_by_update(self) -> dict[int, int]:
-        """Update -> how many of its batches left the ledger's window (their ids are in train_log.jsonl)."""
-        return {int(k): int(v) for k, v in self.r.hgetall(self.keys.ledger_retired).items()}
+    def commits(self, step: int) -> dict[int, CommitRecord]:
+        """Rank -> its commit for the checkpoint of update `step` (none: not committed)."""
+        return {int(rank): CommitRecord.decoded(step, record)
+                for rank, record in self.r.hgetall(self.keys.ledger(step)).items()}
 
     def dead_letters(self) -> list[dict[str, Any]]:
         """Every dead-lettered batch: its entry, slot, batch id, reason, and where it was requeued (if it was)."""

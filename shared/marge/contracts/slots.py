@@ -5,6 +5,8 @@ run (`RunKeys`) and batch ids. The protocol that moves batches through these is 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from marge.contracts.batch import Batch
@@ -177,25 +179,20 @@ class RunKeys:
         """Where requeued batches went: slot -> dead-letter entry."""
         return f"{self.prefix}:replay:placed"
 
-    @property
-    def ledger(self) -> str:
-        """The window of trained batches: batch id -> {"step", "slot"} (the last two checkpoint intervals)."""
-        return f"{self.prefix}:ledger"
-
-    def ledger_slots(self, rank: int) -> str:
-        """Rank `rank`'s batches in the window, scored by slot (which entries a commit retires)."""
-        return f"{self.prefix}:ledger:slots:{rank}"
+    def ledger(self, step: int) -> str:
+        """The commits of the checkpoint of update `step`: rank -> its `CommitRecord` (JSON)."""
+        return f"{self.prefix}:ledger:{step}"
 
     @property
-    def ledger_retired(self) -> str:
-        """Batches that left the window, counted per update: update -> batches."""
-        return f"{self.prefix}:ledger:retired"
+    def ledger_steps(self) -> str:
+        """The checkpoint updates that have commits (a sorted set scored by update): what a reset deletes above
+        its update, and the audit walks in order."""
+        return f"{self.prefix}:ledger:steps"
 
     @property
-    def ledger_retired_below(self) -> str:
-        """Rank -> the slot below which its batches have left the window (retired and counted): a commit that
-        names one of them again (a resumed rank's checkpoint interval) does not record it to be retired twice."""
-        return f"{self.prefix}:ledger:retired_below"
+    def ledger_trained(self) -> str:
+        """Checkpoint update -> the batches its commits recorded (every rank's): the `trained` count is their sum."""
+        return f"{self.prefix}:ledger:trained"
 
     @property
     def counters(self) -> str:
@@ -268,3 +265,52 @@ class BatchId:
     def of(cls, batch: "Batch") -> "BatchId | None":
         return cls.parse(batch.batch_id)
 
+
+
+DIGEST_MODULUS = 1 << 128
+
+
+def trained_digest(pairs: Iterable[tuple[int, str | None]]) -> str:
+    """A digest of a set of trained (slot, batch id) pairs that adds up (`add_digests`): the sum, modulo 2^128, of
+    each pair's SHA-256 (its first 128 bits). The digest of a union of disjoint sets is the sum of theirs, whatever
+    the order, so every rank's commit of a checkpoint interval and rank 0's train-log lines of the same updates must
+    add up to the same value; a pair named twice counts twice (a sum, not an XOR, which would cancel it). 32 hex
+    digits."""
+    total = 0
+    for slot, batch_id in pairs:
+        total += int.from_bytes(hashlib.sha256(f"{slot} {batch_id}".encode()).digest()[:16], "big")
+    return f"{total % DIGEST_MODULUS:032x}"
+
+
+def add_digests(digests: Iterable[str]) -> str:
+    """The digest of the union of the disjoint sets `digests` are of (`trained_digest`)."""
+    return f"{sum(int(d, 16) for d in digests) % DIGEST_MODULUS:032x}"
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What one rank commits for one checkpoint interval, updates `since` .. `step` - 1: how many batches the rank
+    trained in it and their `trained_digest`. Its size does not depend on the world or the interval: it stands for
+    the (slot, batch id) pairs, which stay with the rank, and in train_log.jsonl (`marge audit` adds the lines up and
+    compares)."""
+
+    step: int
+    """The checkpoint's update: the interval ends before it."""
+    since: int
+    """The update the interval starts at (the previous checkpoint's, or the one the group resumed from)."""
+    trained: int
+    digest: str
+
+    @classmethod
+    def of(cls, step: int, since: int, pairs: list[tuple[int, str]]) -> "CommitRecord":
+        return cls(step, since, len(pairs), trained_digest(pairs))
+
+    def encoded(self) -> str:
+        """"<since> <trained> <digest>": under 64 bytes, so Redis keeps a checkpoint's hash of records as a listpack
+        (compact, and dumped in one order however often it is reloaded) up to 128 ranks."""
+        return f"{self.since} {self.trained} {self.digest}"
+
+    @classmethod
+    def decoded(cls, step: int, text: str | bytes) -> "CommitRecord":
+        since, trained, digest = (text.decode() if isinstance(text, bytes) else text).split()
+        return cls(step, int(since), int(trained), digest)

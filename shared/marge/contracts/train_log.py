@@ -10,7 +10,7 @@ crash can tear the last line of the file in half: readers skip a torn *last* lin
 that does not parse is an error naming the file and the line.
 
 A long run's log is segmented, so that nothing that reads or trims it needs memory or time that grows with the run
-(about 2.6 KB an update at scale: 1.1 GB over 450k updates):
+(a line is at most about 3.2 KB, 1 KB at 512 x 8 with its ids in runs: under 1.5 GB over 450k updates):
 
     train_log.jsonl                                  the live file: the newest updates, fewer than `segment_updates`
     train_log.segments/steps-00000001-00010000.jsonl the older ones, `segment_updates` a file, named by the first and
@@ -37,13 +37,20 @@ from pathlib import Path
 from typing import Literal, overload
 
 from marge.contracts.paths import TRAIN_LOG
+from marge.contracts.slots import BatchId, trained_digest
 from marge.util.files import atomic_write_text, fsync_dir
 
 __all__ = ["TRAIN_LOG", "SCHEMA_VERSION", "SEGMENT_UPDATES", "RunFigures", "Segment", "TrainLog", "TrainLogError",
            "UpdateRecord", "feed", "read_train_log"]
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The layout `UpdateRecord.to_dict` writes. A new optional field keeps the version; removing or renaming a field, or
-changing what one means, raises it (and `from_dict` keeps reading the old one)."""
+changing what one means, raises it (and `from_dict` keeps reading the old one). Version 2: every line carries the
+update's `trained_digest`; a line of more than FULL_IDS_MAX_BATCHES batches holds them as runs (`compact_ids`)."""
+FULL_IDS_MAX_BATCHES = 64
+"""Up to this many batches an update (8 ranks x 8), a line lists every slot and batch id in full (about 3.4 KB);
+above it, the batches are runs of consecutive positions (`compact_ids`), so a line stays about 1 KB whatever the
+world: 200 KB at 512 x 8 in full. A compact line leaves the ids' content digests out; its `trained_digest` covers
+them."""
 
 
 class TrainLogError(ValueError):
@@ -98,6 +105,10 @@ class UpdateRecord:
     """Model FLOPs utilisation of the writer's device over the updates' own time (known GPUs only)."""
     health: dict | None = None
     """Retrieval and evidence probes measured at this update (every `trainer.snapshot_every`; MARGE models)."""
+    trained_digest: str = field(default="", compare=False)
+    """`marge.contracts.slots.trained_digest` of the update's trained (slot, batch id), content digests included:
+    the audit adds the lines of a checkpoint interval up and compares them with the ranks' commits. Computed when
+    the line is written (empty: not yet, or a schema 1 line); derived, so not compared."""
     schema: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict:
@@ -105,6 +116,12 @@ class UpdateRecord:
         for optional in ("mfu", "health"):
             if out[optional] is None:
                 del out[optional]
+        if self.schema >= 2:
+            out["trained_digest"] = self.trained_digest or trained_digest(self.trained_slots().items())
+            runs = compact_ids(self.slots, self.batch_ids) if len(self.batch_ids) > FULL_IDS_MAX_BATCHES else None
+            if runs is not None:
+                del out["slots"], out["batch_ids"]
+                out["first_slot"], out["slot_count"], out["batches"] = self.slots[0], len(self.slots), runs
         return out
 
     def to_json(self) -> str:
@@ -118,6 +135,17 @@ class UpdateRecord:
         if not isinstance(schema, int) or schema > SCHEMA_VERSION:
             raise TrainLogError(f"{where}: train-log schema {schema!r} is newer than this marge reads "
                                 f"(up to {SCHEMA_VERSION}): upgrade marge to read this run")
+        values = {**values, "schema": schema}  # a line written before the field existed is schema 1
+        if "batches" in values and "batch_ids" not in values:  # a compact line (schema 2)
+            try:
+                values = {**values, "slots": list(range(values["first_slot"], values["first_slot"]
+                                                        + values["slot_count"])),
+                          "batch_ids": expand_ids(values["batches"])}
+            except (KeyError, TypeError, ValueError) as e:
+                raise TrainLogError(f"{where}: a compact update record's batches cannot be read ({e!r})") from None
+            if len(values["batch_ids"]) != len(values["slots"]):
+                raise TrainLogError(f"{where}: a compact update record names {len(values['batch_ids'])} batches for "
+                                    f"{len(values['slots'])} slots")
         missing = [name for name in REQUIRED if name not in values]
         if missing:
             raise TrainLogError(f"{where}: an update record needs {', '.join(missing)}")
@@ -138,8 +166,43 @@ class UpdateRecord:
 REQUIRED = ("step", "loss", "lr", "grad_norm", "batch_ids")
 
 
+def compact_ids(slots: list[int], batch_ids: list[str | None]) -> list[list] | None:
+    """The batches of an update as runs [offset, count, first position]: consecutive slots whose batches are
+    consecutive numbers of one shard's pass (`BatchId.position`, content digest left out) make one run; an id that
+    is not a `BatchId` (or None) is a run of one holding it as it is. None when the slots are not one contiguous
+    range (then the line lists them in full)."""
+    if not slots or slots != list(range(slots[0], slots[0] + len(slots))) or len(batch_ids) != len(slots):
+        return None
+    runs: list[list] = []
+    previous = None
+    for offset, text in enumerate(batch_ids):
+        parsed = BatchId.parse(text) if text else None
+        if (parsed is not None and previous is not None and runs and
+                dataclasses.replace(previous, number=previous.number + 1, content="") ==
+                dataclasses.replace(parsed, content="")):
+            runs[-1][1] += 1
+        else:
+            runs.append([offset, 1, parsed.position if parsed is not None else text])
+        previous = parsed
+    return runs
+
+
+def expand_ids(runs: list[list]) -> list[str | None]:
+    """The batch ids (positions) `compact_ids` made runs of."""
+    ids: list[str | None] = []
+    for offset, count, text in runs:
+        if offset != len(ids):
+            raise ValueError(f"run at offset {offset} after {len(ids)} batches")
+        parsed = BatchId.parse(text) if text else None
+        if parsed is None:
+            ids.extend([text] * count)
+        else:
+            ids.extend(str(dataclasses.replace(parsed, number=parsed.number + k)) for k in range(count))
+    return ids
+
+
 SEGMENT_UPDATES = 10_000
-"""Records in a rolled segment (`TrainLog`): at 2.6 KB an update, about 26 MB a file."""
+"""Records in a rolled segment (`TrainLog`): at most about 3.2 KB an update, about 32 MB a file."""
 
 SEGMENT_NAME = re.compile(r"steps-(\d+)-(\d+)\.jsonl")
 
