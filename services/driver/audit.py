@@ -180,7 +180,7 @@ def account(read_records: Callable[[], Iterable[UpdateRecord]], slots: Slots, ch
     dead = queue.dead_letters
     conflicts = counts.get("commit_conflicts", 0)
     return {
-        "ok": (not slot_account.lost_count and trained_twice == 0 and not slot_account.disagree and not changed
+        "ok": (not slot_account.lost_count and trained_twice == 0 and not slot_account.disagree_count and not changed
                and not conflicts),
         "steps": checkpoint.step, "checkpoint": checkpoint.path,
         "committed_step": counts["committed_step"],
@@ -188,7 +188,7 @@ def account(read_records: Callable[[], Iterable[UpdateRecord]], slots: Slots, ch
         "batches_trained": slot_account.trained_count + slot_account.awaiting_count,
         "batches_lost": slot_account.lost_count, "lost_slots": slot_account.lost,
         "trained_twice": trained_twice, "trained_twice_ids": logged_twice[:REPORTED],
-        "commits_disagree_with_train_log": slot_account.disagree[:REPORTED],
+        "commits_disagree_with_train_log": slot_account.disagree,
         "commit_conflicts": conflicts,
         "content_changed": changed[:REPORTED],
         "checkpoint_intervals": slot_account.intervals_checked,
@@ -227,7 +227,6 @@ class _SlotAccount:
 
     def __init__(self, slots: Slots, checkpoint: CheckpointState, queue: QueueState):
         self.slots = slots
-        self.per_step = slots.per_step
         self.step = checkpoint.step
         self.covered = checkpoint.step * slots.per_step
         self.commits = queue.commits
@@ -245,7 +244,7 @@ class _SlotAccount:
         self.trained_count = self.awaiting_count = 0
         self.intervals_checked = 0
         self.lost_count, self.lost = 0, list[int]()
-        self.disagree: list[dict] = []
+        self.disagree_count, self.disagree = 0, list[dict]()
 
     def _interval_of(self, update: int) -> _Interval | None:
         """The interval holding `update` (checking the ones the log has left behind); None: no commit covers it."""
@@ -318,7 +317,7 @@ class _SlotAccount:
     def _check(self, interval: _Interval) -> None:
         """An interval the log has passed: each rank's count and the interval's digest against its commits."""
         self.intervals_checked += 1
-        found = len(self.disagree)
+        found = self.disagree_count
         for rank in sorted(set(interval.commits) | set(interval.trained_by_rank)):
             committed = interval.commits[rank].trained if rank in interval.commits else None
             logged = interval.trained_by_rank.get(rank, 0)
@@ -326,14 +325,16 @@ class _SlotAccount:
                 self._disagree(interval.step, rank, f"trained {logged} batches it never committed")
             elif committed != logged:
                 self._disagree(interval.step, rank, f"committed {committed} batches, the log names {logged}")
-        if len(self.disagree) > found:  # the digest cannot agree either: one finding an interval is enough
+        if self.disagree_count > found:  # the digest cannot agree either: one finding an interval is enough
             return
         committed_digest = add_digests(c.digest for c in interval.commits.values())
         if committed_digest != add_digests(interval.digests):
             self._disagree(interval.step, None, "its batches are not the ones its ranks committed (digest)")
 
     def _disagree(self, step: int, rank: int | None, what: str) -> None:
-        self.disagree.append({"checkpoint": step, "rank": rank, "what": what})
+        self.disagree_count += 1
+        if len(self.disagree) < REPORTED:
+            self.disagree.append({"checkpoint": step, "rank": rank, "what": what})
 
 
 class _BatchIdAccount:

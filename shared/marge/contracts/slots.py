@@ -180,7 +180,7 @@ class RunKeys:
         return f"{self.prefix}:replay:placed"
 
     def ledger(self, step: int) -> str:
-        """The commits of the checkpoint of update `step`: rank -> its `CommitRecord` (JSON)."""
+        """The commits of the checkpoint of update `step`: rank -> its `CommitRecord` (`CommitRecord.encoded`)."""
         return f"{self.prefix}:ledger:{step}"
 
     @property

@@ -47,7 +47,7 @@ SCHEMA_VERSION = 2
 changing what one means, raises it (and `from_dict` keeps reading the old one). Version 2: every line carries the
 update's `trained_digest`; a line of more than FULL_IDS_MAX_BATCHES batches holds them as runs (`compact_ids`)."""
 FULL_IDS_MAX_BATCHES = 64
-"""Up to this many batches an update (8 ranks x 8), a line lists every slot and batch id in full (about 3.4 KB);
+"""Up to this many batches an update (8 ranks x 8), a line lists every slot and batch id in full (about 3.2 KB);
 above it, the batches are runs of consecutive positions (`compact_ids`), so a line stays about 1 KB whatever the
 world: 200 KB at 512 x 8 in full. A compact line leaves the ids' content digests out; its `trained_digest` covers
 them."""

@@ -23,6 +23,7 @@ bound. Format 1 checkpoints (one `model.safetensors`, `training_state.pt` with t
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,10 +74,7 @@ class StoredKey:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for n in self.shape:
-            numel *= n
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def stored_keys(metadata) -> dict[str, StoredKey]:
@@ -170,16 +168,16 @@ def batches(share: list[str], keys: dict[str, StoredKey], batch_bytes: int) -> l
     return out
 
 
-def read_into(directory: Path, manifest: dict[str, Any], targets: dict[str, torch.Tensor], group=None,
+def read_into(directory: Path, manifest: dict[str, Any], reader, targets: dict[str, torch.Tensor], group=None,
               stats: dict | None = None, batch_bytes: int = RESTORE_BATCH_BYTES) -> None:
-    """The keys of a format 2 checkpoint that `targets` names, each copied into `targets[key]`, in rounds (see the module docstring); every
+    """The keys of a format 2 checkpoint that `targets` names, each copied into `targets[key]`, in rounds (see the
+    module docstring), read through `reader` (`_state_reader` of `directory`, whose metadata is read once); every
     rank of `group` calls it (collective). Raises CheckpointError on every rank when a tensor any rank read does
     not match the manifest's sha256 (the targets are then partly written: restore them from another checkpoint)."""
     import torch.distributed as dist
 
     distributed = _distributed(group)
     rank, world = _rank_world(group)
-    reader = _state_reader(directory)
     keys = {k: v for k, v in stored_keys(reader.read_metadata()).items() if k in targets}
     if len(keys) != len(targets):
         absent = sorted(set(targets) - set(keys))
@@ -279,10 +277,11 @@ def restore_training(directory: Path, model: nn.Module, optimizer, scheduler, de
     if saved_names != param_names(model, optimizer):
         raise CheckpointError(f"{directory}: the optimizer's parameters differ from this model's "
                               f"({len(saved_names)} saved, {len(param_names(model, optimizer))} here)")
-    keys = stored_keys(_state_reader(directory).read_metadata())
+    reader = _state_reader(directory)
+    keys = stored_keys(reader.read_metadata())
     targets, moments = optimizer_targets(model, optimizer, keys, directory)
     targets.update(model_targets(model, keys, directory))
-    read_into(directory, manifest, targets, group=group, stats=stats, batch_bytes=batch_bytes)
+    read_into(directory, manifest, reader, targets, group=group, stats=stats, batch_bytes=batch_bytes)
     for i, other in state.pop("optimizer_other").items():
         moments.setdefault(int(i), {}).update(other)
     optimizer.load_state_dict({"state": moments, "param_groups": state.pop("param_groups")})
@@ -303,8 +302,9 @@ def load_model(directory: Path, device: str | torch.device = "cpu") -> nn.Module
     with torch.device(device):  # initialised where it is used: no second copy on the host first
         model = build_model(cfg)
     if sharded(manifest):
-        keys = stored_keys(_state_reader(directory).read_metadata())
-        read_into(directory, manifest, model_targets(model, keys, directory), group=LOCAL)
+        reader = _state_reader(directory)
+        read_into(directory, manifest, reader, model_targets(model, stored_keys(reader.read_metadata()), directory),
+                  group=LOCAL)
     else:
         weights = load_file(str(directory / "model.safetensors"), device="cpu")
         if manifest["format"] == FINETUNED_FORMAT:
