@@ -39,7 +39,7 @@ The arms, in the order they run:
                                  many targets x 128 tokens: target tokens/s (best round; every round listed) and MFU
                                  (`marge.model.sizes.training_flops_per_token` x tokens/s over
                                  `services.trainer.step.device_peak_flops`, as benchmarks/gpu_path.py)
-  recipe_{default,exact_shapes,packed_cross,cudnn_on,exact_cudnn_off,compiled}
+  recipe_{default,exact_shapes,packed_cross,cudnn_on,exact_cudnn_off,compiled,bf16_params}
                                  the learning recipe's update as benchmarks/gpu_probe.py sets it up (learning-gpu.yaml's
                                  model at `base` without g's own encoder, self-evidence and the denoising loss, 2
                                  recipe-shaped batches of <= 16,384 tokens an update, bf16, `trainer.unpadded`) by
@@ -71,6 +71,10 @@ The arms, in the order they run:
                                  it compiled the loss head too)
   paper_compiled_{16,24}         paper_16 and paper_24 with each layer (and the loss head) compiled with static shapes,
                                  from an empty compile cache
+  recipe_bf16_params             recipe_exact_cudnn_off with `trainer.bf16_params` (bf16 parameters, fp32 masters in
+                                 the optimizer, no autocast: no cast of a weight, its gradient or an activation)
+  bench_params_512, bench_compiled_params_512, paper_params_16
+                                 bench_eager_512, bench_compiled_512 and paper_16 with bf16 parameters
 
 The recipe and step arms on CUDA count the launches of one more update or step, on shapes seen before, under
 torch.profiler (`kernel_launches_per_update`, `kernel_launches_per_step`: the CUDA runtime's and driver's launch calls,
@@ -127,6 +131,7 @@ from services.trainer.objectives import (  # noqa: E402
     SelfEvidenceConfig,
     apply_objective_settings,
 )
+from services.trainer.precision import bf16_parameters  # noqa: E402
 from services.trainer.step import (  # noqa: E402
     Item,
     apply_execution_settings,
@@ -172,6 +177,8 @@ ARMS = (
     Arm("recipe_cudnn_on", 75, 35),
     Arm("recipe_exact_cudnn_off", 75, 35),
     Arm("bench_eager_512", 50, 25),
+    Arm("recipe_bf16_params", 75, 35),
+    Arm("bench_params_512", 50, 25),
     Arm("paper_4", 60, 30),
     Arm("paper_16", 60, 30),
     Arm("ddp_2_ranks", 60, 25),
@@ -184,11 +191,14 @@ ARMS = (
     Arm("paper_24", 70, 30),
     Arm("paper_compiled_16", 200, 90),
     Arm("paper_compiled_24", 200, 90),
+    Arm("bench_compiled_params_512", 170, 60),
+    Arm("paper_params_16", 60, 30),
     Arm("recipe_compiled", 200, 90),
 )
 ARM_NAMES = tuple(a.name for a in ARMS)
-RECIPE_VARIANTS = ("default", "exact_shapes", "packed_cross", "cudnn_on", "exact_cudnn_off", "compiled")
-STEP_WAYS = ("eager", "compiled", "chunked", "eagerhead")
+RECIPE_VARIANTS = ("default", "exact_shapes", "packed_cross", "cudnn_on", "exact_cudnn_off", "compiled",
+                   "bf16_params")
+STEP_WAYS = ("eager", "compiled", "chunked", "eagerhead", "params")
 """How a step arm's name may say it runs: bench_compiled_eagerhead_512 = base, 512 targets, its layers compiled and
 its loss head (`projected_nll`) not."""
 CHUNKED_LOSS_ROWS = 8192
@@ -304,6 +314,8 @@ def recipe_trainer(variant: str, bucket_rows: int, bucket_width: int, smoke: boo
         return dataclasses.replace(trainer, bucket_rows=0, bucket_width=0, compile=True, compile_scope="layers")
     if variant == "packed_cross":
         return dataclasses.replace(trainer, cross_attention="packed")
+    if variant == "bf16_params":  # bf16 on a smoke run too: the path is what it checks
+        return dataclasses.replace(trainer, bucket_rows=0, bucket_width=0, bf16=True, bf16_params=True)
     return trainer
 
 
@@ -321,7 +333,7 @@ def recipe_objectives(corpus_tokens: list, trainer: TrainerConfig) -> Objectives
 
 def execution(trainer: TrainerConfig) -> dict:
     """The trainer's settings that change how the update computes, as the record states them."""
-    names = ("unpadded", "key_bias", "bf16", "bucket_rows", "bucket_width", "cross_attention", "cudnn_attention",
+    names = ("unpadded", "key_bias", "bf16", "bf16_params", "bucket_rows", "bucket_width", "cross_attention", "cudnn_attention",
              "compile", "loss_chunk_tokens")
     return {name: getattr(trainer, name) for name in names if hasattr(trainer, name)}
 
@@ -356,6 +368,8 @@ def recipe_arm(args: argparse.Namespace, variant: str, device: torch.device, dea
     stepped = compiled(model, trainer.compile, trainer.compile_scope, "aot_eager" if args.smoke else "inductor",
                        dynamic=trainer.compile_dynamic)
     optimizer = build_optimizer(model, trainer)
+    if getattr(trainer, "bf16_params", False):  # as the hosts do, after the optimizer (and a restore) and before DDP
+        bf16_parameters(model, optimizer)
     scheduler = build_scheduler(optimizer, trainer, 5000)
     signatures: list[set] = []  # each update's attention calls' signatures
     step = 10
@@ -474,7 +488,7 @@ def compile_static_layers(model: nn.Module, backend: str) -> str:
 
 
 def step_arm(args: argparse.Namespace, name: str, targets: int, compile_static: bool, device: torch.device,
-             deadline: float, chunked: bool = False, eager_head: bool = False) -> dict:
+             deadline: float, chunked: bool = False, eager_head: bool = False, params16: bool = False) -> dict:
     sizes = SMOKE_SIZES if args.smoke else GPU_SIZES
     paper = name == "paper"
     warm, rounds, steps = ((sizes.paper_warm, sizes.paper_rounds, sizes.paper_steps) if paper else
@@ -485,6 +499,9 @@ def step_arm(args: argparse.Namespace, name: str, targets: int, compile_static: 
     runner = new_step(s, device)
     if chunked:  # the fused linear + NLL (`trainer.loss_chunk_tokens`): no [rows x vocabulary] logits held
         runner.model.loss_chunk_tokens = CHUNKED_LOSS_ROWS
+    if params16:  # `trainer.bf16_params`: bf16 parameters, fp32 masters in the optimizer, no autocast
+        bf16_parameters(runner.model, runner.optimizer)
+        runner.autocast = False
     # a smoke run checks the tracing (static, fullgraph) without a CPU's minutes of Inductor codegen
     how = compile_static_layers(runner.model, "aot_eager" if args.smoke else "inductor") if compile_static else None
     if eager_head and hasattr(runner.model.projected_nll, "__wrapped__"):  # the layers compiled, the loss head not
@@ -510,6 +527,7 @@ def step_arm(args: argparse.Namespace, name: str, targets: int, compile_static: 
     tokens_per_step = s.targets * (s.target_tokens + 1)
     record = {"shape": name, "targets": s.targets, "target_tokens_per_step": tokens_per_step,
               "evidence_tokens_per_step": s.targets * (s.evidence_tokens + 2), "bf16": runner.bf16,
+              "bf16_params": params16,
               "parameters": runner.parameters, "compiled": how, "first_step_s": first_step_s,
               "loss_chunk_tokens": runner.model.loss_chunk_tokens,
               "target_tokens_per_s": best, "seconds_per_step": tokens_per_step / best, "rounds": rates,
@@ -732,7 +750,7 @@ def run_arm(args: argparse.Namespace) -> int:
                 raise ValueError(f"arm {name!r}: {sorted(unknown)} is not one of {STEP_WAYS}")
             record.update(step_arm(args, "base" if shape_name == "bench" else "paper", int(targets),
                                    "compiled" in how, device, deadline, chunked="chunked" in how,
-                                   eager_head="eagerhead" in how))
+                                   eager_head="eagerhead" in how, params16="params" in how))
         elif name == "ddp_2_ranks":
             record.update(ddp_arm(args, device))
         elif name == "checks":

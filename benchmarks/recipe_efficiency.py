@@ -30,7 +30,8 @@ learning-gpu.yaml's of then (`base`, 4k vocabulary, 128 positions, g = 1 mean-po
   runs while the host waits for the device costs nothing, so this is the host-bound case (the recipe's update on
   shapes seen before was host-bound on the H200). Pinning (`pin_memory`) is not part of the preparation here;
 * launch_ops_per_update: aten operations that compute (views and metadata excluded) in that forward and backward,
-  gradients unset first as each update starts (the first batch's gradients are stolen, the second's added);
+  gradients unset first as each update starts (the first batch's gradients are stolen, the second's added), with
+  dropout counted as CUDA runs it (`dropout_as_on_cuda`: one fused kernel each way, not a CPU's 4 and 1);
 * attention_shapes_50_batches: distinct attention signatures (`AttentionCalls`: the q, k and v shapes, a mask
   given, is_causal and dtype of every `F.scaled_dot_product_attention` and FlexAttention call) over the forwards
   and backwards of 50 recipe batches on the meta device, prepared as the trainer prepares them with
@@ -50,10 +51,12 @@ learning-gpu.yaml's of then (`base`, 4k vocabulary, 128 positions, g = 1 mean-po
   figures' read, the fused AdamW step counted as its CPU aten operations, optimizer_step_ops: one `_fused_adamw_`
   and one `_foreach_add_` per parameter group, zero_grad); device reads before `optimizer.step` is entered
   (`DrainsBeforeStep`: `read_to_host`, `.item()` and the like), with `build_optimizer(..., fused=True)`. What the
-  launch count cannot see: CUDA's dropout is one fused kernel where the meta device counts 4 operations, the
-  meta device's SDPA is the math path (about 8 operations a call against 1 to 3 kernels of cuDNN or flash),
+  launch count cannot see: the meta device's SDPA is the math path (about 8 operations a call against 1 to 3 kernels of cuDNN or flash),
   multi-tensor kernels (fused AdamW, foreach clipping) launch once per chunk of tensors on CUDA, and memsets,
   allocations and a library's extra kernels (split-K matmuls, two-pass reductions) are no aten operation;
+  `_bf16_params`: the same update with `trainer.bf16_params` (bf16 parameters, fp32 masters, no autocast): its
+  casts, its operations outside the forward and backward (the gradients' and the weights' multi-tensor copies
+  added), and its launches_per_update_all (launch_ops_per_update plus those casts, less the fp32 model's own);
 * blocking_h2d_copies_per_update: host-to-device copies without `non_blocking` while an update moves its inputs,
   computes its losses and gathers its statistics (`update_statistics`), with the meta device as the device;
 * decoder_run_over_real, denoising_views_run_over_real: positions the projections and feed-forward layers run on
@@ -76,6 +79,7 @@ file; "after" is the working tree, padded (`trainer.unpadded: false`) and on rea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -159,6 +163,24 @@ class AttentionCalls:
     def __exit__(self, *exc) -> None:
         for module, name, real in self._restore:
             setattr(module, name, real)
+
+
+@contextlib.contextmanager
+def dropout_as_on_cuda():
+    """`F.dropout` (what `nn.Dropout` calls) as CUDA runs it, while launches are counted: `native_dropout`, one fused
+    kernel (and one in the backward), where a CPU or the meta device runs 4 operations (the mask's allocation, its
+    Bernoulli draw, its scaling, the product) and 1 in the backward. The draws differ from the CPU's: only counts
+    are read under it."""
+    original = torch.nn.functional.dropout
+
+    def fused(input, p=0.5, training=True, inplace=False):
+        return torch.native_dropout(input, p, training)[0] if training and p > 0 else input
+
+    torch.nn.functional.dropout = fused
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = original
 
 
 def new_shapes_per_update(updates: list[set]) -> list[int]:
@@ -483,6 +505,11 @@ def update_census(trainer, smoke: bool) -> dict:
     torch.manual_seed(0)
     model = apply_execution_settings(Marge(cfg).train(), trainer)
     optimizer = build_optimizer(model, trainer, fused=True)
+    bf16_params = getattr(trainer, "bf16_params", False)
+    if bf16_params:
+        from services.trainer.precision import bf16_parameters
+
+        bf16_parameters(model, optimizer)
     scheduler = build_scheduler(optimizer, trainer, 1000)
     batches = made.batches[:PER_UPDATE]
     prepared = [objectives.prepare(b, (0, 10, k)) for k, b in enumerate(batches)]
@@ -498,15 +525,15 @@ def update_census(trainer, smoke: bool) -> dict:
         train_step(model, optimizer, scheduler, objectives, batches, trainer, 10, cpu, prepared=prepared)
 
     update()
-    with Casts() as autocast_casts:
-        forward_backward(True)
+    with Casts() as autocast_casts:  # bf16 compute: autocast, or bf16 parameters without it
+        forward_backward(not bf16_params)
     with Casts() as plain_casts:
         forward_backward(False)
-    with Launches() as forward_backward_ops:
-        forward_backward(trainer.bf16)
-    with Launches() as update_ops:
+    with dropout_as_on_cuda(), Launches() as forward_backward_ops:
+        forward_backward(trainer.bf16 and not bf16_params)
+    with dropout_as_on_cuda(), Launches() as update_ops:
         update()
-    forward_backward(trainer.bf16)
+    forward_backward(trainer.bf16 and not bf16_params)
     with Launches() as step_ops:
         optimizer.step()
     with DrainsBeforeStep(optimizer) as drains:
@@ -555,7 +582,7 @@ def measure(unpadded: bool, smoke: bool, tolerant: bool = False) -> dict:
     out["decoder_run_over_real"] = sum(map(decoder_positions, marge)) / sum(real(m.labels_NT) for m in marge)
 
     model.zero_grad(set_to_none=True)  # as every update starts (the FLOP count above left gradients behind)
-    with Launches() as launches:
+    with dropout_as_on_cuda(), Launches() as launches:
         for p in update:
             objective(model, objectives, p, META)[0].backward()
     out["launch_ops_per_update"] = launches.count
@@ -681,10 +708,20 @@ def measure(unpadded: bool, smoke: bool, tolerant: bool = False) -> dict:
         return figures
 
     def recipe_update() -> dict:
-        figures = update_census(dataclasses.replace(recipe_trainer(), unpadded=unpadded), smoke)
+        trainer = dataclasses.replace(recipe_trainer(), unpadded=unpadded)
+        figures = update_census(trainer, smoke)
         figures["launches_per_update_all"] = (out["launch_ops_per_update"] + figures["casts_per_update"]
                                               - figures["casts_without_autocast_per_update"]
                                               + figures["update_ops_outside_forward_backward"])
+        if hasattr(trainer, "bf16_params"):  # bf16 parameters with fp32 masters, beside
+            params = update_census(dataclasses.replace(trainer, bf16=True, bf16_params=True), smoke)
+            figures.update({"casts_per_update_bf16_params": params["casts_per_update"],
+                            "update_ops_outside_forward_backward_bf16_params":
+                                params["update_ops_outside_forward_backward"],
+                            "launches_per_update_all_bf16_params":
+                                out["launch_ops_per_update"] + params["casts_per_update"]
+                                - figures["casts_without_autocast_per_update"]
+                                + params["update_ops_outside_forward_backward"]})
         return figures
 
     proxy(recipe_attention)

@@ -102,11 +102,12 @@ class OurStep:
         self.step_model = compiled(self.model, compile_model)  # what `trainer.compile: true` trains through
         self.objectives = Objectives(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked")), SPECIALS)
         self.device, self.bf16 = device, bf16
+        self.autocast = bf16  # off when the model's own parameters are bf16 (`bf16_parameters`)
         self.parameters = sum(p.numel() for p in self.model.parameters())
 
     def __call__(self, batch: Batch) -> tuple[float, int]:
         prepared = self.objectives.prepare(batch, (0,))
-        loss, tokens, _ = forward_backward(self.step_model, self.objectives, prepared, 1.0, self.device, self.bf16)
+        loss, tokens, _ = forward_backward(self.step_model, self.objectives, prepared, 1.0, self.device, self.autocast)
         optimizer_step(self.model, self.optimizer, self.scheduler, OPTIM.clip_norm)
         return float(loss), int(tokens)
 

@@ -92,6 +92,7 @@ from services.trainer.init import ensure_initial_model
 from services.trainer.inputs import AttentionLayout, untrainable
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
+from services.trainer.precision import bf16_parameters
 from services.trainer.prefetch import Prefetcher
 from services.trainer.step import (
     Item,
@@ -281,6 +282,8 @@ class SingleProcessRun:
             log.info("resumed at step %d from %s", state["step"], checkpoint)
         elif self.resume:
             log.info("%s has no checkpoint yet: starting it at step 0", self.out_dir)
+        if cfg.trainer.bf16_params:  # after the restore, which wrote the fp32 parameters (the masters)
+            bf16_parameters(model, optimizer)
         self._forget_after(state["step"])
         if self.cfg.objectives.needs_index:
             self._build_missing_versions(state["step"])
@@ -342,9 +345,9 @@ class SingleProcessRun:
                           scheduler, objectives, t, self.slots, device, cfg.run.seed, self.tokenizer.specials,
                           cfg.run.max_steps)
         meter = UpdateMeter(model.cfg, device_peak_flops(device))
-        log.info("training on %s %s from step %d (%d batches per update, bf16 %s)", device,
+        log.info("training on %s %s from step %d (%d batches per update, bf16 %s%s)", device,
                  f"for {minutes:.1f} min" if minutes is not None else f"to update {cfg.run.max_steps}", step,
-                 self.slots.per_step, t.bf16)
+                 self.slots.per_step, t.bf16, " parameters" if t.bf16_params else "")
         try:
             step = TrainingLoop(trainee, host, self.train_log, board, meter).run(step)
         finally:

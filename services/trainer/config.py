@@ -55,7 +55,13 @@ class TrainerConfig(OptimizerConfig):
     grad_accum: int = 1
     """Batches each rank accumulates per update (DDP all-reduces once, after the last)."""
     bf16: bool = False
-    """bf16 autocast with fp32 master weights."""
+    """Compute in bf16: autocast over fp32 parameters, or, with `bf16_params`, bf16 parameters and no autocast."""
+    bf16_params: bool = False
+    """With `bf16`: the model's parameters are bf16 and the optimizer steps fp32 masters of them
+    (`services.trainer.precision`): no cast of a weight, its gradient or an activation in the forward or the
+    backward, two multi-tensor copies an update; fp32 moments, gradient norm, clipping, all-reduce, loss and
+    checkpoints. The micro-batches' gradients add up in bf16 before the update. Off: autocast's casts
+    (docs/gpu.md has the counts)."""
     prefetch: bool = resumable(True)
     """Each rank reads and prepares the next update's batches (augmentation, tensors; pinned on a GPU) in a thread
     while the device trains on this one, as the single process does. Reading a slot is not consuming it (batches
@@ -144,9 +150,18 @@ class TrainerConfig(OptimizerConfig):
         one_of(self, "key_bias", KEY_BIAS_PATHS)
         one_of(self, "compile_scope", COMPILE_SCOPES)
         one_of(self, "cross_attention", CROSS_ATTENTION)
+        if self.bf16_params and not self.bf16:
+            raise FieldError("bf16_params", self.bf16_params, "bf16 parameters compute in bf16: set trainer.bf16=true "
+                             "too (or bf16_params=false)")
         if self.cross_attention == "packed" and not self.unpadded:
             raise FieldError("cross_attention", self.cross_attention, "packed reads the real tokens only: set "
                              "trainer.unpadded=true too (or cross_attention=gathered)")
+
+    @property
+    def autocast(self) -> bool:
+        """Whether the forward runs under bf16 autocast: bf16 over fp32 parameters (`bf16_params` computes in its
+        parameters' own dtype)."""
+        return self.bf16 and not self.bf16_params
 
     def schedule_steps(self, max_steps: int) -> int:
         """The update at which the learning rate reaches 0."""

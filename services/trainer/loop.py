@@ -237,7 +237,7 @@ class TrainingLoop:
         (`services.trainer.gradient_paths`; nothing is applied)."""
         kept = {slot for slot, _ in done.trained}
         prepared = [item.prepared for item in update.items if item.slot in kept and item.prepared is not None]
-        return gradient_paths(self.t.model, self.t.objectives, prepared, self.t.device, self.t.cfg.bf16)
+        return gradient_paths(self.t.model, self.t.objectives, prepared, self.t.device, self.t.cfg.autocast)
 
     def work(self, update: UpdateInput, done: Backward) -> dict[str, int] | None:
         """The passes this process's trained batches made (MFU's numerator), when MFU is measured."""

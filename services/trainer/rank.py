@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from marge.contracts.corpus import Corpus
 from marge.contracts.protocol import Delivery
@@ -55,6 +56,7 @@ from services.trainer.inputs import AttentionLayout, untrainable
 from services.trainer.job import TrainerJob
 from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
+from services.trainer.precision import bf16_parameters, reduce_in_fp32
 from services.trainer.prefetch import Prefetcher
 from services.trainer.source import BatchSource, source_for
 from services.trainer.state import begin_checkpoint, ray_checkpoint_dir, report_checkpoint, resume
@@ -163,6 +165,8 @@ class Rank:
         if resumable and resumed.step == 0:  # no checkpoint could be read after all: start from the init weights
             self.model, self.optimizer, self.scheduler = self.training_state(job, from_init_weights=True)
         self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
+        if job.trainer.bf16_params:  # after the restore (into the fp32 parameters, the masters), before DDP
+            bf16_parameters(self.model, self.optimizer)
         if self.step:
             log.info("rank %d resumed at update %d", self.rank, self.step)
         self.writes_log = self.rank == 0
@@ -217,6 +221,8 @@ class Rank:
         """What rank 0 reports to Ray Train with a checkpoint (step, loss, throughput)."""
         wrapped = ray.train.torch.prepare_model(self.model,
                                                 parallel_strategy_kwargs=ddp_settings(self.model, job.objectives))
+        if t.bf16_params and isinstance(wrapped, DistributedDataParallel):
+            wrapped.register_comm_hook(None, reduce_in_fp32)  # bf16 gradients summed in fp32
         if t.compile:
             compile_cache_env(job.paths.run_dir)
         trainee = Trainee(self.model, compiled(wrapped, t.compile, t.compile_scope, dynamic=t.compile_dynamic), self.optimizer,

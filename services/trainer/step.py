@@ -33,6 +33,7 @@ from marge.model.network import Marge
 from services.trainer.config import COMPILE_SCOPES, OptimizerConfig, TrainerConfig
 from services.trainer.inputs import substitute_batch, untrainable
 from services.trainer.objectives import Objectives, ObjectivesConfig, PreparedBatch, apply_objective_settings
+from services.trainer.precision import bf16_parameters, stepped_gradients
 
 # Dense bf16 tensor-core peak (FLOP/s) by device name, from the vendors' data sheets: the denominator of MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
@@ -291,7 +292,7 @@ def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], 
                 if batch is None:  # (cannot be: a batch-less item has its problem, checked above)
                     raise ValueError(f"slot {item.slot}: no batch, and no problem saying why")
                 item.prepared = item.prepared or objectives.prepare(batch, key)  # kept for a second pass
-                losses = objectives.losses(model, item.prepared, device, cfg.bf16)
+                losses = objectives.losses(model, item.prepared, device, cfg.autocast)
                 if item.slot == nan_loss_slot:  # test-only fault (marge.contracts.faults)
                     losses.objective = losses.objective * float("nan")
                 (losses.objective / len(items)).backward()
@@ -302,7 +303,7 @@ def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], 
                 continue
             out.dead_lettered.append((item.slot, problem))
             substitute = objectives.prepare(substitute_batch(specials), key)
-            (objectives.losses(model, substitute, device, cfg.bf16).objective * 0.0).backward()
+            (objectives.losses(model, substitute, device, cfg.autocast).objective * 0.0).backward()
     return out
 
 
@@ -310,9 +311,11 @@ class NonFiniteGradient(RuntimeError):
     pass
 
 
-def gradient_norm(model: nn.Module, clip_norm: float) -> torch.Tensor:
-    """The gradient's total norm as a device tensor (no host read), the gradient clipped to `clip_norm` first."""
-    params = [p for p in model.parameters() if p.grad is not None]
+def gradient_norm(model: nn.Module, clip_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    """The gradient's total norm as a device tensor (no host read), the gradient clipped to `clip_norm` first: of
+    the parameters `optimizer` steps (with bf16 parameters their fp32 masters, the gradients copied in first:
+    `services.trainer.precision.stepped_gradients`)."""
+    params = stepped_gradients(model, optimizer)
     if clip_norm > 0:
         return torch.nn.utils.clip_grad_norm_(params, clip_norm)
     return torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params if p.grad is not None]))
@@ -341,7 +344,7 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                    scheduler: torch.optim.lr_scheduler.LRScheduler, clip_norm: float) -> float:
     """Clip, step, schedule (for loops outside the pipeline's updates: the benchmarks). The gradient norm is read
     after the step where the device skips a non-finite one (`skips_on_device`), before it otherwise."""
-    norm = gradient_norm(model, clip_norm)
+    norm = gradient_norm(model, clip_norm, optimizer)
     on_device = skips_on_device(optimizer)
     if on_device:
         step_unless_not_finite(optimizer, norm)
@@ -451,7 +454,7 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ob
         done = backward_items(model, objectives, items, slots, cfg, device, seed, model_cfg, specials, nan_loss_slot,
                               excluded)
         extra = figures(done) if figures else {}
-        grad_norm = gradient_norm(model, cfg.clip_norm)
+        grad_norm = gradient_norm(model, cfg.clip_norm, optimizer)
         packed = pack_figures(done, grad_norm, beta, extra)  # beta as this update's forwards saw it
         if steps_first:
             step_unless_not_finite(optimizer, grad_norm)
@@ -508,6 +511,8 @@ def reference_train(model: Marge, step_batches: Iterable[list[Batch]], objective
     device = torch.device(device)
     apply_objective_settings(model.to(device).train(), objectives.cfg)
     optimizer = build_optimizer(model, cfg)
+    if cfg.bf16_params:
+        bf16_parameters(model, optimizer)
     scheduler = build_scheduler(optimizer, cfg, max_steps)
     return [train_step(model, optimizer, scheduler, objectives, batches, cfg, step, device, seed)
             for step, batches in enumerate(step_batches, start=start_step)]

@@ -62,6 +62,22 @@ def test_the_cast_counter_counts_casts_and_nothing_else():
     assert autocast.count == 2  # the input and the weight, to bf16
 
 
+def test_dropout_counts_as_cudas_one_kernel_each_way_and_is_put_back():
+    from host_overhead import Launches
+
+    x = torch.randn(4, 8, requires_grad=True)
+    counts = {}
+    for name, context in (("cpu", proxies.contextlib.nullcontext()), ("cuda", proxies.dropout_as_on_cuda())):
+        x.grad = None
+        with context, Launches() as launches:
+            torch.nn.Dropout(0.1).train()(x).sum().backward()
+        counts[name] = launches.count
+    assert counts["cpu"] - counts["cuda"] == 3  # mask, draw, scale, product -> native_dropout; backward the same
+    with proxies.dropout_as_on_cuda():
+        assert torch.equal(F.dropout(x, 0.1, training=False), x)  # evaluation: no dropout
+    assert F.dropout is not None and F.dropout.__module__ == "torch.nn.functional"  # put back
+
+
 def tiny_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)

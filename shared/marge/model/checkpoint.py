@@ -159,8 +159,11 @@ def _rank_world(group) -> tuple[int, int]:
 
 
 def param_names(model: nn.Module, optimizer) -> list[str]:
-    """The parameter name of each of the optimizer's state indices (its param groups' params, in order)."""
+    """The parameter name of each of the optimizer's state indices (its param groups' params, in order). An
+    optimizer over fp32 masters of the model's bf16 parameters (the trainer's `bf16_params`) names its own:
+    `parameter_names`, id(master) -> the parameter's name."""
     names = {id(p): name for name, p in model.named_parameters()}
+    names.update(getattr(optimizer, "parameter_names", {}))
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 

@@ -1,0 +1,149 @@
+"""bf16 parameters with fp32 master weights (`trainer.bf16_params`): the model computes in bf16 with no autocast,
+the optimizer steps fp32 copies.
+
+Under bf16 autocast the model's parameters are fp32 and autocast casts each weight to bf16 in every batch's
+forward, casts each weight's gradient back in every backward, and casts the activations between its fp32 ops
+(LayerNorm, the residual stream) and its bf16 matmuls: 1,368 casts an update of the learning recipe on a CPU census,
+a fifth of the update's launches (benchmarks/recipe_efficiency.py). With bf16 parameters there is no cast in the
+forward or the backward; the update adds two multi-tensor copies: the gradients into the fp32 masters before
+clipping, the masters back into the model after the step.
+
+What stays fp32: the optimizer's parameters (the masters: the fp32 `nn.Parameter`s the model had, which the
+optimizer was built over and a checkpoint restored into) and its moments, the gradients it steps with (their norm
+and clipping too), the model's buffers, the loss (`marge.model.losses`: fp32 log-softmax), and DDP's all-reduce
+(`reduce_in_fp32`: a bucket is summed in fp32, then cast back). What is bf16: the weights the forward reads, the
+activations (LayerNorm's and the residual stream's included: LayerNorm still accumulates in fp32 inside its kernel)
+and the gradients a rank accumulates over its micro-batches before the update.
+
+Every `state_dict` of the model or of any of its modules holds the fp32 masters under the parameters' names, so
+checkpoints, snapshots and restores read and write fp32 exactly as without this setting (a restore writes into the
+masters in place; `MasterWeights.publish` then refreshes the bf16 copies)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+MASTERS = "master_weights"
+"""The attribute of an optimizer whose parameters are `MasterWeights`' masters."""
+
+
+class MasterWeights:
+    """The model's parameters as bf16 copies of the fp32 masters the optimizer steps."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.masters: list[Tensor] = []  # fp32 nn.Parameters, the optimizer's
+        self.copies: list[Tensor] = []  # their bf16 nn.Parameters, the model's
+        copy_of: dict[int, nn.Parameter] = {}
+        self.master_of: dict[int, nn.Parameter] = {}
+        """id(bf16 copy) -> its master."""
+        for module in model.modules():
+            for name, master in list(module._parameters.items()):
+                if master is None or not master.is_floating_point():
+                    continue
+                if id(master) not in copy_of:  # a tied parameter is one master and one copy
+                    if master.dtype != torch.float32:
+                        raise ValueError(f"trainer.bf16_params: parameter {name} is {master.dtype}, not float32")
+                    copy = nn.Parameter(master.detach().to(torch.bfloat16), requires_grad=master.requires_grad)
+                    copy_of[id(master)] = copy
+                    self.master_of[id(copy)] = master
+                    if id(master) in stepped:
+                        self.masters.append(master)
+                        self.copies.append(copy)
+                module._parameters[name] = copy_of[id(master)]
+            # functions, not bound methods: torch marks the hooks it is given with an attribute
+            module.register_state_dict_post_hook(lambda *args: self._masters_in_state(*args))
+            module.register_load_state_dict_pre_hook(lambda *args: self._load_into_masters(*args))
+        self.gradients: list[Tensor | None] = [None] * len(self.masters)
+        setattr(optimizer, MASTERS, self)
+        names = {id(copy): name for name, copy in model.named_parameters()}
+        # what a checkpoint names the optimizer's state by (`marge.model.checkpoint.param_names`)
+        setattr(optimizer, "parameter_names", {id(self.master_of[i]): name for i, name in names.items()
+                                               if i in self.master_of})
+        optimizer.register_step_post_hook(lambda *_: self.publish())
+
+    def _own(self, module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, copy in module._parameters.items():
+            if copy is not None and id(copy) in self.master_of:
+                yield prefix + name, self.master_of[id(copy)]
+
+    def _masters_in_state(self, module: nn.Module, state: dict, prefix: str, _metadata) -> None:
+        for key, master in self._own(module, prefix):
+            if key in state:
+                state[key] = master.detach()  # the master's storage: a restore that writes into it writes the master
+
+    def _load_into_masters(self, module: nn.Module, state: dict, prefix: str, *_) -> None:
+        with torch.no_grad():
+            for key, master in self._own(module, prefix):
+                if key in state and state[key].shape == master.shape:
+                    master.copy_(state[key])
+
+    @torch.no_grad()
+    def gradients_to_masters(self) -> list[Tensor]:
+        """Each trained copy's gradient into its master's (fp32, one multi-tensor copy), the copies' gradients
+        unset (as `optimizer.zero_grad` unsets a model's own: the next backward starts from none); the masters that
+        have a gradient."""
+        have = [k for k, c in enumerate(self.copies) if c.grad is not None]
+        if not have:
+            return []
+        into: list[Tensor] = []
+        for k in have:  # the masters' gradients live in buffers made once: `zero_grad` unsets, never frees them
+            buffer = self.gradients[k]
+            if buffer is None:
+                buffer = self.gradients[k] = torch.empty_like(self.masters[k])
+            self.masters[k].grad = buffer
+            into.append(buffer)
+        torch._foreach_copy_(into, [g for k in have if (g := self.copies[k].grad) is not None])
+        for k in have:
+            self.copies[k].grad = None
+        return [self.masters[k] for k in have]
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """The masters into the model's bf16 copies (one multi-tensor copy): after every step, and after a restore
+        wrote the masters."""
+        torch._foreach_copy_(self.copies, self.masters)
+
+
+def bf16_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> MasterWeights:
+    """Turn `model`'s parameters into bf16 copies of the fp32 ones `optimizer` holds (built over them, and restored
+    if the run resumes: call this after the restore, before DDP wraps the model)."""
+    return MasterWeights(model, optimizer)
+
+
+def master_weights(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
+    return getattr(optimizer, MASTERS, None)
+
+
+def stepped_gradients(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[Tensor]:
+    """The parameters whose gradients the optimizer steps with: the model's own (those with a gradient) or, with
+    bf16 parameters, their fp32 masters, the model's bf16 gradients copied into them first."""
+    weights = master_weights(optimizer) if optimizer is not None else None
+    if weights is not None:
+        return weights.gradients_to_masters()
+    return [p for p in model.parameters() if p.grad is not None]
+
+
+def reduce_in_fp32(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """A DDP communication hook: the bucket's mean over the ranks summed in fp32 and cast back, so that bf16
+    gradients are not rounded at every step of the all-reduce (`DistributedDataParallel.register_comm_hook`)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    wide = buffer.to(torch.float32).div_(dist.get_world_size(group))
+    future = dist.all_reduce(wide, group=group, async_op=True).get_future()
+
+    def narrow(done: torch.futures.Future) -> Tensor:
+        buffer.copy_(done.value()[0])
+        return buffer
+
+    return future.then(narrow)
+
+
+# DDP checks a hook's annotations against the objects themselves, and this module's are strings (postponed
+# evaluation): the same annotations, evaluated
+reduce_in_fp32.__annotations__ = {"process_group": dist.ProcessGroup | None, "bucket": dist.GradBucket,
+                                  "return": torch.futures.Future[Tensor]}
