@@ -59,6 +59,8 @@ learning-gpu.yaml's of then (`base`, 4k vocabulary, 128 positions, g = 1 mean-po
   added), and its launches_per_update_all (launch_ops_per_update plus those casts, less the fp32 model's own);
 * blocking_h2d_copies_per_update: host-to-device copies without `non_blocking` while an update moves its inputs,
   computes its losses and gathers its statistics (`update_statistics`), with the meta device as the device;
+  pageable_h2d_copies_per_update: those copies (blocking or not) whose source is not pinned memory, the prepared
+  batches pinned first as a rank's prefetcher pins them on a GPU (`pinning_emulated`, `PageableCopies`);
 * decoder_run_over_real, denoising_views_run_over_real: positions the projections and feed-forward layers run on
   over the real tokens, of the decoder and of g over the denoising loss's views;
 * distinct_shapes_50_batches: input shape signatures over 50 prepared batches: what a static compile would
@@ -100,6 +102,16 @@ PER_UPDATE = 2
 META = torch.device("meta")
 
 
+def host_to_device(func, args, out) -> torch.Tensor | None:
+    """The host tensor an `aten::_to_copy` or `aten::copy_` copies to a device (None: no such copy)."""
+    name = func._schema.name
+    if name not in ("aten::_to_copy", "aten::copy_"):
+        return None
+    source = args[1] if name == "aten::copy_" else args[0]
+    target = args[0] if name == "aten::copy_" else out
+    return source if source.device.type == "cpu" and target.device.type != "cpu" else None
+
+
 class BlockingCopies(TorchDispatchMode):
     """Host-to-device copies that do not ask for `non_blocking`: on a GPU each waits for the stream's queued work."""
 
@@ -110,14 +122,47 @@ class BlockingCopies(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        name = func._schema.name
-        if name in ("aten::_to_copy", "aten::copy_"):
-            source = args[1] if name == "aten::copy_" else args[0]
-            target = args[0] if name == "aten::copy_" else out
-            non_blocking = (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) if name == "aten::copy_" \
-                else kwargs.get("non_blocking", False)
-            if source.device.type == "cpu" and target.device.type != "cpu" and not non_blocking:
+        if host_to_device(func, args, out) is not None:
+            non_blocking = (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) \
+                if func._schema.name == "aten::copy_" else kwargs.get("non_blocking", False)
+            if not non_blocking:
                 self.count += 1
+        return out
+
+
+@contextlib.contextmanager
+def pinning_emulated():
+    """`Tensor.pin_memory` where there is no accelerator (a CPU build refuses it): a copy whose storage is
+    remembered as pinned. Yields the remembered storages' addresses, for `PageableCopies`."""
+    pinned: set[int] = set()
+    original = torch.Tensor.pin_memory
+
+    def pin(self, *args, **kwargs):
+        copy = self.clone()
+        pinned.add(copy.untyped_storage().data_ptr())
+        return copy
+
+    torch.Tensor.pin_memory = pin  # type: ignore[method-assign]  # restored below: the census's stand-in
+    try:
+        yield pinned
+    finally:
+        torch.Tensor.pin_memory = original  # type: ignore[method-assign]
+
+
+class PageableCopies(TorchDispatchMode):
+    """Host-to-device copies from memory that was not pinned (`pinning_emulated`'s `pinned`): on a GPU such a copy
+    is staged through a pinned buffer by the driver and holds the host until it is done, `non_blocking` or not."""
+
+    def __init__(self, pinned: set[int]):
+        super().__init__()
+        self.pinned = pinned
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = host_to_device(func, args, out)
+        if source is not None and source.numel() and source.untyped_storage().data_ptr() not in self.pinned:
+            self.count += 1
         return out
 
 
@@ -587,9 +632,11 @@ def measure(unpadded: bool, smoke: bool, tolerant: bool = False) -> dict:
             objective(model, objectives, p, META)[0].backward()
     out["launch_ops_per_update"] = launches.count
 
-    with BlockingCopies() as copies:
+    with pinning_emulated() as pinned:
+        update_pinned = [p.pin_memory() for p in update]  # as a rank's prefetcher pins on a GPU (rank.py)
+    with BlockingCopies() as copies, PageableCopies(pinned) as pageable:
         losses, tokens, totals = [], [], []
-        for p in update:
+        for p in update_pinned:
             total, predicted = objective(model, objectives, p, META)
             total.backward()
             losses.append({"marge": total.detach()})
@@ -600,6 +647,7 @@ def measure(unpadded: bool, smoke: bool, tolerant: bool = False) -> dict:
                                target_tokens=tokens, objective=totals)
         update_statistics(items, done, ["marge"], META, lambda stats: None)
     out["blocking_h2d_copies_per_update"] = copies.count
+    out["pageable_h2d_copies_per_update"] = pageable.count
 
     def host_seconds(updates: int) -> list[float]:
         times = []

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -76,6 +77,23 @@ def test_dropout_counts_as_cudas_one_kernel_each_way_and_is_put_back():
     with proxies.dropout_as_on_cuda():
         assert torch.equal(F.dropout(x, 0.1, training=False), x)  # evaluation: no dropout
     assert F.dropout is not None and F.dropout.__module__ == "torch.nn.functional"  # put back
+
+
+def test_the_pageable_copy_counter_counts_copies_from_memory_never_pinned():
+    host = torch.randn(4, 8)
+    with proxies.pinning_emulated() as pinned:
+        pinned_host = host.pin_memory()
+    assert torch.Tensor.pin_memory is not None and pinned
+    with pytest.raises(RuntimeError):  # the emulation is put back: a CPU build refuses to pin
+        torch.randn(2).pin_memory()
+    meta = torch.device("meta")
+    with proxies.PageableCopies(pinned) as pageable:
+        pinned_host.to(meta, non_blocking=True)
+        pinned_host[1:].to(meta, non_blocking=True)  # a view of pinned memory is pinned
+        host.to(meta, non_blocking=True)  # never pinned: the driver stages it, holding the host
+        torch.empty(4, 8, device=meta).copy_(host)
+        host.to(torch.float64)  # not to a device
+    assert pageable.count == 2
 
 
 def tiny_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
