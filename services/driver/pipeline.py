@@ -381,10 +381,11 @@ def trainer_job(cfg: PipelineConfig, redis_url_file: Path | None, deadline_unix:
     """What every trainer rank gets: its sections, the run's paths, and its batches' source (the file of the
     queue's Redis URL, or batches in memory)."""
     return TrainerJob(cfg.trainer, cfg.objectives, cfg.health, cfg.queue, cfg.paths(), cfg.run.seed, cfg.run.max_steps,
+                      cfg.slots(),
                       heldout_pairs=cfg.data.heldout_pairs, deadline_unix=deadline_unix,
                       redis_url_file=None if redis_url_file is None else str(redis_url_file),
                       memory_batches=memory_batches, resume_from=resume_from, faults=cfg.faults,
-                      tensorboard=cfg.run.tensorboard, batch_builders=cfg.batcher.builders)
+                      tensorboard=cfg.run.tensorboard)
 
 
 def make_trainer(cfg: PipelineConfig, job: TrainerJob):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from marge.contracts.faults import FaultsConfig
 from marge.contracts.paths import RunPaths
-from marge.contracts.slots import QueueConfig
+from marge.contracts.slots import QueueConfig, Slots
 from services.trainer.config import HealthConfig, TrainerConfig
 from services.trainer.objectives import ObjectivesConfig
 
@@ -20,6 +20,9 @@ class TrainerJob:
     paths: RunPaths
     seed: int
     max_steps: int
+    slots: Slots
+    """The run's slot layout (`PipelineConfig.slots`: world, gradient accumulation, batch builders), built once by
+    the driver: every rank numbers its batches, and resets the builders' cursors, by this one."""
     heldout_pairs: str | None = None
     """Held-out pairs for the per-snapshot P@1 (health.pairs overrides it)."""
     deadline_unix: float | None = None
@@ -35,5 +38,3 @@ class TrainerJob:
     """Test-only fault injection (marge.contracts.faults)."""
     tensorboard: bool = False
     """Rank 0 writes every update's figures to TensorBoard (run.dir/tb/trainer)."""
-    batch_builders: int = 1
-    """The run's batch builders (batcher.builders): whose cursors a queue reset moves back."""

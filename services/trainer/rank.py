@@ -141,7 +141,7 @@ class Rank:
         t = job.trainer
         if self.world != t.num_workers:
             raise RuntimeError(f"{self.world} trainer ranks, but trainer.num_workers is {t.num_workers}")
-        self.slots = Slots(t.num_workers, t.grad_accum)
+        self.slots = job.slots
         torch.set_num_threads(t.torch_threads)
         torch.manual_seed(job.seed + self.rank)
         self.device = ray.train.torch.get_device()

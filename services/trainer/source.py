@@ -48,7 +48,7 @@ class RedisSource:
 
     def __init__(self, job: TrainerJob, rank: int, resumed_step: int = 0):
         self.job, self.rank, self.resumed_step = job, rank, resumed_step
-        self.slots = Slots(job.trainer.num_workers, job.trainer.grad_accum, job.batch_builders)
+        self.slots = job.slots
         if job.redis_url_file is None:
             raise ValueError("a trainer fed from Redis needs the file of the run's Redis URL (TrainerJob.redis_url_file)")
         self.queue = BatchQueue.from_url_file(job.redis_url_file, job.paths.name, self.slots)
@@ -166,5 +166,5 @@ class MemorySource:
 def source_for(job: TrainerJob, rank: int, resumed_step: int = 0) -> BatchSource:
     """This rank's feed; `resumed_step`: the checkpoint it resumed from (named when a slot it needs is gone)."""
     if job.memory_batches is not None:
-        return MemorySource(job.memory_batches[rank], Slots(job.trainer.num_workers, job.trainer.grad_accum), rank)
+        return MemorySource(job.memory_batches[rank], job.slots, rank)
     return RedisSource(job, rank, resumed_step)

@@ -628,12 +628,12 @@ def job_for(redis_server, run: str, world: int = 2, **queue):
     from types import SimpleNamespace
 
     from marge.contracts.protocol import write_url_file
-    from marge.contracts.slots import QueueConfig
+    from marge.contracts.slots import QueueConfig, Slots
 
     url_file = write_url_file(redis_server.data_dir / f"{run}-url", redis_server.url)
     return SimpleNamespace(redis_url_file=str(url_file), paths=SimpleNamespace(name=run), deadline_unix=None,
                            trainer=SimpleNamespace(num_workers=world, grad_accum=1),
-                           queue=QueueConfig(**{"block_ms": 10, **queue}), batch_builders=1)
+                           queue=QueueConfig(**{"block_ms": 10, **queue}), slots=Slots(world, 1))
 
 
 def test_a_rank_waiting_for_a_batch_that_never_comes_stops_and_says_what_it_waited_for(redis_server, caplog):

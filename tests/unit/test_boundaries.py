@@ -116,3 +116,23 @@ def test_the_contracts_and_the_plumbing_need_no_torch():
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
+
+
+SLOTS_BUILT_IN = {
+    "services/driver/config.py": "the one layout of a run: `PipelineConfig.slots`, which every stage is given",
+    "services/trainer/step.py": "`train_step`: an update in one process outside the pipeline (the reference loop, "
+                                "the benchmarks), whose batches number 0 .. n-1",
+    "services/driver/scale_costs.py": "the costs of other worlds than the config's, for `marge plan`",
+}
+"""Where `Slots(...)` may be built, and why: nowhere in a stage, which takes the run's from its job."""
+
+
+def test_a_runs_slot_layout_is_built_once_and_no_stage_builds_its_own():
+    builds = []
+    for path in sorted([*(REPO / "services").rglob("*.py"), *LIBRARY.rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Slots":
+                builds.append(str(path.relative_to(REPO)))
+    assert builds, "the walk saw no Slots(...) at all"
+    assert set(builds) <= set(SLOTS_BUILT_IN), sorted(set(builds) - set(SLOTS_BUILT_IN))
+    assert builds.count("services/driver/config.py") == 1
