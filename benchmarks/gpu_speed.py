@@ -368,7 +368,8 @@ def recipe_arm(args: argparse.Namespace, variant: str, device: torch.device, dea
     stepped = compiled(model, trainer.compile, trainer.compile_scope, "aot_eager" if args.smoke else "inductor",
                        dynamic=trainer.compile_dynamic)
     optimizer = build_optimizer(model, trainer)
-    if getattr(trainer, "bf16_params", False):  # as the hosts do, after the optimizer (and a restore) and before DDP
+    if getattr(trainer, "bf16_params", False):  # after the optimizer (and, on a host, a restore); the layers
+        # compile at their first call, so on the bf16 copies, as on a host where compiling follows the conversion
         bf16_parameters(model, optimizer)
     scheduler = build_scheduler(optimizer, trainer, 5000)
     signatures: list[set] = []  # each update's attention calls' signatures

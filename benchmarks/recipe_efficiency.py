@@ -31,7 +31,8 @@ learning-gpu.yaml's of then (`base`, 4k vocabulary, 128 positions, g = 1 mean-po
   shapes seen before was host-bound on the H200). Pinning (`pin_memory`) is not part of the preparation here;
 * launch_ops_per_update: aten operations that compute (views and metadata excluded) in that forward and backward,
   gradients unset first as each update starts (the first batch's gradients are stolen, the second's added), with
-  dropout counted as CUDA runs it (`dropout_as_on_cuda`: one fused kernel each way, not a CPU's 4 and 1);
+  dropout counted as CUDA runs it (`dropout_as_on_cuda`: one fused kernel each way, not a CPU's 3 and 1);
+  allocations (`empty`, `empty_like`) are no launch (`host_overhead.NO_KERNEL`);
 * attention_shapes_50_batches: distinct attention signatures (`AttentionCalls`: the q, k and v shapes, a mask
   given, is_causal and dtype of every `F.scaled_dot_product_attention` and FlexAttention call) over the forwards
   and backwards of 50 recipe batches on the meta device, prepared as the trainer prepares them with
@@ -213,9 +214,9 @@ class AttentionCalls:
 @contextlib.contextmanager
 def dropout_as_on_cuda():
     """`F.dropout` (what `nn.Dropout` calls) as CUDA runs it, while launches are counted: `native_dropout`, one fused
-    kernel (and one in the backward), where a CPU or the meta device runs 4 operations (the mask's allocation, its
-    Bernoulli draw, its scaling, the product) and 1 in the backward. The draws differ from the CPU's: only counts
-    are read under it."""
+    kernel (and one in the backward), where a CPU or the meta device runs 3 (the mask's Bernoulli draw, its scaling,
+    the product, after allocating the mask) and 1 in the backward. The draws differ from the CPU's: only counts are
+    read under it."""
     original = torch.nn.functional.dropout
 
     def fused(input, p=0.5, training=True, inplace=False):

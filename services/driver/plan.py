@@ -377,6 +377,7 @@ def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps:
     from services.indexer.core import embed_documents
     from services.trainer.inputs import AttentionLayout
     from services.trainer.objectives import objectives_for
+    from services.trainer.precision import bf16_parameters
     from services.trainer.step import apply_execution_settings, build_optimizer, build_scheduler, train_step
 
     tokenizer = corpus.tokenizer()
@@ -402,6 +403,8 @@ def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps:
         trainer = replace(cfg.trainer, warmup_steps=0, total_steps=None)
         apply_execution_settings(model.train(), trainer)
         optimizer = build_optimizer(model, trainer)
+        if trainer.bf16_params:  # as the hosts train it
+            bf16_parameters(model, optimizer)
         scheduler = build_scheduler(optimizer, trainer, 10**6)
         objectives = objectives_for(cfg.objectives, tokenizer, list(documents) if cfg.objectives.needs_corpus else None,
                                     trainer.unpadded, AttentionLayout.of(trainer))

@@ -84,8 +84,8 @@ class TrainerConfig(OptimizerConfig):
     memory-efficient kernel, heads 64 wide) or `flex` (FlexAttention's score_mod, heads 64 wide: fused under
     `trainer.compile`; needs model.attention_dropout 0 and, to train, a GPU). `mask` gives folded's values and
     gradients, `flex` its values (tests/unit/test_gpu_readiness.py, tests/unit/test_unpadded.py) and, on one H200, its
-    gradients (benchmarks/gpu_speed.py's `checks`). On one H200 `folded` was the fastest eager path (the recipe's update 0.37 s, `mask`
-    1.03 s; docs/gpu.md). An execution setting."""
+    gradients (benchmarks/gpu_speed.py's `checks`). `folded` is the default: the fastest eager path measured for the
+    recipe's update (docs/gpu.md). An execution setting."""
     bucket_rows: int = resumable(0)
     """With `unpadded`, the rows of every attention block (documents, targets) are rounded up to a multiple of this
     (empty rows, every key masked, their outputs dropped), so that attention sees a bounded set of shapes: what a

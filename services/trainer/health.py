@@ -38,6 +38,7 @@ from marge.contracts.documents import read_documents
 from marge.model.network import Marge
 from services.trainer.config import HealthConfig
 from services.trainer.inputs import to_model_inputs
+from services.trainer.precision import full_precision
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ def g_spread(model: Marge, probe: list[ProbeItem], specials: SpecialTokens, devi
 def probe_health(model: Marge, probe: list[ProbeItem], specials: SpecialTokens, device="cpu") -> dict:
     out = evidence_gain(model, probe, specials, device)
     out["g_spread"] = g_spread(model, probe, specials, device)
-    out["beta"] = model.beta.detach().float().cpu().tolist()
+    out["beta"] = full_precision(model.beta).detach().float().cpu().tolist()  # bf16 parameters: the optimizer's
     return out
 
 

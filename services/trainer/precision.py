@@ -29,6 +29,8 @@ from torch import Tensor, nn
 
 MASTERS = "master_weights"
 """The attribute of an optimizer whose parameters are `MasterWeights`' masters."""
+MASTER = "fp32_master"
+"""The attribute of a bf16 copy that holds its master (`full_precision`)."""
 
 
 class MasterWeights:
@@ -36,8 +38,9 @@ class MasterWeights:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self.masters: list[Tensor] = []  # fp32 nn.Parameters, the optimizer's
+        self.masters: list[Tensor] = []  # fp32 nn.Parameters the optimizer steps
         self.copies: list[Tensor] = []  # their bf16 nn.Parameters, the model's
+        self.pairs: list[tuple[Tensor, Tensor]] = []  # every (master, copy), frozen ones (beta untrained) too
         copy_of: dict[int, nn.Parameter] = {}
         self.master_of: dict[int, nn.Parameter] = {}
         """id(bf16 copy) -> its master."""
@@ -51,6 +54,8 @@ class MasterWeights:
                     copy = nn.Parameter(master.detach().to(torch.bfloat16), requires_grad=master.requires_grad)
                     copy_of[id(master)] = copy
                     self.master_of[id(copy)] = master
+                    setattr(copy, MASTER, master)  # an attribute on a Parameter object, which its type does not declare
+                    self.pairs.append((master, copy))
                     if id(master) in stepped:
                         self.masters.append(master)
                         self.copies.append(copy)
@@ -58,7 +63,6 @@ class MasterWeights:
             # functions, not bound methods: torch marks the hooks it is given with an attribute
             module.register_state_dict_post_hook(lambda *args: self._masters_in_state(*args))
             module.register_load_state_dict_pre_hook(lambda *args: self._load_into_masters(*args))
-        self.gradients: list[Tensor | None] = [None] * len(self.masters)
         setattr(optimizer, MASTERS, self)
         names = {id(copy): name for name, copy in model.named_parameters()}
         # what a checkpoint names the optimizer's state by (`marge.model.checkpoint.param_names`)
@@ -91,10 +95,9 @@ class MasterWeights:
         if not have:
             return []
         into: list[Tensor] = []
-        for k in have:  # the masters' gradients live in buffers made once: `zero_grad` unsets, never frees them
-            buffer = self.gradients[k]
-            if buffer is None:
-                buffer = self.gradients[k] = torch.empty_like(self.masters[k])
+        for k in have:  # made for this update: the update's `zero_grad` frees them, so they hold no memory while
+            # the next forward's activations do
+            buffer = torch.empty_like(self.masters[k])
             self.masters[k].grad = buffer
             into.append(buffer)
         torch._foreach_copy_(into, [g for k in have if (g := self.copies[k].grad) is not None])
@@ -106,7 +109,7 @@ class MasterWeights:
     def publish(self) -> None:
         """The masters into the model's bf16 copies (one multi-tensor copy): after every step, and after a restore
         wrote the masters."""
-        torch._foreach_copy_(self.copies, self.masters)
+        torch._foreach_copy_([c for _, c in self.pairs], [m for m, _ in self.pairs])
 
 
 def bf16_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> MasterWeights:
@@ -117,6 +120,23 @@ def bf16_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> Maste
 
 def master_weights(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
     return getattr(optimizer, MASTERS, None)
+
+
+def full_precision(parameter: Tensor) -> Tensor:
+    """A parameter's value as the optimizer holds it: a bf16 copy's fp32 master, or the parameter itself (what a
+    figure such as beta reports, so that it is the checkpoint's and not rounded to bf16)."""
+    return getattr(parameter, MASTER, parameter)
+
+
+def check_precision(bf16_params: bool, optimizer: torch.optim.Optimizer) -> None:
+    """Refuses an update whose model is not what `trainer.bf16_params` says: with it on, a model left fp32 would
+    train in fp32 without autocast, silently."""
+    converted = master_weights(optimizer) is not None
+    if bf16_params != converted:
+        raise ValueError("trainer.bf16_params is " + ("on, but the model's parameters are not bf16 copies of the "
+                         "optimizer's: call services.trainer.precision.bf16_parameters(model, optimizer) after any "
+                         "restore and before DDP wraps the model" if bf16_params else
+                         "off, but the model's parameters were made bf16 copies (bf16_parameters)"))
 
 
 def stepped_gradients(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[Tensor]:
@@ -144,6 +164,7 @@ def reduce_in_fp32(process_group: dist.ProcessGroup | None, bucket: dist.GradBuc
 
 
 # DDP checks a hook's annotations against the objects themselves, and this module's are strings (postponed
-# evaluation): the same annotations, evaluated
-reduce_in_fp32.__annotations__ = {"process_group": dist.ProcessGroup | None, "bucket": dist.GradBucket,
-                                  "return": torch.futures.Future[Tensor]}
+# evaluation): the same annotations, evaluated (where torch has its distributed package)
+if dist.is_available():
+    reduce_in_fp32.__annotations__ = {"process_group": dist.ProcessGroup | None, "bucket": dist.GradBucket,
+                                      "return": torch.futures.Future[Tensor]}

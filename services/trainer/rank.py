@@ -139,8 +139,9 @@ class Rank:
         ctx = ray.train.get_context()
         self.job, self.rank, self.world = job, ctx.get_world_rank(), ctx.get_world_size()
         t = job.trainer
-        if self.world != t.num_workers:
-            raise RuntimeError(f"{self.world} trainer ranks, but trainer.num_workers is {t.num_workers}")
+        if self.world != t.num_workers or self.world != job.slots.world:
+            raise RuntimeError(f"{self.world} trainer ranks, but trainer.num_workers is {t.num_workers} and the "
+                               f"run's slots are laid out for {job.slots.world}")
         self.slots = job.slots
         torch.set_num_threads(t.torch_threads)
         torch.manual_seed(job.seed + self.rank)

@@ -33,7 +33,7 @@ from marge.model.network import Marge
 from services.trainer.config import COMPILE_SCOPES, OptimizerConfig, TrainerConfig
 from services.trainer.inputs import substitute_batch, untrainable
 from services.trainer.objectives import Objectives, ObjectivesConfig, PreparedBatch, apply_objective_settings
-from services.trainer.precision import bf16_parameters, stepped_gradients
+from services.trainer.precision import bf16_parameters, check_precision, full_precision, stepped_gradients
 
 # Dense bf16 tensor-core peak (FLOP/s) by device name, from the vendors' data sheets: the denominator of MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
@@ -447,7 +447,9 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ob
     still not finite skips the update: its place in the schedule is used up and its batches are dead-lettered."""
     model_core = getattr(model, "_orig_mod", model)  # under torch.compile
     model_core = getattr(model_core, "module", model_core)  # inside DDP
+    check_precision(cfg.bf16_params, optimizer)
     beta = getattr(model_core, "beta", None)
+    beta = None if beta is None else full_precision(beta)  # bf16 parameters: the optimizer's fp32 value
     steps_first = skips_on_device(optimizer)
 
     def backward_and_read(excluded):

@@ -16,10 +16,11 @@ from tiny_training import stand_in_tokenizer
 
 from marge.contracts.config import FieldError
 from marge.model.checkpoint import save_checkpoint
+from marge.model.network import relevance_state_dict
 from marge.model.restore import restore_training
 from services.trainer import step as step_module
 from services.trainer.config import TrainerConfig
-from services.trainer.precision import bf16_parameters, master_weights
+from services.trainer.precision import bf16_parameters, full_precision, master_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from recipe_efficiency import Casts  # noqa: E402  (benchmarks/ is not a package)
@@ -88,6 +89,36 @@ def test_the_optimizer_and_every_state_dict_hold_the_fp32_masters():
     layer = model.encoder_layers[0]  # a module's own state_dict (a snapshot of g takes one) holds masters too
     assert all(v.dtype == torch.float32 for v in layer.state_dict().values())
     assert len(masters) == len(stepped)
+
+    snapshot = relevance_state_dict(model)  # what a snapshot of g publishes: the masters' values, not bf16's
+    embedding = model.encoder_token_embedding
+    assert torch.equal(snapshot["embed_tokens.weight"], weights.master_of[id(embedding.weight)])
+    assert not torch.equal(snapshot["embed_tokens.weight"], embedding.weight.float())
+    for key, value in snapshot.items():
+        assert value.dtype == torch.float32, key
+
+
+def test_beta_is_reported_as_the_optimizer_holds_it():
+    """The update's figures read beta's fp32 master (the checkpoint's value), not its bf16 copy."""
+    model, optimizer, scheduler = training(PARAMS)
+    objectives = recipe_objectives()
+    for s in range(3):
+        before = full_precision(model.beta).detach().flatten().tolist()
+        record = step_module.train_step(model, optimizer, scheduler, objectives, update_batches(s), PARAMS, s, CPU)
+        assert record.beta == pytest.approx(before, rel=1e-7)  # as this update's forwards saw it
+    assert not torch.equal(full_precision(model.beta), model.beta.float())  # its bf16 rounding differs
+
+
+def test_an_update_refuses_a_model_its_precision_setting_does_not_describe():
+    objectives = recipe_objectives()
+    model = tiny_model().train()
+    optimizer = step_module.build_optimizer(model, PARAMS, fused=True)  # not converted
+    scheduler = step_module.build_scheduler(optimizer, PARAMS, 40)
+    with pytest.raises(ValueError, match="bf16_parameters"):
+        step_module.train_step(model, optimizer, scheduler, objectives, update_batches(0), PARAMS, 0, CPU)
+    bf16_parameters(model, optimizer)
+    with pytest.raises(ValueError, match="bf16_params is off"):
+        step_module.train_step(model, optimizer, scheduler, objectives, update_batches(0), AUTOCAST, 0, CPU)
 
 
 def test_a_checkpoint_resumes_bf16_params_exactly(tmp_path: Path):

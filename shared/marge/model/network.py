@@ -509,6 +509,8 @@ def relevance_state_dict(model: Marge) -> dict[str, Tensor]:
     prefixes = ("encoder_positions.", "encoder_embedding_norm.", "relevance_center",
                 *(f"encoder_layers.{i}." for i in range(model.cfg.relevance_layers)))
     state = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(prefixes)}
-    state["embed_tokens.weight"] = model.encoder_token_embedding.weight.detach().clone()
+    # through the module's state_dict, as the rest: what a training host keeps there (its fp32 masters, where the
+    # parameters it computes with are bf16 copies)
+    state["embed_tokens.weight"] = model.encoder_token_embedding.state_dict()["weight"].detach().clone()
     return state
 
