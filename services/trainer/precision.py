@@ -3,8 +3,7 @@ the optimizer steps fp32 copies.
 
 Under bf16 autocast the model's parameters are fp32 and autocast casts each weight to bf16 in every batch's
 forward, casts each weight's gradient back in every backward, and casts the activations between its fp32 ops
-(LayerNorm, the residual stream) and its bf16 matmuls: 1,368 casts an update of the learning recipe on a CPU census,
-a fifth of the update's launches (benchmarks/recipe_efficiency.py). With bf16 parameters there is no cast in the
+(LayerNorm, the residual stream) and its bf16 matmuls (the counts: docs/gpu.md, from benchmarks/recipe_efficiency.py). With bf16 parameters there is no cast in the
 forward or the backward; the update adds two multi-tensor copies: the gradients into the fp32 masters before
 clipping, the masters back into the model after the step.
 
@@ -42,8 +41,6 @@ class MasterWeights:
         self.copies: list[Tensor] = []  # their bf16 nn.Parameters, the model's
         self.pairs: list[tuple[Tensor, Tensor]] = []  # every (master, copy), frozen ones (beta untrained) too
         copy_of: dict[int, nn.Parameter] = {}
-        self.master_of: dict[int, nn.Parameter] = {}
-        """id(bf16 copy) -> its master."""
         for module in model.modules():
             for name, master in list(module._parameters.items()):
                 if master is None or not master.is_floating_point():
@@ -53,7 +50,6 @@ class MasterWeights:
                         raise ValueError(f"trainer.bf16_params: parameter {name} is {master.dtype}, not float32")
                     copy = nn.Parameter(master.detach().to(torch.bfloat16), requires_grad=master.requires_grad)
                     copy_of[id(master)] = copy
-                    self.master_of[id(copy)] = master
                     setattr(copy, MASTER, master)  # an attribute on a Parameter object, which its type does not declare
                     self.pairs.append((master, copy))
                     if id(master) in stepped:
@@ -64,16 +60,15 @@ class MasterWeights:
             module.register_state_dict_post_hook(lambda *args: self._masters_in_state(*args))
             module.register_load_state_dict_pre_hook(lambda *args: self._load_into_masters(*args))
         setattr(optimizer, MASTERS, self)
-        names = {id(copy): name for name, copy in model.named_parameters()}
         # what a checkpoint names the optimizer's state by (`marge.model.checkpoint.param_names`)
-        setattr(optimizer, "parameter_names", {id(self.master_of[i]): name for i, name in names.items()
-                                               if i in self.master_of})
+        setattr(optimizer, "parameter_names", {id(full_precision(copy)): name for name, copy in model.named_parameters()})
         optimizer.register_step_post_hook(lambda *_: self.publish())
 
-    def _own(self, module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]:
+    @staticmethod
+    def _own(module: nn.Module, prefix: str) -> Iterator[tuple[str, Tensor]]:
         for name, copy in module._parameters.items():
-            if copy is not None and id(copy) in self.master_of:
-                yield prefix + name, self.master_of[id(copy)]
+            if copy is not None and hasattr(copy, MASTER):
+                yield prefix + name, full_precision(copy)
 
     def _masters_in_state(self, module: nn.Module, state: dict, prefix: str, _metadata) -> None:
         for key, master in self._own(module, prefix):

@@ -85,14 +85,14 @@ def test_the_optimizer_and_every_state_dict_hold_the_fp32_masters():
     for name, value in state.items():
         assert value.dtype == torch.float32, name
         if name in by_name:
-            assert torch.equal(value, weights.master_of[id(by_name[name])]), name
+            assert torch.equal(value, full_precision(by_name[name])), name
     layer = model.encoder_layers[0]  # a module's own state_dict (a snapshot of g takes one) holds masters too
     assert all(v.dtype == torch.float32 for v in layer.state_dict().values())
     assert len(masters) == len(stepped)
 
     snapshot = relevance_state_dict(model)  # what a snapshot of g publishes: the masters' values, not bf16's
     embedding = model.encoder_token_embedding
-    assert torch.equal(snapshot["embed_tokens.weight"], weights.master_of[id(embedding.weight)])
+    assert torch.equal(snapshot["embed_tokens.weight"], full_precision(embedding.weight))
     assert not torch.equal(snapshot["embed_tokens.weight"], embedding.weight.float())
     for key, value in snapshot.items():
         assert value.dtype == torch.float32, key
