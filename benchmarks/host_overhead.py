@@ -39,7 +39,7 @@ SYNCHRONISING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_sel
                  "aten::_unique2"}
 NO_KERNEL = ("aten::view", "aten::_reshape", "aten::as_strided", "aten::t", "aten::transpose", "aten::expand",
              "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::alias",
-             "aten::detach", "aten::_unsafe_view", "aten::empty", "profiler::")
+             "aten::detach", "aten::_unsafe_view", "aten::unbind", "aten::split", "aten::empty", "profiler::")
 """aten operations that only make a view, change metadata or allocate (`empty`, `empty_like`, `empty_strided`: the
 caching allocator, no kernel): no kernel on any device (and the profiler's marks, `profiler::`, which `torch.optim`
 steps dispatch)."""

@@ -261,8 +261,9 @@ class ConcatenatedMemoryMarge(Marge):
 class EagerAttention(Attention):
     """Softmax attention written out (no F.scaled_dot_product_attention), same maths."""
 
-    def forward(self, x_BQD, k_BHLK, v_BHLK, attn_bias=None, is_causal=False):
-        q_BHQK = self.split_heads(self.q_proj(x_BQD))
+    def attend(self, q_BHQK, k_BHLK, v_BHLK, attn_bias=None, is_causal=False, real=None):
+        if real is not None:
+            raise ValueError("the written-out attention runs on padded rows only (trainer.unpadded off)")
         logits = q_BHQK @ k_BHLK.transpose(-1, -2) / q_BHQK.shape[-1] ** 0.5
         if attn_bias is not None:
             logits = logits.masked_fill(~attn_bias, float("-inf")) if attn_bias.dtype == torch.bool else logits + attn_bias

@@ -15,8 +15,9 @@ from test_no_drain import recipe_objectives, update_batches
 from tiny_training import stand_in_tokenizer
 
 from marge.contracts.config import FieldError
+from marge.model.architecture import preset
 from marge.model.checkpoint import save_checkpoint
-from marge.model.network import relevance_state_dict
+from marge.model.network import Marge, relevance_state_dict
 from marge.model.restore import restore_training
 from services.trainer import step as step_module
 from services.trainer.config import TrainerConfig
@@ -30,8 +31,8 @@ AUTOCAST = TrainerConfig(lr=1e-3, warmup_steps=0, bf16=True)
 PARAMS = TrainerConfig(lr=1e-3, warmup_steps=0, bf16=True, bf16_params=True)
 
 
-def training(cfg: TrainerConfig):
-    model = tiny_model().train()
+def training(cfg: TrainerConfig, model: Marge | None = None):
+    model = (model or tiny_model()).train()
     optimizer = step_module.build_optimizer(model, cfg, fused=True)
     if cfg.bf16_params:
         bf16_parameters(model, optimizer)
@@ -52,19 +53,26 @@ def test_bf16_params_needs_bf16():
 
 
 def test_no_cast_in_the_forward_or_the_backward():
-    """Autocast casts every weight, every weight's gradient and the activations between fp32 and bf16 ops; bf16
-    parameters cast only what the model asks for in fp32 on purpose (the loss's logits, f's vectors)."""
+    """Autocast casts every weight, every weight's gradient and the activations between fp32 and bf16 ops, so each
+    layer adds dozens of casts; bf16 parameters cast only what the model asks for in fp32 or bf16 on purpose: the
+    loss's logits and f's vectors once an objective, and the key bias each cross-attention layer adds."""
     objectives = recipe_objectives()
     prepared = [objectives.prepare(b, (0, 0, k)) for k, b in enumerate(update_batches(0))]
     counts = {}
-    for name, cfg in (("autocast", AUTOCAST), ("params", PARAMS)):
-        model, _, _ = training(cfg)
-        with Casts() as casts:
-            for p in prepared:
-                objectives.losses(model, p, CPU, cfg.autocast).objective.backward()
-        counts[name] = casts.count
-    assert counts["autocast"] > 200
-    assert counts["params"] <= 0.1 * counts["autocast"], counts
+    for extra in (0, 2):
+        for name, cfg in (("autocast", AUTOCAST), ("params", PARAMS)):
+            torch.manual_seed(0)
+            model, _, _ = training(cfg, Marge(preset("tiny", vocab_size=64, max_positions=32, relevance_pooling="mean",
+                                                     relevance_centering=True, encoder_layers=3 + extra,
+                                                     decoder_layers=2 + extra)))
+            with Casts() as casts:
+                for p in prepared:
+                    objectives.losses(model, p, CPU, cfg.autocast).objective.backward()
+            counts[name, extra] = casts.count
+    assert counts["autocast", 0] > 200 and counts["autocast", 2] > counts["autocast", 0] + 100, counts
+    added = {name: counts[name, 2] - counts[name, 0] for name in ("autocast", "params")}
+    assert added["params"] <= 0.1 * added["autocast"], counts
+    assert counts["params", 0] <= 0.15 * counts["autocast", 0], counts
 
 
 def test_the_optimizer_and_every_state_dict_hold_the_fp32_masters():

@@ -368,12 +368,33 @@ class Attention(nn.Module):
         b, x, d = x_BXD.shape
         return x_BXD.view(b, x, self.num_heads, d // self.num_heads).transpose(1, 2)  # B H X E
 
+    def in_projection(self, x: Tensor, parts: tuple[nn.Linear, ...], real: RealTokens | None) -> list[Tensor]:
+        """x through `parts` (some of q_proj, k_proj, v_proj) as one matmul, each result in heads (B H X E); `real`:
+        x holds only the real tokens, and the results are laid out in rows (one scatter for all the parts).
+
+        One matmul, one scatter into rows and one gradient for x, where separate projections make one of each per
+        part: fewer kernel launches an update (docs/gpu.md). The weights are concatenated for the call (a copy of
+        parts x d^2 values, against tokens x d of activations), so the parameters, their names and every checkpoint
+        stay those of separate projections."""
+        if len(parts) == 1:
+            y = parts[0](x)
+            return [self.split_heads(y if real is None else real.to_rows(y))]
+        y = F.linear(x, torch.cat([p.weight for p in parts]), torch.cat([p.bias for p in parts]))
+        if real is not None:
+            y = real.to_rows(y)
+        b, s, _ = y.shape
+        # (B X parts H E) -> parts x (B H X E): views of y; their gradients come back as one stacked tensor
+        return list(y.view(b, s, len(parts), self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0))
+
     def project_kv(self, memory_BLD: Tensor, real: RealTokens | None = None) -> tuple[Tensor, Tensor]:
         """Keys and values in heads (B H L E); `real`: projected from the real tokens only, then laid out in rows."""
-        if real is None:
-            return self.split_heads(self.k_proj(memory_BLD)), self.split_heads(self.v_proj(memory_BLD))
-        return (self.split_heads(real.to_rows(self.k_proj(memory_BLD))),
-                self.split_heads(real.to_rows(self.v_proj(memory_BLD))))
+        k_BHLE, v_BHLE = self.in_projection(memory_BLD, (self.k_proj, self.v_proj), real)
+        return k_BHLE, v_BHLE
+
+    def project_qkv(self, x_BSD: Tensor, real: RealTokens | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values of a self-attention in heads (B H S E), as `project_kv` and `attend` take them."""
+        q_BHSE, k_BHSE, v_BHSE = self.in_projection(x_BSD, (self.q_proj, self.k_proj, self.v_proj), real)
+        return q_BHSE, k_BHSE, v_BHSE
 
     @torch.no_grad()
     def key_mass(self, x_BQD: Tensor, k_BHKE: Tensor, visible_BK: Tensor, query_ok_BQ: Tensor,
@@ -408,8 +429,12 @@ class Attention(nn.Module):
                 is_causal: bool = False, real: RealTokens | None = None) -> Tensor:
         """`real`: x holds only the real tokens (U D) of the rows `real` describes; the projections run on those
         alone, the attention on the rows, and the output comes back as real tokens."""
-        q = self.q_proj(x_BQD)
-        q_BHQE = self.split_heads(q if real is None else real.to_rows(q))
+        (q_BHQE,) = self.in_projection(x_BQD, (self.q_proj,), real)
+        return self.attend(q_BHQE, k_BHLE, v_BHLE, attn_bias, is_causal, real)
+
+    def attend(self, q_BHQE: Tensor, k_BHLE: Tensor, v_BHLE: Tensor, attn_bias: Tensor | None = None,
+               is_causal: bool = False, real: RealTokens | None = None) -> Tensor:
+        """`forward` from queries already in heads (`project_qkv`'s): the attention, then the output projection."""
         k_BHLE, v_BHLE = k_BHLE.to(q_BHQE.dtype), v_BHLE.to(q_BHQE.dtype)
         dropout_p = self.dropout if self.training else 0.0
         if is_key_bias(attn_bias) and not is_causal:
@@ -438,8 +463,8 @@ class EncoderLayer(nn.Module):
     def forward(self, x_BSD: Tensor, key_ok_B11S: Tensor, real: RealTokens | None = None) -> Tensor:
         """`real`: x holds only the real tokens (U D) of the rows; every layer but the attention runs on those."""
         h = self.self_attn_norm(x_BSD)
-        k, v = self.self_attn.project_kv(h, real)
-        x_BSD = x_BSD + self.dropout(self.self_attn(h, k, v, attn_bias=key_ok_B11S, real=real))
+        q, k, v = self.self_attn.project_qkv(h, real)
+        x_BSD = x_BSD + self.dropout(self.self_attn.attend(q, k, v, attn_bias=key_ok_B11S, real=real))
         return x_BSD + self.ffn(self.ffn_norm(x_BSD))
 
 
@@ -547,14 +572,14 @@ class DecoderLayer(nn.Module):
         the targets' real query positions as `query_ok_NT`), the cross-attention's unbiased mass on each key slot is
         put there as `key_mass_NK` (`Attention.key_mass`)."""
         h = self.self_attn_norm(x_NTD)
-        k, v = self.self_attn.project_kv(h, real)
+        q, k, v = self.self_attn.project_qkv(h, real)
         if cache is not None:
             if cache.self_k is not None and cache.self_v is not None:  # set together, below
                 k, v = torch.cat([cache.self_k, k], dim=2), torch.cat([cache.self_v, v], dim=2)
             cache.self_k, cache.self_v = k, v
         positions = x_NTD.shape[1] if real is None else real.width  # rows are right-padded: causal covers padding
-        x_NTD = x_NTD + self.dropout(self.self_attn(h, k, v, **causal_attention(positions, k.shape[2], k.device),
-                                                    real=real))
+        x_NTD = x_NTD + self.dropout(self.self_attn.attend(q, k, v, **causal_attention(positions, k.shape[2], k.device),
+                                                           real=real))
         # cross_attn and cross_attn_norm are made together (`cross_attention`): either both or neither
         if self.cross_attn is not None and self.cross_attn_norm is not None:
             if cross is None or beta is None:

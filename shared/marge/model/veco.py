@@ -105,8 +105,8 @@ class VecoLayer(nn.Module):
     def forward(self, x_BSD: Tensor, key_ok_B11S: Tensor, paired_BPD: Tensor | None = None,
                 paired_ok_B11P: Tensor | None = None) -> Tensor:
         h = self.self_attn_norm(x_BSD)
-        k, v = self.self_attn.project_kv(h)
-        x_BSD = x_BSD + self.dropout(self.self_attn(h, k, v, attn_bias=key_ok_B11S))
+        q, k, v = self.self_attn.project_qkv(h)
+        x_BSD = x_BSD + self.dropout(self.self_attn.attend(q, k, v, attn_bias=key_ok_B11S))
         if paired_BPD is not None:  # plugged in
             k, v = self.cross_attn.project_kv(paired_BPD)
             x_BSD = x_BSD + self.dropout(self.cross_attn(self.cross_attn_norm(x_BSD), k, v, attn_bias=paired_ok_B11P))
