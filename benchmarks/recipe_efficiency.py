@@ -428,7 +428,8 @@ def objective(model, objectives, prepared, device):
         inputs = prepared.parts[plugin.name]
         if inputs is None:
             continue
-        loss, predicted = plugin.loss(model, inputs.to(device))
+        out = plugin.loss(model, inputs.to(device))  # a tuple in trees before the objective registry
+        loss, predicted = (out.loss, out.predicted) if hasattr(out, "predicted") else out
         weighted = objectives.weights[plugin.name] * loss
         total = weighted if total is None else total + weighted
         if plugin.name == objectives.primary:
@@ -448,7 +449,7 @@ def executed_and_credited(meta_model, objectives, update: list, pad_id: int) -> 
             objective(meta_model, objectives, p, META)[0].backward()
     work = {"target": 0, "evidence": 0, "relevance": 0}
     for p in update:
-        for key, value in p.work(pad_id).items():
+        for key, value in (p.work(pad_id) if callable(p.work) else p.work).items():  # a method before the registry
             work[key] += value
     return counter.get_total_flops(), training_flops(meta_model.cfg, work["target"], work["evidence"], work["relevance"])
 

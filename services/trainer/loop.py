@@ -247,9 +247,7 @@ class TrainingLoop:
         prepared = [item.prepared for item in update.items if item.slot in kept and item.prepared is not None]
         if not prepared:
             return None
-        pad = self.t.specials.pad_id
-        works = [p.work(pad) for p in prepared]
-        return {k: sum(w[k] for w in works) for k in ("target", "evidence", "relevance")}
+        return {k: sum(p.work[k] for p in prepared) for k in ("target", "evidence", "relevance")}
 
 
 def share_relevance_center(model: nn.Module, reduce: Callable[[torch.Tensor], None]) -> None:

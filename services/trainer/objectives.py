@@ -48,6 +48,10 @@ those. What the run needs follows from them (`ObjectivesConfig.needs_index`, `.b
 
 Randomness is keyed by (run seed, step, slot of the batch in the step), so a batch is prepared the same
 way on a DDP rank, in the reference loop and in the single-process run.
+
+Each objective is registered (`services.trainer.objective_registry`: its settings, its random stream, its role and
+how it is built), and `Objectives` builds the configured ones from the registry: a new objective is one class and
+one registration, its settings under `objectives.registered.<name>` (or, for one of this package, a field here).
 """
 
 from __future__ import annotations
@@ -69,12 +73,20 @@ from marge.contracts.batch import (
     as_labels,
     encoder_rows_flat,
 )
-from marge.contracts.config import ConfigError, FieldError, at_least, one_of, positive, within
+from marge.contracts.config import ConfigError, FieldError, at_least, build, one_of, positive, within
 from marge.model.layers import RealTokens, pad_rows
 from marge.model.network import Marge, MargeOutput
 from marge.model.veco import mlm_mask
 from services.trainer.inputs import ATTEND_TO, EXACT, AttentionLayout, ModelInputs, real_tokens, to_model_inputs
 from services.trainer.noising import BartNoise, bart_noise
+from services.trainer.objective_registry import (
+    PASSES,
+    REGISTRY,
+    ObjectiveContext,
+    ObjectiveLoss,
+    Registration,
+    register,
+)
 
 VECO_PAIRS = ("halves", "index")
 MAIN_OBJECTIVES = ("marge", "bart", "veco")
@@ -213,10 +225,15 @@ class ObjectivesConfig:
     """Deviation: a contrastive loss that makes g a fingerprint of its document (with marge)."""
     relevance_distillation: RelevanceDistillationConfig | None = None
     """Extension beyond the paper: f is trained to match which documents the decoder reads (with marge)."""
+    registered: dict[str, Any] = field(default_factory=dict)
+    """Objectives registered outside this package (`services.trainer.objective_registry.register`), by their
+    registered name: each one's settings, as its registration's settings class takes them."""
 
     def __post_init__(self) -> None:
         if all(getattr(self, name) is None for name in MAIN_OBJECTIVES):
             object.__setattr__(self, "marge", MargeObjectiveConfig())  # the default run: MARGE alone
+        object.__setattr__(self, "registered", {name: registered_settings(name, value)
+                                                for name, value in self.registered.items()})
         if self.self_evidence is not None and self.self_evidence.prob == 0:
             raise FieldError("self_evidence.prob", 0, "> 0 (or leave self_evidence out to turn it off)")
         if self.veco is not None and (self.marge is not None or self.bart is not None):
@@ -224,16 +241,22 @@ class ObjectivesConfig:
                               "marge.model.veco); it cannot share a run with marge or bart (an encoder-decoder): "
                               "configure veco alone")
         if self.marge is None:
-            for aux in ("self_evidence", "denoising_contrastive", "relevance_distillation"):
-                if getattr(self, aux) is not None:
+            for aux in self.enabled:
+                if REGISTRY[aux].needs_marge:
                     raise ConfigError(f"objectives.{aux} is an auxiliary of the marge objective: add "
                                       f"objectives.marge or remove {aux}")
 
+    def config_of(self, name: str) -> Any:
+        """The settings of objective `name` (None: not configured)."""
+        if name in self.registered:
+            return self.registered[name]
+        return getattr(self, name, None) if name in BUILT_IN else None
+
     @property
     def enabled(self) -> tuple[str, ...]:
-        """The configured objectives, main ones first."""
-        names = (*MAIN_OBJECTIVES, "self_evidence", "denoising_contrastive", "relevance_distillation")
-        return tuple(name for name in names if getattr(self, name) is not None)
+        """The configured objectives in registration order, main ones first."""
+        ordered = sorted(REGISTRY.values(), key=lambda r: r.role != "main")  # stable: registration order within
+        return tuple(r.name for r in ordered if self.config_of(r.name) is not None)
 
     @property
     def primary(self) -> str:
@@ -264,7 +287,28 @@ class ObjectivesConfig:
     @property
     def needs_corpus(self) -> bool:
         """Whether the trainer must read the corpus (the denoising loss draws extra negatives from it)."""
-        return self.denoising_contrastive is not None and self.denoising_contrastive.extra_documents > 0
+        return any(REGISTRY[name].needs_corpus(self.config_of(name)) for name in self.enabled)
+
+
+BUILT_IN = ("marge", "bart", "veco", "self_evidence", "denoising_contrastive", "relevance_distillation")
+"""The objectives with a field of their own in `ObjectivesConfig` (registered at the end of this module)."""
+
+
+def registered_settings(name: str, value: Any) -> Any:
+    """`objectives.registered.<name>`'s settings as its registration's class (a mapping from YAML is built and
+    checked; settings already built pass through)."""
+    registration = REGISTRY.get(name)
+    if registration is None or name in BUILT_IN:
+        known = sorted(set(REGISTRY) - set(BUILT_IN))
+        what = "has its own key: objectives." + name if name in BUILT_IN else "is not a registered objective"
+        raise ConfigError(f"objectives.registered.{name}: {what} (registered outside this package: {known or 'none'}; "
+                          "register one with services.trainer.objective_registry.register)")
+    if registration.role == "main":
+        raise ConfigError(f"objectives.registered.{name}: a main objective decides the run's batches and model, "
+                          "which only this package's main objectives (marge, bart, veco) declare")
+    if isinstance(value, registration.config):
+        return value
+    return build(registration.config, value, f"objectives.registered.{name}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -392,9 +436,14 @@ class MargeObjective:
         return model(**inputs.as_kwargs(), width=inputs.width, detach_relevance=inputs.detach_relevance,
                      layout=inputs.layout, reading=self.distillation is not None)
 
-    def loss(self, model: torch.nn.Module, inputs: ModelInputs) -> tuple[Tensor, Tensor]:
+    def loss(self, model: torch.nn.Module, inputs: ModelInputs) -> ObjectiveLoss:
         out = self.output(model, inputs)
-        return out.loss, out.tokens_per_target_N.sum()
+        return ObjectiveLoss(out.loss, out.tokens_per_target_N.sum(), self.companion_losses(out, inputs),
+                             out.relevance_NM)
+
+    def work(self, inputs: ModelInputs, pad_id: int) -> dict[str, int]:
+        return {"target": real_count(inputs.labels_NT, pad_id), "evidence": real_count(inputs.evidence_MS, pad_id),
+                "relevance": real_count(inputs.target_enc_NS, pad_id)}
 
     def companion_losses(self, out: MargeOutput, inputs: ModelInputs) -> dict[str, Tensor]:
         """Losses made from the same forward as the reconstruction's (`output`): the relevance distillation."""
@@ -432,7 +481,7 @@ class BartObjective:
         self.cfg, self.specials, self.sentence_ends, self.vocab_size = cfg, specials, sentence_ends, vocab_size
         self.text_low = first_text_id(specials)
 
-    def prepare(self, batch: Batch, rng: np.random.Generator) -> Tensors:
+    def prepare(self, batch: Batch, rng: np.random.Generator, step: int = 0) -> Tensors:
         sp = self.specials
         sources, decoder_in, labels = [], [], []
         for i in batch.targets:
@@ -445,12 +494,15 @@ class BartObjective:
         return Tensors(evidence_MS=pad_rows(sources, sp.pad_id), decoder_in_NT=pad_rows(decoder_in, sp.pad_id),
                        labels_NT=pad_rows(labels, sp.pad_id), allowed_NM=torch.eye(n, dtype=torch.bool))
 
-    def loss(self, model: torch.nn.Module, inputs: Tensors) -> tuple[Tensor, Tensor]:
+    def loss(self, model: torch.nn.Module, inputs: Tensors) -> ObjectiveLoss:
         # each target reads its own noised copy (an identity mask), every row starts with BOS: width 1 (one document
         # per target; for a single target that is every document, the shared layout), known without a device read
         out = model(evidence_MS=inputs["evidence_MS"], target_enc_NS=None, decoder_in_NT=inputs["decoder_in_NT"],
                     labels_NT=inputs["labels_NT"], allowed_NM=inputs["allowed_NM"], width=1)
-        return out.loss, out.tokens_per_target_N.sum()
+        return ObjectiveLoss(out.loss, out.tokens_per_target_N.sum())
+
+    def work(self, inputs: Tensors, pad_id: int) -> dict[str, int]:
+        return {"target": real_count(inputs["labels_NT"], pad_id), "evidence": real_count(inputs["evidence_MS"], pad_id)}
 
 
 def split_in_halves(tokens: np.ndarray, sentence_ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -488,7 +540,7 @@ class VecoObjective:
         return [split_in_halves(d, self.sentence_ends) for d in docs if len(d) >= 2] or \
                [(d, d) for d in docs]  # one-token documents only (the substitute batch): a copy pair
 
-    def prepare(self, batch: Batch, rng: np.random.Generator) -> Tensors:
+    def prepare(self, batch: Batch, rng: np.random.Generator, step: int = 0) -> Tensors:
         sp = self.specials
         rows: dict[str, list[list[int]]] = {"x_in": [], "x_labels": [], "y_in": [], "y_labels": []}
         for x, y in self.pairs(batch):
@@ -498,11 +550,14 @@ class VecoObjective:
                 rows[f"{side}_labels"].append([sp.pad_id, *np.where(labels < 0, sp.pad_id, labels).tolist(), sp.pad_id])
         return Tensors({f"{name}_BS": pad_rows(r, sp.pad_id) for name, r in rows.items()})
 
-    def loss(self, model: torch.nn.Module, inputs: Tensors) -> tuple[Tensor, Tensor]:
+    def loss(self, model: torch.nn.Module, inputs: Tensors) -> ObjectiveLoss:
         out = model(inputs["x_in_BS"], inputs["x_labels_BS"], inputs["y_in_BS"], inputs["y_labels_BS"])
         text_tokens = ((inputs["x_in_BS"] != self.specials.pad_id).sum() + (inputs["y_in_BS"] != self.specials.pad_id).sum()
                        - 2 * ENCODER_SPECIALS * inputs["x_in_BS"].shape[0])  # x and y rows, without BOS and EOS
-        return out.loss, text_tokens
+        return ObjectiveLoss(out.loss, text_tokens)
+
+    def work(self, inputs: Tensors, pad_id: int) -> dict[str, int]:
+        return {}  # VECO's passes are counted by its own formula (`marge.model.sizes`)
 
 
 class DenoisingContrastiveObjective:
@@ -515,7 +570,7 @@ class DenoisingContrastiveObjective:
         self.cfg, self.specials, self.corpus_tokens, self.unpadded = cfg, specials, corpus_tokens, unpadded
         self.attention = attention
 
-    def prepare(self, batch: Batch, rng: np.random.Generator) -> Tensors | None:
+    def prepare(self, batch: Batch, rng: np.random.Generator, step: int = 0) -> Tensors | None:
         views = denoising_views(batch, self.cfg, self.specials, self.corpus_tokens, rng)
         if views is None:
             return None
@@ -526,17 +581,32 @@ class DenoisingContrastiveObjective:
                                                   self.attention)
         return out
 
-    def loss(self, model: torch.nn.Module, views: Tensors) -> tuple[Tensor, Tensor]:
+    def loss(self, model: torch.nn.Module, views: Tensors) -> ObjectiveLoss:
         real = (views["first_real"], views["second_real"]) if "first_real" in views else None
         # the trainer's model is a Marge (or a compiled one, which forwards its methods)
         loss = denoising_loss(cast(Marge, core_model(model)), (views["first"], views["second"]), self.cfg.temperature,
                               real)
-        return loss, torch.zeros((), dtype=torch.long)
+        return ObjectiveLoss(loss, torch.zeros((), dtype=torch.long))
+
+    def work(self, views: Tensors, pad_id: int) -> dict[str, int]:
+        return {"relevance": real_count(views["first"], pad_id) + real_count(views["second"], pad_id)}
 
 
-RNG_STREAM = {"marge": 0, "denoising_contrastive": 1, "bart": 2, "veco": 3}
-"""Each objective draws from its own stream of the batch's seed key, so adding one leaves the others' draws
-(and so earlier runs' figures) unchanged."""
+class SelfEvidence:
+    """(Deviation, with marge) an augmentation: noised self-copies added to a batch as evidence (`with_self_evidence`)."""
+
+    name = "self_evidence"
+
+    def __init__(self, cfg: SelfEvidenceConfig):
+        self.cfg = cfg
+
+    def augment(self, batch: Batch, step: int, rng: np.random.Generator) -> Batch:
+        return with_self_evidence(batch, self.cfg, step, rng)
+
+
+def real_count(tokens: Tensor, pad_id: int) -> int:
+    """Tokens of `tokens` that are not padding."""
+    return int((tokens != pad_id).sum())
 
 
 @dataclass
@@ -549,31 +619,13 @@ class PreparedBatch:
 
     batch_id: str
     parts: dict[str, Any]  # each objective's own inputs (ModelInputs, Tensors, ...), or None
+    work: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PASSES, 0))
+    """Tokens each kind of pass of the step processes for this batch, augmentation included (self-evidence copies,
+    the denoising loss's views), summed over the objectives (`Objective.work`): what MFU credits."""
 
     def pin_memory(self) -> "PreparedBatch":
-        return PreparedBatch(self.batch_id, {k: None if v is None else v.pin_memory() for k, v in self.parts.items()})
-
-    def work(self, pad_id: int) -> dict[str, int]:
-        """Tokens each kind of pass of the step processes for this batch, augmentation included (self-evidence copies,
-        the denoising loss's views): `target` decoded, `evidence` through the whole encoder, `relevance` through g
-        alone. What MFU credits (`marge.model.sizes.training_flops`); VECO's passes are counted by its own formula."""
-        def real(t) -> int:
-            return int((t != pad_id).sum())
-
-        out = {"target": 0, "evidence": 0, "relevance": 0}
-        marge = self.parts.get("marge")
-        if marge is not None:
-            out["target"] += real(marge.labels_NT)
-            out["evidence"] += real(marge.evidence_MS)
-            out["relevance"] += real(marge.target_enc_NS)
-        bart = self.parts.get("bart")
-        if bart is not None:
-            out["target"] += real(bart["labels_NT"])
-            out["evidence"] += real(bart["evidence_MS"])
-        views = self.parts.get("denoising_contrastive")
-        if views is not None:
-            out["relevance"] += real(views["first"]) + real(views["second"])
-        return out
+        return PreparedBatch(self.batch_id, {k: None if v is None else v.pin_memory() for k, v in self.parts.items()},
+                             self.work)
 
 
 @dataclass
@@ -600,42 +652,36 @@ class Objectives:
                  attention: AttentionLayout = EXACT):
         """`unpadded`: MARGE batches and the denoising loss's views run on their real tokens only
         (`trainer.unpadded`), their attention laid out as `attention` says (`AttentionLayout.of` the trainer's
-        settings)."""
-        if cfg.needs_corpus and not corpus_tokens:
-            raise ValueError("objectives.denoising_contrastive.extra_documents > 0 needs the corpus's documents")
-        if (cfg.bart is not None or cfg.veco is not None) and (sentence_ends is None or vocab_size is None):
-            raise ValueError("the bart and veco objectives need the tokenizer's sentence ends and vocabulary size "
-                             "(build them with `objectives_for`)")
+        settings). Each configured objective is built by its registration."""
+        context = ObjectiveContext(specials, corpus_tokens, sentence_ends, vocab_size, unpadded, attention, cfg)
         self.cfg, self.specials, self.primary = cfg, specials, cfg.primary
         self.plugins: list = []
-        if cfg.marge is not None:
-            self.plugins.append(MargeObjective(cfg.marge, specials, unpadded, cfg.relevance_distillation, attention))
-        # both given when bart or veco is on (checked above)
-        ends, vocab = cast(np.ndarray, sentence_ends), cast(int, vocab_size)
-        if cfg.bart is not None:
-            self.plugins.append(BartObjective(cfg.bart, specials, ends, vocab))
-        if cfg.veco is not None:
-            self.plugins.append(VecoObjective(cfg.veco, specials, ends, vocab))
-        if cfg.denoising_contrastive is not None:
-            self.plugins.append(DenoisingContrastiveObjective(cfg.denoising_contrastive, specials, corpus_tokens,
-                                                              unpadded, attention))
-        self.weights = {p.name: getattr(cfg, p.name).weight for p in self.plugins}
-        if cfg.relevance_distillation is not None:
-            self.weights["relevance_distillation"] = cfg.relevance_distillation.weight
+        """The objectives with a loss of their own, in `cfg.enabled`'s order."""
+        self.augmentations: list = []
+        """The objectives that change a batch before the plug-ins prepare it."""
+        for name in cfg.enabled:
+            registration = REGISTRY[name]
+            if registration.build is not None:
+                built = registration.build(cfg.config_of(name), context)
+                (self.augmentations if registration.role == "augmentation" else self.plugins).append(built)
+        self.weights = {p.name: cfg.config_of(p.name).weight for p in self.plugins}
+        self.weights.update({name: cfg.config_of(name).weight for name in cfg.enabled
+                             if REGISTRY[name].role == "companion"})
         self.part_names = tuple(self.weights)
         """Every loss the step sums, as logged: each plug-in's, and the marge objective's companions."""
 
     def prepare(self, batch: Batch, seed_key: tuple[int, ...]) -> PreparedBatch:
         """`seed_key` = (run seed, step, slot of the batch within the step)."""
-        if self.cfg.self_evidence is not None:
-            step = seed_key[1] if len(seed_key) > 1 else 0
-            batch = with_self_evidence(batch, self.cfg.self_evidence, step, np.random.default_rng(list(seed_key)))
         step = seed_key[1] if len(seed_key) > 1 else 0
-        parts = {p.name: (p.prepare(batch, np.random.default_rng([*seed_key, RNG_STREAM[p.name]]), step)
-                          if isinstance(p, MargeObjective) else
-                          p.prepare(batch, np.random.default_rng([*seed_key, RNG_STREAM[p.name]])))
-                 for p in self.plugins}
-        return PreparedBatch(batch.batch_id, parts)
+        for augmentation in self.augmentations:
+            batch = augmentation.augment(batch, step, objective_rng(augmentation.name, seed_key))
+        parts = {p.name: p.prepare(batch, objective_rng(p.name, seed_key), step) for p in self.plugins}
+        work = dict.fromkeys(PASSES, 0)
+        for plugin in self.plugins:
+            if parts[plugin.name] is not None:
+                for kind, tokens in plugin.work(parts[plugin.name], self.specials.pad_id).items():
+                    work[kind] += tokens
+        return PreparedBatch(batch.batch_id, parts, work)
 
     def losses(self, model: torch.nn.Module, prepared: PreparedBatch, device: torch.device, bf16: bool) -> Losses:
         """The weighted objective of one prepared batch (`model` may be DDP-wrapped: its forward runs the model)."""
@@ -648,24 +694,26 @@ class Objectives:
                 inputs = prepared.parts[plugin.name]
                 if inputs is None:
                     continue
-                companions: dict[str, Tensor] = {}
-                if isinstance(plugin, MargeObjective):
-                    moved = inputs.to(device)
-                    out = plugin.output(model, moved)
-                    loss, predicted, relevance = out.loss, out.tokens_per_target_N.sum(), out.relevance_NM
-                    companions = plugin.companion_losses(out, moved)
-                else:
-                    loss, predicted = plugin.loss(model, inputs.to(device))
-                for name, value in {plugin.name: loss, **companions}.items():
+                out = plugin.loss(model, inputs.to(device))
+                if out.relevance_NM is not None:
+                    relevance = out.relevance_NM
+                for name, value in {plugin.name: out.loss, **out.companions}.items():
                     weighted[name] = self.weights[name] * value
                     objective = weighted[name] if objective is None else objective + weighted[name]
                     parts[name] = value.detach()
                 if plugin.name == self.primary:
-                    tokens = predicted
+                    tokens = out.predicted
         if objective is None or tokens is None:  # the step backpropagates the objective and counts these tokens
             raise ValueError(f"batch {prepared.batch_id}: the primary objective {self.primary!r} has nothing to "
                              "train on (untrainable() should have set this batch aside)")
         return Losses(objective, parts, tokens, weighted, relevance)
+
+
+def objective_rng(name: str, seed_key: tuple[int, ...]) -> np.random.Generator:
+    """Objective `name`'s generator for the batch of `seed_key`: its own stream of the key (the key itself for an
+    objective registered without one)."""
+    stream = REGISTRY[name].rng_stream
+    return np.random.default_rng(list(seed_key) if stream is None else [*seed_key, stream])
 
 
 def apply_objective_settings(model: torch.nn.Module, cfg: ObjectivesConfig) -> torch.nn.Module:
@@ -685,3 +733,38 @@ def objectives_for(cfg: ObjectivesConfig, tokenizer, corpus_tokens: list | None 
     pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
     return Objectives(cfg, tokenizer.specials, corpus_tokens, sentence_end_ids(pieces), tokenizer.vocab_size,
                       unpadded, attention)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The built-in objectives' registrations
+# ----------------------------------------------------------------------------------------------------
+
+
+def tokenizer_facts(context: ObjectiveContext) -> tuple[np.ndarray, int]:
+    """The sentence ends and vocabulary size bart and veco need, or a clear error."""
+    if context.sentence_ends is None or context.vocab_size is None:
+        raise ValueError("the bart and veco objectives need the tokenizer's sentence ends and vocabulary size "
+                         "(build them with `objectives_for`)")
+    return context.sentence_ends, context.vocab_size
+
+
+def denoising_contrastive(cfg: DenoisingContrastiveConfig, context: ObjectiveContext) -> DenoisingContrastiveObjective:
+    if cfg.extra_documents > 0 and not context.corpus_tokens:
+        raise ValueError("objectives.denoising_contrastive.extra_documents > 0 needs the corpus's documents")
+    return DenoisingContrastiveObjective(cfg, context.specials, context.corpus_tokens, context.unpadded,
+                                         context.attention)
+
+
+# the random streams are those every run so far drew from: changing one changes every figure made with it
+register(Registration("marge", MargeObjectiveConfig, 0, "main", needs_marge=False,
+                      build=lambda cfg, c: MargeObjective(cfg, c.specials, c.unpadded,
+                                                          c.settings.relevance_distillation, c.attention)))
+register(Registration("bart", BartObjectiveConfig, 2, "main", needs_marge=False,
+                      build=lambda cfg, c: BartObjective(cfg, c.specials, *tokenizer_facts(c))))
+register(Registration("veco", VecoObjectiveConfig, 3, "main", needs_marge=False,
+                      build=lambda cfg, c: VecoObjective(cfg, c.specials, *tokenizer_facts(c))))
+register(Registration("self_evidence", SelfEvidenceConfig, None, "augmentation",  # the seed key itself: its draws
+                      build=lambda cfg, c: SelfEvidence(cfg)))                    # predate the streams
+register(Registration("denoising_contrastive", DenoisingContrastiveConfig, 1, "auxiliary", build=denoising_contrastive,
+                      needs_corpus=lambda cfg: cfg.extra_documents > 0))
+register(Registration("relevance_distillation", RelevanceDistillationConfig, None, "companion"))

@@ -70,7 +70,7 @@ def test_the_denoising_views_unpadded_give_the_same_loss_and_gradients():
         views = DenoisingContrastiveObjective(cfg, SPECIALS, None, unpadded).prepare(skewed_batch(), np.random.default_rng(3))
         assert ("first_real" in views) == unpadded
         model.zero_grad(set_to_none=True)
-        loss = DenoisingContrastiveObjective(cfg, SPECIALS, None, unpadded).loss(model, views)[0]
+        loss = DenoisingContrastiveObjective(cfg, SPECIALS, None, unpadded).loss(model, views).loss
         loss.backward()
         figures.append((float(loss.detach()), model.encoder_layers[0].ffn.fc_in.weight.grad.clone()))
     assert figures[1][0] == pytest.approx(figures[0][0], rel=1e-6)

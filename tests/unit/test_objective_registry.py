@@ -1,0 +1,166 @@
+"""A new objective is one class and one registration (services.trainer.objective_registry): `SpreadObjective` below,
+an auxiliary loss that pushes a batch's targets' g vectors apart, joins a run from its config section alone, draws
+from its own random stream (the other objectives' inputs are unchanged), adds its weighted loss and its passes, and
+trains through the trainer's own update. Bad registrations and bad settings are refused naming what to fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from objective_inputs import VOCAB, objectives, toy_batch, toy_objectives
+
+from marge.contracts.batch import encoder_rows_flat
+from marge.contracts.config import ConfigError, positive
+from marge.model.architecture import preset
+from marge.model.network import Marge
+from services.trainer import step as step_module
+from services.trainer.config import TrainerConfig
+from services.trainer.objective_registry import REGISTRY, ObjectiveLoss, Registration, register, unregister
+from services.trainer.objectives import Tensors, core_model, real_count
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpreadConfig:
+    weight: float = 1.0
+    """Weight of this loss in the sum the step backpropagates."""
+    dropped: float = 0.0
+    """Share of each target's tokens dropped before g reads it (drawn from the objective's own stream)."""
+
+    def __post_init__(self) -> None:
+        positive(self, "weight")
+
+
+class SpreadObjective:
+    """The targets' g vectors pushed apart: the mean cosine between different targets of a batch."""
+
+    name = "spread"
+
+    def __init__(self, cfg: SpreadConfig, specials):
+        self.cfg, self.specials = cfg, specials
+
+    def prepare(self, batch, rng: np.random.Generator, step: int):
+        docs = [np.asarray(batch.doc_tokens[t]) for t in batch.targets]
+        docs = [d[rng.random(len(d)) >= self.cfg.dropped] if self.cfg.dropped else d for d in docs]
+        if len(docs) < 2:
+            return None
+        lengths = np.array([len(d) for d in docs])
+        return Tensors(rows=torch.from_numpy(encoder_rows_flat(np.concatenate(docs).astype(np.int64), lengths,
+                                                               self.specials)))
+
+    def loss(self, model, inputs) -> ObjectiveLoss:
+        g = F.normalize(core_model(model).relevance_vectors(inputs["rows"]).float(), dim=-1)
+        n = len(g)
+        cosines = (g @ g.T)[~torch.eye(n, dtype=torch.bool)]
+        return ObjectiveLoss(cosines.mean(), torch.zeros((), dtype=torch.long))
+
+    def work(self, inputs, pad_id: int) -> dict[str, int]:
+        return {"relevance": real_count(inputs["rows"], pad_id)}
+
+
+@pytest.fixture
+def spread():
+    """The registration, removed after the test."""
+    registration = register(Registration("spread", SpreadConfig, rng_stream=10, role="auxiliary",
+                                         build=lambda cfg, context: SpreadObjective(cfg, context.specials)))
+    yield registration
+    unregister("spread")
+
+
+def model() -> Marge:
+    torch.manual_seed(0)
+    return Marge(preset("tiny", vocab_size=VOCAB, max_positions=64)).train()
+
+
+def test_a_registered_objective_joins_from_its_section_and_adds_its_weighted_loss(spread):
+    cfg = objectives(marge={}, registered={"spread": {"weight": 0.5, "dropped": 0.2}})
+    assert cfg.enabled == ("marge", "spread") and cfg.config_of("spread") == SpreadConfig(weight=0.5, dropped=0.2)
+    run = toy_objectives(cfg)
+    assert [p.name for p in run.plugins] == ["marge", "spread"] and run.part_names == ("marge", "spread")
+    batch = toy_batch(np.random.default_rng(0))
+    prepared = run.prepare(batch, (0, 3, 1))
+    losses = run.losses(model(), prepared, CPU, bf16=False)
+    assert set(losses.parts) == {"marge", "spread"} and float(losses.parts["spread"]) != 0.0
+    assert float(losses.objective.detach()) == pytest.approx(
+        float(losses.parts["marge"]) + 0.5 * float(losses.parts["spread"]), rel=1e-6)
+    alone = toy_objectives(objectives(marge={})).prepare(batch, (0, 3, 1))
+    assert prepared.work["relevance"] == alone.work["relevance"] + real_count(prepared.parts["spread"]["rows"], 0)
+    assert prepared.work["target"] == alone.work["target"]
+
+
+def test_its_own_random_stream_leaves_the_other_objectives_draws_unchanged(spread):
+    batch = toy_batch(np.random.default_rng(1))
+    sections = {"marge": {}, "self_evidence": {"prob": 1.0, "until": 10}, "denoising_contrastive": {"weight": 0.3,
+                                                                                                   "extra_documents": 0}}
+    alone = toy_objectives(objectives(**sections)).prepare(batch, (0, 2, 0))
+    both = toy_objectives(objectives(**sections, registered={"spread": {"dropped": 0.5}})).prepare(batch, (0, 2, 0))
+    for a, b in zip(alone.parts["marge"].tensors(), both.parts["marge"].tensors()):
+        assert torch.equal(a, b)
+    for name in ("first", "second"):
+        assert torch.equal(alone.parts["denoising_contrastive"][name], both.parts["denoising_contrastive"][name])
+    again = toy_objectives(objectives(marge={}, registered={"spread": {"dropped": 0.5}})).prepare(batch, (0, 2, 0))
+    assert torch.equal(again.parts["spread"]["rows"], both.parts["spread"]["rows"])  # keyed by its stream alone
+    other_step = toy_objectives(objectives(marge={}, registered={"spread": {"dropped": 0.5}})).prepare(batch, (0, 5, 0))
+    assert not torch.equal(other_step.parts["spread"]["rows"], both.parts["spread"]["rows"])
+
+
+def test_it_trains_through_the_trainers_update(spread):
+    """`train_step` backpropagates it: its targets' g vectors, near one direction at init, spread apart (marge's loss
+    is weighted to almost nothing, so that this loss alone moves g)."""
+    cfg = objectives(marge={"weight": 1e-30}, registered={"spread": {"weight": 1.0}})
+    run = toy_objectives(cfg)
+    net = model()
+    trainer = TrainerConfig(lr=1e-2, warmup_steps=0)
+    optimizer = step_module.build_optimizer(net, trainer)
+    scheduler = step_module.build_scheduler(optimizer, trainer, 10)
+    batches = [toy_batch(np.random.default_rng(s)) for s in range(2)]
+    prepared = [run.prepare(b, (0, 0, k)) for k, b in enumerate(batches)]
+    before = float(np.mean([float(run.losses(net, p, CPU, False).parts["spread"]) for p in prepared]))
+    for step in range(15):
+        step_module.train_step(net, optimizer, scheduler, run, batches, trainer, step, CPU)
+    after = float(np.mean([float(run.losses(net, p, CPU, False).parts["spread"]) for p in prepared]))
+    assert after < before - 0.05, (before, after)
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"registered": {"nowhere": {}}}, "objectives.registered.nowhere: is not a registered objective"),
+    ({"registered": {"bart": {}}}, "has its own key: objectives.bart"),
+    ({"registered": {"spread": {"weight": 0}}}, "objectives.registered.spread.weight must be > 0"),
+    ({"registered": {"spread": {"wieght": 1}}}, "did you mean 'weight'"),
+    ({"bart": {}, "registered": {"spread": {}}}, "objectives.spread is an auxiliary of the marge objective"),
+])
+def test_bad_settings_are_refused_naming_the_key(spread, sections, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        objectives(**sections)
+
+
+def test_a_registration_must_take_a_new_name_and_a_new_stream():
+    with pytest.raises(ValueError, match="already registered"):
+        register(Registration("bart", SpreadConfig, 11, "auxiliary", build=lambda cfg, c: None))
+    with pytest.raises(ValueError, match="rng_stream 1 is 'denoising_contrastive'"):
+        register(Registration("other", SpreadConfig, 1, "auxiliary", build=lambda cfg, c: None))
+    with pytest.raises(ValueError, match="needs a build function"):
+        Registration("other", SpreadConfig, 11, "auxiliary")
+    with pytest.raises(ValueError, match="role 'loss' is not one of"):
+        Registration("other", SpreadConfig, 11, "loss", build=lambda cfg, c: None)
+    assert "other" not in REGISTRY
+
+
+def test_a_registered_main_objective_is_refused():
+    register(Registration("mainly", SpreadConfig, 12, "main", build=lambda cfg, c: None, needs_marge=False))
+    try:
+        with pytest.raises(ConfigError, match="only this package's main objectives"):
+            objectives(registered={"mainly": {}})
+    finally:
+        unregister("mainly")
+
+
+def test_the_built_in_objectives_keep_their_streams():
+    """Every run's figures so far were drawn from these: a change here changes them all."""
+    assert {name: REGISTRY[name].rng_stream for name in ("marge", "denoising_contrastive", "bart", "veco")} == \
+        {"marge": 0, "denoising_contrastive": 1, "bart": 2, "veco": 3}
