@@ -106,12 +106,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def objectives(corpus_tokens, unpadded: bool, self_evidence: bool = True, contrastive: bool = True) -> Objectives:
+def objectives(unpadded: bool, self_evidence: bool = True, contrastive: bool = True) -> Objectives:
     return Objectives(ObjectivesConfig(
         marge=MargeObjectiveConfig(attend_to="linked"),
         self_evidence=SelfEvidenceConfig(prob=0.5, until=1500, deletion=0.3) if self_evidence else None,
         denoising_contrastive=DenoisingContrastiveConfig(weight=0.3, extra_documents=64) if contrastive else None),
-        SPECIALS, corpus_tokens, unpadded=unpadded)
+        SPECIALS, unpadded=unpadded)
 
 
 def prepare_all(obj: Objectives, batches: list) -> tuple[list, float]:
@@ -189,7 +189,7 @@ def timed_update(name: str, obj, batches, prepared, timed: int, dropout: float |
 def compile_part(kind: str) -> None:
     """One compile probe (run in its own process): the first update (cold compile) and the steady update."""
     made = recipe_batches(8, max_tokens=2048 if ARGS.smoke else 16384)
-    obj = objectives(made.corpus_tokens, True)
+    obj = objectives(True)
     prepared, _ = prepare_all(obj, made.batches)
     model, optimizer, scheduler = new_model(key_bias="flex" if kind == "regional_flex" else "folded")
     trained = compiled(model, True, "model" if kind == "whole_dynamic" else "layers")
@@ -214,7 +214,7 @@ def main() -> int:
          model=dict(d_model=MODEL.d_model, vocab=MODEL.vocab_size), per_update=PER_UPDATE)
     made = recipe_batches(4 if ARGS.smoke else 12, max_tokens=2048 if ARGS.smoke else 16384)
     batches = made.batches
-    padded_obj, unpadded_obj = objectives(made.corpus_tokens, False), objectives(made.corpus_tokens, True)
+    padded_obj, unpadded_obj = objectives(False), objectives(True)
     padded, padded_s = prepare_all(padded_obj, batches)
     unpadded, unpadded_s = prepare_all(unpadded_obj, batches)
     emit("B.batches", batches=len(batches), planner_ms_per_batch=1e3 * made.plan_seconds_per_batch,
@@ -297,7 +297,7 @@ def main() -> int:
             if left() < 40:
                 emit(name, skipped=f"{left():.0f} s left")
                 continue
-            obj = objectives(made.corpus_tokens, True, **kwargs)
+            obj = objectives(True, **kwargs)
             prepared, _ = prepare_all(obj, batches)
             timed_update(name, obj, batches, prepared, max(2, timed // 2), dropout)
             if cuda:

@@ -319,7 +319,7 @@ def recipe_trainer(variant: str, bucket_rows: int, bucket_width: int, smoke: boo
     return trainer
 
 
-def recipe_objectives(corpus_tokens: list, trainer: TrainerConfig) -> Objectives:
+def recipe_objectives(trainer: TrainerConfig) -> Objectives:
     """gpu_probe.py's objectives (MARGE over linked evidence, self-evidence, the denoising loss), their attention
     blocks laid out as the trainer says (`AttentionLayout.of`: buckets, packed cross-attention)."""
     from services.trainer.inputs import AttentionLayout
@@ -328,7 +328,7 @@ def recipe_objectives(corpus_tokens: list, trainer: TrainerConfig) -> Objectives
         marge=MargeObjectiveConfig(attend_to="linked"),
         self_evidence=SelfEvidenceConfig(prob=0.5, until=1500, deletion=0.3),
         denoising_contrastive=DenoisingContrastiveConfig(weight=0.3, extra_documents=64)),
-        SPECIALS, corpus_tokens, unpadded=trainer.unpadded, attention=AttentionLayout.of(trainer))
+        SPECIALS, unpadded=trainer.unpadded, attention=AttentionLayout.of(trainer))
 
 
 def execution(trainer: TrainerConfig) -> dict:
@@ -347,7 +347,7 @@ def recipe_arm(args: argparse.Namespace, variant: str, device: torch.device, dea
     if len(made.batches) < wanted:
         raise RuntimeError(f"recipe_batches made {len(made.batches)} batches of the {wanted} asked for "
                            f"(max_tokens {sizes.recipe_max_tokens}): lower recipe_never_seen_updates in Sizes")
-    obj = recipe_objectives(made.corpus_tokens, trainer)
+    obj = recipe_objectives(trainer)
     t0 = time.perf_counter()
     prepared = [obj.prepare(b, (0, 10, k % PER_UPDATE)) for k, b in enumerate(made.batches)]
     prepare_ms = 1e3 * (time.perf_counter() - t0) / len(prepared)

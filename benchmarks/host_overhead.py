@@ -81,15 +81,22 @@ def measure(compile_host: bool) -> dict:
     specials = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 5, "de": 6, "fr": 7})
     langs = ("en", "de", "fr")
 
+    import inspect
+
+    # the denoising loss's 16 negatives: unlinked documents in the batch, or drawn from a corpus by a tree's objectives
+    # before batches carried them
+    from_corpus = "corpus_tokens" in inspect.signature(Objectives).parameters
+
     def batch(rng) -> Batch:
         n_docs = int(rng.integers(6, 12))
+        n_linked, n_docs = n_docs, n_docs + (0 if from_corpus else 16)
         tokens = tuple(rng.integers(10, 60, size=int(n)).astype(np.int32) for n in rng.integers(4, 40, size=n_docs))
         n_targets = int(rng.integers(2, 4))
-        edges = [[t, e] for t in range(n_targets) for e in range(n_docs - n_targets) if rng.random() < 0.5]
+        edges = [[t, e] for t in range(n_targets) for e in range(n_linked - n_targets) if rng.random() < 0.5]
         edges += [[t, 0] for t in range(n_targets) if not any(e[0] == t for e in edges)]  # every target reads some
         return Batch(f"b{rng.integers(1 << 30)}", 0, 0, np.arange(n_docs, dtype=np.int64),
                      tuple(langs[i % 3] for i in range(n_docs)), tokens, np.arange(n_targets, dtype=np.int32),
-                     np.arange(n_targets, n_docs, dtype=np.int32), np.array(edges, dtype=np.int32),
+                     np.arange(n_targets, n_linked, dtype=np.int32), np.array(edges, dtype=np.int32),
                      np.ones(len(edges), dtype=np.float32))
 
     def model_of(d_model: int) -> Marge:
@@ -104,7 +111,7 @@ def measure(compile_host: bool) -> dict:
                                              self_evidence=SelfEvidenceConfig(prob=0.5, until=1000),
                                              denoising_contrastive=DenoisingContrastiveConfig(weight=0.3,
                                                                                               extra_documents=16)),
-                            specials, corpus_tokens)
+                            specials, **({"corpus_tokens": corpus_tokens} if from_corpus else {}))
     cfg = TrainerConfig(lr=1e-3, warmup_steps=0)
     slots = Slots(1, 2)
 

@@ -6,8 +6,10 @@ given `ceil(characters / 3.5)` random token ids (at most 126 text tokens: 128-po
 them in corpus order; each target is linked to its translations (the same paragraph of the same page in the other
 languages) and to two random paragraphs of its own language, as the recipe's index links a document to its top
 cross-lingual and monolingual neighbours (learning.yaml's links per document). The project's own greedy batcher
-(`services.batcher.greedy.plan_shard_batches`) then cuts each shard into batches of `max_tokens`. Only the code under
-test comes from the tree on sys.path; this file needs only `marge.contracts.batch.Batch` and the greedy planner from it.
+(`services.batcher.greedy.plan_shard_batches`) then cuts each shard into batches of `max_tokens`, and each batch carries
+`negatives` unlinked documents of its shard (`add_negatives`, as the batcher adds the denoising loss's
+`extra_documents`). Only the code under test comes from the tree on sys.path; this file needs only
+`marge.contracts.batch.Batch` and the greedy planner from it.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ DEMO = Path(__file__).resolve().parents[1] / "data" / "demo" / "libreoffice-help
 CHARS_PER_TOKEN = 3.5
 MAX_TEXT_TOKENS = 126
 DOCS_PER_SHARD = 512
+RECIPE_NEGATIVES = 64
+"""Unlinked documents each recipe batch carries: the learning recipe's `denoising_contrastive.extra_documents`."""
 
 
 @dataclass
 class RecipeBatches:
     batches: list  # marge.contracts.batch.Batch, each at least a quarter full (a shard's tail batch is dropped)
-    corpus_tokens: list[np.ndarray]  # every document's tokens (the denoising loss's extra negatives)
+    corpus_tokens: list[np.ndarray]  # every document's tokens (`objectives_corpus`: for trees before batches carried
+    # the denoising loss's negatives)
     plan_seconds_per_batch: float  # the greedy planner's time per batch it made
 
 
@@ -49,9 +54,20 @@ def demo_paragraphs(path: Path = DEMO) -> list[tuple[str, int, str, int]]:
     return docs
 
 
-def recipe_batches(count: int, max_tokens: int = 16384, seed: int = 0, vocab_size: int = 4000) -> RecipeBatches:
+def objectives_corpus(objectives_class, made: RecipeBatches) -> dict:
+    """`corpus_tokens=` for the `Objectives` of a tree whose denoising loss still drew its negatives from the whole
+    corpus (before batches carried them); nothing for one whose batches carry them."""
+    import inspect
+
+    return ({"corpus_tokens": made.corpus_tokens}
+            if "corpus_tokens" in inspect.signature(objectives_class).parameters else {})
+
+
+def recipe_batches(count: int, max_tokens: int = 16384, seed: int = 0, vocab_size: int = 4000,
+                   negatives: int = RECIPE_NEGATIVES) -> RecipeBatches:
     """`count` batches (fewer if the shards run out) from shards spread over the corpus."""
     from marge.contracts.batch import Batch
+    from services.batcher import greedy
     from services.batcher.greedy import plan_shard_batches
 
     docs = demo_paragraphs()
@@ -83,10 +99,12 @@ def recipe_batches(count: int, max_tokens: int = 16384, seed: int = 0, vocab_siz
                                       {i: docs[i][3] for i in ids}, max_tokens, 100.0, 1.0, np.random.default_rng(s))
         plan_seconds += time.perf_counter() - t0
         planned += len(plans)
+        if hasattr(greedy, "add_negatives"):  # a tree whose batches carry them
+            greedy.add_negatives(plans, np.array(ids), negatives, np.random.default_rng([seed, s, 1]))
         for n, plan in enumerate(plans):
             if sum(docs[x][3] for x in plan.targets) < max_tokens // 4:
                 continue  # a shard's tail batch
-            used = list(dict.fromkeys(plan.targets + plan.evidence))
+            used = list(dict.fromkeys(plan.targets + plan.evidence)) + list(getattr(plan, "negatives", []))
             position = {d: k for k, d in enumerate(used)}
             out.append(Batch(f"b{s}-{n}", 0, 0, np.array(used, dtype=np.int64), tuple(docs[d][2] for d in used),
                              tuple(tokens[d] for d in used), np.array([position[x] for x in plan.targets], dtype=np.int32),

@@ -459,7 +459,7 @@ def recipe_setup(unpadded: bool, narrow: bool, count: int, max_tokens: int, trai
     the denoising loss of learning-gpu.yaml; `unpadded` where the tree has it, or what `trainer`, a TrainerConfig,
     gives them: `objectives_settings`) and its model's config (`base`, 4k vocabulary, 128 positions, g = 1
     mean-pooled layer; `narrow`: d_model 64). For this tree or an exported one."""
-    from recipe_batches import LANGUAGES, recipe_batches
+    from recipe_batches import LANGUAGES, objectives_corpus, recipe_batches
 
     from marge.contracts.batch import SpecialTokens
     from marge.model.architecture import preset
@@ -484,7 +484,7 @@ def recipe_setup(unpadded: bool, narrow: bool, count: int, max_tokens: int, trai
                                              self_evidence=SelfEvidenceConfig(prob=0.5, until=1500, deletion=0.3),
                                              denoising_contrastive=DenoisingContrastiveConfig(weight=0.3,
                                                                                               extra_documents=64)),
-                            specials, made.corpus_tokens, **kwargs)
+                            specials, **objectives_corpus(Objectives, made), **kwargs)
     cfg = preset("base", vocab_size=4000, max_positions=128, relevance_layers=1, relevance_pooling="mean",
                  relevance_centering=True, tie_encoder_embeddings=False,
                  **(dict(d_model=64, num_heads=4, encoder_ffn=128, decoder_local_ffn=128, decoder_ffn=128) if narrow
@@ -500,6 +500,8 @@ def attention_census(trainer, smoke: bool, configured: bool = True) -> dict:
     else this file's stand-ins (`recipe_setup`: the denoising loss, as the H200 probe trained). An update is
     `PER_UPDATE` of them in order; `new_..._after_20` counts the signatures each of the updates after the 20th
     (smoke: the 2nd) shows for the first time, mean and max."""
+    from recipe_batches import objectives_corpus
+
     from marge.contracts.config import build
     from marge.model.architecture import preset
     from marge.model.sizes import build_on_meta
@@ -511,7 +513,7 @@ def attention_census(trainer, smoke: bool, configured: bool = True) -> dict:
     if configured:
         tree = recipe_config()
         objectives = Objectives(build(ObjectivesConfig, tree["objectives"], "objectives"), specials,
-                                made.corpus_tokens, **objectives_settings(trainer))
+                                **objectives_corpus(Objectives, made), **objectives_settings(trainer))
         model_section = {key: value for key, value in tree["model"].items() if key != "preset"}
         cfg = preset(tree["model"].get("preset", "base"), **{**model_section, "vocab_size": 4000},
                      **(dict(d_model=64, num_heads=4, encoder_ffn=128, decoder_local_ffn=128, decoder_ffn=128)

@@ -60,12 +60,20 @@ class BatchShape:
     extra_target_passes: int = 0
     """Extra encoder + decoder passes each target of a retrieval batch costs (a BART objective on MARGE's
     targets): counted in the token budget, so every objective's examples share one budget."""
+    negatives: int = 0
+    """Unlinked documents of its shard each retrieval batch carries besides its targets and evidence (neither
+    target nor evidence): the denoising loss's extra negatives (`objectives.denoising_contrastive.extra_documents`),
+    read from the batcher's bounded store instead of a whole corpus on every trainer. Not in the token budget: they
+    pass through g alone."""
 
     def __post_init__(self) -> None:
         if self.kind not in BATCH_KINDS:
             raise ValueError(f"batch kind must be one of {list(BATCH_KINDS)}, got {self.kind!r}")
         if self.extra_target_passes < 0:
             raise ValueError(f"extra_target_passes must be >= 0, got {self.extra_target_passes}")
+        if self.negatives < 0 or (self.negatives and self.kind != "retrieval"):
+            raise ValueError(f"negatives must be >= 0, and only retrieval batches carry them; got {self.negatives} "
+                             f"for {self.kind!r} batches")
 
     def target_cost(self, text_tokens: int) -> int:
         """Budget tokens of a target: decoded once, plus its extra passes (encoded and decoded again)."""

@@ -21,7 +21,7 @@ from marge.contracts.index_store import IndexVersion
 from marge.contracts.slots import BatchId
 from marge.util.files import BudgetCache
 from services.batcher.config import BatcherConfig, BatchShape
-from services.batcher.greedy import BatchPlan, plan_document_batches, plan_shard_batches
+from services.batcher.greedy import BatchPlan, add_negatives, plan_document_batches, plan_shard_batches
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class DocumentStore:
 
 
 def materialize(plan: BatchPlan, docs: ShardTokens, batch_id: BatchId, index_version: int, snapshot_step: int) -> Batch:
-    doc_ids = list(dict.fromkeys(plan.targets + plan.evidence))  # unique, first-seen order
+    # unique, first-seen order; the plan's unlinked negatives last (never one of its own: `add_negatives`)
+    doc_ids = list(dict.fromkeys(plan.targets + plan.evidence)) + plan.negatives
     pos = {d: i for i, d in enumerate(doc_ids)}
     edges = np.array([(t, e) for t, e, _ in plan.edges], dtype=np.int32).reshape(-1, 2)
     batch = Batch(batch_id=str(batch_id), index_version=index_version, snapshot_step=snapshot_step,
@@ -286,7 +287,13 @@ def plan_shard(version: IndexVersion, docs: DocumentStore, cfg: BatcherConfig, e
         shape.target_cost)
     if stats is not None:
         stats["oversized_seeds"] = stats.get("oversized_seeds", 0) + counters["oversized_seeds"]
+    add_negatives(plans, shard_docs.doc_ids, shape.negatives,
+                  np.random.default_rng([seed, version.version, epoch, shard, NEGATIVES_STREAM]))
     return plans, shard_docs
+
+
+NEGATIVES_STREAM = 1
+"""The negatives' stream of a shard's seed key (the plan's own draws take the key itself)."""
 
 
 NO_INDEX = -1

@@ -32,6 +32,7 @@ class BatchPlan:
     evidence: list[int] = field(default_factory=list)
     edges: list[tuple[int, int, float]] = field(default_factory=list)  # (target pos, evidence pos, weight)
     cost: int = 0
+    negatives: list[int] = field(default_factory=list)  # unlinked documents of the shard (`add_negatives`)
 
     @property
     def weight(self) -> float:
@@ -178,3 +179,18 @@ def plan_document_batches(doc_ids: np.ndarray, lengths: dict[int, int], max_toke
     if plan.targets:
         plans.append(plan)
     return plans, counters
+
+
+def add_negatives(plans: list[BatchPlan], doc_ids: np.ndarray, count: int, rng: np.random.Generator) -> None:
+    """Gives each plan `count` distinct documents of its shard that it does not already hold (fewer when the shard
+    has fewer): unlinked documents that travel in the batch as a contrastive loss's negatives (the denoising loss's
+    `extra_documents`), so that no trainer reads the corpus for them. Drawn in plan order from `rng`: the same
+    plans and generator always give the same negatives (batches are deterministic)."""
+    if count <= 0:
+        return
+    pool = np.asarray(doc_ids, dtype=np.int64)
+    for plan in plans:
+        held = set(plan.targets) | set(plan.evidence)
+        # count + |held| distinct draws leave at least `count` the plan does not hold: work in the draws, not the shard
+        drawn = pool[rng.choice(len(pool), size=min(len(pool), count + len(held)), replace=False)].tolist()
+        plan.negatives = [d for d in drawn if d not in held][:count]

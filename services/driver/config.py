@@ -321,7 +321,8 @@ class PipelineConfig:
 
     def batch_shape(self) -> BatchShape:
         """What the batcher builds for the run's objectives."""
-        return BatchShape(self.objectives.batches, self.objectives.extra_target_passes)
+        return BatchShape(self.objectives.batches, self.objectives.extra_target_passes,
+                          self.objectives.batch_negatives if self.objectives.batches == "retrieval" else 0)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML/JSON values (tuples as lists): what `load_config` reads back to an equal config."""

@@ -95,9 +95,11 @@ over the process group, and does not read the init weights; the driver, choosing
 hashes every part once (benchmarks/results/checkpoint-scale-cpu-2core.json: 961 MB for 80M parameters)."""
 
 
-def message_bytes(max_tokens: int, mean_document_tokens: float) -> float:
-    """A queue message for a full batch: 4 bytes a token plus the JSON header's share per document."""
-    return 4 * max_tokens + HEADER_BYTES_PER_DOCUMENT * max_tokens / max(mean_document_tokens, 1)
+def message_bytes(max_tokens: int, mean_document_tokens: float, negatives: int = 0) -> float:
+    """A queue message for a full batch: 4 bytes a token plus the JSON header's share per document, and the
+    `negatives` unlinked documents it carries besides its budget (`BatchShape.negatives`)."""
+    linked = 4 * max_tokens + HEADER_BYTES_PER_DOCUMENT * max_tokens / max(mean_document_tokens, 1)
+    return linked + negatives * (4 * mean_document_tokens + HEADER_BYTES_PER_DOCUMENT)
 
 
 def redis_footprint(cfg: PipelineConfig, mean_document_tokens: float, message: float | None = None,
@@ -112,7 +114,8 @@ def redis_footprint(cfg: PipelineConfig, mean_document_tokens: float, message: f
     t = cfg.trainer
     per_step = t.num_workers * t.grad_accum
     lookahead_steps = math.ceil(cfg.queue.max_depth / per_step)
-    message = message if message is not None else message_bytes(cfg.batcher.max_tokens, mean_document_tokens)
+    message = message if message is not None else message_bytes(cfg.batcher.max_tokens, mean_document_tokens,
+                                                                 cfg.batch_shape().negatives)
     steps = cfg.run.max_steps if steps is None else steps
     checkpoints = max(1, steps // t.checkpoint_every)
     parts = {
@@ -207,7 +210,8 @@ def plan_capacity(cfg: PipelineConfig, model_cfg: MargeConfig, documents: int, m
         "gpu_sized": (per_worker >= GPU_TARGET_TOKENS_PER_WORKER) if t.use_gpu else None,
         "grad_accum_for_gpu": accumulate,
         "queue_depth_updates": queue_updates,
-        "redis_queue_bytes": cfg.queue.max_depth * message_bytes(cfg.batcher.max_tokens, mean_document_tokens),
+        "redis_queue_bytes": cfg.queue.max_depth * message_bytes(cfg.batcher.max_tokens, mean_document_tokens,
+                                                                 cfg.batch_shape().negatives),
         "redis": redis,
         "redis_peak_bytes": redis["peak_bytes"],
         "shards": num_shards, "shards_per_build": shards_per_build, "documents_per_build": documents_per_build,
@@ -341,8 +345,9 @@ def matmul_flops_per_s(device: torch.device, threads: int, size: int = 512, seco
         torch.set_num_threads(previous)
 
 
-def corpus_batches(corpus, max_tokens: int, count: int, seed: int = 0) -> list:
-    """Batches of corpus documents filling `max_tokens`: each target linked to one evidence document."""
+def corpus_batches(corpus, max_tokens: int, count: int, seed: int = 0, negatives: int = 0) -> list:
+    """Batches of corpus documents filling `max_tokens`: each target linked to one evidence document, and
+    `negatives` unlinked documents of the shard besides (`BatchShape.negatives`)."""
     from marge.contracts.batch import Batch
 
     rng = np.random.default_rng(seed)
@@ -359,6 +364,9 @@ def corpus_batches(corpus, max_tokens: int, count: int, seed: int = 0) -> list:
             cost += len(shard.tokens[i]) + 2
         pairs = min(len(targets), len(evidence))
         docs = targets[:pairs] + evidence[:pairs]
+        others = np.setdiff1d(np.arange(len(shard)), docs)
+        if negatives:
+            docs += others[rng.choice(len(others), size=min(negatives, len(others)), replace=False)].tolist()
         edges = np.stack([np.arange(pairs), np.arange(pairs)], axis=1).astype(np.int32)
         out.append(Batch(f"plan-{b}", 0, 0, shard.doc_ids[docs].astype(np.int64), tuple(shard.langs[i] for i in docs),
                          tuple(shard.tokens[i] for i in docs), np.arange(pairs, dtype=np.int32),
@@ -398,7 +406,8 @@ def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps:
 
         torch.set_num_threads(max(1, cfg.trainer.torch_threads))
         accumulate = cfg.trainer.grad_accum  # an update as the config makes it: one optimizer step per grad_accum batches
-        batches = corpus_batches(corpus, cfg.batcher.max_tokens, (steps + 1) * accumulate, cfg.run.seed)
+        batches = corpus_batches(corpus, cfg.batcher.max_tokens, (steps + 1) * accumulate, cfg.run.seed,
+                                 cfg.batch_shape().negatives)
         updates = [batches[i:i + accumulate] for i in range(0, len(batches), accumulate)]
         trainer = replace(cfg.trainer, warmup_steps=0, total_steps=None)
         apply_execution_settings(model.train(), trainer)
@@ -406,8 +415,7 @@ def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps:
         if trainer.bf16_params:  # as the hosts train it
             bf16_parameters(model, optimizer)
         scheduler = build_scheduler(optimizer, trainer, 10**6)
-        objectives = objectives_for(cfg.objectives, tokenizer, list(documents) if cfg.objectives.needs_corpus else None,
-                                    trainer.unpadded, AttentionLayout.of(trainer))
+        objectives = objectives_for(cfg.objectives, tokenizer, trainer.unpadded, AttentionLayout.of(trainer))
         train_step(model, optimizer, scheduler, objectives, updates[0], trainer, 0, device)  # warm-up
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -322,9 +322,7 @@ class SingleProcessRun:
         """Train for `minutes` (None: no limit) or to run.max_steps, then checkpoint: one chunk of the run."""
         cfg, device, t = self.cfg, self.device, self.cfg.trainer
         model, optimizer, scheduler, state = self.build_training_state()
-        corpus_tokens = self.corpus.all_tokens() if cfg.objectives.needs_corpus else None
-        objectives = objectives_for(cfg.objectives, self.tokenizer, corpus_tokens, t.unpadded,
-                                    AttentionLayout.of(t))
+        objectives = objectives_for(cfg.objectives, self.tokenizer, t.unpadded, AttentionLayout.of(t))
 
         def prepare(batch: Batch, step: int, position: int) -> PreparedBatch:
             return objectives.prepare(batch, seed_key(cfg.run.seed, self.slots, step * self.slots.per_step + position))

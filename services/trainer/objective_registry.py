@@ -71,7 +71,6 @@ class ObjectiveContext:
     """What a run gives its objectives to be built with."""
 
     specials: SpecialTokens
-    corpus_tokens: list | None = None  # the corpus's documents, for an objective that draws from them
     sentence_ends: np.ndarray | None = None  # the tokenizer's sentence-ending ids (noising, halves)
     vocab_size: int | None = None
     unpadded: bool = False  # `trainer.unpadded`: inputs laid out on their real tokens
@@ -98,8 +97,10 @@ class Registration:
     accompanies)."""
     needs_marge: bool = True
     """Whether it may only run beside the marge objective (every non-main objective so far)."""
-    needs_corpus: Callable[[Any], bool] = field(default=lambda cfg: False)
-    """Whether, with these settings, it reads the corpus's documents (`ObjectiveContext.corpus_tokens`)."""
+    negatives: Callable[[Any], int] = field(default=lambda cfg: 0)
+    """How many unlinked documents of its shard, with these settings, it needs in each batch besides the targets
+    and evidence (the batcher adds them: `services.batcher.config.BatchShape.negatives`); no objective reads the
+    corpus itself."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -35,9 +35,10 @@ those. What the run needs follows from them (`ObjectivesConfig.needs_index`, `.b
   extra, linked evidence document (tokens deleted, neighbours shuffled), which the decoder learns to read
   within tens of updates, as in a denoising autoencoder. The share anneals linearly to 0 at `until`.
 * **denoising_contrastive** (deviation, with marge) — makes g a discriminative fingerprint of a document: two
-  noised views of every document in the batch, plus `extra_documents` random corpus documents as more
-  negatives (embedded with the current parameters: a queue of stale vectors lets the encoder drift away
-  from them, a degenerate solution), must find each other (SimCSE style). g learns which tokens identify a
+  noised views of every document in the batch, which carries `extra_documents` random unlinked documents of its
+  shard as more negatives (the batcher adds them from its bounded store; embedded with the current parameters: a
+  queue of stale vectors lets the encoder drift away from them, a degenerate solution), must find each other
+  (SimCSE style). g learns which tokens identify a
   document, like a learned IDF, and across languages the tokens they share.
 * **relevance_distillation** (extension beyond the paper, with marge) — f is trained towards which documents the
   decoder actually reads: KL(reading || softmax(f / temperature)) over each target's evidence (by default only
@@ -187,7 +188,8 @@ class DenoisingContrastiveConfig:
     temperature: float = 0.05
     """Softmax temperature of the cosines between views."""
     extra_documents: int = 32
-    """Random corpus documents added to each batch's loss as negatives."""
+    """Random unlinked documents of its shard each batch carries as more negatives (the batcher draws them from its
+    bounded store: `services.batcher.config.BatchShape.negatives`; no trainer reads the corpus)."""
 
     def __post_init__(self) -> None:
         positive(self, "weight", "temperature")
@@ -285,9 +287,9 @@ class ObjectivesConfig:
         return 1 if self.bart is not None and self.batches == "retrieval" else 0
 
     @property
-    def needs_corpus(self) -> bool:
-        """Whether the trainer must read the corpus (the denoising loss draws extra negatives from it)."""
-        return any(REGISTRY[name].needs_corpus(self.config_of(name)) for name in self.enabled)
+    def batch_negatives(self) -> int:
+        """Unlinked documents each retrieval batch carries for the objectives (the most any of them asks for)."""
+        return max((REGISTRY[name].negatives(self.config_of(name)) for name in self.enabled), default=0)
 
 
 BUILT_IN = ("marge", "bart", "veco", "self_evidence", "denoising_contrastive", "relevance_distillation")
@@ -352,12 +354,10 @@ def with_self_evidence(batch: Batch, cfg: SelfEvidenceConfig, step: int, rng: np
 
 
 def denoising_views(batch: Batch, cfg: DenoisingContrastiveConfig, specials: SpecialTokens,
-                    corpus_tokens: list | None, rng: np.random.Generator) -> tuple[Tensor, Tensor] | None:
-    """Two noised views (encoder input rows) of every document of the batch and of the extra negatives."""
-    docs = list(batch.doc_tokens)
-    if corpus_tokens and cfg.extra_documents:
-        docs += [corpus_tokens[i] for i in rng.integers(len(corpus_tokens), size=cfg.extra_documents)]
-    docs = [np.asarray(d) for d in docs if len(d) > 1]
+                    rng: np.random.Generator) -> tuple[Tensor, Tensor] | None:
+    """Two noised views (encoder input rows) of every document of the batch: its targets, its evidence and the
+    unlinked negatives it carries (`BatchShape.negatives`)."""
+    docs = [np.asarray(d) for d in batch.doc_tokens if len(d) > 1]
     if len(docs) < 2:
         return None
     flat = np.concatenate(docs).astype(np.int64)
@@ -565,13 +565,12 @@ class DenoisingContrastiveObjective:
 
     name = "denoising_contrastive"
 
-    def __init__(self, cfg: DenoisingContrastiveConfig, specials: SpecialTokens, corpus_tokens: list | None,
-                 unpadded: bool = False, attention: AttentionLayout = EXACT):
-        self.cfg, self.specials, self.corpus_tokens, self.unpadded = cfg, specials, corpus_tokens, unpadded
-        self.attention = attention
+    def __init__(self, cfg: DenoisingContrastiveConfig, specials: SpecialTokens, unpadded: bool = False,
+                 attention: AttentionLayout = EXACT):
+        self.cfg, self.specials, self.unpadded, self.attention = cfg, specials, unpadded, attention
 
     def prepare(self, batch: Batch, rng: np.random.Generator, step: int = 0) -> Tensors | None:
-        views = denoising_views(batch, self.cfg, self.specials, self.corpus_tokens, rng)
+        views = denoising_views(batch, self.cfg, self.specials, rng)
         if views is None:
             return None
         out = Tensors(first=views[0], second=views[1])
@@ -647,13 +646,12 @@ class Losses:
 class Objectives:
     """The configured objectives: `prepare` a batch (CPU), then `losses` of the prepared batch on the model."""
 
-    def __init__(self, cfg: ObjectivesConfig, specials: SpecialTokens, corpus_tokens: list | None = None,
-                 sentence_ends: np.ndarray | None = None, vocab_size: int | None = None, unpadded: bool = False,
-                 attention: AttentionLayout = EXACT):
+    def __init__(self, cfg: ObjectivesConfig, specials: SpecialTokens, sentence_ends: np.ndarray | None = None,
+                 vocab_size: int | None = None, unpadded: bool = False, attention: AttentionLayout = EXACT):
         """`unpadded`: MARGE batches and the denoising loss's views run on their real tokens only
         (`trainer.unpadded`), their attention laid out as `attention` says (`AttentionLayout.of` the trainer's
         settings). Each configured objective is built by its registration."""
-        context = ObjectiveContext(specials, corpus_tokens, sentence_ends, vocab_size, unpadded, attention, cfg)
+        context = ObjectiveContext(specials, sentence_ends, vocab_size, unpadded, attention, cfg)
         self.cfg, self.specials, self.primary = cfg, specials, cfg.primary
         self.plugins: list = []
         """The objectives with a loss of their own, in `cfg.enabled`'s order."""
@@ -725,14 +723,13 @@ def apply_objective_settings(model: torch.nn.Module, cfg: ObjectivesConfig) -> t
     return model
 
 
-def objectives_for(cfg: ObjectivesConfig, tokenizer, corpus_tokens: list | None = None,
-                   unpadded: bool = False, attention: AttentionLayout = EXACT) -> Objectives:
+def objectives_for(cfg: ObjectivesConfig, tokenizer, unpadded: bool = False,
+                   attention: AttentionLayout = EXACT) -> Objectives:
     """The run's objectives with what they need from its tokenizer (`marge.contracts.tokenizer.MargeTokenizer`)."""
     from services.trainer.noising import sentence_end_ids
 
     pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-    return Objectives(cfg, tokenizer.specials, corpus_tokens, sentence_end_ids(pieces), tokenizer.vocab_size,
-                      unpadded, attention)
+    return Objectives(cfg, tokenizer.specials, sentence_end_ids(pieces), tokenizer.vocab_size, unpadded, attention)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -748,11 +745,6 @@ def tokenizer_facts(context: ObjectiveContext) -> tuple[np.ndarray, int]:
     return context.sentence_ends, context.vocab_size
 
 
-def denoising_contrastive(cfg: DenoisingContrastiveConfig, context: ObjectiveContext) -> DenoisingContrastiveObjective:
-    if cfg.extra_documents > 0 and not context.corpus_tokens:
-        raise ValueError("objectives.denoising_contrastive.extra_documents > 0 needs the corpus's documents")
-    return DenoisingContrastiveObjective(cfg, context.specials, context.corpus_tokens, context.unpadded,
-                                         context.attention)
 
 
 # the random streams are those every run so far drew from: changing one changes every figure made with it
@@ -765,6 +757,7 @@ register(Registration("veco", VecoObjectiveConfig, 3, "main", needs_marge=False,
                       build=lambda cfg, c: VecoObjective(cfg, c.specials, *tokenizer_facts(c))))
 register(Registration("self_evidence", SelfEvidenceConfig, None, "augmentation",  # the seed key itself: its draws
                       build=lambda cfg, c: SelfEvidence(cfg)))                    # predate the streams
-register(Registration("denoising_contrastive", DenoisingContrastiveConfig, 1, "auxiliary", build=denoising_contrastive,
-                      needs_corpus=lambda cfg: cfg.extra_documents > 0))
+register(Registration("denoising_contrastive", DenoisingContrastiveConfig, 1, "auxiliary",
+                      build=lambda cfg, c: DenoisingContrastiveObjective(cfg, c.specials, c.unpadded, c.attention),
+                      negatives=lambda cfg: cfg.extra_documents))
 register(Registration("relevance_distillation", RelevanceDistillationConfig, None, "companion"))

@@ -172,8 +172,7 @@ class Rank:
             log.info("rank %d resumed at update %d", self.rank, self.step)
         self.writes_log = self.rank == 0
         self.train_log = TrainLog(job.paths.train_log)
-        corpus_tokens = corpus.all_tokens() if job.objectives.needs_corpus else None
-        self.objectives = objectives_for(job.objectives, self.tokenizer, corpus_tokens, job.trainer.unpadded,
+        self.objectives = objectives_for(job.objectives, self.tokenizer, job.trainer.unpadded,
                                          AttentionLayout.of(job.trainer))
         self.source = source_for(job, self.rank, self.step)
         # before anything is cut back to the checkpoint: the replaced group's ranks are fenced from the queue, and

@@ -43,13 +43,14 @@ def test_denoising_contrastive_trains_g_with_fresh_negatives():
     from services.trainer.objectives import DenoisingContrastiveConfig, denoising_loss, denoising_views
 
     model = tiny(beta_init=0.0, relevance_pooling="mean").train()
-    batch = make_batch(np.random.default_rng(15), lengths=(20, 18, 25, 30, 22), targets=(0, 1), evidence=(2, 3, 4))
-    corpus = [np.random.default_rng(i).integers(20, 200, size=15).astype(np.int32) for i in range(10)]
+    # 5 linked documents and 4 unlinked ones (the negatives the batcher adds: neither target nor evidence)
+    batch = make_batch(np.random.default_rng(15), lengths=(20, 18, 25, 30, 22, 15, 15, 15, 15), targets=(0, 1),
+                       evidence=(2, 3, 4))
     cfg = DenoisingContrastiveConfig(weight=1.0, deletion=0.5, temperature=0.05, extra_documents=4)
 
     def loss_at(seed: int):
-        views = denoising_views(batch, cfg, SPECIALS, corpus, np.random.default_rng(seed))
-        assert len(views[0]) == 5 + 4  # the batch's documents and 4 fresh corpus documents, two views each
+        views = denoising_views(batch, cfg, SPECIALS, np.random.default_rng(seed))
+        assert len(views[0]) == 5 + 4  # the batch's linked documents and its 4 negatives, two views each
         return denoising_loss(model, views, cfg.temperature)
 
     loss = loss_at(0)

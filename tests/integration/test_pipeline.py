@@ -62,7 +62,7 @@ def test_training_through_redis_matches_the_in_process_reference(ray_cluster, re
     by_id = {b.batch_id: b for b in batches}
     reference = reference_train(load_model_weights(cfg.paths().init_weights),
                                 [[by_id[i] for i in r["batch_ids"]] for r in records],
-                                objectives_for(cfg.objectives, corpus.tokenizer(), corpus.all_tokens()), cfg.trainer,
+                                objectives_for(cfg.objectives, corpus.tokenizer()), cfg.trainer,
                                 cfg.run.max_steps)
     redis_losses = [r["loss"] for r in records]
     reference_losses = [r.loss for r in reference]

@@ -75,7 +75,7 @@ def test_the_denoising_views_bucketed_give_the_same_loss():
     cfg = DenoisingContrastiveConfig(weight=0.3, extra_documents=0)
     losses = []
     for buckets in (AttentionLayout(), BUCKETS):
-        objective = DenoisingContrastiveObjective(cfg, SPECIALS, None, True, buckets)
+        objective = DenoisingContrastiveObjective(cfg, SPECIALS, True, buckets)
         views = objective.prepare(skewed_batch(), np.random.default_rng(3))
         assert views["first_real"].block_rows % (buckets.rows or 1) == 0
         losses.append(float(objective.loss(model, views).loss.detach()))

@@ -44,7 +44,7 @@ def first_losses(corpus_dir: Path, index_root: Path) -> dict:
     slots = Slots(cfg.trainer.num_workers, cfg.trainer.grad_accum)
     stream = (b for epoch in range(100) for b in epoch_batches(index, store, cfg.batcher, epoch, cfg.run.seed))
     steps = [[next(stream) for _ in range(slots.per_step)] for _ in range(UPDATES)]
-    objectives = objectives_for(cfg.objectives, tokenizer, corpus.all_tokens())
+    objectives = objectives_for(cfg.objectives, tokenizer)
     trainer = dataclasses.replace(cfg.trainer, total_steps=cfg.run.max_steps)
     torch.manual_seed(cfg.run.seed)
     records = reference_train(model, steps, objectives, trainer, cfg.run.max_steps, seed=cfg.run.seed)

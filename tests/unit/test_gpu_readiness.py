@@ -59,12 +59,10 @@ def test_an_update_reads_the_device_back_once_on_the_fused_adamw_path(monkeypatc
         SelfEvidenceConfig,
     )
 
-    rng = np.random.default_rng(3)
-    corpus_tokens = [rng.integers(10, 60, size=n).astype(np.int32) for n in (5, 9, 7, 11, 6, 8)]
     objectives = Objectives(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked"),
                                              self_evidence=SelfEvidenceConfig(prob=0.5, until=10),
                                              denoising_contrastive=DenoisingContrastiveConfig(weight=0.3, extra_documents=4)),
-                            SPECIALS, corpus_tokens)
+                            SPECIALS)
     model = tiny_model().train()
     cfg = TrainerConfig(lr=1e-3, warmup_steps=0)
     optimizer = step_module.build_optimizer(model, cfg, fused=True)

@@ -28,7 +28,7 @@ import gpu_speed
 from recipe_batches import recipe_batches
 made = recipe_batches(1, max_tokens=1024)
 trainer = gpu_speed.recipe_trainer("default", 8, 32, smoke=True)
-gpu_speed.recipe_objectives(made.corpus_tokens, trainer).prepare(made.batches[0], (0, 10, 0))
+gpu_speed.recipe_objectives(trainer).prepare(made.batches[0], (0, 10, 0))
 """
 
 

@@ -32,12 +32,10 @@ CFG = TrainerConfig(lr=1e-3, warmup_steps=0)
 
 
 def recipe_objectives() -> Objectives:
-    rng = np.random.default_rng(3)
-    corpus_tokens = [rng.integers(10, 60, size=n).astype(np.int32) for n in (5, 9, 7, 11, 6, 8)]
     return Objectives(ObjectivesConfig(marge=MargeObjectiveConfig(attend_to="linked"),
                                        self_evidence=SelfEvidenceConfig(prob=0.5, until=10),
                                        denoising_contrastive=DenoisingContrastiveConfig(weight=0.3, extra_documents=4)),
-                      SPECIALS, corpus_tokens)
+                      SPECIALS)
 
 
 def training(fused: bool):

@@ -67,10 +67,10 @@ def test_the_denoising_views_unpadded_give_the_same_loss_and_gradients():
     cfg = DenoisingContrastiveConfig(weight=0.3, extra_documents=0)
     figures = []
     for unpadded in (False, True):
-        views = DenoisingContrastiveObjective(cfg, SPECIALS, None, unpadded).prepare(skewed_batch(), np.random.default_rng(3))
+        views = DenoisingContrastiveObjective(cfg, SPECIALS, unpadded).prepare(skewed_batch(), np.random.default_rng(3))
         assert ("first_real" in views) == unpadded
         model.zero_grad(set_to_none=True)
-        loss = DenoisingContrastiveObjective(cfg, SPECIALS, None, unpadded).loss(model, views).loss
+        loss = DenoisingContrastiveObjective(cfg, SPECIALS, unpadded).loss(model, views).loss
         loss.backward()
         figures.append((float(loss.detach()), model.encoder_layers[0].ffn.fc_in.weight.grad.clone()))
     assert figures[1][0] == pytest.approx(figures[0][0], rel=1e-6)
@@ -166,7 +166,6 @@ def test_the_trainers_step_trains_the_same_unpadded():
     from services.trainer.step import reference_train
 
     batches = [[skewed_batch(seed=s)] for s in range(3)]
-    corpus = list(batches[0][0].doc_tokens)
     runs = []
     for unpadded in (False, True):
         torch.manual_seed(0)
@@ -176,7 +175,7 @@ def test_the_trainers_step_trains_the_same_unpadded():
                                                  self_evidence=SelfEvidenceConfig(prob=0.5, until=100),
                                                  denoising_contrastive=DenoisingContrastiveConfig(weight=0.3,
                                                                                                   extra_documents=4)),
-                                SPECIALS, corpus, unpadded=unpadded)
+                                SPECIALS, unpadded=unpadded)
         prepared = objectives.prepare(batches[0][0], (0, 0, 0))
         assert (prepared.parts["marge"].layout is not None) == unpadded
         assert ("first_real" in prepared.parts["denoising_contrastive"]) == unpadded

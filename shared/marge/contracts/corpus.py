@@ -217,11 +217,6 @@ class Corpus:
                            if "paragraph_ids" in table.column_names else None),
         )
 
-    def all_tokens(self) -> list[np.ndarray]:
-        """Every document's tokens, shard after shard (the whole corpus in memory: only for what samples from all
-        of it, such as the denoising objective's extra documents)."""
-        return [tokens for s in range(self.num_shards) for tokens in self.read_shard(s).tokens]
-
 
 def validate_table(table: pa.Table, path: Path, vocab_size: int | None = None,
                    schema_version: int = CORPUS_SCHEMA_VERSION) -> None:
