@@ -39,7 +39,7 @@ import hashlib, json, sys, time
 from pathlib import Path
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import faiss
-from services.retrieval.full_index import DATA_FILE, INDEX_FILE, merge_lists_on_disk, opened_parts
+from services.retrieval.serving_index import DATA_FILE, INDEX_FILE, merge_lists_on_disk, opened_parts
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -84,7 +84,7 @@ def make_parts(folder: Path, documents: int, dim: int, nlist: int, parts: int, s
     """A trained index and `parts` parts of consecutive documents under `folder`. Returns the codes' size."""
     import faiss
 
-    from services.retrieval.full_index import write_part
+    from services.retrieval.serving_index import write_part
 
     rng = np.random.default_rng(seed)
 
@@ -151,7 +151,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
-    from services.retrieval.full_index import default_nlist
+    from services.retrieval.serving_index import default_nlist
 
     sizes = {}
     for documents in args.documents:

@@ -60,8 +60,8 @@ corpus = Corpus.open(sys.argv[2], verify_checksums=False)
 tokenizer = corpus.tokenizer()
 import faiss, numpy, torch  # imported before the baseline: their code is not the index
 from marge.model.snapshot import latest_snapshot, load_relevance_encoder
-from services.retrieval.full_index import FullCorpusIndex
-from services.retrieval.index import DocumentTable
+from services.retrieval.serving_index import FullCorpusIndex
+from services.retrieval.version_index import DocumentTable
 docs = DocumentTable(corpus)  # the service's own table (18 bytes a document), there with any index
 before = rss_mb()
 encoder = load_relevance_encoder(latest_snapshot(Path(sys.argv[3]) / "snapshots"))  # the model, not the index
@@ -161,7 +161,7 @@ def main() -> None:
 
     from marge.contracts.corpus import Corpus
     from marge.model.snapshot import latest_snapshot
-    from services.retrieval.full_index import read_build
+    from services.retrieval.serving_index import read_build
 
     source = Path(yaml.safe_load((args.run / "config.yaml").read_text())["data"]["corpus"])
     snapshot = latest_snapshot(args.run / "snapshots")

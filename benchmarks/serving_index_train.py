@@ -31,7 +31,7 @@ TRAIN = """
 import json, sys
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import numpy as np
-from services.retrieval.full_index import BuildOptions, _Plan, _trained, _training_rows, factory_string
+from services.retrieval.serving_index import BuildOptions, _Plan, _trained, _training_rows, factory_string
 import faiss
 
 arm, documents, dim, shard_rows, nlist = sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])

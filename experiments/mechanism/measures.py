@@ -12,7 +12,7 @@ absolute NLL per target token (text tokens and EOS) is measured with, as its evi
     none         an empty document (BOS, EOS): the decoder reads nothing
     retrieved    the documents the arm's own index would link to it in its held-out shard: the checkpoint's g (and
                  the arm's link source at that update: TF-IDF, cos(g) + lambda * tfidf, g, or the aligned oracle),
-                 its link rule and budget (`services.indexer.core.version_links`); a target the rule leaves without
+                 its link rule and budget (`services.indexer.links.version_links`); a target the rule leaves without
                  a link reads an empty document
     retrieved_g  the same budget ranked by cos(g) alone, whatever the arm's link source (g's own retrieval)
     gold         its aligned translations (up to `health.max_evidence` other languages)
@@ -51,7 +51,8 @@ from marge.model.network import Marge, RelevanceEncoder
 from marge.model.restore import load_model
 from marge.util.files import atomic_write_text
 from services.driver.config import PipelineConfig, load_config
-from services.indexer.core import embed_documents, version_links
+from services.indexer.core import embed_documents
+from services.indexer.links import version_links
 from services.prepare.core import assign_shards
 from services.trainer.health import (
     AlignedItem,

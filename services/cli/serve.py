@@ -142,7 +142,7 @@ def cmd_index_build(args: argparse.Namespace) -> int:
 
     from marge.contracts.corpus import Corpus
     from marge.model.snapshot import latest_snapshot, read_snapshot, snapshot_dirname
-    from services.retrieval.full_index import (
+    from services.retrieval.serving_index import (
         BuildOptions,
         build_serving_index,
         build_serving_index_ray,

@@ -159,8 +159,8 @@ class RedisConfig:
     appendfsync: str = "always"
     """The private redis-server's AOF fsync policy. 'always' (fsync before each reply): nothing acknowledged is lost
     to a killed server or a machine crash, so a trainer generation is never issued twice and no commit or dead
-    letter is lost; it halves the offers one Redis takes on a 2-core CPU's disk (docs/benchmarks.md, "The queue's
-    fsync"). 'everysec': a machine crash, or a
+    letter is lost, at a cost in the offers one Redis takes a second (docs/benchmarks.md, "The queue's fsync").
+    'everysec': a machine crash, or a
     killed server while a slow disk holds back its writes, can lose about the last 2 seconds of writes (docs/cluster.md
     says what that can cost). 'no': the operating system decides."""
     maxmemory: str = "1gb"

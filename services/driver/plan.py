@@ -56,8 +56,7 @@ log = logging.getLogger("marge.plan")
 HEADER_BYTES_PER_DOCUMENT = 48  # doc id, language, offsets in the message header (JSON), measured on demo batches
 GPU_TARGET_TOKENS_PER_WORKER = 8192
 """Target tokens one GPU should train per update: below it, the fixed cost of an update (the optimizer over every
-parameter, clipping, kernel launches: about 2 ms at `base` on an H100) outweighs the work (1,500 target tokens are
-about 1.7 ms of model FLOPs at 45% of an H100's bf16 peak)."""
+parameter, clipping, kernel launches) outweighs the work (docs/gpu.md, "Sized for a GPU")."""
 
 
 UPDATE_TIME_FLOOR = (
@@ -65,9 +64,8 @@ UPDATE_TIME_FLOOR = (
     "training step reaches only in part (small matrices, attention, normalisation, the optimizer), with nothing for "
     "waiting for batches, the all-reduce or a CPU shared with the indexer; `marge plan --measure --out FILE`, then "
     "`--measured FILE`, times real training steps")
-"""What `seconds_per_update` is when the throughput is estimated. `marge plan --config deploy/configs/own-corpus.yaml
-data.corpus=C`, C prepared from 40 pages of the demo fixture (tests/conftest.py's `small_corpus`), on a 2-core CPU
-shared with other work: 0.037 s estimated, 0.285 s from `--measure` (7.7x)."""
+"""What `seconds_per_update` is when the throughput is estimated (docs/benchmarks.md, "Capacity": how far below
+a measured update it lies)."""
 UPDATE_TIME_MEASURED = (
     "one trainer worker's measured training step on its own: waiting for batches, the all-reduce and a CPU shared "
     "with the indexer come on top (the progress lines' wait share shows the waiting)")

@@ -19,7 +19,7 @@ from becoming the run's bottleneck:
     driver_read_bytes_at_start           the driver hashes the checkpoint it resumes from once
     serving_index_peak_bytes_per_worker  the serving index's on-disk merge (measured merging a 984 MiB index)
     serving_index_train_bytes            the serving index's quantiser training (one process): its training sample
-                                         at the corpus's size (`full_index.default_nlist`, 39 vectors a list, d
+                                         at the corpus's size (`serving_index.default_nlist`, 39 vectors a list, d
                                          floats each) times the samples the training holds at once (measured)
 
 The budgets are chosen, not measured: a checkpoint's Redis work under 5 s, the exchange under 16 MB a rank, a log
@@ -37,8 +37,8 @@ from services.driver.config import PipelineConfig
 
 COMMIT_REDIS_S_PER_RANK = 0.000128
 """Redis CPU of one rank's steady-state commit (two records), flat in the interval: at most 0.13 ms for intervals of
-1,000 to 16,000 batches on a real redis-server, 2-core CPU, against 0.37 s for the per-batch ledger it replaced at
-16,000 (benchmarks/checkpoint_records_scale.py; benchmarks/results/checkpoint-records-cpu-2core.json)."""
+1,000 to 16,000 batches on a real redis-server, 2-core CPU (benchmarks/checkpoint_records_scale.py;
+benchmarks/results/checkpoint-records-cpu-2core.json)."""
 EXCHANGE_BYTES_PER_RANK = 9330
 """Pickled bytes of one rank's part of the checkpoint's gather: its record and its RNG state (most of it) (same
 benchmark)."""
@@ -91,7 +91,7 @@ def train_log_line_bytes(world: int, grad_accum: int, builders: int = 1) -> int:
 
 def serving_index_sample_bytes(documents: int, dim: int) -> float:
     """The bytes of the serving index's training sample for a corpus of `documents` (`marge index build`'s rule)."""
-    from services.retrieval.full_index import MIN_POINTS_PER_LIST, default_nlist
+    from services.retrieval.serving_index import MIN_POINTS_PER_LIST, default_nlist
 
     return max(MIN_POINTS_PER_LIST * default_nlist(documents), 10_000) * dim * 4
 

@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import marge.util.net
 from marge import __version__
-from services.retrieval.index import IndexHolder
 from services.retrieval.settings import ServeSettings
+from services.retrieval.version_index import IndexHolder
 
 log = logging.getLogger(__name__)
 

@@ -41,6 +41,6 @@ class ServeSettings:
         self.index_choice()  # checks the index settings
 
     def index_choice(self):
-        from services.retrieval.index import IndexChoice
+        from services.retrieval.version_index import IndexChoice
 
         return IndexChoice(self.index_type, self.flat_max_documents, self.hnsw_m, self.hnsw_ef_search)

@@ -19,7 +19,9 @@ from marge.contracts.corpus import Corpus, ShardDocuments
 from marge.model.architecture import preset
 from marge.model.network import Marge, RelevanceEncoder
 from services.indexer.config import IndexerConfig
-from services.indexer.core import index_shard, lexical_vectors, shard_links
+from services.indexer.core import index_shard
+from services.indexer.links import shard_links
+from services.indexer.neighbours import lexical_vectors
 
 # --- prepare and the corpus ------------------------------------------------------------------------
 

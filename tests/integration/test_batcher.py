@@ -109,7 +109,7 @@ def test_a_corrupt_index_file_is_detected(small_index, tmp_path):
 
 def test_document_link_rule_gives_every_document_its_own_links(small_corpus):
     from services.indexer.config import IndexerConfig
-    from services.indexer.core import shard_links
+    from services.indexer.links import shard_links
 
     corpus = Corpus.open(small_corpus)
     shard = corpus.read_shard(0)

@@ -26,7 +26,7 @@ def test_indexer_service_and_trainer_compute_the_same_unit_g(small_corpus, tmp_p
     from marge.model.snapshot import load_relevance_encoder, publish_snapshot
     from services.indexer.config import IndexerConfig
     from services.indexer.core import index_corpus
-    from services.retrieval.index import LoadedIndex
+    from services.retrieval.version_index import LoadedIndex
 
     corpus = Corpus.open(small_corpus)
     tok = corpus.tokenizer()

@@ -32,7 +32,7 @@ def full_run(small_corpus, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ray_workers():
     """A private local Ray for this module (2 CPUs on loopback), stopped after: never anybody else's."""
-    from services.retrieval.full_index import ray_for_index_build
+    from services.retrieval.serving_index import ray_for_index_build
 
     with ray_for_index_build(workers=2) as workers:
         yield workers
@@ -51,7 +51,7 @@ def serving_leftovers(run: Path) -> list[str]:
 
 
 def build_options(corpus):
-    from services.retrieval.full_index import BuildOptions
+    from services.retrieval.serving_index import BuildOptions
 
     return BuildOptions(nlist=4, train_documents=2 * corpus.shards[0].rows - 1, recall_queries=50, target_recall=0.9)
 
@@ -59,7 +59,7 @@ def build_options(corpus):
 @pytest.fixture(scope="module")
 def two_builds(full_run, ray_workers, tmp_path_factory):
     """The one-process build and the Ray build (2 workers, 4 groups) of the small corpus, each in a run of its own."""
-    from services.retrieval.full_index import build_serving_index, build_serving_index_ray
+    from services.retrieval.serving_index import build_serving_index, build_serving_index_ray
 
     run, corpus = full_run
     assert corpus.num_shards >= 3
@@ -83,8 +83,8 @@ def test_the_ray_build_writes_the_same_index_as_the_one_process_build(full_run, 
     and without a language filter."""
     import faiss
 
-    from services.retrieval.full_index import DATA_FILE, INDEX_FILE, ON_DISK, FullCorpusIndex, read_build
-    from services.retrieval.index import DocumentTable
+    from services.retrieval.serving_index import DATA_FILE, INDEX_FILE, ON_DISK, FullCorpusIndex, read_build
+    from services.retrieval.version_index import DocumentTable
 
     run, corpus = full_run
     local_path, ray_path = two_builds
@@ -142,7 +142,7 @@ def test_parts_with_empty_lists_merge_into_the_lists_of_adding_in_order(tmp_path
     order; the index searches the same."""
     import faiss
 
-    from services.retrieval.full_index import DATA_FILE, merge_lists_on_disk, opened_parts, write_part
+    from services.retrieval.serving_index import DATA_FILE, merge_lists_on_disk, opened_parts, write_part
 
     rng = np.random.default_rng(1)
     dim, nlist = 16, 64
@@ -190,8 +190,8 @@ def test_an_old_single_file_build_still_opens_and_answers_as_the_new_layout(full
     import faiss
 
     from marge.util.files import sha256_file
-    from services.retrieval.full_index import INDEX_FILE, SINGLE_FILE, FullCorpusIndex, open_index, read_build
-    from services.retrieval.index import DocumentTable
+    from services.retrieval.serving_index import INDEX_FILE, SINGLE_FILE, FullCorpusIndex, open_index, read_build
+    from services.retrieval.version_index import DocumentTable
 
     run, corpus = full_run
     local_path = two_builds[0]
@@ -228,7 +228,7 @@ def test_a_damaged_or_moved_lists_file(full_run, two_builds, tmp_path):
     its size before FAISS maps it (a read past its end would kill the service), each naming the file."""
     import shutil
 
-    from services.retrieval.full_index import DATA_FILE, FullCorpusIndex, ServingIndexError, read_build
+    from services.retrieval.serving_index import DATA_FILE, FullCorpusIndex, ServingIndexError, read_build
 
     run, corpus = full_run
     moved = copy_build(two_builds[1], tmp_path / "moved")
@@ -265,7 +265,7 @@ def test_a_ray_build_that_fails_half_way_commits_nothing_and_leaves_nothing(full
     import shutil
 
     from marge.contracts.corpus import Corpus
-    from services.retrieval.full_index import (
+    from services.retrieval.serving_index import (
         BuildOptions,
         build_serving_index_ray,
         latest_build,
@@ -318,7 +318,7 @@ def test_marge_index_build_on_ray_from_the_command_line(full_run, tmp_path):
         assert built.returncode == 0, built.stderr[-3000:]
         results.append(json.loads(built.stdout.strip().splitlines()[-1]))
     assert [r["engine"]["name"] for r in results] == ["local", "ray"] and [r["build"] for r in results] == [0, 1]
-    from services.retrieval.full_index import latest_build, read_build
+    from services.retrieval.serving_index import latest_build, read_build
 
     first, second = (read_build(Path(r["path"])) for r in results)
     assert first["index_sha256"] == second["index_sha256"] and latest_build(copy) == Path(results[1]["path"])
@@ -330,7 +330,7 @@ def test_marge_index_build_on_ray_from_the_command_line(full_run, tmp_path):
 def test_a_search_by_doc_id_reads_its_shards_tokens_once(full_run):
     """The full-corpus index embeds a document again for a search by its doc id: its shard's tokens column is read
     once and kept (bounded), not read again for every request."""
-    from services.retrieval.index import DocumentTable
+    from services.retrieval.version_index import DocumentTable
 
     _, corpus = full_run
     docs = DocumentTable(corpus)
@@ -357,8 +357,8 @@ def test_a_language_filtered_search_returns_k_when_the_language_has_k(full_run, 
     it has k (or all there are)."""
     import faiss
 
-    from services.retrieval.full_index import BuildOptions, FullCorpusIndex, build_serving_index
-    from services.retrieval.index import DocumentTable
+    from services.retrieval.serving_index import BuildOptions, FullCorpusIndex, build_serving_index
+    from services.retrieval.version_index import DocumentTable
 
     run, corpus = full_run
     opts = BuildOptions(nlist=4, train_documents=2 * corpus.shards[0].rows - 1, recall_queries=50, target_recall=0.9)

@@ -312,7 +312,7 @@ def exact_neighbours(version, query, k, lang_ids=None):
 def test_flat_search_is_exact_in_every_language_and_holds_the_vectors_once(one_version):
     import numpy as np
 
-    from services.retrieval.index import DocumentTable, IndexChoice, LoadedIndex
+    from services.retrieval.version_index import DocumentTable, IndexChoice, LoadedIndex
 
     run, corpus, version = one_version
     docs = DocumentTable(corpus, cache_mb=0)
@@ -336,7 +336,7 @@ def test_flat_search_is_exact_in_every_language_and_holds_the_vectors_once(one_v
 def test_hnsw_is_built_above_the_flat_limit_and_its_recall_is_measured(one_version):
     import numpy as np
 
-    from services.retrieval.index import DocumentTable, IndexChoice, LoadedIndex
+    from services.retrieval.version_index import DocumentTable, IndexChoice, LoadedIndex
 
     run, corpus, version = one_version
     docs = DocumentTable(corpus)
@@ -350,7 +350,7 @@ def test_hnsw_is_built_above_the_flat_limit_and_its_recall_is_measured(one_versi
 
 
 def test_document_text_is_read_from_its_shard_within_the_cache_budget(one_version):
-    from services.retrieval.index import DocumentTable
+    from services.retrieval.version_index import DocumentTable
 
     _, corpus, _ = one_version
     docs = DocumentTable(corpus, cache_mb=0)  # keeps only the shard read last
@@ -376,7 +376,7 @@ def test_the_app_carries_no_corpus_until_it_serves_and_the_corpus_is_checked_aga
 
     from marge.contracts.corpus import CorpusError
     from services.retrieval.app import ServeSettings, create_app
-    from services.retrieval.index import IndexHolder
+    from services.retrieval.version_index import IndexHolder
 
     run, corpus, _ = one_version
     app = create_app(ServeSettings(run_dir=run, corpus_dir=tmp_path / "not-there-yet"))  # opens nothing
@@ -404,8 +404,8 @@ def test_a_serving_index_of_the_whole_corpus_is_compressed_finds_what_exact_sear
     import numpy as np
 
     from marge.model.snapshot import latest_snapshot
-    from services.retrieval.full_index import FullCorpusIndex, read_build
-    from services.retrieval.index import DocumentTable
+    from services.retrieval.serving_index import FullCorpusIndex, read_build
+    from services.retrieval.version_index import DocumentTable
 
 
     corpus = one_version[1]

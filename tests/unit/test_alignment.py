@@ -24,7 +24,9 @@ from marge.contracts.documents import PrepareError
 from marge.model.architecture import preset
 from marge.model.network import Marge, RelevanceEncoder
 from services.indexer.config import IndexerConfig
-from services.indexer.core import index_shard, lexical_vectors, shard_links
+from services.indexer.core import index_shard
+from services.indexer.links import shard_links
+from services.indexer.neighbours import lexical_vectors
 from services.prepare.options import PrepareOptions
 from services.prepare.run import prepare
 

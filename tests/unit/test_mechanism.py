@@ -87,7 +87,7 @@ def test_the_marge_objective_passes_the_switch_and_freezing_beta_takes_it_out_of
 def test_the_budget_oracle_fills_the_loops_link_budget_with_translations_first(paragraph_corpus):
     from marge.contracts.corpus import Corpus
     from services.indexer.config import IndexerConfig
-    from services.indexer.core import budget_aligned_links, version_links
+    from services.indexer.links import budget_aligned_links, version_links
 
     docs = Corpus.open(paragraph_corpus).read_shard(0)
     cfg = IndexerConfig(links="aligned", aligned_layout="budget", links_monolingual=2, links_crosslingual=4,

@@ -31,7 +31,7 @@ def test_resume_refuses_a_changed_config_and_a_missing_run(small_corpus, few_pai
 
 
 def test_torch_search_finds_the_faiss_neighbours():
-    from services.indexer.core import nearest_neighbours
+    from services.indexer.neighbours import nearest_neighbours
 
     rng = np.random.default_rng(0)
     database = rng.normal(size=(300, 16)).astype(np.float32)

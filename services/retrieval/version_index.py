@@ -37,8 +37,8 @@ from marge.model.embedding import unit_vector
 from marge.model.snapshot import load_relevance_encoder, read_snapshot, snapshot_dirname
 from marge.util.files import BudgetCache
 
-if TYPE_CHECKING:  # full_index imports this module: the name is only an annotation here
-    from services.retrieval.full_index import FullCorpusIndex
+if TYPE_CHECKING:  # serving_index imports this module: the name is only an annotation here
+    from services.retrieval.serving_index import FullCorpusIndex
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class IndexHolder:
         self.run_dir = Path(run_dir)
         self.index_root = self.run_dir / INDEX
         self.full_corpus = full_corpus
-        """Serve RUN/serving's newest build (services.retrieval.full_index) instead of the newest index version."""
+        """Serve RUN/serving's newest build (services.retrieval.serving_index) instead of the newest index version."""
         self.corpus_dir, self.text_cache_mb, self.verify_corpus = Path(corpus_dir), text_cache_mb, verify_corpus
         # opened by `start` (in the process that serves): an app built here and shipped to a Ray Serve replica
         # carries these settings, not the document table
@@ -333,7 +333,7 @@ class IndexHolder:
             return True
 
     def _refresh_full_corpus(self) -> bool:
-        from services.retrieval.full_index import BUILDS, FullCorpusIndex, latest_build
+        from services.retrieval.serving_index import BUILDS, FullCorpusIndex, latest_build
 
         path = latest_build(self.run_dir)
         if path is None:

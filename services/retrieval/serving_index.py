@@ -632,7 +632,7 @@ def latest_build(run_dir: Path) -> Path | None:
 
 
 class FullCorpusIndex:
-    """A serving index opened for the service: the interface of `services.retrieval.index.LoadedIndex` (what the
+    """A serving index opened for the service: the interface of `services.retrieval.version_index.LoadedIndex` (what the
     app calls), over every corpus document. The codes of an on-disk build stay in its lists file, mapped read-only
     (`open_index`); beyond them it holds one bit a document per language (the language filters) and no id map: a
     search by doc id embeds that document's tokens again, which gives its vector exactly (the codes give it to
