@@ -4,7 +4,8 @@ An objective is one class (the `Objective` protocol: `prepare` a batch on the ho
 the MFU count) and one `register(Registration(...))` naming it, its settings dataclass, its random stream and how it
 is built from a run's `ObjectiveContext`. The trainer's `Objectives` builds every configured one from here; the
 `objectives:` section takes a registered objective's settings under its name, those outside this package under
-`objectives.registered` (services/trainer/objectives.py). The built-in objectives register themselves there too.
+`objectives.registered`, with the module that registers them in `objectives.imports`
+(services/trainer/objectives.py). The built-in objectives register themselves there too.
 
     @dataclass(frozen=True, kw_only=True)
     class LengthConfig:
@@ -17,7 +18,7 @@ is built from a run's `ObjectiveContext`. The trainer's `Objectives` builds ever
     register(Registration("length", LengthConfig, rng_stream=10, role="auxiliary",
                           build=lambda cfg, ctx: LengthObjective(cfg, ctx.specials)))
 
-(tests/unit/test_objective_registry.py trains such an objective beside marge.)"""
+(tests/spread_objective.py is such an objective; tests/unit/test_objective_registry.py trains it beside marge.)"""
 
 from __future__ import annotations
 

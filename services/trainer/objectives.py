@@ -230,10 +230,14 @@ class ObjectivesConfig:
     registered: dict[str, Any] = field(default_factory=dict)
     """Objectives registered outside this package (`services.trainer.objective_registry.register`), by their
     registered name: each one's settings, as its registration's settings class takes them."""
+    imports: list[str] = field(default_factory=list)
+    """Modules that register the objectives named in `registered`, imported wherever the objectives are read or
+    built (the driver and every trainer worker), so that a worker knows them too: importable on every node."""
 
     def __post_init__(self) -> None:
         if all(getattr(self, name) is None for name in MAIN_OBJECTIVES):
             object.__setattr__(self, "marge", MargeObjectiveConfig())  # the default run: MARGE alone
+        import_modules(self.imports)
         object.__setattr__(self, "registered", {name: registered_settings(name, value)
                                                 for name, value in self.registered.items()})
         if self.self_evidence is not None and self.self_evidence.prob == 0:
@@ -247,6 +251,15 @@ class ObjectivesConfig:
                 if REGISTRY[aux].needs_marge:
                     raise ConfigError(f"objectives.{aux} is an auxiliary of the marge objective: add "
                                       f"objectives.marge or remove {aux}")
+
+    def import_registrations(self) -> None:
+        """Imports `imports` (again a no-op where done) and checks that every objective of `registered` is registered
+        in this process: a worker that lacked one would otherwise train without it."""
+        import_modules(self.imports)
+        missing = sorted(set(self.registered) - set(REGISTRY))
+        if missing:
+            raise ConfigError(f"objectives.registered: {missing} not registered in this process: name the module "
+                              "that registers them in objectives.imports, so that every process imports it")
 
     def config_of(self, name: str) -> Any:
         """The settings of objective `name` (None: not configured)."""
@@ -296,6 +309,19 @@ BUILT_IN = ("marge", "bart", "veco", "self_evidence", "denoising_contrastive", "
 """The objectives with a field of their own in `ObjectivesConfig` (registered at the end of this module)."""
 
 
+def import_modules(modules: list[str]) -> None:
+    """`objectives.imports`, imported (a module imported before is not run again)."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"objectives.imports: cannot import {module!r} ({e}); the module that registers an "
+                              "objective must be importable on every node (install it, or ship it with the job's "
+                              "working_dir)") from None
+
+
 def registered_settings(name: str, value: Any) -> Any:
     """`objectives.registered.<name>`'s settings as its registration's class (a mapping from YAML is built and
     checked; settings already built pass through)."""
@@ -304,7 +330,8 @@ def registered_settings(name: str, value: Any) -> Any:
         known = sorted(set(REGISTRY) - set(BUILT_IN))
         what = "has its own key: objectives." + name if name in BUILT_IN else "is not a registered objective"
         raise ConfigError(f"objectives.registered.{name}: {what} (registered outside this package: {known or 'none'}; "
-                          "register one with services.trainer.objective_registry.register)")
+                          "register one with services.trainer.objective_registry.register in a module named in "
+                          "objectives.imports)")
     if registration.role == "main":
         raise ConfigError(f"objectives.registered.{name}: a main objective decides the run's batches and model, "
                           "which only this package's main objectives (marge, bart, veco) declare")
@@ -651,6 +678,7 @@ class Objectives:
         """`unpadded`: MARGE batches and the denoising loss's views run on their real tokens only
         (`trainer.unpadded`), their attention laid out as `attention` says (`AttentionLayout.of` the trainer's
         settings). Each configured objective is built by its registration."""
+        cfg.import_registrations()  # in a worker, the section arrives pickled: its __post_init__ did not run here
         context = ObjectiveContext(specials, sentence_ends, vocab_size, unpadded, attention, cfg)
         self.cfg, self.specials, self.primary = cfg, specials, cfg.primary
         self.plugins: list = []

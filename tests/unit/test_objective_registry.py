@@ -1,75 +1,39 @@
-"""A new objective is one class and one registration (services.trainer.objective_registry): `SpreadObjective` below,
+"""A new objective is one class and one registration (services.trainer.objective_registry): `SpreadObjective`
+(tests/spread_objective.py),
 an auxiliary loss that pushes a batch's targets' g vectors apart, joins a run from its config section alone, draws
 from its own random stream (the other objectives' inputs are unchanged), adds its weighted loss and its passes, and
 trains through the trainer's own update. Bad registrations and bad settings are refused naming what to fix."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import pickle
+import sys
 
 import numpy as np
 import pytest
+import spread_objective
 import torch
-import torch.nn.functional as F
-from objective_inputs import VOCAB, objectives, toy_batch, toy_objectives
+from objective_inputs import SPECIALS, VOCAB, objectives, toy_batch, toy_objectives
+from spread_objective import SpreadConfig
 
-from marge.contracts.batch import encoder_rows_flat
-from marge.contracts.config import ConfigError, positive
+from marge.contracts.config import ConfigError
 from marge.model.architecture import preset
 from marge.model.network import Marge
 from services.trainer import step as step_module
 from services.trainer.config import TrainerConfig
-from services.trainer.objective_registry import REGISTRY, ObjectiveLoss, Registration, register, unregister
-from services.trainer.objectives import Tensors, core_model, real_count
+from services.trainer.objective_registry import REGISTRY, Registration, register, unregister
+from services.trainer.objectives import Objectives, real_count
 
 CPU = torch.device("cpu")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SpreadConfig:
-    weight: float = 1.0
-    """Weight of this loss in the sum the step backpropagates."""
-    dropped: float = 0.0
-    """Share of each target's tokens dropped before g reads it (drawn from the objective's own stream)."""
-
-    def __post_init__(self) -> None:
-        positive(self, "weight")
-
-
-class SpreadObjective:
-    """The targets' g vectors pushed apart: the mean cosine between different targets of a batch."""
-
-    name = "spread"
-
-    def __init__(self, cfg: SpreadConfig, specials):
-        self.cfg, self.specials = cfg, specials
-
-    def prepare(self, batch, rng: np.random.Generator, step: int):
-        docs = [np.asarray(batch.doc_tokens[t]) for t in batch.targets]
-        docs = [d[rng.random(len(d)) >= self.cfg.dropped] if self.cfg.dropped else d for d in docs]
-        if len(docs) < 2:
-            return None
-        lengths = np.array([len(d) for d in docs])
-        return Tensors(rows=torch.from_numpy(encoder_rows_flat(np.concatenate(docs).astype(np.int64), lengths,
-                                                               self.specials)))
-
-    def loss(self, model, inputs) -> ObjectiveLoss:
-        g = F.normalize(core_model(model).relevance_vectors(inputs["rows"]).float(), dim=-1)
-        n = len(g)
-        cosines = (g @ g.T)[~torch.eye(n, dtype=torch.bool)]
-        return ObjectiveLoss(cosines.mean(), torch.zeros((), dtype=torch.long))
-
-    def work(self, inputs, pad_id: int) -> dict[str, int]:
-        return {"relevance": real_count(inputs["rows"], pad_id)}
 
 
 @pytest.fixture
 def spread():
     """The registration, removed after the test."""
-    registration = register(Registration("spread", SpreadConfig, rng_stream=10, role="auxiliary",
-                                         build=lambda cfg, context: SpreadObjective(cfg, context.specials)))
-    yield registration
-    unregister("spread")
+    spread_objective.register_spread()
+    yield
+    if "spread" in REGISTRY:
+        unregister("spread")
 
 
 def model() -> Marge:
@@ -164,3 +128,41 @@ def test_the_built_in_objectives_keep_their_streams():
     """Every run's figures so far were drawn from these: a change here changes them all."""
     assert {name: REGISTRY[name].rng_stream for name in ("marge", "denoising_contrastive", "bart", "veco")} == \
         {"marge": 0, "denoising_contrastive": 1, "bart": 2, "veco": 3}
+
+
+def test_a_module_named_in_imports_registers_its_objectives_wherever_the_section_is_read():
+    """The driver reads the section from YAML; a trainer worker gets it pickled and builds the objectives from it:
+    both import the module, so the worker trains what the driver configured."""
+    sections = {"marge": {}, "imports": ["spread_objective"], "registered": {"spread": {"weight": 0.5}}}
+    unregister_everywhere()
+    try:
+        cfg = objectives(**sections)  # the driver: the section's import registers it
+        assert cfg.enabled == ("marge", "spread")
+        shipped = pickle.dumps(cfg)
+        unregister_everywhere()  # a fresh worker process: neither imported nor registered
+        worker = Objectives(pickle.loads(shipped), SPECIALS, sentence_ends=np.array([9]), vocab_size=VOCAB)
+        assert [p.name for p in worker.plugins] == ["marge", "spread"]
+    finally:  # this module's own import back in place, and no registration left behind
+        sys.modules["spread_objective"] = spread_objective
+        if "spread" in REGISTRY:
+            unregister("spread")
+
+
+def test_a_worker_without_the_registration_refuses_instead_of_training_without_it(spread):
+    cfg = objectives(marge={}, registered={"spread": {}})  # registered by hand in the driver, no `imports`
+    shipped = pickle.dumps(cfg)
+    unregister("spread")
+    with pytest.raises(ConfigError, match=r"\['spread'\] not registered in this process: name the module"):
+        Objectives(pickle.loads(shipped), SPECIALS)
+
+
+def test_an_import_that_fails_is_refused_naming_the_module():
+    with pytest.raises(ConfigError, match="objectives.imports: cannot import 'no_such_objectives'"):
+        objectives(imports=["no_such_objectives"])
+
+
+def unregister_everywhere() -> None:
+    """As if this process had never imported tests/spread_objective.py."""
+    if "spread" in REGISTRY:
+        unregister("spread")
+    sys.modules.pop("spread_objective", None)
