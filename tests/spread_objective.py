@@ -1,5 +1,6 @@
-"""A test objective outside the package: one class, its settings and one registration (made when this module is
-imported, as a user's module named in `objectives.imports` does). tests/unit/test_objective_registry.py trains it."""
+"""A test objective outside the package: one class, its settings and one registration (`register_spread`, which
+tests/spread_registration.py makes on import, as a user's module named in `objectives.imports` does).
+tests/unit/test_objective_registry.py trains it."""
 
 from __future__ import annotations
 
@@ -59,5 +60,3 @@ def register_spread() -> None:
         register(Registration("spread", SpreadConfig, rng_stream=10, role="auxiliary",
                               build=lambda cfg, context: SpreadObjective(cfg, context.specials)))
 
-
-register_spread()

@@ -154,7 +154,8 @@ class BatchCounts:
             return None  # a version without graph checksums cannot be told from a rebuilt one
         settings = {"graphs": graphs, "seed": seed, "group": group, "builders": builders,
                     "batcher": [cfg.max_tokens, cfg.crosslingual_weight, cfg.monolingual_weight, cfg.seed_lookahead],
-                    "shape": dataclasses.asdict(shape)}
+                    # the negatives change no count: left out, so that adding the field kept every run's counts
+                    "shape": {k: v for k, v in dataclasses.asdict(shape).items() if k != "negatives"}}
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
         return cls(Path(root) / f"v{version.version:06d}-g{group}-{digest}.jsonl")
 

@@ -29,7 +29,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, get_type_hints, overload
 
 from marge.contracts.batch import encoder_cost, max_text_tokens
 from marge.contracts.config import (
@@ -43,6 +43,7 @@ from marge.contracts.config import (
     positive,
     resumable,
     resumable_keys,
+    section_type,
     within,
 )
 from marge.contracts.faults import FaultsConfig
@@ -354,13 +355,44 @@ def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_drift(saved: dict, new: dict) -> list[str]:
-    """The settings a resumed run would change that `RESUMABLE` does not allow: 'key: saved -> new' lines."""
+    """The settings a resumed run would change that `RESUMABLE` does not allow: 'key: saved -> new' lines. A key the
+    saved config lacks (a setting added since the run was started) counts as its default, which the run trained with."""
     before, after = flat(saved), flat(new)
     changed = []
     for key in sorted(set(before) | set(after)):
-        if before.get(key) != after.get(key) and not may_change_on_resume(key, RESUMABLE):
+        was = before[key] if key in before else default_setting(key)
+        if was != after.get(key) and not may_change_on_resume(key, RESUMABLE):
             changed.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
     return changed
+
+
+MISSING = object()
+
+
+def default_setting(key: str) -> Any:
+    """The default of dotted config key `key` as `to_dict` writes it (JSON values), or MISSING when it has none: a
+    required key, a key of no section, or one inside a mapping (`model`, `objectives.registered`), which no schema
+    here describes, so that a key added there counts as a change."""
+    cls: Any = PipelineConfig
+    parts = key.split(".")
+    for depth, name in enumerate(parts):
+        fields_by_name = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if name not in fields_by_name:
+            return MISSING
+        f = fields_by_name[name]
+        if depth < len(parts) - 1:
+            cls = section_type(get_type_hints(cls)[name])
+            continue
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            return MISSING
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        return json.loads(json.dumps(value))
+    return MISSING
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:

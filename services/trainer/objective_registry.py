@@ -22,6 +22,7 @@ is built from a run's `ObjectiveContext`. The trainer's `Objectives` builds ever
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -55,12 +56,13 @@ class ObjectiveLoss:
 
 
 class Objective(Protocol):
-    """An objective as the trainer runs it. `prepare` runs on the host with no model (a prefetch thread may call it);
-    its result (or None: nothing to train on in this batch) must have `to(device)` and `pin_memory()`."""
+    """An objective as the trainer runs it. `prepare` runs on the host with no model (a prefetch thread may call it),
+    with its own stream's generator (None when it is registered as drawing nothing); its result (or None: nothing to
+    train on in this batch) must have `to(device)` and `pin_memory()`."""
 
     name: str
 
-    def prepare(self, batch: Batch, rng: np.random.Generator, step: int) -> Any | None: ...
+    def prepare(self, batch: Batch, rng: np.random.Generator | None, step: int) -> Any | None: ...
 
     def loss(self, model: nn.Module, inputs: Any) -> ObjectiveLoss: ...
 
@@ -86,11 +88,12 @@ class Registration:
     name: str
     """Its key in the `objectives:` section and in the train log's losses."""
     config: type
-    """Its settings: a frozen dataclass (checked in `__post_init__`); a loss it contributes is scaled by its `weight`."""
+    """Its settings: a dataclass, with a `weight` when it has a loss (main, auxiliary, companion), which scales it."""
     rng_stream: int | None
-    """Its own stream of each batch's seed key, distinct from every other's: adding an objective leaves the others'
-    random draws (and so earlier runs' figures) unchanged. None: no stream of its own (a companion draws nothing;
-    self_evidence draws from the seed key itself, as it did before objectives had streams)."""
+    """Its own stream of each batch's seed key (a generator seeded with the key plus this number), distinct from every
+    other's: adding an objective leaves the others' random draws (and so earlier runs' figures) unchanged. None: it
+    draws nothing and gets no generator (marge, the companions). Stream 0 is the seed key itself (numpy pads a
+    seed with zeros), which self_evidence drew from before objectives had streams."""
     role: str
     """One of `ROLES`."""
     build: Callable[[Any, ObjectiveContext], Any] | None = None
@@ -104,6 +107,10 @@ class Registration:
     corpus itself."""
 
     def __post_init__(self) -> None:
+        if not dataclasses.is_dataclass(self.config):
+            raise ValueError(f"objective {self.name!r}: its settings class {self.config.__name__} must be a dataclass")
+        if self.role != "augmentation" and "weight" not in {f.name for f in dataclasses.fields(self.config)}:
+            raise ValueError(f"objective {self.name!r}: a {self.role} objective's settings need a `weight` field")
         if self.role not in ROLES:
             raise ValueError(f"objective {self.name!r}: role {self.role!r} is not one of {ROLES}")
         if (self.build is None) != (self.role == "companion"):

@@ -249,8 +249,9 @@ class ObjectivesConfig:
         if self.marge is None:
             for aux in self.enabled:
                 if REGISTRY[aux].needs_marge:
-                    raise ConfigError(f"objectives.{aux} is an auxiliary of the marge objective: add "
-                                      f"objectives.marge or remove {aux}")
+                    key = f"objectives.registered.{aux}" if aux in self.registered else f"objectives.{aux}"
+                    raise ConfigError(f"{key} is an auxiliary of the marge objective: add objectives.marge or "
+                                      f"remove {aux}")
 
     def import_registrations(self) -> None:
         """Imports `imports` (again a no-op where done) and checks that every objective of `registered` is registered
@@ -451,7 +452,7 @@ class MargeObjective:
         self.cfg, self.specials, self.unpadded, self.distillation = cfg, specials, unpadded, distillation
         self.attention = attention
 
-    def prepare(self, batch: Batch, rng: np.random.Generator, step: int = 0) -> ModelInputs:
+    def prepare(self, batch: Batch, rng: np.random.Generator | None, step: int = 0) -> ModelInputs:
         inputs = to_model_inputs(batch, self.specials, self.cfg.attend_to, self.unpadded, self.attention)
         inputs.detach_relevance = self.cfg.detached_at(step)
         return inputs
@@ -735,11 +736,11 @@ class Objectives:
         return Losses(objective, parts, tokens, weighted, relevance)
 
 
-def objective_rng(name: str, seed_key: tuple[int, ...]) -> np.random.Generator:
-    """Objective `name`'s generator for the batch of `seed_key`: its own stream of the key (the key itself for an
-    objective registered without one)."""
+def objective_rng(name: str, seed_key: tuple[int, ...]) -> np.random.Generator | None:
+    """Objective `name`'s generator for the batch of `seed_key`: its own stream of the key (None for an objective that
+    draws nothing)."""
     stream = REGISTRY[name].rng_stream
-    return np.random.default_rng(list(seed_key) if stream is None else [*seed_key, stream])
+    return None if stream is None else np.random.default_rng([*seed_key, stream])
 
 
 def apply_objective_settings(model: torch.nn.Module, cfg: ObjectivesConfig) -> torch.nn.Module:
@@ -775,16 +776,16 @@ def tokenizer_facts(context: ObjectiveContext) -> tuple[np.ndarray, int]:
 
 
 
-# the random streams are those every run so far drew from: changing one changes every figure made with it
-register(Registration("marge", MargeObjectiveConfig, 0, "main", needs_marge=False,
+# the random streams are those every run so far drew from: changing one changes every figure made with it (marge
+# draws nothing; self_evidence's stream 0 is the seed key itself, which it drew from before objectives had streams)
+register(Registration("marge", MargeObjectiveConfig, None, "main", needs_marge=False,
                       build=lambda cfg, c: MargeObjective(cfg, c.specials, c.unpadded,
                                                           c.settings.relevance_distillation, c.attention)))
 register(Registration("bart", BartObjectiveConfig, 2, "main", needs_marge=False,
                       build=lambda cfg, c: BartObjective(cfg, c.specials, *tokenizer_facts(c))))
 register(Registration("veco", VecoObjectiveConfig, 3, "main", needs_marge=False,
                       build=lambda cfg, c: VecoObjective(cfg, c.specials, *tokenizer_facts(c))))
-register(Registration("self_evidence", SelfEvidenceConfig, None, "augmentation",  # the seed key itself: its draws
-                      build=lambda cfg, c: SelfEvidence(cfg)))                    # predate the streams
+register(Registration("self_evidence", SelfEvidenceConfig, 0, "augmentation", build=lambda cfg, c: SelfEvidence(cfg)))
 register(Registration("denoising_contrastive", DenoisingContrastiveConfig, 1, "auxiliary",
                       build=lambda cfg, c: DenoisingContrastiveObjective(cfg, c.specials, c.unpadded, c.attention),
                       negatives=lambda cfg: cfg.extra_documents))

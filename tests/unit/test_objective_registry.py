@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from marge.model.network import Marge
 from services.trainer import step as step_module
 from services.trainer.config import TrainerConfig
 from services.trainer.objective_registry import REGISTRY, Registration, register, unregister
-from services.trainer.objectives import Objectives, real_count
+from services.trainer.objectives import Objectives, objective_rng, real_count
 
 CPU = torch.device("cpu")
 
@@ -96,11 +97,16 @@ def test_it_trains_through_the_trainers_update(spread):
     ({"registered": {"bart": {}}}, "has its own key: objectives.bart"),
     ({"registered": {"spread": {"weight": 0}}}, "objectives.registered.spread.weight must be > 0"),
     ({"registered": {"spread": {"wieght": 1}}}, "did you mean 'weight'"),
-    ({"bart": {}, "registered": {"spread": {}}}, "objectives.spread is an auxiliary of the marge objective"),
+    ({"bart": {}, "registered": {"spread": {}}}, "objectives.registered.spread is an auxiliary of the marge objective"),
 ])
 def test_bad_settings_are_refused_naming_the_key(spread, sections, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         objectives(**sections)
+
+
+@dataclass(frozen=True)
+class Unweighted:
+    share: float = 0.5
 
 
 def test_a_registration_must_take_a_new_name_and_a_new_stream():
@@ -112,6 +118,10 @@ def test_a_registration_must_take_a_new_name_and_a_new_stream():
         Registration("other", SpreadConfig, 11, "auxiliary")
     with pytest.raises(ValueError, match="role 'loss' is not one of"):
         Registration("other", SpreadConfig, 11, "loss", build=lambda cfg, c: None)
+    with pytest.raises(ValueError, match="settings class dict must be a dataclass"):
+        Registration("other", dict, 11, "auxiliary", build=lambda cfg, c: None)
+    with pytest.raises(ValueError, match="an auxiliary objective's settings need a `weight` field"):
+        Registration("other", Unweighted, 11, "auxiliary", build=lambda cfg, c: None)
     assert "other" not in REGISTRY
 
 
@@ -125,27 +135,32 @@ def test_a_registered_main_objective_is_refused():
 
 
 def test_the_built_in_objectives_keep_their_streams():
-    """Every run's figures so far were drawn from these: a change here changes them all."""
-    assert {name: REGISTRY[name].rng_stream for name in ("marge", "denoising_contrastive", "bart", "veco")} == \
-        {"marge": 0, "denoising_contrastive": 1, "bart": 2, "veco": 3}
+    """Every run's figures so far were drawn from these: a change here changes them all. self_evidence drew from the
+    seed key itself before objectives had streams; stream 0 gives the same draws (numpy pads a seed with zeros)."""
+    names = ("marge", "self_evidence", "denoising_contrastive", "bart", "veco", "relevance_distillation")
+    assert {name: REGISTRY[name].rng_stream for name in names} == {
+        "marge": None, "self_evidence": 0, "denoising_contrastive": 1, "bart": 2, "veco": 3,
+        "relevance_distillation": None}
+    for key in ((0, 5, 1), (7, 0, 3), (123, 99999, 0)):
+        assert np.array_equal(objective_rng("self_evidence", key).random(8), np.random.default_rng(list(key)).random(8))
+    assert objective_rng("marge", (0, 5, 1)) is None  # draws nothing
 
 
 def test_a_module_named_in_imports_registers_its_objectives_wherever_the_section_is_read():
     """The driver reads the section from YAML; a trainer worker gets it pickled and builds the objectives from it:
-    both import the module, so the worker trains what the driver configured."""
-    sections = {"marge": {}, "imports": ["spread_objective"], "registered": {"spread": {"weight": 0.5}}}
+    both import the module that registers it (unpickling imports only the settings class's module, which registers
+    nothing), so the worker trains what the driver configured."""
+    sections = {"marge": {}, "imports": ["spread_registration"], "registered": {"spread": {"weight": 0.5}}}
     unregister_everywhere()
     try:
         cfg = objectives(**sections)  # the driver: the section's import registers it
         assert cfg.enabled == ("marge", "spread")
         shipped = pickle.dumps(cfg)
-        unregister_everywhere()  # a fresh worker process: neither imported nor registered
+        unregister_everywhere()  # a fresh worker process: the registering module not imported, nothing registered
         worker = Objectives(pickle.loads(shipped), SPECIALS, sentence_ends=np.array([9]), vocab_size=VOCAB)
         assert [p.name for p in worker.plugins] == ["marge", "spread"]
-    finally:  # this module's own import back in place, and no registration left behind
-        sys.modules["spread_objective"] = spread_objective
-        if "spread" in REGISTRY:
-            unregister("spread")
+    finally:
+        unregister_everywhere()
 
 
 def test_a_worker_without_the_registration_refuses_instead_of_training_without_it(spread):
@@ -162,7 +177,7 @@ def test_an_import_that_fails_is_refused_naming_the_module():
 
 
 def unregister_everywhere() -> None:
-    """As if this process had never imported tests/spread_objective.py."""
+    """As if this process had never imported tests/spread_registration.py."""
     if "spread" in REGISTRY:
         unregister("spread")
-    sys.modules.pop("spread_objective", None)
+    sys.modules.pop("spread_registration", None)
