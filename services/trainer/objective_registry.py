@@ -110,13 +110,13 @@ class Registration:
         if not dataclasses.is_dataclass(self.config):
             raise ValueError(f"objective {self.name!r}: its settings class {self.config.__name__} must be a dataclass")
         if self.role != "augmentation" and "weight" not in {f.name for f in dataclasses.fields(self.config)}:
-            raise ValueError(f"objective {self.name!r}: a {self.role} objective's settings need a `weight` field")
+            raise ValueError(f"objective {self.name!r}: the settings of {self.role} objectives need a `weight` field")
         if self.role not in ROLES:
             raise ValueError(f"objective {self.name!r}: role {self.role!r} is not one of {ROLES}")
         if (self.build is None) != (self.role == "companion"):
-            raise ValueError(f"objective {self.name!r}: a {self.role} objective "
-                             + ("is built by the objective it accompanies: build=None" if self.role == "companion"
-                                else "needs a build function"))
+            raise ValueError(f"objective {self.name!r}: " + ("companion objectives are built by the objective they "
+                                                            "accompany: build=None" if self.role == "companion"
+                                                            else f"{self.role} objectives need a build function"))
 
 
 REGISTRY: dict[str, Registration] = {}

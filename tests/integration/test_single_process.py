@@ -93,7 +93,8 @@ def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cl
     ensure_initial_model(cfg.model_config(corpus.tokenizer().vocab_size), cfg.paths(), corpus, cfg.run.seed)  # seeded
     index = read_version(tmp_path / "single" / "run" / "index" / version_dirname(0))
     by_id = {b.batch_id: b for epoch in range(3)
-             for b in epoch_batches(index, DocumentStore(corpus), cfg.batcher, epoch, cfg.run.seed)}
+             for b in epoch_batches(index, DocumentStore(corpus), cfg.batcher, epoch, cfg.run.seed,
+                                    shape=cfg.batch_shape())}  # the batcher's shape: the denoising loss's negatives
     per_rank = [[by_id[ids[rank]] for _, _, ids in single] for rank in range(2)]  # slot = rank on the DDP side
     make_trainer(cfg, trainer_job(cfg, None, memory_batches=per_rank)).fit()
 

@@ -114,13 +114,13 @@ def test_a_registration_must_take_a_new_name_and_a_new_stream():
         register(Registration("bart", SpreadConfig, 11, "auxiliary", build=lambda cfg, c: None))
     with pytest.raises(ValueError, match="rng_stream 1 is 'denoising_contrastive'"):
         register(Registration("other", SpreadConfig, 1, "auxiliary", build=lambda cfg, c: None))
-    with pytest.raises(ValueError, match="needs a build function"):
+    with pytest.raises(ValueError, match="auxiliary objectives need a build function"):
         Registration("other", SpreadConfig, 11, "auxiliary")
     with pytest.raises(ValueError, match="role 'loss' is not one of"):
         Registration("other", SpreadConfig, 11, "loss", build=lambda cfg, c: None)
     with pytest.raises(ValueError, match="settings class dict must be a dataclass"):
         Registration("other", dict, 11, "auxiliary", build=lambda cfg, c: None)
-    with pytest.raises(ValueError, match="an auxiliary objective's settings need a `weight` field"):
+    with pytest.raises(ValueError, match="the settings of auxiliary objectives need a `weight` field"):
         Registration("other", Unweighted, 11, "auxiliary", build=lambda cfg, c: None)
     assert "other" not in REGISTRY
 
