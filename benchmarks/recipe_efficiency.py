@@ -449,7 +449,8 @@ def executed_and_credited(meta_model, objectives, update: list, pad_id: int) -> 
             objective(meta_model, objectives, p, META)[0].backward()
     work = {"target": 0, "evidence": 0, "relevance": 0}
     for p in update:
-        for key, value in (p.work(pad_id) if callable(p.work) else p.work).items():  # a method before the registry
+        for key, value in (objectives.work(p) if hasattr(objectives, "work") else p.work(pad_id)).items():  # trees
+            # before the objective registry counted on the prepared batch
             work[key] += value
     return counter.get_total_flops(), training_flops(meta_model.cfg, work["target"], work["evidence"], work["relevance"])
 

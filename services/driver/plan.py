@@ -347,6 +347,7 @@ def corpus_batches(corpus, max_tokens: int, count: int, seed: int = 0, negatives
     """Batches of corpus documents filling `max_tokens`: each target linked to one evidence document, and
     `negatives` unlinked documents of the shard besides (`BatchShape.negatives`)."""
     from marge.contracts.batch import Batch
+    from services.batcher.greedy import BatchPlan, add_negatives
 
     rng = np.random.default_rng(seed)
     shard = corpus.read_shard(0)
@@ -361,10 +362,9 @@ def corpus_batches(corpus, max_tokens: int, count: int, seed: int = 0, negatives
             (targets if len(targets) <= len(evidence) else evidence).append(int(i))
             cost += len(shard.tokens[i]) + 2
         pairs = min(len(targets), len(evidence))
-        docs = targets[:pairs] + evidence[:pairs]
-        others = np.setdiff1d(np.arange(len(shard)), docs)
-        if negatives:
-            docs += others[rng.choice(len(others), size=min(negatives, len(others)), replace=False)].tolist()
+        plan = BatchPlan(targets=targets[:pairs], evidence=evidence[:pairs])
+        add_negatives([plan], np.arange(len(shard)), negatives, rng)  # as the batcher adds them (none: no draw)
+        docs = plan.targets + plan.evidence + plan.negatives
         edges = np.stack([np.arange(pairs), np.arange(pairs)], axis=1).astype(np.int32)
         out.append(Batch(f"plan-{b}", 0, 0, shard.doc_ids[docs].astype(np.int64), tuple(shard.langs[i] for i in docs),
                          tuple(shard.tokens[i] for i in docs), np.arange(pairs, dtype=np.int32),

@@ -112,7 +112,7 @@ class UpdateMeter:
 
     The clock starts when the first update's batches are in hand: the wait for the very first index (start-up) is
     `startup_wait_s`, not steady-state waiting. MFU divides the FLOPs of every pass this process's updates made
-    (augmented copies included: `PreparedBatch.work`) by the updates' own time, not the wall clock (probes,
+    (augmented copies included: `Objectives.work`) by the updates' own time, not the wall clock (probes,
     snapshots, index builds and checkpoints between updates are not the trainer's work), and by the device's peak
     (`peak_flops`: known GPUs only)."""
 
@@ -247,7 +247,8 @@ class TrainingLoop:
         prepared = [item.prepared for item in update.items if item.slot in kept and item.prepared is not None]
         if not prepared:
             return None
-        return {k: sum(p.work[k] for p in prepared) for k in ("target", "evidence", "relevance")}
+        works = [self.t.objectives.work(p) for p in prepared]
+        return {k: sum(w[k] for w in works) for k in ("target", "evidence", "relevance")}
 
 
 def share_relevance_center(model: nn.Module, reduce: Callable[[torch.Tensor], None]) -> None:

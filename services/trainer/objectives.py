@@ -57,7 +57,7 @@ one registration, its settings under `objectives.registered.<name>` (or, for one
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 import numpy as np
@@ -306,7 +306,7 @@ class ObjectivesConfig:
         return max((REGISTRY[name].negatives(self.config_of(name)) for name in self.enabled), default=0)
 
 
-BUILT_IN = ("marge", "bart", "veco", "self_evidence", "denoising_contrastive", "relevance_distillation")
+BUILT_IN = tuple(f.name for f in fields(ObjectivesConfig) if f.name not in ("registered", "imports"))
 """The objectives with a field of their own in `ObjectivesConfig` (registered at the end of this module)."""
 
 
@@ -646,13 +646,9 @@ class PreparedBatch:
 
     batch_id: str
     parts: dict[str, Any]  # each objective's own inputs (ModelInputs, Tensors, ...), or None
-    work: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PASSES, 0))
-    """Tokens each kind of pass of the step processes for this batch, augmentation included (self-evidence copies,
-    the denoising loss's views), summed over the objectives (`Objective.work`): what MFU credits."""
 
     def pin_memory(self) -> "PreparedBatch":
-        return PreparedBatch(self.batch_id, {k: None if v is None else v.pin_memory() for k, v in self.parts.items()},
-                             self.work)
+        return PreparedBatch(self.batch_id, {k: None if v is None else v.pin_memory() for k, v in self.parts.items()})
 
 
 @dataclass
@@ -703,12 +699,18 @@ class Objectives:
         for augmentation in self.augmentations:
             batch = augmentation.augment(batch, step, objective_rng(augmentation.name, seed_key))
         parts = {p.name: p.prepare(batch, objective_rng(p.name, seed_key), step) for p in self.plugins}
+        return PreparedBatch(batch.batch_id, parts)
+
+    def work(self, prepared: PreparedBatch) -> dict[str, int]:
+        """Tokens each kind of pass (`PASSES`) of the step processes for a prepared batch, augmentation included
+        (self-evidence copies, the denoising loss's views), summed over the objectives (`Objective.work`): what MFU
+        credits. Counted when asked (only where MFU is measured), not while batches are prepared."""
         work = dict.fromkeys(PASSES, 0)
         for plugin in self.plugins:
-            if parts[plugin.name] is not None:
-                for kind, tokens in plugin.work(parts[plugin.name], self.specials.pad_id).items():
+            if prepared.parts[plugin.name] is not None:
+                for kind, tokens in plugin.work(prepared.parts[plugin.name], self.specials.pad_id).items():
                     work[kind] += tokens
-        return PreparedBatch(batch.batch_id, parts, work)
+        return work
 
     def losses(self, model: torch.nn.Module, prepared: PreparedBatch, device: torch.device, bf16: bool) -> Losses:
         """The weighted objective of one prepared batch (`model` may be DDP-wrapped: its forward runs the model)."""

@@ -53,9 +53,10 @@ def test_a_registered_objective_joins_from_its_section_and_adds_its_weighted_los
     assert set(losses.parts) == {"marge", "spread"} and float(losses.parts["spread"]) != 0.0
     assert float(losses.objective.detach()) == pytest.approx(
         float(losses.parts["marge"]) + 0.5 * float(losses.parts["spread"]), rel=1e-6)
-    alone = toy_objectives(objectives(marge={})).prepare(batch, (0, 3, 1))
-    assert prepared.work["relevance"] == alone.work["relevance"] + real_count(prepared.parts["spread"]["rows"], 0)
-    assert prepared.work["target"] == alone.work["target"]
+    solo = toy_objectives(objectives(marge={}))  # the run without it
+    alone, work = solo.prepare(batch, (0, 3, 1)), run.work(prepared)
+    assert work["relevance"] == solo.work(alone)["relevance"] + real_count(prepared.parts["spread"]["rows"], 0)
+    assert work["target"] == solo.work(alone)["target"]
 
 
 def test_its_own_random_stream_leaves_the_other_objectives_draws_unchanged(spread):
