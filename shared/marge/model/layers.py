@@ -402,8 +402,7 @@ class Attention(nn.Module):
         """How much attention each key gets with no bias on the logits (B K, float32): softmax(q.k / sqrt(E)) over
         the keys a row may read, averaged over the heads and over the row's real queries (`query_ok_BQ`). What
         the decoder reads whatever beta * f says: the relevance-distillation teacher (Izacard & Grave 2021)."""
-        q = self.q_proj(x_BQD)
-        q_BHQE = self.split_heads(q if real is None else real.to_rows(q)).float()
+        q_BHQE = self.in_projection(x_BQD, (self.q_proj,), real)[0].float()
         logits_BHQK = q_BHQE @ k_BHKE.float().transpose(-1, -2) / math.sqrt(q_BHQE.shape[-1])
         logits_BHQK = logits_BHQK.masked_fill(~visible_BK[:, None, None, :], float("-inf"))
         probs_BQK = logits_BHQK.softmax(-1).mean(1)
