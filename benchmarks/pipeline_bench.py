@@ -39,8 +39,9 @@ def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
     from marge.eval.refresh import overlaps
     from services.batcher.core import DocumentStore, epoch_batches
     from services.driver.config import load_config, with_absolute_paths
-    from services.driver.pipeline import make_trainer, run_pipeline, trainer_job
+    from services.driver.pipeline import make_trainer, run_pipeline
     from services.driver.resources import ray_for
+    from services.driver.spec import compile_spec
     from services.trainer.init import ensure_initial_model
 
     cfg = load_config(REPO / "deploy/configs/tiny.yaml", ["run.name=bench-pipeline", f"run.dir={workdir / 'pipeline'}",
@@ -74,7 +75,7 @@ def trainer_feed(steps: int, workdir: Path, overrides: list[str]) -> dict:
         (Path(mem_cfg.run.dir) / "init" / f).write_bytes((run_dir / "init" / f).read_bytes())
     ensure_initial_model(mem_cfg.model_config(corpus.tokenizer().vocab_size), mem_cfg.paths(), corpus, mem_cfg.run.seed)
     with ray_for(mem_cfg):
-        make_trainer(mem_cfg, trainer_job(mem_cfg, None, memory_batches=memory)).fit()
+        make_trainer(mem_cfg, compile_spec(mem_cfg).trainer_job(None, memory_batches=memory)).fit()
     mem_records = [json.loads(x) for x in (Path(mem_cfg.run.dir) / "train_log.jsonl").read_text().splitlines()]
     same_losses = np.allclose([r["loss"] for r in records], [r["loss"] for r in mem_records], rtol=1e-4, atol=1e-5)
     pipe_tps, mem_tps = records[-1]["tokens_per_s"], mem_records[-1]["tokens_per_s"]

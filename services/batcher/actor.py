@@ -22,15 +22,13 @@ import ray
 
 from marge.contracts.batch import Batch
 from marge.contracts.corpus import Corpus
-from marge.contracts.faults import FaultsConfig
 from marge.contracts.index_store import IndexVersion
-from marge.contracts.paths import RunPaths
 from marge.contracts.protocol import BatchQueue
-from marge.contracts.slots import BatchId, QueueConfig, Slots, VersionPlan
+from marge.contracts.slots import BatchId
 from marge.eval.metrics import StageMetrics
 from marge.util.files import setup_logging
-from services.batcher.config import BatcherConfig, BatchShape
 from services.batcher.core import DocumentStore
+from services.batcher.job import BatcherJob
 from services.batcher.schedule import BatchSchedule, wait_for_version
 from services.batcher.stats import links_by_language
 from services.batcher.writer import write_slots
@@ -53,20 +51,19 @@ def poisoned(batch: Batch) -> Batch:
 
 @ray.remote(num_cpus=0, max_concurrency=4, max_restarts=-1, max_task_retries=-1)
 class Batcher:
-    """One batch builder. Gets its section, the queue's, the run's paths, seed, slot layout and version plan, the
-    file that holds the queue's address, and which builder it is (`group`, of `slots.builders`)."""
+    """One batch builder: its `BatcherJob` (its section, the queue's, the run's paths, seed, slot layout, version
+    plan and batch shape, the file that holds the queue's address, and which builder it is)."""
 
-    def __init__(self, cfg: BatcherConfig, queue: QueueConfig, paths: RunPaths, seed: int, redis_url_file: str,
-                 slots: Slots, plan: VersionPlan, faults: FaultsConfig | None = None, shape: BatchShape = BatchShape(),
-                 group: int = 0):
+    def __init__(self, job: BatcherJob):
         setup_logging()
-        self.cfg, self.paths, self.seed, self.slots, self.plan, self.shape = cfg, paths, seed, slots, plan, shape
-        self.group = group
-        self.faults = faults or FaultsConfig()
-        self.lookahead_steps = max(1, math.ceil(queue.max_depth / slots.per_step))
-        self.stall_s = queue.stall_s
+        cfg, paths, slots = job.batcher, job.paths, job.slots
+        self.cfg, self.paths, self.seed, self.slots, self.plan, self.shape = cfg, paths, job.seed, slots, job.plan, job.shape
+        self.group = job.group
+        self.faults = job.faults
+        self.lookahead_steps = max(1, math.ceil(job.queue.max_depth / slots.per_step))
+        self.stall_s = job.queue.stall_s
         self.docs = DocumentStore(Corpus.open(paths.corpus), cfg.shard_cache_mb)
-        self.queue = BatchQueue.from_url_file(redis_url_file, paths.name, slots)
+        self.queue = BatchQueue.from_url_file(job.redis_url_file, paths.name, slots)
         self._stop = threading.Event()
         self.produced = 0
         self.produced_by_version: dict[int, int] = {}
@@ -79,7 +76,7 @@ class Batcher:
         self.waiting_for_version: int | None = None
         self._building: int | None = None
         """The slot whose batch is being built."""
-        m = self.metrics = StageMetrics("batcher", paths.name, worker=str(group))
+        m = self.metrics = StageMetrics("batcher", paths.name, worker=str(job.group))
         m.counter("marge_batches_produced", "Batches written to the queue")
         m.gauge("marge_batcher_next_slot", "The first slot not written yet")
         m.gauge("marge_batcher_index_version", "Index version batches are built from")

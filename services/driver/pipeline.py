@@ -55,6 +55,7 @@ from services.driver.resources import (
     ray_running,
     redis_for,
 )
+from services.driver.spec import RunSpec, compile_spec
 from services.trainer.init import ensure_initial_model
 from services.trainer.job import TrainerJob
 from services.trainer.rank import process_group_backend, train_loop_per_worker
@@ -79,8 +80,9 @@ def run_pipeline(cfg: PipelineConfig, reuse_folder: bool = False) -> dict:
         checkpoint = resume_checkpoint(cfg, paths)  # chosen (read once); nothing cut back yet
         atomic_write_text(paths.run_dir / "config.yaml", yaml.safe_dump(cfg.to_saved_dict(), sort_keys=False))
         corpus = open_corpus(cfg)
-        cfg = with_probes(cfg, corpus)
-        model_cfg = cfg.model_config(vocab_size=corpus.tokenizer().vocab_size)
+        spec = compile_spec(with_probes(cfg, corpus), corpus.tokenizer().vocab_size)
+        cfg, model_cfg = spec.config, spec.model
+        spec.write()
         with setup_phase(log, "initial model") as notes:
             ensure_initial_model(model_cfg, paths, corpus, cfg.run.seed)
             notes.append(f"{paths.init_weights.name} and the step-0 snapshot in {paths.run_dir}")
@@ -95,19 +97,19 @@ def run_pipeline(cfg: PipelineConfig, reuse_folder: bool = False) -> dict:
                              f"{'at ' + cfg.ray.address if cfg.ray.address else 'local'}")
             # a new trainer generation first: a group a killed driver left running can then neither write to the
             # queue nor finish a checkpoint this run resumes from (the lineage abandons it)
-            fence = BatchQueue.connect(redis.url, paths.name, cfg.slots())  # joins the generation: not for writes
+            fence = BatchQueue.connect(redis.url, paths.name, spec.slots)  # joins the generation: not for writes
             start_generation(paths.checkpoints, fence.start_generation, checkpoint_step(checkpoint))
             point = resume_point(paths, checkpoint)
-            queue = BatchQueue.connect(redis.url, paths.name, cfg.slots())
+            queue = BatchQueue.connect(redis.url, paths.name, spec.slots)
             queue.reset_from(point.step)
             queue.clear_stop()
-            floor = cfg.version_plan().version_for_step(point.step)
+            floor = spec.version_plan.version_for_step(point.step)
             url_file = stage_url_file(paths, redis.url)  # the stages get its path, not the password
-            with running_stages(cfg, paths, url_file, floor) as stages:
+            with running_stages(spec, url_file, floor) as stages:
                 log.info("[setup] stages asked of Ray: %s; the trainers start next, the first index is built "
                          "meanwhile", ", ".join(stages.runs))
                 deadline = started + 60 * cfg.run.max_minutes if cfg.run.max_minutes else None
-                job = trainer_job(cfg, url_file, deadline, resume_from=point.checkpoint)
+                job = spec.trainer_job(url_file, deadline, resume_from=point.checkpoint)
                 board = RunBoard(paths.run_dir, "index", cfg.run.tensorboard)
                 progress = Progress(cfg.run.max_steps, queue, stages.coordinator, stages.batchers, board, point.step,
                                     deadline, joined_cluster=bool(cfg.ray.address))
@@ -151,15 +153,15 @@ def dry_run(cfg: PipelineConfig, reuse_folder: bool = False) -> dict:
                                               engine=cfg.data.prepare_engine))
         out["corpus"] = (f"{root}: to be prepared from {', '.join(cfg.data.raw)} "
                          f"({'on Ray Data' if engine == 'ray' else 'in the driver process'})")
-        out["model"] = dataclasses.asdict(cfg.model_config(vocab_size=cfg.data.vocab_size))
+        out.update(compiled_facts(compile_spec(cfg)))  # the vocabulary is data.vocab_size until the tokenizer exists
         return out
     corpus = ensure_corpus(cfg)
-    cfg = with_probes(cfg, corpus)
-    model_cfg = cfg.model_config(vocab_size=corpus.tokenizer().vocab_size)
+    spec = compile_spec(with_probes(cfg, corpus), corpus.tokenizer().vocab_size)
+    cfg = spec.config
     out["corpus"] = {"path": str(root), "documents": corpus.manifest["num_documents"],
                      "languages": corpus.languages, "shards": corpus.num_shards}
     out["probes"] = {"health.documents": cfg.health.documents, "data.heldout_pairs": cfg.data.heldout_pairs}
-    out["model"] = dataclasses.asdict(model_cfg)
+    out.update(compiled_facts(spec))
     if cfg.objectives.needs_index:
         from services.driver.plan import plan_run
 
@@ -168,6 +170,11 @@ def dry_run(cfg: PipelineConfig, reuse_folder: bool = False) -> dict:
         except ValueError as e:  # GPU workers planned on a machine without one: the plan needs a measurement
             out["capacity_plan"] = str(e)
     return out
+
+
+def compiled_facts(spec: RunSpec) -> dict[str, Any]:
+    """What a dry run shows of the run's spec: what spec.json would hold, less the config it was given."""
+    return {key: value for key, value in spec.to_dict().items() if key not in ("config", "run", "spec_version")}
 
 
 def final_g_health(cfg: PipelineConfig, paths: RunPaths, corpus: Corpus) -> dict | None:
@@ -376,18 +383,6 @@ def stage_url_file(paths: RunPaths, url: str) -> Path:
     return write_url_file(folder / "url", url)
 
 
-def trainer_job(cfg: PipelineConfig, redis_url_file: Path | None, deadline_unix: float | None = None,
-                memory_batches: list[list] | None = None, resume_from: str | None = None) -> TrainerJob:
-    """What every trainer rank gets: its sections, the run's paths, and its batches' source (the file of the
-    queue's Redis URL, or batches in memory)."""
-    return TrainerJob(cfg.trainer, cfg.objectives, cfg.health, cfg.queue, cfg.paths(), cfg.run.seed, cfg.run.max_steps,
-                      cfg.slots(),
-                      heldout_pairs=cfg.data.heldout_pairs, deadline_unix=deadline_unix,
-                      redis_url_file=None if redis_url_file is None else str(redis_url_file),
-                      memory_batches=memory_batches, resume_from=resume_from, faults=cfg.faults,
-                      tensorboard=cfg.run.tensorboard)
-
-
 def make_trainer(cfg: PipelineConfig, job: TrainerJob):
     """The trainer stage: a Ray Train TorchTrainer whose DDP workers run `job`.
 
@@ -421,7 +416,7 @@ class Stages:
 
 
 @contextlib.contextmanager
-def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url_file: Path, floor: int = 0) -> Iterator[Stages]:
+def running_stages(spec: RunSpec, redis_url_file: Path, floor: int = 0) -> Iterator[Stages]:
     """The indexer and batcher actors, named in the run's namespace, running until the block ends. `floor`: the
     oldest index version the run still needs (the indexer builds it again if it is missing)."""
     import ray
@@ -429,6 +424,7 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url_file: Path, f
     from services.batcher.actor import Batcher
     from services.indexer.actor import IndexCoordinator, start_worker, write_pool_size
 
+    cfg, paths = spec.config, spec.paths
     namespace = f"marge-{cfg.run.name}"  # actor names are unique per run, also on a shared cluster
     ix = cfg.indexer
     workers, coordinator, runs = [], None, {}
@@ -439,11 +435,10 @@ def running_stages(cfg: PipelineConfig, paths: RunPaths, redis_url_file: Path, f
         write_pool_size(paths, ix.num_workers)
         workers = [start_worker(ix, paths, cfg.run.seed, i, namespace, cfg.faults) for i in range(ix.num_workers)]
         coordinator = IndexCoordinator.options(name="marge-indexer-coordinator", namespace=namespace).remote(  # type: ignore[attr-defined]  # @ray.remote makes it an actor class; mypy does not apply class decorators
-            ix, paths, cfg.version_plan(), len(workers), floor, cfg.run.seed, cfg.faults)
+            ix, paths, spec.version_plan, len(workers), floor, cfg.run.seed, cfg.faults)
         runs["indexer"] = coordinator.run.remote()
     batchers = [Batcher.options(name=f"marge-batcher-{group}", namespace=namespace).remote(  # type: ignore[attr-defined]  # @ray.remote makes it an actor class; mypy does not apply class decorators
-        cfg.batcher, cfg.queue, paths, cfg.run.seed, str(redis_url_file), cfg.slots(), cfg.version_plan(), cfg.faults,
-        cfg.batch_shape(), group) for group in range(cfg.batcher.builders)]
+        spec.batcher_job(redis_url_file, group)) for group in range(spec.slots.builders)]
     for group, batcher in enumerate(batchers):
         runs[f"batcher {group}" if len(batchers) > 1 else "batcher"] = batcher.run.remote()
     loops = [actor for actor in (coordinator, *batchers) if actor is not None]

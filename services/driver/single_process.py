@@ -86,6 +86,7 @@ from services.driver.learning_report import (
 from services.driver.lock import SINGLE_PROCESS, DriverLock
 from services.driver.pipeline import final_g_health, open_corpus, with_probes
 from services.driver.progress import setup_phase
+from services.driver.spec import compile_spec
 from services.indexer.core import build_version, describe_build, index_shard, prune_unneeded_snapshots
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
@@ -227,14 +228,15 @@ class SingleProcessRun:
     def __init__(self, out_dir: Path, cfg: PipelineConfig, device: torch.device, resume: bool):
         self.out_dir = Path(out_dir).resolve()
         self.cfg, self.device, self.resume = cfg, device, resume
-        self.paths = cfg.paths()
         self.corpus = open_corpus(cfg)
-        self.cfg = cfg = with_probes(cfg, self.corpus)
         self.tokenizer = self.corpus.tokenizer()
+        self.spec = spec = compile_spec(with_probes(cfg, self.corpus), self.tokenizer.vocab_size)
+        self.cfg = cfg = spec.config
+        self.paths = spec.paths
+        spec.write()
         self.pairs = read_pairs(heldout_pairs_path(cfg), self.tokenizer.languages)
         with setup_phase(log, "initial model") as notes:
-            ensure_initial_model(cfg.model_config(vocab_size=self.tokenizer.vocab_size), self.paths, self.corpus,
-                                 cfg.run.seed)
+            ensure_initial_model(spec.model, self.paths, self.corpus, cfg.run.seed)
             notes.append(f"{self.paths.init_weights.name} and the step-0 snapshot in {self.paths.run_dir}")
         # retrieval and evidence probes of g and the decoder: for the MARGE model (a BART run's too), not VECO's
         self.monitor = HealthMonitor(cfg.health, cfg.data.heldout_pairs, self.tokenizer, seed=cfg.run.seed) \
@@ -242,12 +244,12 @@ class SingleProcessRun:
         self.probe = self.monitor.probe if self.monitor else None
         self.indexer = InProcessIndexer(cfg, self.corpus, device)
         self.docs = DocumentStore(self.corpus, cfg.batcher.shard_cache_mb)
-        self.slots = cfg.slots()
-        self.plan = cfg.version_plan()
+        self.slots = spec.slots
+        self.plan = spec.version_plan
         self.stop_waiting = threading.Event()
         self.schedule = RunSchedule(self.docs, cfg.batcher, cfg.run.seed, self.slots, self.plan,
                                     lambda v: wait_for_version(self.paths.index, v, self.stop_waiting),
-                                    cfg.batch_shape(), self.paths.batch_counts)
+                                    spec.batch_shape, self.paths.batch_counts)
         self.train_log = TrainLog(self.paths.train_log)
         self.evals_log = self.out_dir / "checkpoint_evals.jsonl"
 

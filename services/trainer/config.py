@@ -4,6 +4,7 @@ settings live with the objectives, `services.trainer.objectives`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from marge.contracts.config import FieldError, at_least, non_negative_mapping, one_of, positive, resumable, within
 from marge.model.layers import KEY_BIAS_PATHS
@@ -44,6 +45,12 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig(OptimizerConfig):
+    EXECUTION: ClassVar[tuple[str, ...]] = (
+        "bf16", "bf16_params", "prefetch", "loss_chunk_tokens", "unpadded", "key_bias", "bucket_rows", "bucket_width",
+        "cudnn_attention", "cross_attention", "compile", "compile_dynamic", "compile_scope")
+    """The settings that change how the trainers compute, not what they train (none changes a loss beyond
+    rounding): the `execution` block of a run's spec.json (`services.driver.spec`)."""
+
     num_workers: int = 2
     """DDP ranks (Ray Train workers); each takes `grad_accum` batches per update."""
     use_gpu: bool = False

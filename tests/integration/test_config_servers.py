@@ -69,6 +69,8 @@ def test_pretrain_prints_the_resolved_config_and_dry_runs_without_starting_or_wr
     plan = json.loads(planned.stdout)
     assert plan["corpus"]["shards"] == Corpus.open(small_corpus).num_shards and plan["resumes_from_step"] == 0
     assert plan["model"]["d_model"] == 64 and "refresh_interval_s" in plan["capacity_plan"]
+    assert plan["slots"]["per_step"] == 2 and plan["execution"]["key_bias"] == "folded"  # what spec.json would hold
+    assert not (run_dir / "spec.json").exists()
 
     # a corpus of one's own: the config file's probe files (its demo corpus's) are not used for it
     assert plan["probes"] == {"health.documents": None, "data.heldout_pairs": None}, plan["probes"]

@@ -16,6 +16,7 @@ from marge.model.checkpoint import load_model_weights, read_manifest
 from services.batcher.config import BatcherConfig
 from services.batcher.core import DocumentStore, epoch_batches
 from services.driver.config import load_config
+from services.driver.spec import read_spec
 from services.trainer.objectives import objectives_for
 from services.trainer.step import reference_train
 
@@ -33,7 +34,8 @@ def small_config(tmp_path: Path, corpus: Path, redis_url: str, name: str, *extra
 @pytest.mark.slow
 def test_training_through_redis_matches_the_in_process_reference(ray_cluster, redis_server, small_corpus, small_index,
                                                                  tmp_path, monkeypatch):
-    from services.driver.pipeline import make_trainer, trainer_job
+    from services.driver.pipeline import make_trainer
+    from services.driver.spec import compile_spec
     from services.trainer.init import ensure_initial_model
 
     cfg = small_config(tmp_path, small_corpus, redis_server.url, "parity", "run.max_steps=6",
@@ -49,7 +51,7 @@ def test_training_through_redis_matches_the_in_process_reference(ray_cluster, re
     # the state Ray Train keeps of the run and the dashboard serves (on with RAY_TRAIN_ENABLE_STATE_TRACKING) holds no
     # password: the job names the file of the Redis URL, not the URL
     monkeypatch.setenv("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
-    make_trainer(cfg, trainer_job(cfg, write_url_file(tmp_path / "redis-url", redis_server.url))).fit()
+    make_trainer(cfg, compile_spec(cfg).trainer_job(write_url_file(tmp_path / "redis-url", redis_server.url))).fit()
     from ray.train.v2._internal.state.state_actor import get_state_actor
 
     password = redis_server.url.split(":")[2].split("@")[0]
@@ -99,6 +101,8 @@ def test_end_to_end_reindexes_and_resumes(ray_cluster, redis_server, small_corpu
     records = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 25))
     assert [r["index_versions"] for r in records] == [[0]] * 12 + [[1]] * 6 + [[2]] * 6
+    spec = read_spec(run_dir)  # what the run compiled its config to, as the stages were given it
+    assert spec is not None and spec["slots"]["world"] == 2 and spec["version_plan"] == {"reindex_every": 6, "lag": 6}
     assert max(r["staleness_max"] for r in records) == 11 and records[-1]["snapshot_steps"] == [12]
     assert summary["batches_trained"] == 48 and summary["commit_conflicts"] == 0
     assert summary["batches_produced"] == (summary["batches_trained"] + summary["batches_pending"]

@@ -75,8 +75,9 @@ def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cl
     from marge.contracts.index_store import read_version, version_dirname
     from services.batcher.core import DocumentStore, epoch_batches
     from services.driver.config import load_config
-    from services.driver.pipeline import make_trainer, trainer_job
+    from services.driver.pipeline import make_trainer
     from services.driver.single_process import run_single_process
+    from services.driver.spec import compile_spec
     from services.trainer.init import ensure_initial_model
 
     args = overrides(small_corpus, few_pairs, "trainer.num_workers=2", "run.max_steps=6", "trainer.snapshot_every=100",
@@ -96,7 +97,7 @@ def test_single_process_losses_equal_the_ddp_trainers_on_the_same_batches(ray_cl
              for b in epoch_batches(index, DocumentStore(corpus), cfg.batcher, epoch, cfg.run.seed,
                                     shape=cfg.batch_shape())}  # the batcher's shape: the denoising loss's negatives
     per_rank = [[by_id[ids[rank]] for _, _, ids in single] for rank in range(2)]  # slot = rank on the DDP side
-    make_trainer(cfg, trainer_job(cfg, None, memory_batches=per_rank)).fit()
+    make_trainer(cfg, compile_spec(cfg).trainer_job(None, memory_batches=per_rank)).fit()
 
     ddp = [json.loads(line) for line in (tmp_path / "ddp" / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in ddp] == [s for s, _, _ in single]

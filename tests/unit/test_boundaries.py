@@ -118,21 +118,47 @@ def test_the_contracts_and_the_plumbing_need_no_torch():
     assert proc.returncode == 0, proc.stderr
 
 
-SLOTS_BUILT_IN = {
-    "services/driver/config.py": "the one layout of a run: `PipelineConfig.slots`, which every stage is given",
+BUILT_IN = {
+    "services/driver/config.py": "the run's one slot layout, version plan and batch shape (`PipelineConfig.slots`, "
+                                 "`version_plan`, `batch_shape`), compiled once per run into its `RunSpec`",
     "services/trainer/step.py": "`train_step`: an update in one process outside the pipeline (the reference loop, "
                                 "the benchmarks), whose batches number 0 .. n-1",
     "services/driver/scale_costs.py": "the costs of other worlds than the config's, for `marge plan`",
 }
-"""Where `Slots(...)` may be built, and why: nowhere in a stage, which takes the run's from its job."""
+"""Where a `Slots`, `VersionPlan` or `BatchShape` may be built, and why: nowhere in a stage, which takes the run's
+from its job. (A default argument, such as the batcher core's `shape: BatchShape = BatchShape()` for callers
+outside a run, is not a build: every job passes its spec's.)"""
+SPEC_FACTS = ("Slots", "VersionPlan", "BatchShape", "without_index")
 
 
-def test_a_runs_slot_layout_is_built_once_and_no_stage_builds_its_own():
-    builds = []
-    for path in sorted([*(REPO / "services").rglob("*.py"), *LIBRARY.rglob("*.py")]):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Slots":
-                builds.append(str(path.relative_to(REPO)))
-    assert builds, "the walk saw no Slots(...) at all"
-    assert set(builds) <= set(SLOTS_BUILT_IN), sorted(set(builds) - set(SLOTS_BUILT_IN))
-    assert builds.count("services/driver/config.py") == 1
+def built_facts(path: Path) -> list[str]:
+    """The spec facts (`SPEC_FACTS`) a file builds, one entry per call, default arguments left out."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    defaults = {id(d) for node in ast.walk(tree) if isinstance(node, ast.arguments)
+                for d in [*node.defaults, *node.kw_defaults] if d is not None}
+    return [name for node in ast.walk(tree) if isinstance(node, ast.Call) and id(node) not in defaults
+            for name in [getattr(node.func, "id", getattr(node.func, "attr", None))] if name in SPEC_FACTS]
+
+
+def test_a_runs_slots_plan_and_shape_are_built_once_and_no_stage_builds_its_own():
+    builds = {str(path.relative_to(REPO)): built_facts(path)
+              for path in sorted([*(REPO / "services").rglob("*.py"), *LIBRARY.rglob("*.py")])}
+    builds = {path: facts for path, facts in builds.items() if facts}
+    assert set(builds) <= set(BUILT_IN), sorted(set(builds) - set(BUILT_IN))
+    assert sorted(builds["services/driver/config.py"]) == ["BatchShape", "Slots", "VersionPlan", "without_index"]
+
+
+def test_the_run_hosts_read_the_compiled_spec():
+    """The Ray pipeline and the single process take the slots, version plan, batch shape and model from the run's
+    `RunSpec` (`services.driver.spec.compile_spec`, written to run_dir/spec.json), never derive them again from the
+    config; no stage derives them at all."""
+    derived = ("slots", "version_plan", "batch_shape", "model_config")
+    hosts = [REPO / "services" / "driver" / name for name in ("pipeline.py", "single_process.py")]
+    stages = [path for stage in STAGES for path in (REPO / "services" / stage).rglob("*.py")]
+    offenders = sorted(f"{path.relative_to(REPO)}:{node.lineno} calls .{node.func.attr}()"
+                       for path in [*hosts, *stages] for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                       if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                       and node.func.attr in derived)
+    assert not offenders, offenders
+    for host in hosts:
+        assert "compile_spec(" in host.read_text(encoding="utf-8"), f"{host.name} compiles no spec"

@@ -149,8 +149,8 @@ def key_biased_attention(q_BHQE: Tensor, k_BHKE: Tensor, v_BHKE: Tensor, bias_B1
     if path != "flex":
         raise ValueError(f"key bias path {path!r} is not one of {KEY_BIAS_PATHS}")
     if dropout_p:
-        raise ValueError("trainer.key_bias=flex has no attention dropout: set model.attention_dropout=0, or use "
-                         "trainer.key_bias=mask or folded")
+        raise ValueError(f"the 'flex' key bias path has no attention dropout, got dropout_p={dropout_p}: attend "
+                         "with dropout_p=0, or by the 'mask' or 'folded' path")
     from torch.nn.attention.flex_attention import flex_attention
 
     def add_key_bias(score, b, h, q_idx, kv_idx):
