@@ -60,7 +60,14 @@ from services.trainer.objectives import (  # noqa: E402
     ObjectivesConfig,
     SelfEvidenceConfig,
 )
-from services.trainer.step import apply_execution_settings, build_optimizer, build_scheduler, compiled, train_step  # noqa: E402
+from services.trainer.step import (  # noqa: E402
+    Trainee,
+    apply_execution_settings,
+    build_optimizer,
+    build_scheduler,
+    compiled,
+    train_step,
+)
 
 PARTS = ("bench", "recipe", "prefetch", "profile", "ablations", "compile")
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM
@@ -143,12 +150,12 @@ def new_model(dropout: float | None = None, key_bias: str = "folded"):
 def run_updates(model, optimizer, scheduler, obj, batches, prepared, updates, trained=None, step0=10):
     pinned = [p.pin_memory() for p in prepared] if DEVICE.type == "cuda" else prepared
     times, tokens = [], 0
+    trainee = Trainee.in_process(model if trained is None else trained, optimizer, scheduler, obj, TRAINER, DEVICE)
     for u in range(updates):
         k = (u * PER_UPDATE) % (len(batches) - PER_UPDATE + 1)
         sync()
         t0 = time.perf_counter()
-        record = train_step(model if trained is None else trained, optimizer, scheduler, obj, batches[k:k + PER_UPDATE], TRAINER, step0 + u,
-                            DEVICE, prepared=pinned[k:k + PER_UPDATE])
+        record = train_step(trainee, batches[k:k + PER_UPDATE], step0 + u, pinned[k:k + PER_UPDATE])
         sync()
         times.append(time.perf_counter() - t0)
         tokens += record.target_tokens

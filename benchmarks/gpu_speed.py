@@ -134,6 +134,7 @@ from services.trainer.objectives import (  # noqa: E402
 from services.trainer.precision import bf16_parameters  # noqa: E402
 from services.trainer.step import (  # noqa: E402
     Item,
+    Trainee,
     apply_execution_settings,
     build_optimizer,
     build_scheduler,
@@ -374,14 +375,14 @@ def recipe_arm(args: argparse.Namespace, variant: str, device: torch.device, dea
     scheduler = build_scheduler(optimizer, trainer, 5000)
     signatures: list[set] = []  # each update's attention calls' signatures
     step = 10
+    trainee = Trainee.in_process(stepped, optimizer, scheduler, obj, trainer, device)
 
     def update(first: int, calls: AttentionCalls) -> tuple[float, int]:
         nonlocal step
         before = len(calls.calls)
         sync(device)
         t = time.perf_counter()
-        trained = train_step(stepped, optimizer, scheduler, obj, made.batches[first:first + PER_UPDATE], trainer, step,
-                             device, prepared=prepared[first:first + PER_UPDATE])
+        trained = train_step(trainee, made.batches[first:first + PER_UPDATE], step, prepared[first:first + PER_UPDATE])
         sync(device)
         step += 1
         signatures.append(set(calls.calls[before:]))
@@ -574,6 +575,7 @@ def ddp_rank(rank: int, folder: str, smoke: bool) -> None:
         optimizer = build_optimizer(model, trainer)
         scheduler = build_scheduler(optimizer, trainer, 100)
         slots = Slots(DDP_WORLD, trainer.grad_accum)
+        trainee = Trainee(model, wrapped, optimizer, scheduler, objectives, trainer, device, slots=slots)
         rng = np.random.default_rng(100 + rank)  # each rank its own batches
         objective, seconds, dead = [], [], []
         for update in range(DDP_UPDATES):
@@ -581,8 +583,7 @@ def ddp_rank(rank: int, folder: str, smoke: bool) -> None:
                      for k in range(trainer.grad_accum)]
             sync(device)
             t = time.perf_counter()
-            done, read = run_update(wrapped, optimizer, scheduler, objectives, items, slots, trainer, device, 0,
-                                    model_cfg, BENCH_SPECIALS)
+            done, read = run_update(trainee, items)
             sync(device)
             seconds.append(time.perf_counter() - t)
             objective.append(read.objective)
@@ -725,7 +726,8 @@ def checks_of_the_step(model: Marge, made, device: torch.device) -> dict:
     scheduler = build_scheduler(optimizer, trainer, 100)
     prepared = [objectives.prepare(b, (0, 5, k)) for k, b in enumerate(made.batches[:2])]
     with DrainsBeforeStep(optimizer) as drains:
-        train_step(model, optimizer, scheduler, objectives, made.batches[:2], trainer, 5, device, prepared=prepared)
+        train_step(Trainee.in_process(model, optimizer, scheduler, objectives, trainer, device), made.batches[:2], 5,
+                   prepared)
     out["drains_before_optimizer_step"] = {"passed": drains.reads == [], "reads": drains.reads}
     out["passed"] = all(v["passed"] for v in out.values() if isinstance(v, dict))
     return out

@@ -61,6 +61,7 @@ class Launches(TorchDispatchMode):
 def measure(compile_host: bool) -> dict:
     """Every figure for the `marge` importable here (this tree's, or the exported commit's)."""
     import numpy as np
+    from in_process_update import update_fn
 
     from marge.contracts.batch import Batch, SpecialTokens
     from marge.contracts.slots import Slots
@@ -75,7 +76,7 @@ def measure(compile_host: bool) -> dict:
         ObjectivesConfig,
         SelfEvidenceConfig,
     )
-    from services.trainer.step import build_optimizer, build_scheduler, seed_key, train_step
+    from services.trainer.step import build_optimizer, build_scheduler, seed_key
 
     torch.set_num_threads(1)
     specials = SpecialTokens(pad_id=0, bos_id=2, eos_id=3, lang_ids={"en": 5, "de": 6, "fr": 7})
@@ -154,16 +155,17 @@ def measure(compile_host: bool) -> dict:
             return original(values)
 
         step_module.read_to_host = counted
+    update = update_fn(model, optimizer, scheduler, objectives, cfg, torch.device("cpu"))
     try:
         for step in range(5):
             batches, prepared = update_inputs(step, rng)
             batched.clear()
             with Reads() as r:
-                train_step(model, optimizer, scheduler, objectives, batches, cfg, step, torch.device("cpu"), 0, prepared)
+                update(batches, step, prepared)
             reads.append(r.count + len(batched))
             batches, prepared = update_inputs(step + 100, rng)
             with Launches() as launch:
-                train_step(model, optimizer, scheduler, objectives, batches, cfg, step, torch.device("cpu"), 0, prepared)
+                update(batches, step, prepared)
             launches.append(launch.count)
     finally:
         if original is not None:
@@ -190,11 +192,12 @@ def measure(compile_host: bool) -> dict:
         optimizer = optimizer_for(model)
         scheduler = build_scheduler(optimizer, cfg, 1000)
         trained = torch.compile(model, dynamic=True) if compiled_model else model
+        update = update_fn(trained, optimizer, scheduler, objectives, cfg, torch.device("cpu"))
         seconds = []
         for step in range(35):
             batches, prepared = update_inputs(step, rng)
             t0 = time.perf_counter()
-            train_step(trained, optimizer, scheduler, objectives, batches, cfg, step, torch.device("cpu"), 0, prepared)
+            update(batches, step, prepared)
             if step >= 5:
                 seconds.append(time.perf_counter() - t0)
         return statistics.median(seconds)

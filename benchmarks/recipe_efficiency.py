@@ -547,8 +547,10 @@ def update_census(trainer, smoke: bool) -> dict:
     * update_ops_outside_forward_backward: `Launches` of the whole update less those of its forward and backward:
       clipping, the figures' read, the optimizer's step, zero_grad; optimizer_step_ops: those of the step alone;
     * drains_before_optimizer_step: `DrainsBeforeStep` over the update (and after it)."""
+    from in_process_update import update_fn
+
     from marge.model.network import Marge
-    from services.trainer.step import apply_execution_settings, build_optimizer, build_scheduler, train_step
+    from services.trainer.step import apply_execution_settings, build_optimizer, build_scheduler
 
     _, made, objectives, cfg = recipe_setup(trainer.unpadded, True, PER_UPDATE, 2048 if smoke else COMPILE_TOKENS,
                                             trainer)
@@ -570,9 +572,11 @@ def update_census(trainer, smoke: bool) -> dict:
         for p in prepared:
             (objectives.losses(model, p, cpu, bf16).objective / len(prepared)).backward()
 
+    one_update = update_fn(model, optimizer, scheduler, objectives, trainer, cpu)
+
     def update() -> None:
         model.zero_grad(set_to_none=True)
-        train_step(model, optimizer, scheduler, objectives, batches, trainer, 10, cpu, prepared=prepared)
+        one_update(batches, 10, prepared)
 
     update()
     with Casts() as autocast_casts:  # bf16 compute: autocast, or bf16 parameters without it
@@ -794,11 +798,12 @@ def measure_compile(scope: str, smoke: bool) -> dict:
     seconds (the cold compile, and one update), the median update after the first three, and what Dynamo counted:
     graphs compiled (a recompilation is one more), graph breaks. `scope`: eager (no compile), layers or model
     (`trainer.compile_scope`)."""
+    from in_process_update import update_fn
     from torch._dynamo.utils import counters
 
     from marge.model.network import Marge
     from services.trainer.config import TrainerConfig
-    from services.trainer.step import build_optimizer, build_scheduler, compiled, train_step
+    from services.trainer.step import build_optimizer, build_scheduler, compiled
 
     torch.set_num_threads(1)
     _, made, objectives, cfg = recipe_setup(True, True, 8 if smoke else 50, 2048 if smoke else COMPILE_TOKENS)
@@ -810,12 +815,12 @@ def measure_compile(scope: str, smoke: bool) -> dict:
     scheduler = build_scheduler(optimizer, trainer, 1000)
     trained = compiled(model, trainer.compile, trainer.compile_scope)
     prepared = [objectives.prepare(b, (0, 10, k % PER_UPDATE)) for k, b in enumerate(made.batches)]
+    update = update_fn(trained, optimizer, scheduler, objectives, trainer, torch.device("cpu"))
     times = []
     for u in range(len(made.batches) // PER_UPDATE):
         window = slice(u * PER_UPDATE, (u + 1) * PER_UPDATE)
         t0 = time.perf_counter()
-        train_step(trained, optimizer, scheduler, objectives, made.batches[window], trainer, 10 + u, torch.device("cpu"),
-                   prepared=prepared[window])
+        update(made.batches[window], 10 + u, prepared[window])
         times.append(time.perf_counter() - t0)
     return {"batches": len(made.batches), "first_update_s": times[0], "steady_update_s": statistics.median(times[3:]),
             "compiled_graphs": counters["stats"].get("unique_graphs", 0),  # recompilations included

@@ -384,7 +384,13 @@ def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps:
     from services.trainer.inputs import AttentionLayout
     from services.trainer.objectives import objectives_for
     from services.trainer.precision import bf16_parameters
-    from services.trainer.step import apply_execution_settings, build_optimizer, build_scheduler, train_step
+    from services.trainer.step import (
+        Trainee,
+        apply_execution_settings,
+        build_optimizer,
+        build_scheduler,
+        train_step,
+    )
 
     tokenizer = corpus.tokenizer()
     model_cfg = indexed_architecture(cfg, cfg.model_config(vocab_size=tokenizer.vocab_size))
@@ -414,12 +420,13 @@ def measure_throughput(cfg: PipelineConfig, corpus, device: torch.device, steps:
             bf16_parameters(model, optimizer)
         scheduler = build_scheduler(optimizer, trainer, 10**6)
         objectives = objectives_for(cfg.objectives, tokenizer, trainer.unpadded, AttentionLayout.of(trainer))
-        train_step(model, optimizer, scheduler, objectives, updates[0], trainer, 0, device)  # warm-up
+        trainee = Trainee.in_process(model, optimizer, scheduler, objectives, trainer, device)
+        train_step(trainee, updates[0], 0)  # warm-up
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         flops, t0 = 0.0, time.perf_counter()
         for i, update in enumerate(updates[1:], start=1):
-            train_step(model, optimizer, scheduler, objectives, update, trainer, i, device)
+            train_step(trainee, update, i)
             for batch in update:
                 targets = batch.target_tokens()
                 ratio = (batch.cost_tokens() - targets) / max(1, targets)

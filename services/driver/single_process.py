@@ -91,12 +91,13 @@ from services.indexer.core import build_version, describe_build, index_shard, pr
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
 from services.trainer.inputs import AttentionLayout, untrainable
-from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
+from services.trainer.loop import TrainingLoop, UpdateInput, UpdateMeter
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
 from services.trainer.precision import bf16_parameters
 from services.trainer.prefetch import Prefetcher
 from services.trainer.step import (
     Item,
+    Trainee,
     apply_execution_settings,
     build_optimizer,
     build_scheduler,
@@ -342,8 +343,8 @@ class SingleProcessRun:
         if t.compile:
             compile_cache_env(Path(cfg.run.dir))
         trainee = Trainee(model, compiled(model, t.compile, t.compile_scope, dynamic=t.compile_dynamic), optimizer,
-                          scheduler, objectives, t, self.slots, device, cfg.run.seed, self.tokenizer.specials,
-                          cfg.run.max_steps)
+                          scheduler, objectives, t, device, slots=self.slots, seed=cfg.run.seed,
+                          max_steps=cfg.run.max_steps)
         meter = UpdateMeter(model.cfg, device_peak_flops(device))
         log.info("training on %s %s from step %d (%d batches per update, bf16 %s%s)", device,
                  f"for {minutes:.1f} min" if minutes is not None else f"to update {cfg.run.max_steps}", step,

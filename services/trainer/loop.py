@@ -36,15 +36,12 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from marge.contracts.slots import Slots
 from marge.contracts.train_log import TrainLog, UpdateRecord
 from marge.eval.tensorboard import RunBoard
 from marge.model.sizes import training_flops, training_flops_per_token
 from marge.model.veco import VecoConfig, veco_training_flops_per_token
-from services.trainer.config import TrainerConfig
 from services.trainer.gradient_paths import gradient_paths
-from services.trainer.objectives import Objectives
-from services.trainer.step import Backward, Item, UpdateFigures, run_update
+from services.trainer.step import Backward, Item, Trainee, UpdateFigures, run_update
 
 log = logging.getLogger(__name__)
 
@@ -83,27 +80,6 @@ class LoopHost(Protocol):
 
     def checkpoint(self, step: int) -> None:
         """Make the training state of update `step` durable."""
-
-
-@dataclass
-class Trainee:
-    """What the loop trains, and with what."""
-
-    model: nn.Module
-    """The model itself: snapshots and probes read it."""
-    trained: nn.Module
-    """What the updates run: the model, under DDP and/or torch.compile."""
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    objectives: Objectives
-    cfg: TrainerConfig
-    slots: Slots
-    device: torch.device
-    seed: int
-    specials: Any
-    max_steps: int
-    nan_loss_slot: int | None = None
-    """Test-only fault (marge.contracts.faults): this slot's loss is made NaN."""
 
 
 @dataclass
@@ -182,9 +158,8 @@ class TrainingLoop:
             t_step = time.perf_counter()
             lr = t.optimizer.param_groups[0]["lr"]
             done, read = run_update(
-                t.trained, t.optimizer, t.scheduler, t.objectives, update.items, t.slots, t.cfg, t.device, t.seed,
-                t.model.cfg, t.specials, t.nan_loss_slot,
-                figures=lambda done: update_statistics(update.items, done, self.names, t.device, host.reduce))
+                t, update.items, figures=lambda done: update_statistics(update.items, done, self.names, t.device,
+                                                                        host.reduce))
             share_relevance_center(t.model, host.reduce)
             seconds = time.perf_counter() - t_step
             step += 1

@@ -54,7 +54,7 @@ from marge.util.files import setup_logging
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.inputs import AttentionLayout, untrainable
 from services.trainer.job import TrainerJob
-from services.trainer.loop import Trainee, TrainingLoop, UpdateInput, UpdateMeter
+from services.trainer.loop import TrainingLoop, UpdateInput, UpdateMeter
 from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
 from services.trainer.precision import bf16_parameters, reduce_in_fp32
 from services.trainer.prefetch import Prefetcher
@@ -63,6 +63,7 @@ from services.trainer.state import begin_checkpoint, ray_checkpoint_dir, report_
 from services.trainer.step import (
     Backward,
     Item,
+    Trainee,
     apply_execution_settings,
     build_optimizer,
     build_scheduler,
@@ -225,9 +226,9 @@ class Rank:
             wrapped.register_comm_hook(None, reduce_in_fp32)  # bf16 gradients summed in fp32
         if t.compile:
             compile_cache_env(job.paths.run_dir)
-        trainee = Trainee(self.model, compiled(wrapped, t.compile, t.compile_scope, dynamic=t.compile_dynamic), self.optimizer,
-                          self.scheduler, self.objectives, t, self.slots, self.device, job.seed,
-                          self.tokenizer.specials, job.max_steps, job.faults.nan_loss_slot)
+        trainee = Trainee(self.model, compiled(wrapped, t.compile, t.compile_scope, dynamic=t.compile_dynamic),
+                          self.optimizer, self.scheduler, self.objectives, t, self.device, slots=self.slots,
+                          seed=job.seed, max_steps=job.max_steps, nan_loss_slot=job.faults.nan_loss_slot)
         self.loop = TrainingLoop(trainee, self, self.train_log, self.board,
                                  UpdateMeter(self.model.cfg, device_peak_flops(self.device)))
         if resumed.rng is not None:  # last: a resumed rank draws what the uninterrupted run would have drawn

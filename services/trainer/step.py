@@ -15,13 +15,14 @@ optimizer, schedule, objectives and batches, in one process, without Ray or Redi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -260,15 +261,45 @@ class Backward:
     """(slot, reason) of the batches that could not be trained."""
 
 
+@dataclass
+class Trainee:
+    """What an update trains, and with what: built once by each host (a DDP rank, the single process) and given to
+    every update (`run_update`; `services.trainer.loop` runs one after another), or built for one process outside
+    the pipeline (`Trainee.in_process`: the reference loop, `marge plan --measure`, the benchmarks)."""
+
+    model: nn.Module
+    """The model itself: its config, snapshots and probes read it."""
+    trained: nn.Module
+    """What the updates run: the model, under DDP and/or torch.compile."""
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    objectives: Objectives
+    cfg: TrainerConfig
+    device: torch.device
+    slots: Slots | None = None
+    """The run's slot layout, which numbers the host's batches; None: one process outside the pipeline, whose
+    update's batches take slots 0 .. n-1 of the update (`train_step`)."""
+    seed: int = 0
+    max_steps: int = 0
+    """Where the training loop stops (`train_step` does not read it)."""
+    nan_loss_slot: int | None = None
+    """Test-only fault (marge.contracts.faults): this slot's loss is made NaN."""
+
+    @classmethod
+    def in_process(cls, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, objectives: Objectives,
+                   cfg: TrainerConfig, device: torch.device, seed: int = 0) -> "Trainee":
+        """`model` trained in this process (as it is given: itself, or under torch.compile), its updates numbered by
+        `train_step`."""
+        return cls(getattr(model, "_orig_mod", model), model, optimizer, scheduler, objectives, cfg, device, seed=seed)
+
+
 def seed_key(seed: int, slots: Slots, slot: int) -> tuple[int, int, int]:
     """What seeds a batch's preparation: (run seed, update, position in the update). The same on a DDP rank, in
     the reference loop and in the single process."""
     return seed, slots.step_of(slot), slot % slots.per_step
 
 
-def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], slots: Slots, cfg: TrainerConfig,
-                   device: torch.device, seed: int, model_cfg, specials, nan_loss_slot: int | None = None,
-                   excluded: dict[int, str] | None = None) -> Backward:
+def backward_items(t: Trainee, items: list[Item], excluded: dict[int, str] | None = None) -> Backward:
     """Backpropagate a rank's batches of one update, each with weight 1/len(items), reading nothing back from the
     device.
 
@@ -277,9 +308,11 @@ def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], 
     stand-in batch takes its place, so that a DDP rank makes the same forwards and collectives as the others, and it
     is returned in `dead_lettered` with the reason. A loss that is not finite is backpropagated like any other: the
     update's gradient is then not finite, which `run_update` sees in its one read of the update's figures."""
+    model, objectives, cfg, device, specials = t.trained, t.objectives, t.cfg, t.device, t.objectives.specials
+    model_cfg, slots = cast(Any, t.model).cfg, t.slots or Slots(1, len(items))
     out = Backward()
     for i, item in enumerate(items):
-        key = seed_key(seed, slots, item.slot)
+        key = seed_key(t.seed, slots, item.slot)
         batch = item.batch
         if not item.checked and not item.problem:
             if batch is None:  # a batch that could not be decoded comes with its problem (Item)
@@ -293,7 +326,7 @@ def backward_items(model: nn.Module, objectives: Objectives, items: list[Item], 
                     raise ValueError(f"slot {item.slot}: no batch, and no problem saying why")
                 item.prepared = item.prepared or objectives.prepare(batch, key)  # kept for a second pass
                 losses = objectives.losses(model, item.prepared, device, cfg.autocast)
-                if item.slot == nan_loss_slot:  # test-only fault (marge.contracts.faults)
+                if item.slot == t.nan_loss_slot:  # test-only fault (marge.contracts.faults)
                     losses.objective = losses.objective * float("nan")
                 (losses.objective / len(items)).backward()
                 out.trained.append((item.slot, batch.batch_id))
@@ -430,10 +463,8 @@ def pack_figures(done: Backward, grad_norm: torch.Tensor, beta: torch.Tensor | N
                          {name: value.numel() for name, value in extra.items()})
 
 
-def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, objectives: Objectives,
-               items: list[Item], slots: Slots, cfg: TrainerConfig, device: torch.device, seed: int, model_cfg, specials,
-               nan_loss_slot: int | None = None,
-               figures: Callable[[Backward], dict[str, torch.Tensor]] | None = None) -> tuple[Backward, UpdateFigures]:
+def run_update(t: Trainee, items: list[Item], figures: Callable[[Backward], dict[str, torch.Tensor]] | None = None
+               ) -> tuple[Backward, UpdateFigures]:
     """One optimizer update of a rank's `items`, with one read of the device (`PackedFigures.read`) on its way.
 
     Forward and backward of every batch, then the update's figures (gradient norm, each batch's objective and
@@ -445,18 +476,16 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ob
     `nonfinite_losses`, so that every DDP rank takes the same path), the update is computed again without those
     batches (they are dead-lettered): a second read, only then, the first step having been skipped. A gradient
     still not finite skips the update: its place in the schedule is used up and its batches are dead-lettered."""
-    model_core = getattr(model, "_orig_mod", model)  # under torch.compile
-    model_core = getattr(model_core, "module", model_core)  # inside DDP
-    check_precision(cfg.bf16_params, optimizer)
-    beta = getattr(model_core, "beta", None)
+    optimizer = t.optimizer
+    check_precision(t.cfg.bf16_params, optimizer)
+    beta = getattr(t.model, "beta", None)
     beta = None if beta is None else full_precision(beta)  # bf16 parameters: the optimizer's fp32 value
     steps_first = skips_on_device(optimizer)
 
     def backward_and_read(excluded):
-        done = backward_items(model, objectives, items, slots, cfg, device, seed, model_cfg, specials, nan_loss_slot,
-                              excluded)
+        done = backward_items(t, items, excluded)
         extra = figures(done) if figures else {}
-        grad_norm = gradient_norm(model, cfg.clip_norm, optimizer)
+        grad_norm = gradient_norm(t.trained, t.cfg.clip_norm, optimizer)
         packed = pack_figures(done, grad_norm, beta, extra)  # beta as this update's forwards saw it
         if steps_first:
             step_unless_not_finite(optimizer, grad_norm)
@@ -478,14 +507,12 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ob
         read.objective.clear()
         read.losses.clear()
         read.target_tokens.clear()
-    scheduler.step()
+    t.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return done, read
 
 
-def train_step(model: Marge, optimizer: torch.optim.Optimizer, scheduler, objectives: Objectives,
-               batches: list[Batch], cfg: TrainerConfig, step: int, device: torch.device, seed: int = 0,
-               prepared: list[PreparedBatch] | None = None, specials=None, nan_loss_slot: int | None = None) -> StepRecord:
+def train_step(t: Trainee, batches: list[Batch], step: int, prepared: list[PreparedBatch] | None = None) -> StepRecord:
     """One optimizer update on `batches` in this process: the reference loop's, `marge plan --measure`'s and the
     benchmarks' step (the DDP ranks and the single process run `run_update` through `services.trainer.loop`).
 
@@ -496,9 +523,9 @@ def train_step(model: Marge, optimizer: torch.optim.Optimizer, scheduler, object
     t0 = time.perf_counter()
     slots = Slots(1, len(batches))
     items = [Item(slots.slot(step, 0, k), b, None, prepared[k] if prepared else None) for k, b in enumerate(batches)]
-    lr = optimizer.param_groups[0]["lr"]
-    done, read = run_update(model, optimizer, scheduler, objectives, items, slots, cfg, device, seed, model.cfg,
-                            specials or objectives.specials, nan_loss_slot)
+    lr = t.optimizer.param_groups[0]["lr"]
+    done, read = run_update(dataclasses.replace(t, slots=slots), items)
+    objectives = t.objectives
     parts = {name: sum(p[name] for p in read.losses) / len(read.losses) for name in read.losses[0]} \
         if read.losses else {objectives.primary: float("nan")}
     return StepRecord(step, parts[objectives.primary], sum(read.target_tokens), [b.batch_id for b in batches], lr,
@@ -516,8 +543,8 @@ def reference_train(model: Marge, step_batches: Iterable[list[Batch]], objective
     if cfg.bf16_params:
         bf16_parameters(model, optimizer)
     scheduler = build_scheduler(optimizer, cfg, max_steps)
-    return [train_step(model, optimizer, scheduler, objectives, batches, cfg, step, device, seed)
-            for step, batches in enumerate(step_batches, start=start_step)]
+    trainee = Trainee.in_process(model, optimizer, scheduler, objectives, cfg, device, seed)
+    return [train_step(trainee, batches, step) for step, batches in enumerate(step_batches, start=start_step)]
 
 
 @contextlib.contextmanager

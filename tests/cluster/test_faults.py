@@ -374,7 +374,7 @@ def test_a_bad_batch_is_left_out_of_its_update_with_a_zero_weight_stand_in(small
     from services.batcher.core import DocumentStore, epoch_batches
     from services.trainer.config import TrainerConfig
     from services.trainer.objectives import Objectives, ObjectivesConfig
-    from services.trainer.step import Item, run_update
+    from services.trainer.step import Item, Trainee, run_update
 
     corpus = Corpus.open(small_corpus)
     specials = corpus.tokenizer().specials
@@ -399,8 +399,8 @@ def test_a_bad_batch_is_left_out_of_its_update_with_a_zero_weight_stand_in(small
 
     def gradient(items: list[Item], slots: Slots, nan_slot=None):
         optimizer = Capture()
-        done, read = run_update(model, optimizer, Constant(), objectives, items, slots, TrainerConfig(clip_norm=0),
-                                torch.device("cpu"), 0, model.cfg, specials, nan_slot)
+        done, read = run_update(Trainee(model, model, optimizer, Constant(), objectives, TrainerConfig(clip_norm=0),
+                                        torch.device("cpu"), slots=slots, nan_loss_slot=nan_slot), items)
         return done, optimizer.gradient
 
     _, alone = gradient([Item(0, good)], Slots(1, 1))

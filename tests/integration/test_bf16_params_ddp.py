@@ -16,7 +16,7 @@ from marge.contracts.slots import Slots
 from services.trainer.config import TrainerConfig
 from services.trainer.objectives import Objectives, ObjectivesConfig
 from services.trainer.precision import bf16_parameters, master_weights, reduce_in_fp32
-from services.trainer.step import Item, build_optimizer, build_scheduler, ddp_settings, run_update, seed_key
+from services.trainer.step import Item, Trainee, build_optimizer, build_scheduler, ddp_settings, run_update, seed_key
 from tests.gpu_inputs import SPECIALS, linked_batch, tiny_model
 
 WORLD = 3  # a mean over 3 is inexact in bf16: rounding twice (each share, then the sum) shows
@@ -65,8 +65,8 @@ def rank_main(rank: int, port: int, results) -> None:
             slot = SLOTS.slot(step, rank, 0)
             batch = linked_batch(np.random.default_rng(slot))
             items = [Item(slot, batch, prepared=objectives.prepare(batch, seed_key(0, SLOTS, slot)))]
-            run_update(wrapped, optimizer, scheduler, objectives, items, SLOTS, CFG, torch.device("cpu"), 0, model.cfg,
-                       SPECIALS)
+            run_update(Trainee(model, wrapped, optimizer, scheduler, objectives, CFG, torch.device("cpu"), slots=SLOTS),
+                       items)
         weights = master_weights(optimizer)
         assert weights is not None
         results[rank] = {"exact": float((reduced.double() == expected).float().mean()),

@@ -30,7 +30,7 @@ def trained(small_corpus, tmp_path_factory, demo_raw):
     from services.indexer.core import index_corpus
     from services.trainer.config import TrainerConfig
     from services.trainer.objectives import Objectives, ObjectivesConfig
-    from services.trainer.step import build_optimizer, build_scheduler, train_step
+    from services.trainer.step import Trainee, build_optimizer, build_scheduler, train_step
 
     root = tmp_path_factory.mktemp("trained")
     run = root / "run"
@@ -45,7 +45,8 @@ def trained(small_corpus, tmp_path_factory, demo_raw):
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg, 8)
     objectives = Objectives(ObjectivesConfig(), tok.specials)
-    records = [train_step(model, optimizer, scheduler, objectives, batches[i:i + 2], cfg, i // 2, torch.device("cpu"))
+    records = [train_step(Trainee.in_process(model, optimizer, scheduler, objectives, cfg, torch.device("cpu")),
+                          batches[i:i + 2], i // 2)
                for i in range(0, 16, 2)]
     publish_snapshot(run / "snapshots", model, 8, tok.sha256)
     log = TrainLog(run / TRAIN_LOG)

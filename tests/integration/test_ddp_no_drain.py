@@ -21,6 +21,7 @@ from services.trainer.loop import update_statistics
 from services.trainer.objectives import Objectives, ObjectivesConfig
 from services.trainer.step import (
     Item,
+    Trainee,
     build_optimizer,
     build_scheduler,
     ddp_settings,
@@ -54,6 +55,8 @@ def two_updates(rank: int, port: int, fused: bool, results) -> None:
         scheduler = build_scheduler(optimizer, cfg, 10)
         names = list(objectives.part_names)
         out = []
+        trainee = Trainee(model, wrapped, optimizer, scheduler, objectives, cfg, torch.device("cpu"), slots=SLOTS,
+                          nan_loss_slot=NAN_SLOT)
         for step in range(2):
             slot = SLOTS.slot(step, rank, 0)
             batch = linked_batch(np.random.default_rng(slot))  # prepared on the host beforehand, as the ranks do
@@ -61,8 +64,7 @@ def two_updates(rank: int, port: int, fused: bool, results) -> None:
             torch.manual_seed(100 * step + rank)
             with DrainsBeforeStep(optimizer) as drains:
                 done, read = run_update(
-                    wrapped, optimizer, scheduler, objectives, items, SLOTS, cfg, torch.device("cpu"), 0, model.cfg,
-                    SPECIALS, NAN_SLOT,
+                    trainee, items,
                     figures=lambda done, items=items: update_statistics(items, done, names, "cpu", dist.all_reduce))
             out.append({"drains": drains.reads, "trained": done.trained, "dead": done.dead_lettered,
                         "grad_norm": read.grad_norm, "stats": read.extra["stats"]})

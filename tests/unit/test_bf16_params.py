@@ -39,10 +39,14 @@ def training(cfg: TrainerConfig, model: Marge | None = None):
     return model, optimizer, step_module.build_scheduler(optimizer, cfg, 40)
 
 
+def trainee(model, optimizer, scheduler, objectives, cfg: TrainerConfig) -> step_module.Trainee:
+    return step_module.Trainee.in_process(model, optimizer, scheduler, objectives, cfg, CPU)
+
+
 def losses(cfg: TrainerConfig, updates: int) -> list[float]:
     model, optimizer, scheduler = training(cfg)
     objectives = recipe_objectives()
-    return [step_module.train_step(model, optimizer, scheduler, objectives, update_batches(s % 5), cfg, s, CPU).loss
+    return [step_module.train_step(trainee(model, optimizer, scheduler, objectives, cfg), update_batches(s % 5), s).loss
             for s in range(updates)]
 
 
@@ -79,7 +83,7 @@ def test_the_optimizer_and_every_state_dict_hold_the_fp32_masters():
     model, optimizer, scheduler = training(PARAMS)
     objectives = recipe_objectives()
     for s in range(3):
-        step_module.train_step(model, optimizer, scheduler, objectives, update_batches(s), PARAMS, s, CPU)
+        step_module.train_step(trainee(model, optimizer, scheduler, objectives, PARAMS), update_batches(s), s)
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     assert all(p.dtype == torch.float32 for p in stepped)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
@@ -112,7 +116,7 @@ def test_beta_is_reported_as_the_optimizer_holds_it():
     objectives = recipe_objectives()
     for s in range(3):
         before = full_precision(model.beta).detach().flatten().tolist()
-        record = step_module.train_step(model, optimizer, scheduler, objectives, update_batches(s), PARAMS, s, CPU)
+        record = step_module.train_step(trainee(model, optimizer, scheduler, objectives, PARAMS), update_batches(s), s)
         assert record.beta == pytest.approx(before, rel=1e-7)  # as this update's forwards saw it
     assert not torch.equal(full_precision(model.beta), model.beta.float())  # its bf16 rounding differs
 
@@ -123,10 +127,10 @@ def test_an_update_refuses_a_model_its_precision_setting_does_not_describe():
     optimizer = step_module.build_optimizer(model, PARAMS, fused=True)  # not converted
     scheduler = step_module.build_scheduler(optimizer, PARAMS, 40)
     with pytest.raises(ValueError, match="bf16_parameters"):
-        step_module.train_step(model, optimizer, scheduler, objectives, update_batches(0), PARAMS, 0, CPU)
+        step_module.train_step(trainee(model, optimizer, scheduler, objectives, PARAMS), update_batches(0), 0)
     bf16_parameters(model, optimizer)
     with pytest.raises(ValueError, match="bf16_params is off"):
-        step_module.train_step(model, optimizer, scheduler, objectives, update_batches(0), AUTOCAST, 0, CPU)
+        step_module.train_step(trainee(model, optimizer, scheduler, objectives, AUTOCAST), update_batches(0), 0)
 
 
 def test_a_checkpoint_resumes_bf16_params_exactly(tmp_path: Path):
@@ -135,11 +139,12 @@ def test_a_checkpoint_resumes_bf16_params_exactly(tmp_path: Path):
     objectives = recipe_objectives()
     model, optimizer, scheduler = training(PARAMS)
     for s in range(2):
-        step_module.train_step(model, optimizer, scheduler, objectives, update_batches(s), PARAMS, s, CPU)
+        step_module.train_step(trainee(model, optimizer, scheduler, objectives, PARAMS), update_batches(s), s)
     directory = save_checkpoint(tmp_path / "step-00000002", model, optimizer, scheduler, 2,
                                 stand_in_tokenizer(tmp_path / "tok"), {"tokens_seen": 2})
     rng = torch.get_rng_state()
-    straight = [step_module.train_step(model, optimizer, scheduler, objectives, update_batches(s), PARAMS, s, CPU).loss
+    straight = [step_module.train_step(trainee(model, optimizer, scheduler, objectives, PARAMS),
+                                       update_batches(s), s).loss
                 for s in (2, 3)]
 
     torch.manual_seed(7)  # another init: everything must come from the checkpoint
@@ -149,15 +154,15 @@ def test_a_checkpoint_resumes_bf16_params_exactly(tmp_path: Path):
     restore_training(directory, fresh, fresh_optimizer, fresh_scheduler, CPU)
     bf16_parameters(fresh, fresh_optimizer)
     torch.set_rng_state(rng)
-    resumed = [step_module.train_step(fresh, fresh_optimizer, fresh_scheduler, objectives, update_batches(s), PARAMS,
-                                      s, CPU).loss for s in (2, 3)]
+    resumed = [step_module.train_step(trainee(fresh, fresh_optimizer, fresh_scheduler, objectives, PARAMS),
+                                      update_batches(s), s).loss for s in (2, 3)]
     assert resumed == straight
 
 
 def test_a_restore_into_a_converted_model_writes_the_masters(tmp_path: Path):
     """A restore after the conversion (a state_dict's tensors are the masters): `publish` refreshes the copies."""
     model, optimizer, scheduler = training(PARAMS)
-    step_module.train_step(model, optimizer, scheduler, recipe_objectives(), update_batches(0), PARAMS, 0, CPU)
+    step_module.train_step(trainee(model, optimizer, scheduler, recipe_objectives(), PARAMS), update_batches(0), 0)
     directory = save_checkpoint(tmp_path / "step-00000001", model, optimizer, scheduler, 1,
                                 stand_in_tokenizer(tmp_path / "tok"), {"tokens_seen": 1})
     other, other_optimizer, other_scheduler = training(PARAMS)  # the init: the update above is in the checkpoint

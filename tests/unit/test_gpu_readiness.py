@@ -75,8 +75,9 @@ def test_an_update_reads_the_device_back_once_on_the_fused_adamw_path(monkeypatc
     monkeypatch.setattr(step_module, "read_to_host", lambda values: copies.append(values.numel()) or original(values))
     before = [p.detach().clone() for p in model.parameters()]
     with DeviceReads() as reads:
-        record = step_module.train_step(model, optimizer, scheduler, objectives, batches, cfg, 0, torch.device("cpu"),
-                                        0, prepared)
+        record = step_module.train_step(
+            step_module.Trainee.in_process(model, optimizer, scheduler, objectives, cfg, torch.device("cpu")), batches, 0,
+            prepared)
     assert reads.calls == [] and len(copies) == 1
     assert np.isfinite(record.loss) and record.target_tokens > 0 and np.isfinite(record.grad_norm) and record.beta
     assert set(record.objectives) == {"marge", "denoising_contrastive"}

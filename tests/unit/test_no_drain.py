@@ -5,6 +5,7 @@ CPU kernel."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -44,6 +45,10 @@ def training(fused: bool):
     return model, optimizer, step_module.build_scheduler(optimizer, CFG, 10)
 
 
+def trainee(model, optimizer, scheduler, objectives) -> step_module.Trainee:
+    return step_module.Trainee.in_process(model, optimizer, scheduler, objectives, CFG, CPU)
+
+
 def update_batches(step: int) -> list:
     return [linked_batch(np.random.default_rng(10 * step + k)) for k in range(2)]
 
@@ -74,7 +79,7 @@ def test_nothing_reads_the_device_before_the_fused_optimizer_steps(monkeypatch):
     batches = update_batches(0)
     ready = prepared(objectives, 0, batches)
     with reads:
-        record = step_module.train_step(model, optimizer, scheduler, objectives, batches, CFG, 0, CPU, 0, ready)
+        record = step_module.train_step(trainee(model, optimizer, scheduler, objectives), batches, 0, ready)
     assert np.isfinite(record.loss) and not record.dead_lettered
     assert at_step == [(0, [])], f"(figure reads, scalar reads) before the optimizer stepped: {at_step}"
     assert len(copies) == 1 and reads.calls == []
@@ -88,7 +93,7 @@ def test_the_drain_counter_sees_the_read_the_host_decides_on(fused, expected):
     objectives, batches = recipe_objectives(), update_batches(0)
     ready = prepared(objectives, 0, batches)
     with DrainsBeforeStep(optimizer) as drains:
-        step_module.train_step(model, optimizer, scheduler, objectives, batches, CFG, 0, CPU, 0, ready)
+        step_module.train_step(trainee(model, optimizer, scheduler, objectives), batches, 0, ready)
     assert drains.stepped and drains.reads == expected
     assert step_module.read_to_host.__name__ == "read_to_host"  # put back
 
@@ -100,8 +105,8 @@ def train_two_updates(fused: bool, nan_loss_slot: int | None):
     objectives = recipe_objectives()
     steps_entered = []
     optimizer.register_step_pre_hook(lambda *_: steps_entered.append(1))
-    records = [step_module.train_step(model, optimizer, scheduler, objectives, update_batches(s), CFG, s, CPU,
-                                      nan_loss_slot=nan_loss_slot) for s in range(2)]
+    faulty = dataclasses.replace(trainee(model, optimizer, scheduler, objectives), nan_loss_slot=nan_loss_slot)
+    records = [step_module.train_step(faulty, update_batches(s), s) for s in range(2)]
     return model, optimizer, records, len(steps_entered)
 
 
@@ -138,14 +143,14 @@ def test_an_update_whose_gradient_is_not_finite_changes_no_parameter_and_no_opti
     torch.manual_seed(1)
     model, optimizer, scheduler = training(fused)
     objectives = recipe_objectives()
-    step_module.train_step(model, optimizer, scheduler, objectives, update_batches(0), CFG, 0, CPU)
+    step_module.train_step(trainee(model, optimizer, scheduler, objectives), update_batches(0), 0)
     params, state = [p.detach().clone() for p in model.parameters()], optimizer_state(optimizer)
     steps_entered = []
     optimizer.register_step_pre_hook(lambda *_: steps_entered.append(1))
     poisoned = next(p for p in model.parameters() if p.ndim == 2)
     poisoned.register_hook(lambda grad: grad + float("inf"))
     batches = update_batches(1)
-    record = step_module.train_step(model, optimizer, scheduler, objectives, batches, CFG, 1, CPU)
+    record = step_module.train_step(trainee(model, optimizer, scheduler, objectives), batches, 1)
     slots = Slots(1, 2)
     assert record.dead_lettered == [(slots.slot(1, 0, k), "non-finite gradient; update skipped") for k in range(2)]
     assert np.isnan(record.loss) and not np.isfinite(record.grad_norm)
@@ -169,13 +174,12 @@ def test_a_batch_is_checked_for_untrainable_input_once_per_update(monkeypatch):
     slots = Slots(1, 2)
     batches = update_batches(0)
     items = [step_module.Item(slots.slot(0, 0, k), b) for k, b in enumerate(batches)]
-    done, _ = step_module.run_update(model, optimizer, scheduler, objectives, items, slots, CFG, CPU, 0, model.cfg,
-                                     SPECIALS, nan_loss_slot=slots.slot(0, 0, 1))
+    run = dataclasses.replace(trainee(model, optimizer, scheduler, objectives), slots=slots)
+    done, _ = step_module.run_update(dataclasses.replace(run, nan_loss_slot=slots.slot(0, 0, 1)), items)
     assert len(calls) == 2 and done.trained == [(slots.slot(0, 0, 0), batches[0].batch_id)]
     calls.clear()
     checked = [step_module.Item(slots.slot(1, 0, k), b, checked=True) for k, b in enumerate(update_batches(1))]
-    done, _ = step_module.run_update(model, optimizer, scheduler, objectives, checked, slots, CFG, CPU, 0, model.cfg,
-                                     SPECIALS)
+    done, _ = step_module.run_update(run, checked)
     assert calls == [] and len(done.trained) == 2
 
 

@@ -88,7 +88,8 @@ def test_it_trains_through_the_trainers_update(spread):
     prepared = [run.prepare(b, (0, 0, k)) for k, b in enumerate(batches)]
     before = float(np.mean([float(run.losses(net, p, CPU, False).parts["spread"]) for p in prepared]))
     for step in range(15):
-        step_module.train_step(net, optimizer, scheduler, run, batches, trainer, step, CPU)
+        step_module.train_step(step_module.Trainee.in_process(net, optimizer, scheduler, run, trainer, CPU),
+                               batches, step)
     after = float(np.mean([float(run.losses(net, p, CPU, False).parts["spread"]) for p in prepared]))
     assert after < before - 0.05, (before, after)
 
