@@ -9,7 +9,7 @@ checkpoint and from random weights of the same shape, with one recipe and one bu
                   frozen), the best validation accuracy kept, test accuracy per language pair; the pairs
                   other than en-de are zero-shot cross-lingual transfer
 
-Every system is a `marge finetune` run (`services.trainer.finetune`) and a `marge eval finetuned` evaluation, in
+Every system is a `marge finetune` run (`services.finetune.run`) and a `marge eval finetuned` evaluation, in
 this process; the commands that reproduce each one are in the report. Finished systems are kept: running the
 command again on the same --out runs only what is missing.
 """
@@ -26,7 +26,7 @@ from typing import Any
 from marge.contracts.tasks import read_task_file
 from marge.model.finetuned import evaluate, load
 from marge.util.files import atomic_write_text
-from services.trainer.finetune import FinetuneConfig, run_finetune
+from services.finetune.run import FinetuneConfig, run_finetune
 
 log = logging.getLogger("marge.finetune_experiment")
 

@@ -129,7 +129,7 @@ def cmd_eval_translate(args: argparse.Namespace) -> int:
     from marge.model.finetuned import generation_scores
     from marge.model.generate import translate
     from marge.util.progress import track
-    from services.trainer.finetune import refuse_classifier
+    from services.finetune.run import refuse_classifier
 
     refuse_classifier(args.checkpoint)
     model, tok, _ = eval_model(args)
@@ -189,7 +189,7 @@ def add_translate(sub) -> None:
 
 def cmd_translate(args: argparse.Namespace) -> int:
     from marge.model.generate import translate
-    from services.trainer.finetune import refuse_classifier
+    from services.finetune.run import refuse_classifier
 
     args.snapshot = None  # a snapshot holds the relevance encoder alone: nothing to generate with
     refuse_classifier(args.checkpoint)

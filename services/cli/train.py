@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from services.trainer.finetune_options import FREEZE_HELP
+from services.finetune.options import FREEZE_HELP
 
 
 def add_pretrain(sub) -> None:
@@ -101,8 +101,8 @@ def add_finetune(sub) -> None:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from services.trainer.finetune import FinetuneConfig, run_finetune
-    from services.trainer.finetune_options import parse_freeze
+    from services.finetune.options import parse_freeze
+    from services.finetune.run import FinetuneConfig, run_finetune
 
     embeddings, layers, local = parse_freeze(args.freeze)
     cfg = FinetuneConfig(

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import marge.util.local_ray
 from marge.contracts.config import ConfigError
+from marge.util import loopback
 from marge.util.local_ray import RayStartError
 from services.driver.config import PipelineConfig
 from services.driver.redis_server import LocalRedis, private_conf_dir
-from services.trainer import loopback
 
 log = logging.getLogger("marge.pipeline")
 

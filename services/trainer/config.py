@@ -8,39 +8,12 @@ from typing import ClassVar
 
 from marge.contracts.config import FieldError, at_least, non_negative_mapping, one_of, positive, resumable, within
 from marge.model.layers import KEY_BIAS_PATHS
+from marge.model.optim import OptimizerConfig
 
 COMPILE_SCOPES = ("layers", "model")
 """What `trainer.compile` compiles (`services.trainer.step.compiled`)."""
 CROSS_ATTENTION = ("gathered", "packed")
 """How the training cross-attention reads the evidence (`trainer.cross_attention`)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimizerConfig:
-    """The optimizer's settings, one set of names and meanings for pre-training (`TrainerConfig`) and fine-tuning
-    (`services.trainer.finetune.FinetuneConfig`), both built by `services.trainer.step.build_optimizer`."""
-
-    lr: float = 3e-4
-    """Peak learning rate (paper: 1e-4 first, 2e-4 later; smaller at first for stability, footnote 3)."""
-    weight_decay: float = 0.01
-    """AdamW weight decay of the weight matrices (none on biases, LayerNorms, embeddings and beta)."""
-    adam_betas: tuple[float, float] = (0.9, 0.98)
-    """AdamW's (beta1, beta2)."""
-    adam_eps: float = 1e-6
-    """AdamW's epsilon."""
-    clip_norm: float = 1.0
-    """Gradient-norm clipping (0 turns it off)."""
-    beta_lr_scale: float = 1.0
-    """Deviation (1 in `paper`): beta, the relevance bias's one scalar, learns at `lr` times this. Adam moves a
-    parameter by at most about its learning rate per update, so at 1 beta can rise by at most the sum of the
-    rates so far (experiments/mechanism measures how close it comes)."""
-
-    def __post_init__(self) -> None:
-        positive(self, "lr", "adam_eps", "beta_lr_scale")
-        at_least(self, "weight_decay", 0)
-        at_least(self, "clip_norm", 0)
-        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
-            raise FieldError("adam_betas", self.adam_betas, "two numbers in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True)

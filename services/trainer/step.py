@@ -31,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 from marge.contracts.batch import Batch
 from marge.contracts.slots import Slots
 from marge.model.network import Marge
-from services.trainer.config import COMPILE_SCOPES, OptimizerConfig, TrainerConfig
+from marge.model.optim import build_optimizer, has_own_relevance_encoder, lr_factor
+from services.trainer.config import COMPILE_SCOPES, TrainerConfig
 from services.trainer.inputs import substitute_batch, untrainable
 from services.trainer.objectives import Objectives, ObjectivesConfig, PreparedBatch, apply_objective_settings
 from services.trainer.precision import bf16_parameters, check_precision, full_precision, stepped_gradients
@@ -68,36 +69,6 @@ class StepRecord:
     """(slot, reason) of the batches that could not be trained."""
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, fused: bool | None = None) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; no weight decay on biases, LayerNorms, embeddings and beta, and beta in a
-    group of its own at `lr * beta_lr_scale` when that scale is not 1. `cfg`: pre-training's `TrainerConfig` or
-    fine-tuning's `FinetuneConfig`, both an `OptimizerConfig`.
-
-    On CUDA it is the fused kernel (one launch for every parameter instead of several per tensor, no read of the
-    step counters back to the host, and a step the device skips when the gradient is not finite: `skips_on_device`);
-    on CPU the default for-each implementation, whose results the fused one matches to rounding (`fused=True` takes
-    the fused CPU kernel: what CPU tests of the GPU path use).
-    """
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    beta: list[nn.Parameter] = []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if name == "beta" and cfg.beta_lr_scale != 1.0:
-            beta.append(p)
-            continue
-        (decay if p.ndim == 2 and "embed" not in name and "positions" not in name else no_decay).append(p)
-    groups: list[dict] = [{"params": decay, "weight_decay": cfg.weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}]
-    if beta:  # its own group only when its rate differs: a run without the option keeps its two groups
-        groups.append({"params": beta, "weight_decay": 0.0, "lr": cfg.lr * cfg.beta_lr_scale})
-    if fused is None:
-        fused = all(p.is_cuda for p in decay + no_decay + beta) or None
-    betas = cast(tuple[float, float], tuple(cfg.adam_betas))  # two numbers: TrainerConfig checks it
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, fused=fused)
-
-
 def apply_execution_settings(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
     """The trainer's settings that change how the model computes, not what: the loss's chunking over the
     vocabulary (`trainer.loss_chunk_tokens`; a model without a chunked loss, VECO's, ignores it), how attention
@@ -123,10 +94,6 @@ centres on the batch's own mean); the loop averages it over the ranks once per u
 buckets and back, and one gradient-sized buffer less. Left at their defaults: the 25 MB bucket size (not measured
 on a multi-GPU node) and `static_graph` (the denoising loss runs g outside DDP's forward, so the graph DDP sees
 is not the whole backward)."""
-
-
-def has_own_relevance_encoder(model: nn.Module) -> bool:
-    return bool(getattr(getattr(model, "cfg", None), "own_relevance_encoder", False))
 
 
 def ddp_settings(model: nn.Module, objectives: ObjectivesConfig) -> dict:
@@ -205,14 +172,6 @@ def compile_cache_env(run_dir: Path) -> dict[str, str]:
     set_now = {key: value for key, value in chosen.items() if key not in os.environ}
     os.environ.update(set_now)
     return set_now
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warm-up to the peak, then linear annealing to 0 at `total_steps` (paper §3)."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    span = max(1, total_steps - warmup_steps)
-    return max(0.0, 1.0 - (step - warmup_steps) / span)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainerConfig,

@@ -257,7 +257,7 @@ def test_gloo_binds_the_node_address_where_the_host_name_resolves_to_loopback(mo
     import psutil
     import ray.util
 
-    from services.trainer import loopback
+    from marge.util import loopback
 
     interfaces = {name: a.address for name, addrs in psutil.net_if_addrs().items() for a in addrs
                   if a.family == socket.AF_INET and not a.address.startswith("127.")}

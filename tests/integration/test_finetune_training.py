@@ -17,7 +17,7 @@ from marge.model.architecture import preset
 from marge.model.finetuned import MargeForClassification, load, own_input_memory
 from marge.model.network import Marge
 from services.cli import main
-from services.trainer.finetune import FinetuneConfig, Finetuning, run_finetune
+from services.finetune.run import FinetuneConfig, Finetuning, run_finetune
 
 TASKS = Path(__file__).resolve().parents[2] / "data" / "demo" / "tasks"
 
@@ -249,7 +249,7 @@ def test_two_ddp_workers_on_ray_train_reach_the_weights_of_one_process(checkpoin
 
 
 def test_early_stopping_stops_after_patience_evaluations_without_a_better_metric(checkpoint, tmp_path):
-    from services.trainer.finetune import Evaluation
+    from services.finetune.run import Evaluation
 
     train = write_jsonl(tmp_path / "train.jsonl", pawsx_rows("train", 8))
     run = Finetuning(FinetuneConfig(task="classification", train=str(train), valid=str(train), out=str(tmp_path / "o"),

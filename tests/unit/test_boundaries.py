@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LIBRARY = REPO / "shared" / "marge"
-STAGES = ("indexer", "batcher", "trainer", "retrieval", "prepare")
+STAGES = ("indexer", "batcher", "trainer", "finetune", "retrieval", "prepare")
 ROOMS = ("util", "contracts", "model", "eval")
 """The library's rooms from the bottom up: a module imports only its own room and the rooms below it."""
 

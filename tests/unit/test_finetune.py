@@ -14,7 +14,7 @@ from marge.contracts.tasks import encode_examples
 from marge.model.architecture import preset
 from marge.model.finetuned import collate, task_loss
 from marge.model.network import Marge
-from services.trainer.finetune import ExampleOrder, freeze
+from services.finetune.run import ExampleOrder, freeze
 
 TASKS = Path(__file__).resolve().parents[2] / "data" / "demo" / "tasks"
 
@@ -43,7 +43,7 @@ def test_freezing_more_decoder_layers_than_the_model_has_is_an_error_naming_the_
 
 
 def test_freeze_options_parse_the_papers_zero_shot_recipe():
-    from services.trainer.finetune_options import parse_freeze
+    from services.finetune.options import parse_freeze
 
     assert parse_freeze(["zero-shot"]) == (True, 0, True)
     assert parse_freeze(["embeddings,decoder-layers=2"]) == (True, 2, False)

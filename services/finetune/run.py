@@ -49,10 +49,9 @@ from marge.model.finetuned import (
     task_loss,
 )
 from marge.model.network import Marge
+from marge.model.optim import OptimizerConfig, build_optimizer, has_own_relevance_encoder, lr_factor
 from marge.model.restore import load_model
-from services.trainer import loopback
-from services.trainer.config import OptimizerConfig
-from services.trainer.step import build_optimizer, has_own_relevance_encoder, lr_factor
+from marge.util import loopback
 
 log = logging.getLogger("marge.finetune")
 
