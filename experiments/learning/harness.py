@@ -24,6 +24,8 @@ from marge.model.checkpoint import checkpoint_order, complete_checkpoints, load_
 from marge.model.restore import load_model
 from services.driver.config import PipelineConfig, load_config, with_absolute_paths
 from services.driver.learning_report import (
+    FinalModel,
+    RunAccount,
     assemble_report,
     build_run_probe,
     checkpoint_evaluation,
@@ -63,10 +65,11 @@ def run_learning_experiment(cfg: PipelineConfig, minutes: float, out_dir: Path) 
         model = load_model(path)
         over_time.append(checkpoint_evaluation(model, tokenizer, pairs, cfg.health.eval_layer, probe,
                                                checkpoint_order(path)[0]))
-    return assemble_report(baselines, over_time, model, tokenizer, pairs, cfg.health.eval_layer,
-                           read_train_log(Path(cfg.run.dir)), str(checkpoints[-1]) if checkpoints else None,
-                           summary.get("index_builds", []), {k: v for k, v in summary.items() if k != "index_builds"},
-                           minutes, time.time() - started, cfg, out_dir, extra={"mode": "pipeline"})
+    run = RunAccount(read_train_log(Path(cfg.run.dir)), str(checkpoints[-1]) if checkpoints else None,
+                     summary.get("index_builds", []), {k: v for k, v in summary.items() if k != "index_builds"},
+                     minutes, time.time() - started)
+    return assemble_report(baselines, over_time, FinalModel(model, tokenizer, pairs, cfg.health.eval_layer), run, cfg,
+                           out_dir, extra={"mode": "pipeline"})
 
 
 def main_experiment(config: Path | None, overrides: list[str], minutes: float, out: Path) -> dict:

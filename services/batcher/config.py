@@ -31,11 +31,12 @@ class BatcherConfig:
     builders: int = 1
     """Batch builders (actors `marge-batcher-<n>`): builder n writes the slots of the n-th of `builders` equal groups
     of trainer ranks, from every `builders`-th shard of each index version (in the version's seeded shard order),
-    so the builders share no state and any of them can be restarted anywhere. One builder plans 1,070 to 1,661
-    batches a second on one CPU core (benchmarks/results/batcher-scale-cpu-2core.json, builder-scale-cpu-2core.json); `marge plan` says how many a run needs. Changing it changes which batch each slot holds."""
+    so the builders share no state and any of them can be restarted anywhere. `marge plan` says how many a run
+    needs, from the measured rate of one builder (docs/benchmarks.md). Changing it changes which batch each slot
+    holds."""
     plan_ahead: bool = True
     """Plan the next shard's batches in a background thread while this shard's are written, so the trainers do
-    not wait for a shard's planning at each shard switch (about 1.5 s per 100k links); the batcher then holds two
+    not wait for a shard's planning at each shard switch (its measured time: docs/benchmarks.md); the batcher then holds two
     shards' plans and documents instead of one. The batches are the same either way."""
 
     def __post_init__(self) -> None:

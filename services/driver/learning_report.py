@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,21 +57,46 @@ def checkpoint_evaluation(model, tokenizer, pairs, eval_layer, probe, step: int,
             "evidence_gain": health.get("evidence_gain")}
 
 
-def assemble_report(baselines: dict, over_time: list[dict], final_model, tokenizer, pairs, eval_layer,
-                    records: list[UpdateRecord], checkpoint: str | None, index_builds: list[dict], pipeline: dict,
-                    minutes: float, elapsed_s: float, cfg: PipelineConfig, out_dir: Path,
-                    device: str | torch.device = "cpu", extra: dict | None = None) -> dict:
+@dataclass(frozen=True)
+class FinalModel:
+    """The model a learning experiment ended with, and what it is measured on, layer by layer."""
+
+    model: Any
+    """The trained model (None: the run trained none, only its curves are reported)."""
+    tokenizer: Any
+    pairs: Any
+    """The held-out pairs (`marge.eval.evaluation.read_pairs`)."""
+    eval_layer: int | str | None
+    device: str | torch.device = "cpu"
+
+
+@dataclass(frozen=True)
+class RunAccount:
+    """What a learning experiment's run did: its updates, checkpoint, index builds, the pipeline's summary and time."""
+
+    records: list[UpdateRecord]
+    checkpoint: str | None
+    index_builds: list[dict]
+    pipeline: dict
+    minutes: float
+    """The training budget asked for."""
+    elapsed_s: float
+
+
+def assemble_report(baselines: dict, over_time: list[dict], final_model: FinalModel, run: RunAccount,
+                    cfg: PipelineConfig, out_dir: Path, extra: dict | None = None) -> dict:
     """report.json and curves.png of a learning experiment (either mode), from what the run measured."""
     random_best, tfidf = baselines["random_init"], baselines["tfidf"]
     final = over_time[-1] if over_time else {"p_at_1": {}, "evidence_gain": None, "step": 0}
     trained = final["p_at_1"]
     # the final model at every layer too, next to random init's: which representation learned what
-    trained_by_layer = {} if final_model is None else {
-        str(layer): evaluate_model(final_model, tokenizer, pairs, layer, device=str(device))
-        for layer in [*range(0, len(final_model.encoder_layers) + 1), *(["g"] if has_relevance_encoder(final_model) else [])]}
+    model, records, eval_layer = final_model.model, run.records, final_model.eval_layer
+    trained_by_layer = {} if model is None else {
+        str(layer): evaluate_model(model, final_model.tokenizer, final_model.pairs, layer, device=str(final_model.device))
+        for layer in [*range(0, len(model.encoder_layers) + 1), *(["g"] if has_relevance_encoder(model) else [])]}
     health_records = ([{"step": 0, **baselines["initial_health"]}]
                       + [{"step": r.step, **r.health} for r in records if r.health])
-    depth = len(final_model.encoder_layers) if final_model is not None else 5
+    depth = len(model.encoder_layers) if model is not None else 5
     report = {
         "evidence_gain": final.get("evidence_gain"),
         "evidence_gain_definition": "probe loss with shuffled evidence minus loss with the true evidence, nats/token",
@@ -78,7 +105,7 @@ def assemble_report(baselines: dict, over_time: list[dict], final_model, tokeniz
         "random_init_by_layer": baselines["random_init_by_layer"],
         "trained_by_layer": trained_by_layer,
         "eval_layer": eval_layer if eval_layer is not None else min(5, depth),
-        "checkpoint": checkpoint,
+        "checkpoint": run.checkpoint,
         "targets": {
             "evidence_gain_at_least_0.5": (final.get("evidence_gain") or 0) >= 0.5,
             "above_best_random_init_on_every_pair": bool(trained) and all(trained[k] > random_best[k] for k in trained),
@@ -88,8 +115,8 @@ def assemble_report(baselines: dict, over_time: list[dict], final_model, tokeniz
             "pairs": len(trained),
         },
         "p_at_1_over_time": over_time, "health": health_records,
-        "index_builds": index_builds, "pipeline": pipeline,
-        "minutes": minutes, "elapsed_s": round(elapsed_s, 1), **(extra or {}), "config": cfg.to_saved_dict(),
+        "index_builds": run.index_builds, "pipeline": run.pipeline,
+        "minutes": run.minutes, "elapsed_s": round(run.elapsed_s, 1), **(extra or {}), "config": cfg.to_saved_dict(),
     }
     report["curves"] = str(plot_learning(report, records, out_dir / "curves.png"))
     atomic_write_text(out_dir / "report.json", json.dumps(report, indent=2) + "\n")

@@ -78,6 +78,8 @@ from services.batcher.core import DocumentStore
 from services.batcher.schedule import RunSchedule, wait_for_version
 from services.driver.config import PipelineConfig, config_drift, load_config, with_absolute_paths
 from services.driver.learning_report import (
+    FinalModel,
+    RunAccount,
     assemble_report,
     checkpoint_evaluation,
     heldout_pairs_path,
@@ -420,9 +422,10 @@ class SingleProcessRun:
                     "beta": records[-1].beta if records else None,
                     "index_versions": sorted({v for r in records for v in r.index_versions})}
         g = final_g_health(cfg, self.paths, self.corpus) if cfg.objectives.model_family == "marge" else None
-        return assemble_report(baselines, over_time, final_model, self.tokenizer, self.pairs, cfg.health.eval_layer,
-                               records, str(checkpoints[-1]) if checkpoints else None, self.indexer.history(),
-                               pipeline, minutes_total, time.time() - started, cfg, self.out_dir, self.device,
+        final = FinalModel(final_model, self.tokenizer, self.pairs, cfg.health.eval_layer, self.device)
+        run = RunAccount(records, str(checkpoints[-1]) if checkpoints else None, self.indexer.history(), pipeline,
+                         minutes_total, time.time() - started)
+        return assemble_report(baselines, over_time, final, run, cfg, self.out_dir,
                                extra={"mode": "single-process", "device": device_name(self.device),
                                       "chunks": experiment["chunks"], "g_health": g})
 
