@@ -63,11 +63,11 @@ def sample(queue, world: int) -> dict:
 def soak(steps: int, every_s: float, workdir: Path, overrides: list[str]) -> dict:
     from marge.contracts.corpus import Corpus
     from marge.contracts.protocol import BatchQueue
-    from services.driver.audit import audit
     from services.driver.config import load_config
     from services.driver.pipeline import run_pipeline
     from services.driver.plan import redis_footprint
     from services.driver.redis_server import LocalRedis
+    from services.ops.audit import audit
 
     server = LocalRedis(workdir / "redis", maxmemory="1gb").start()
     try:

@@ -20,7 +20,7 @@ wall seconds. Operations:
 
   * summary: the driver's summary fold (`summarize`: `RunFigures` and `RefreshCost` over one pass, one index build
     record per version);
-  * audit: `marge audit`'s account (`services.driver.audit.account`: one pass over the log, one interval's commits
+  * audit: `marge audit`'s account (`services.ops.audit.account`: one pass over the log, one interval's commits
     at a time as the log reaches it, its replays' positions named by dead letters);
   * truncate: `TrainLog.truncate_after(last update - 5)`, what rank 0 does at every restart.
 
@@ -190,14 +190,14 @@ def queue_counts(updates: int) -> dict[str, int]:
 
 
 def checkpoint_state(updates: int):
-    from services.driver.audit import CheckpointState
+    from services.ops.audit import CheckpointState
 
     return CheckpointState(updates, None, interval_commits(updates), [])
 
 
 def synthetic_queue(updates: int):
     """The queue's state without Redis; its `commits` computes an interval's when asked (`interval_commits`)."""
-    from services.driver.audit import QueueState
+    from services.ops.audit import QueueState
 
     return QueueState(queue_counts(updates), ledger_steps(updates), interval_commits, synthetic_dead_letters(updates))
 
@@ -295,7 +295,7 @@ def digest(value) -> str:
 
 def measure(operation: str, approach: str, log_dir: Path, updates: int) -> dict:
     from marge.eval.refresh import RefreshCost
-    from services.driver.audit import QueueState, account
+    from services.ops.audit import QueueState, account
 
     history = builds(updates)
     log = TrainLog.of_run(log_dir)

@@ -66,7 +66,7 @@ hashed() {
     printf '%s' "$1" | sha256sum | cut -d ' ' -f 1
 }
 
-# the rights of a pipeline user, as `marge redis-user` grants them (services/driver/redis_users.py)
+# the rights of a pipeline user, as `marge redis-user` grants them (services/ops/redis_users.py)
 commands="-@all +@stream +@hash +@list +@string +@set +@sortedset +@transaction +eval +evalsha +eval_ro +evalsha_ro +script|load +script|exists +@connection +del +exists -@dangerous"
 umask 077
 tmp="$aclfile.tmp.$$"

@@ -20,7 +20,7 @@ def add_audit(sub) -> None:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from services.driver.audit import audit, run_queue
+    from services.ops.audit import audit, run_queue
 
     with run_queue(args.run, args.redis_url) as (cfg, queue):
         result = audit(cfg, queue)
@@ -55,7 +55,7 @@ def add_queue(sub) -> None:
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
-    from services.driver.audit import run_queue
+    from services.ops.audit import run_queue
 
     with run_queue(args.run, args.redis_url) as (_, queue):
         if args.queue_command == "list-dead":
@@ -123,7 +123,7 @@ def cmd_redis_user(args: argparse.Namespace) -> int:
     import os
 
     from services.driver.config import read_redis_url_file
-    from services.driver.redis_users import create_run_user, delete_run_user
+    from services.ops.redis_users import create_run_user, delete_run_user
 
     admin_file = args.admin_url_file or os.environ.get("MARGE_REDIS_ADMIN_URL_FILE")
     if not admin_file:

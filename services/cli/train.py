@@ -135,7 +135,7 @@ def add_report(sub) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from services.driver.report import make_report
+    from services.ops.report import make_report
 
     print(json.dumps(make_report(Path(args.run), Path(args.out), args.pairs, args.checkpoint, args.max_snapshots)))
     return 0
@@ -151,7 +151,7 @@ def add_config(sub) -> None:
 
 
 def cmd_config_reference(args: argparse.Namespace) -> int:
-    from services.driver.config_reference import reference
+    from services.ops.config_reference import reference
 
     text = reference()
     if args.out:

@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from marge.contracts.train_log import UpdateRecord
+from marge.eval.curves import ema, plot_curves
 from marge.eval.evaluation import evaluate_model, evaluate_tfidf, mean_score
 from marge.model.embedding import has_relevance_encoder
 from marge.util.files import atomic_write_text
 from services.driver.config import PipelineConfig
-from services.driver.report import ema, plot_curves
 from services.trainer.health import aligned_evidence_gain, build_probe, probe_health
 
 log = logging.getLogger("marge.experiment")

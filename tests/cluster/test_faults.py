@@ -140,8 +140,8 @@ def test_faults_inside_a_run_lose_nothing_and_train_nothing_twice(reference_run,
     def auditor() -> None:
         """Audit the live run at every new checkpoint, so each fault has the figures measured after it."""
         from marge.contracts.protocol import BatchQueue
-        from services.driver.audit import audit, run_config_of
         from services.driver.redis_server import LocalRedis, private_conf_dir
+        from services.ops.audit import audit, run_config_of
 
         while not (private_conf_dir(run_dir) / "redis.conf").exists() or not (run_dir / "config.yaml").exists():
             if done.wait(0.2):
@@ -182,7 +182,7 @@ def test_faults_inside_a_run_lose_nothing_and_train_nothing_twice(reference_run,
     assert audit["batches_trained"] == 46 and audit["batches_dead_lettered"] == 2
     # every slot holds the batch the uninterrupted run trained there
     assert slot_batches(run_dir) == slot_batches(reference_run[0])
-    from services.driver.audit import run_queue
+    from services.ops.audit import run_queue
 
     with run_queue(run_dir) as (_, queue):
         dead = {d["slot"]: d["reason"] for d in queue.dead_letters()}

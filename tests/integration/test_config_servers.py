@@ -193,7 +193,7 @@ def test_a_run_gets_its_own_redis_user_which_reaches_its_keys_alone_and_outlives
     from marge.contracts.slots import CommitRecord, Slots
     from services.cli import main
     from services.driver.redis_server import free_port
-    from services.driver.redis_users import PIPELINE_COMMANDS
+    from services.ops.redis_users import PIPELINE_COMMANDS
 
     assert f'commands="{PIPELINE_COMMANDS}"' in (DEPLOY / "redis" / "start.sh").read_text()  # one set of rights
     port = free_port()

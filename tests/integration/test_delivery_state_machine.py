@@ -35,8 +35,8 @@ from marge.contracts.protocol import BatchQueue, Fenced
 from marge.contracts.slots import CommitRecord, Slots
 from marge.contracts.train_log import UpdateRecord
 from services.batcher.writer import SlotWriter
-from services.driver.audit import CheckpointState, QueueState, account
 from services.driver.redis_server import LocalRedis
+from services.ops.audit import CheckpointState, QueueState, account
 
 WORLD = 2
 LOOKAHEAD = 2

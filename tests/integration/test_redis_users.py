@@ -105,7 +105,7 @@ def test_a_pipeline_user_runs_the_queue_but_nothing_that_reaches_other_runs_or_t
     import redis
 
     from services.driver.redis_server import free_port
-    from services.driver.redis_users import create_run_user
+    from services.ops.redis_users import create_run_user
 
     port = free_port()
     env = {"MARGE_REDIS_PASSWORD": "pipeline-password-123", "MARGE_REDIS_ADMIN_PASSWORD": "operator-password-456"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from train_log_inputs import SLOTS, audited_run, ledger_of
 
 from marge.contracts.protocol import BatchQueue
-from services.driver.audit import CheckpointState, QueueState, account
+from services.ops.audit import CheckpointState, QueueState, account
 
 
 def test_the_account_reads_each_intervals_commits_from_redis_as_the_log_reaches_it(tmp_path, redis_server):

@@ -1,4 +1,4 @@
-"""`marge audit`'s account (services.driver.audit.account) over the train log of a run with several batch builders
+"""`marge audit`'s account (services.ops.audit.account) over the train log of a run with several batch builders
 (`batcher.builders`): each builder's slots hold its own sequence, interleaved in slot order with the others'."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from train_log_inputs import builders_ids, builders_log, ledger_of
 
 from marge.contracts.slots import BatchId, Slots
-from services.driver.audit import CheckpointState, QueueState, account
+from services.ops.audit import CheckpointState, QueueState, account
 
 REINDEX_EVERY = 100
 EVERY = 20

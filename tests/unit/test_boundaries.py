@@ -46,11 +46,22 @@ def test_no_library_module_imports_a_stage_or_a_tool():
     assert len(list(LIBRARY.rglob("*.py"))) > 15  # the walk saw the library
 
 
-def test_no_stage_imports_the_driver_or_the_command_line():
-    """The driver and the command line compose the stages; a stage never reaches back into either."""
+def test_no_stage_imports_the_driver_the_operations_or_the_command_line():
+    """The driver and the command line compose the stages, the operations read what runs wrote; a stage never
+    reaches back into any of them."""
     offenders = {f"{path.relative_to(REPO)} imports {'.'.join(parts)}" for _, path, parts in stage_imports()
-                 if parts[:2] in (["services", "driver"], ["services", "cli"])}
+                 if parts[:2] in (["services", "driver"], ["services", "ops"], ["services", "cli"])}
     assert not offenders, sorted(offenders)
+
+
+def test_running_a_run_imports_no_operation():
+    """`services.ops` (audit, Redis users, reports, the config reference) sits above `services.driver` (running a
+    run): it reads the driver's config and what runs wrote; the driver imports nothing of it."""
+    driver = sorted((REPO / "services" / "driver").rglob("*.py"))
+    offenders = {f"{path.relative_to(REPO)} imports {name}" for path in driver for name in imported_modules(path)
+                 if name.split(".")[:2] == ["services", "ops"]}
+    assert not offenders, sorted(offenders)
+    assert len(driver) > 8 and len(list((REPO / "services" / "ops").glob("*.py"))) >= 4
 
 
 def test_the_product_imports_no_experiment_and_no_tool():

@@ -177,7 +177,7 @@ def test_no_loss_weight_is_architecture():
 def test_the_config_reference_is_generated_and_documents_every_key():
     import re
 
-    from services.driver.config_reference import reference
+    from services.ops.config_reference import reference
 
     text = reference()
     assert (REPO / "docs" / "configuration.md").read_text(encoding="utf-8") == text + "\n", \

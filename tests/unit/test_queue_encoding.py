@@ -48,7 +48,7 @@ def test_slot_and_version_arithmetic():
 
 
 def test_the_audit_finds_a_position_recorded_with_two_contents():
-    from services.driver.audit import content_changed
+    from services.ops.audit import content_changed
 
     ids = ["v1-e0-s2-0-caaaaaaaaaaaa", "v1-e0-s2-0-caaaaaaaaaaaa", "v1-e0-s2-1-cbbbbbbbbbbbb", "v1-e0-s2-1",
            "probe-3", None]

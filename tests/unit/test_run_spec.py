@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from services.driver.config import load_config
-from services.driver.config_reference import field_docs
 from services.driver.spec import SPEC_FILE, compile_spec, read_spec
+from services.ops.config_reference import field_docs
 from services.trainer.config import TrainerConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "configs"

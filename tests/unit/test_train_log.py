@@ -13,7 +13,7 @@ from train_log_inputs import SLOTS, audited_run, ledger_of, scheduled_ids
 
 from marge.contracts.slots import BatchId, CommitRecord, Slots, trained_digest
 from marge.contracts.train_log import SCHEMA_VERSION, RunFigures, TrainLog, TrainLogError, UpdateRecord, read_train_log
-from services.driver.audit import CheckpointState, QueueState, account
+from services.ops.audit import CheckpointState, QueueState, account
 
 
 def record(step: int, **fields) -> UpdateRecord:
@@ -213,7 +213,7 @@ def test_the_summary_fold_over_a_segmented_log_equals_the_whole_list(tmp_path):
     assert RunFigures.of([]).staleness_max == 0 and RunFigures.of([]).last is None
 
 
-# -- `marge audit`'s account, streamed over a segmented log (services.driver.audit.account)
+# -- `marge audit`'s account, streamed over a segmented log (services.ops.audit.account)
 
 
 EVERY = 4

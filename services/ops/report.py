@@ -19,6 +19,7 @@ import numpy as np
 
 from marge.contracts.paths import INDEX, SNAPSHOTS
 from marge.contracts.train_log import TrainLog
+from marge.eval.curves import ema, plot_curves
 from marge.eval.refresh import RefreshCost, read_builds
 from marge.util.progress import track
 from services.driver.language_links import cut_off_languages, describe_cut_off, language_link_balance
@@ -69,44 +70,6 @@ def write_link_matrix(langs: list[str], shares: np.ndarray, out_dir: Path, title
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
     return {"csv": csv_path, "png": png_path}
-
-
-def ema(values: list[float], alpha: float = 0.1) -> list[float]:
-    out, acc = [], None
-    for v in values:
-        acc = v if acc is None else (1 - alpha) * acc + alpha * v
-        out.append(acc)
-    return out
-
-
-def plot_curves(panels: list[dict], out_path: Path, title: str) -> Path:
-    """panels: [{"title", "ylabel", "series": [{"label", "x", "y", "style"?}]}] in one row of plots."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        for series in panel["series"]:
-            if series.get("hline") is not None:
-                ax.axhline(series["hline"], linestyle="--", linewidth=1, label=series["label"],
-                           color=series.get("color"))
-            else:
-                ax.plot(series["x"], series["y"], series.get("style", "-"), label=series["label"],
-                        color=series.get("color"), markersize=3)
-        ax.set_title(panel["title"], fontsize=9)
-        ax.set_xlabel(panel.get("xlabel", "step"))
-        ax.set_ylabel(panel["ylabel"])
-        ax.grid(alpha=0.3)
-        if any(s.get("label") for s in panel["series"]):
-            ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=110)
-    plt.close(fig)
-    return out_path
 
 
 def snapshot_curve(run_dir: Path, pairs_path: Path, corpus_dir: Path, max_snapshots: int) -> list[dict]:
