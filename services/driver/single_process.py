@@ -94,19 +94,17 @@ from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
 from services.trainer.inputs import AttentionLayout, untrainable
 from services.trainer.loop import TrainingLoop, UpdateInput, UpdateMeter
-from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
+from services.trainer.objectives import PreparedBatch, objectives_for
 from services.trainer.precision import bf16_parameters
 from services.trainer.prefetch import Prefetcher
 from services.trainer.step import (
     Item,
     Trainee,
-    apply_execution_settings,
-    build_optimizer,
-    build_scheduler,
     compile_cache_env,
     compiled,
     device_peak_flops,
     seed_key,
+    training_parts,
 )
 
 log = logging.getLogger("marge.single_process")
@@ -272,12 +270,9 @@ class SingleProcessRun:
     def build_training_state(self):
         cfg = self.cfg
         with setup_phase(log, f"model and optimizer on {device_name(self.device)}") as notes:
-            model = apply_objective_settings(
-                apply_execution_settings(load_model_weights(self.paths.init_weights).to(self.device).train(),
-                                         cfg.trainer),
-                cfg.objectives)
-            optimizer = build_optimizer(model, cfg.trainer)
-            scheduler = build_scheduler(optimizer, cfg.trainer, cfg.run.max_steps)
+            model, optimizer, scheduler = training_parts(
+                load_model_weights(self.paths.init_weights).to(self.device).train(), cfg.trainer, cfg.objectives,
+                cfg.run.max_steps)
             notes.append(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
         state: dict[str, Any] = {"step": 0, "tokens_seen": 0, "target_tokens_seen": 0, "train_seconds": 0.0}
         checkpoint = newest_good_checkpoint(checkpoint_root(cfg)) if self.resume else None

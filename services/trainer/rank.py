@@ -55,7 +55,7 @@ from services.trainer.health import HealthMonitor, loggable
 from services.trainer.inputs import AttentionLayout, untrainable
 from services.trainer.job import TrainerJob
 from services.trainer.loop import TrainingLoop, UpdateInput, UpdateMeter
-from services.trainer.objectives import PreparedBatch, apply_objective_settings, objectives_for
+from services.trainer.objectives import PreparedBatch, objectives_for
 from services.trainer.precision import bf16_parameters, reduce_in_fp32
 from services.trainer.prefetch import Prefetcher
 from services.trainer.source import BatchSource, source_for
@@ -64,14 +64,12 @@ from services.trainer.step import (
     Backward,
     Item,
     Trainee,
-    apply_execution_settings,
-    build_optimizer,
-    build_scheduler,
     compile_cache_env,
     compiled,
     ddp_settings,
     device_peak_flops,
     seed_key,
+    training_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -240,9 +238,7 @@ class Rank:
         t = job.trainer
         base = load_model_weights(job.paths.init_weights).to(self.device) if from_init_weights else \
             load_model_shell(job.paths.init_weights, self.device)  # built where it trains: no host copy per rank
-        model = apply_objective_settings(apply_execution_settings(base, t), job.objectives)
-        optimizer = build_optimizer(model, t)
-        return model, optimizer, build_scheduler(optimizer, t, job.max_steps)
+        return training_parts(base, t, job.objectives, job.max_steps)
 
     def run(self) -> None:
         try:

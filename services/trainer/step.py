@@ -180,6 +180,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainerConfig,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg.warmup_steps, total))
 
 
+def training_parts(base: nn.Module, trainer: TrainerConfig, objectives: ObjectivesConfig,
+                   max_steps: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """(model, optimizer, scheduler) a host trains, before a checkpoint is restored into them: `base` with the
+    trainer's execution settings and the objectives' (`apply_execution_settings`, `apply_objective_settings`), its
+    optimizer and its schedule. The same on a DDP rank and in the single process; bf16 parameters
+    (`trainer.bf16_params`) are made after the restore, which writes the fp32 masters."""
+    model = apply_objective_settings(apply_execution_settings(base, trainer), objectives)
+    optimizer = build_optimizer(model, trainer)
+    return model, optimizer, build_scheduler(optimizer, trainer, max_steps)
+
+
 def forward_backward(model: nn.Module, objectives: Objectives, prepared: PreparedBatch, scale: float,
                      device: torch.device, bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The objectives of one prepared batch, backpropagated with weight `scale`.
