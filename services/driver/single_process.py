@@ -88,7 +88,7 @@ from services.driver.learning_report import (
 from services.driver.lock import SINGLE_PROCESS, DriverLock
 from services.driver.pipeline import final_g_health, open_corpus, with_probes
 from services.driver.progress import setup_phase
-from services.driver.spec import compile_spec
+from services.driver.spec import RunSpec, compile_spec
 from services.indexer.core import build_version, describe_build, index_shard, prune_unneeded_snapshots
 from services.trainer.health import HealthMonitor, loggable
 from services.trainer.init import ensure_initial_model
@@ -183,13 +183,13 @@ class ScheduleReader:
 class InProcessIndexer:
     """Publishes the relevance encoder as a snapshot and indexes every shard with it, exactly searched by torch."""
 
-    def __init__(self, cfg: PipelineConfig, corpus: Corpus, device: torch.device):
-        self.cfg, self.corpus, self.device = cfg, corpus, device
-        self.run_dir = Path(cfg.run.dir)
-        self.root = cfg.paths().index
+    def __init__(self, spec: RunSpec, corpus: Corpus, device: torch.device):
+        self.cfg, self.corpus, self.device = spec.config, corpus, device
+        self.run_dir = spec.paths.run_dir
+        self.root = spec.paths.index
         self.tokenizer_sha256 = corpus.tokenizer().sha256
         self.builds_log = self.run_dir / INDEX_BUILDS
-        self.board = RunBoard(self.run_dir, "index", cfg.run.tensorboard)
+        self.board = RunBoard(self.run_dir, "index", self.cfg.run.tensorboard)
 
     def index_snapshot(self, snapshot: SnapshotInfo, version: int) -> IndexVersion:
         encoder = load_relevance_encoder(snapshot, self.device)
@@ -243,7 +243,7 @@ class SingleProcessRun:
         self.monitor = HealthMonitor(cfg.health, cfg.data.heldout_pairs, self.tokenizer, seed=cfg.run.seed) \
             if cfg.objectives.model_family == "marge" else None
         self.probe = self.monitor.probe if self.monitor else None
-        self.indexer = InProcessIndexer(cfg, self.corpus, device)
+        self.indexer = InProcessIndexer(spec, self.corpus, device)
         self.docs = DocumentStore(self.corpus, cfg.batcher.shard_cache_mb)
         self.slots = spec.slots
         self.plan = spec.version_plan
