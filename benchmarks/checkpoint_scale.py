@@ -92,7 +92,7 @@ def save_rank(rank: int, world: int, port: int, args: dict, root: str, out: str)
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from marge.model.checkpoint import CheckpointWrite, save_checkpoint_v1, training_tensors
+    from marge.model.checkpoint import CheckpointWrite, WriteSettings, save_checkpoint_v1, training_tensors
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -151,7 +151,7 @@ def save_rank(rank: int, world: int, port: int, args: dict, root: str, out: str)
 
     def sharded():
         write = CheckpointWrite(Path(root) / f"v2-w{world}", model, optimizer, scheduler, 1, tokenizer,
-                                {"tokens_seen": 0, "rng_by_rank": []}, group=group, background=True)
+                                {"tokens_seen": 0, "rng_by_rank": []}, WriteSettings(group=group, background=True))
         writes.append(write)
         return write
 

@@ -13,7 +13,7 @@ so every target cross-attends over its own evidence document's keys, gathered fr
 memory (`before:concat_memory` reads the whole memory with the other documents' keys masked instead). BART gets the same tensors: `input_ids` = the evidence row of each target,
 `decoder_input_ids` = language token + target, labels = target + EOS, loss = mean NLL per token.
 
-Optimizer (both models): `services.trainer.step.build_optimizer` (AdamW, weight decay 0.01 on matrices only,
+Optimizer (both models): `marge.model.optim.build_optimizer` (AdamW, weight decay 0.01 on matrices only,
 none on biases, LayerNorms and embeddings; betas (0.9, 0.98), eps 1e-6), gradient-norm clipping at 1.0
 through `services.trainer.step.optimizer_step`, constant learning rate 1e-3 with no warm-up unless a variant says
 otherwise. `--optimizer torch-adamw` uses torch's AdamW defaults on every parameter (betas (0.9, 0.999),

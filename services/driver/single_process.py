@@ -30,7 +30,7 @@ checkpoint (same step count, same batch stream, curves and report extended; base
       baselines.json         random init by layer, TF-IDF, initial probe health (measured once)
       checkpoint_evals.jsonl held-out P@1 (every pair) + evidence gain at each checkpoint
       report.json, curves.png
-      run/                   config.yaml, init/, snapshots/, index/, checkpoints/step-N/, train_log.jsonl,
+      run/                   config.yaml, spec.json, init/, snapshots/, index/, checkpoints/step-N/, train_log.jsonl,
                              index_builds.jsonl
 """
 

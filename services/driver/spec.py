@@ -6,13 +6,13 @@ slice of it.
       | compile_spec(cfg, vocab_size)       once per run, in the driver, after the corpus is known
       v
     RunSpec            slots, version plan, batch shape, model, execution, paths     -> run_dir/spec.json
-      |- trainer_job(...)   TrainerJob   (services.trainer.job)   every DDP rank, and the single process's ranks
+      |- trainer_job(...)   TrainerJob   (services.trainer.job)   every DDP rank (the single process reads the spec)
       |- batcher_job(g)     BatcherJob   (services.batcher.job)   batch builder g
       |- indexer            the `indexer` section, paths, version plan, seed, faults
 
 A stage never derives one of these facts from the config itself: the slot layout a rank numbers its batches by,
-the version plan a builder waits on and the batch shape it builds are the ones the driver compiled (a unit test,
-tests/unit/test_run_spec.py, fails if production code builds its own). `spec.json` is what the run trained with,
+the version plan a builder waits on and the batch shape it builds are the ones the driver compiled
+(tests/unit/test_boundaries.py fails if a stage or a run host builds or derives its own). `spec.json` is what the run trained with,
 as plain values, for people and tools to read: `marge audit` and the reports read the config, the spec says what
 it compiled to.
 """
@@ -48,7 +48,7 @@ class RunSpec:
     config: PipelineConfig
     """The sections as loaded, with the run's endpoints, absolute paths and probe files filled in."""
     vocab_size: int
-    """The tokenizer's vocabulary (the corpus's), which the model is built for."""
+    """The model's vocabulary: `model.vocab_size` when the config sets it, else the tokenizer's (the corpus's)."""
     model: MargeConfig | VecoConfig
     """The architecture: `model.preset` plus overrides, of the objectives' model family."""
     slots: Slots

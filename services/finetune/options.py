@@ -1,4 +1,4 @@
-"""What `marge finetune --freeze` means, apart from `finetune.py` so that building the command line's parser (which
+"""What `marge finetune --freeze` means, apart from `run.py` so that building the command line's parser (which
 shows FREEZE_HELP) does not import torch."""
 
 from __future__ import annotations

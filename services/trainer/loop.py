@@ -141,6 +141,9 @@ class TrainingLoop:
     """Updates from `step` until `trainee.max_steps` or until the host says stop (see the module docstring)."""
 
     def __init__(self, trainee: Trainee, host: LoopHost, train_log: TrainLog, board: RunBoard, meter: UpdateMeter):
+        if trainee.slots is None or trainee.max_steps < 1:
+            raise ValueError(f"a training loop needs the run's slots and its last update, got slots {trainee.slots} "
+                             f"and max_steps {trainee.max_steps}")
         self.t, self.host, self.train_log, self.board, self.meter = trainee, host, train_log, board, meter
         self.names = list(trainee.objectives.part_names)
 

@@ -42,6 +42,7 @@ from marge.eval.metrics import StageMetrics
 from marge.eval.tensorboard import RunBoard
 from marge.model.checkpoint import (
     CheckpointWrite,
+    WriteSettings,
     complete_checkpoints,
     load_model_shell,
     load_model_weights,
@@ -59,7 +60,13 @@ from services.trainer.objectives import PreparedBatch, objectives_for
 from services.trainer.precision import bf16_parameters, reduce_in_fp32
 from services.trainer.prefetch import Prefetcher
 from services.trainer.source import BatchSource, source_for
-from services.trainer.state import begin_checkpoint, ray_checkpoint_dir, report_checkpoint, resume
+from services.trainer.state import (
+    IntervalRecords,
+    begin_checkpoint,
+    ray_checkpoint_dir,
+    report_checkpoint,
+    resume,
+)
 from services.trainer.step import (
     Backward,
     Item,
@@ -150,7 +157,7 @@ class Rank:
 
             trace_collectives(job.faults.trace_collectives, self.rank, self.device)
         corpus = Corpus.open(job.paths.corpus, verify_checksums=False)
-        self.corpus_root, self.tokenizer = corpus.root, corpus.tokenizer()
+        self.tokenizer = corpus.tokenizer()
         # a rank that resumes reads the checkpoint, not the init weights as well (at 963M parameters, 3.9 GB a rank)
         ray_checkpoint = ray_checkpoint_dir()
         resumable = bool(ray_checkpoint or job.resume_from or complete_checkpoints(job.paths.checkpoints))
@@ -366,10 +373,11 @@ class Rank:
         record = CommitRecord.of(step, self.interval_start, self.uncommitted)
         self.interval_start = step
         gathered = self.gather({"commit": (record.trained, record.digest), "dead": dead, "rng": rng_state()})
-        write = begin_checkpoint(self.rank, step, self.model, self.optimizer, self.scheduler, self.corpus_root,
-                                 [(r, record.since, *part["commit"]) for r, part in enumerate(gathered)],
-                                 [item for part in gathered for item in part["dead"]], [part["rng"] for part in gathered],
-                                 self.tokens_seen, self.job, self.checkpoint_group, generation=self.generation)
+        records = IntervalRecords([(r, record.since, *part["commit"]) for r, part in enumerate(gathered)],
+                                  [item for part in gathered for item in part["dead"]],
+                                  [part["rng"] for part in gathered], self.tokens_seen)
+        write = begin_checkpoint(self.rank, step, self.model, self.optimizer, self.scheduler, records, self.job,
+                                 WriteSettings(group=self.checkpoint_group, generation=self.generation))
         self.pending = PendingCheckpoint(write, dict(self.last_metrics), record, self.uncommitted_dead)
         self.uncommitted, self.uncommitted_dead = [], []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marge.contracts.slots import CommitRecord
-from marge.model.checkpoint import CheckpointError, CheckpointWrite, checkpoint_dir_name
+from marge.model.checkpoint import CheckpointError, CheckpointWrite, WriteSettings, checkpoint_dir_name
 from marge.model.lineage import (  # noqa: F401  # IO_RETRY_DELAYS_S, with_io_retries: importable from here too
     IO_RETRY_DELAYS_S,
     good_checkpoints,
@@ -123,19 +124,29 @@ def resume(model, optimizer, scheduler, device, rank: int, fallback: str | None,
                    rng_by_rank[rank] if rank < len(rng_by_rank) else None)
 
 
-def begin_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenizer_dir: Path,
-                     commits: list[tuple[int, int, int, str]], dead: list[tuple[int, dict, str]], rng_by_rank: list,
-                     tokens_seen: int, job, group, generation: int | None = None) -> CheckpointWrite:
+@dataclass(frozen=True)
+class IntervalRecords:
+    """What rank 0 adds to a checkpoint about the interval it closes, gathered from every rank."""
+
+    commits: list[tuple[int, int, int, str]]
+    """Every rank's commit of the interval: (rank, first update, batches trained, their `trained_digest`)."""
+    dead: list[tuple[int, dict, str]]
+    """(slot, fields, reason) of the batches the ranks left out."""
+    rng_by_rank: list
+    tokens_seen: int
+
+
+def begin_checkpoint(rank: int, step: int, model, optimizer, scheduler, records: IntervalRecords, job,
+                     how: WriteSettings) -> CheckpointWrite:
     """Every rank starts writing its part of the checkpoint of update `step` into the run's checkpoint storage
     and returns to training (`CheckpointWrite`: a host copy of its share, then a thread). Rank 0 adds the rest:
-    optimizer param groups, schedule, every rank's RNG, every rank's commit of the interval since the previous
-    checkpoint ((rank, first update, batches trained, their `trained_digest`)) and the (slot, fields, reason) of the batches the
-    ranks left out, then the manifest once every part is durable.
+    optimizer param groups, schedule and the interval's `records` (every rank's RNG and commit, the batches left
+    out), then the manifest once every part is durable. The tokenizer saved with it is the run's corpus's.
     The folder is named by rank 0: a run resumed from an older checkpoint writes an update again into a new
     folder (`step-N-1`), never into the one it abandoned (Ray deletes old checkpoints by folder). The ranks write
     it under a staging name and rank 0 renames it into place with its manifest: storage never holds a `step-*`
-    folder half written. `generation`: the group's trainer generation, recorded in the manifest (a checkpoint a
-    replaced group finishes after its successor resumed from an older one is never resumed from)."""
+    folder half written. `how`: its process group, and the group's trainer generation, recorded in the manifest (a
+    checkpoint a replaced group finishes after its successor resumed from an older one is never resumed from)."""
     import torch.distributed as dist
 
     root = Path(job.paths.checkpoints)
@@ -146,14 +157,14 @@ def begin_checkpoint(rank: int, step: int, model, optimizer, scheduler, tokenize
         shutil.rmtree(root / staging_name(own), ignore_errors=True)  # left by an attempt cut short
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
-    extra = {"commits": commits, "dead_since_previous": dead, "rng_by_rank": rng_by_rank,
-             "tokens_seen": tokens_seen}
+    extra = {"commits": records.commits, "dead_since_previous": records.dead, "rng_by_rank": records.rng_by_rank,
+             "tokens_seen": records.tokens_seen}
     folder = name[0]
     if folder is None:  # every rank has rank 0's name once the broadcast returns
         raise RuntimeError(f"rank {rank}: no checkpoint folder name from rank 0 for update {step}")
-    return CheckpointWrite(root / folder, model, optimizer, scheduler, step, tokenizer_dir, extra, group=group,
-                           background=True, staging=root / staging_name(folder), generation=generation,
-                           before_manifest=crash_point(job, step) if rank == 0 else None)
+    return CheckpointWrite(root / folder, model, optimizer, scheduler, step, job.paths.corpus, extra,
+                           dataclasses.replace(how, background=True, staging=root / staging_name(folder),
+                                               before_manifest=crash_point(job, step) if rank == 0 else None))
 
 
 def staging_name(name: str) -> str:

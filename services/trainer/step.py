@@ -247,11 +247,11 @@ class Trainee:
     cfg: TrainerConfig
     device: torch.device
     slots: Slots | None = None
-    """The run's slot layout, which numbers the host's batches; None: one process outside the pipeline, whose
-    update's batches take slots 0 .. n-1 of the update (`train_step`)."""
+    """The run's slot layout, which numbers the host's batches; None only for one process outside the pipeline
+    (`Trainee.in_process`), whose updates `train_step` numbers 0 .. n-1 (`run_update` refuses a trainee without)."""
     seed: int = 0
     max_steps: int = 0
-    """Where the training loop stops (`train_step` does not read it)."""
+    """Where the training loop stops (`TrainingLoop` refuses 0; `train_step` does not read it)."""
     nan_loss_slot: int | None = None
     """Test-only fault (marge.contracts.faults): this slot's loss is made NaN."""
 
@@ -279,7 +279,10 @@ def backward_items(t: Trainee, items: list[Item], excluded: dict[int, str] | Non
     is returned in `dead_lettered` with the reason. A loss that is not finite is backpropagated like any other: the
     update's gradient is then not finite, which `run_update` sees in its one read of the update's figures."""
     model, objectives, cfg, device, specials = t.trained, t.objectives, t.cfg, t.device, t.objectives.specials
-    model_cfg, slots = cast(Any, t.model).cfg, t.slots or Slots(1, len(items))
+    if t.slots is None:
+        raise ValueError("the trainee has no slot layout to number its batches by: give Trainee(slots=...) the run's "
+                         "slots, or train in one process through train_step, which numbers its update's batches")
+    model_cfg, slots = cast(Any, t.model).cfg, t.slots
     out = Backward()
     for i, item in enumerate(items):
         key = seed_key(t.seed, slots, item.slot)

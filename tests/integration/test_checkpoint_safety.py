@@ -22,7 +22,7 @@ import torch
 from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_training.py
 
 from marge.contracts.slots import Slots
-from marge.model.checkpoint import CheckpointError, CheckpointWrite, read_manifest, save_checkpoint
+from marge.model.checkpoint import CheckpointError, CheckpointWrite, WriteSettings, read_manifest, save_checkpoint
 from marge.model.lineage import newest_good_checkpoint
 from marge.model.restore import load_model, restore_training
 from marge.util.files import sha256_file
@@ -116,7 +116,7 @@ def write(root: Path, step: int, generation: int | None, tok: Path) -> Path:
     model, optimizer, scheduler = trained(seed=step)
     name = checkpoint_dir_name(root, step)
     return CheckpointWrite(root / name, model, optimizer, scheduler, step, tok, {"tokens_seen": step},
-                           generation=generation, staging=root / f".{name}.staging").wait()
+                           WriteSettings(generation=generation, staging=root / f".{name}.staging")).wait()
 
 
 def test_a_checkpoint_a_replaced_group_finished_after_its_successor_resumed_older_is_never_chosen(redis_server,
@@ -222,7 +222,7 @@ import sys
 from pathlib import Path
 from tiny_training import stand_in_tokenizer, tiny_training
 from marge.contracts.train_log import TrainLog, UpdateRecord
-from marge.model.checkpoint import CheckpointWrite
+from marge.model.checkpoint import CheckpointWrite, WriteSettings
 
 out = Path(sys.argv[1])
 log = TrainLog(out / "train_log.jsonl")
@@ -230,7 +230,7 @@ log.append(UpdateRecord(step=1, loss=1.0, lr=1e-3, grad_norm=1.0, batch_ids=["b"
 log.sync()  # what rank 0 does before it starts the checkpoint of update 1
 model, optimizer, scheduler = tiny_training()
 CheckpointWrite(out / "ckpt" / "step-00000001", model, optimizer, scheduler, 1, stand_in_tokenizer(out / "tok"),
-                {"tokens_seen": 1}, staging=out / "ckpt" / ".step-00000001.staging").wait()
+                {"tokens_seen": 1}, WriteSettings(staging=out / "ckpt" / ".step-00000001.staging")).wait()
 """
 
 

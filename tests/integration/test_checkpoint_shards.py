@@ -17,6 +17,7 @@ from tiny_training import stand_in_tokenizer, tiny_training  # tests/tiny_traini
 
 from marge.model.checkpoint import (
     CheckpointWrite,
+    WriteSettings,
     read_manifest,
     save_checkpoint,
     save_checkpoint_v1,
@@ -61,7 +62,7 @@ def rank_main(rank: int, world: int, port: int, task: str, directory: str, out: 
             model, optimizer, scheduler = trained()
             staging = Path(directory).with_name(f".{Path(directory).name}.staging")
             write = CheckpointWrite(Path(directory), model, optimizer, scheduler, 2, Path(out) / "tok",
-                                    {"tokens_seen": 200}, background=True, staging=staging)
+                                    {"tokens_seen": 200}, WriteSettings(background=True, staging=staging))
             with torch.no_grad():  # the update after the checkpoint: must not reach what is written
                 for p in model.parameters():
                     p.add_(1.0)
@@ -152,7 +153,7 @@ def test_single_process_round_trip_with_row_blocks(tmp_path: Path):
     model, optimizer, scheduler = trained()
     tok = stand_in_tokenizer(tmp_path / "tok")
     directory = CheckpointWrite(tmp_path / "step-00000002", model, optimizer, scheduler, 2, tok, {"tokens_seen": 7},
-                                part_bytes=4096).wait()
+                                WriteSettings(part_bytes=4096)).wait()
     manifest = read_manifest(directory)
     assert any("#" in key for key in manifest["tensors"])  # large tensors were cut into row blocks
     fresh = tiny_training(seed=5)
@@ -181,8 +182,8 @@ def test_an_incomplete_checkpoint_is_never_chosen(tmp_path: Path):
     assert newest_good_checkpoint(root).name == "step-00000002"
     staging = root / ".step-00000008.staging"
     with pytest.raises(RuntimeError, match="killed before the manifest"):  # written under a staging name
-        CheckpointWrite(root / "step-00000008", model, optimizer, scheduler, 8, tok, {}, staging=staging,
-                        before_manifest=die).wait()
+        CheckpointWrite(root / "step-00000008", model, optimizer, scheduler, 8, tok, {},
+                        WriteSettings(staging=staging, before_manifest=die)).wait()
     assert (staging / "state" / "__0_0.distcp").exists() and not (root / "step-00000008").exists()
     assert newest_good_checkpoint(root).name == "step-00000002"
     part = root / "step-00000002" / "state" / "__0_0.distcp"

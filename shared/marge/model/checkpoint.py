@@ -52,6 +52,8 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -211,6 +213,25 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+@dataclass(frozen=True)
+class WriteSettings:
+    """How a checkpoint is written (`CheckpointWrite`), not what it holds."""
+
+    group: Any = None
+    """The process group whose ranks each write a part (None: this process is the whole world). Not the group
+    training uses meanwhile: DCP's collectives run on it from the writing thread."""
+    background: bool = False
+    """Write in a thread once this rank's share is copied to host memory: the training loop goes on."""
+    staging: Path | None = None
+    """Write here; rank 0 renames it to the checkpoint's folder once the manifest is in."""
+    generation: int | None = None
+    """The trainer generation writing it, recorded in the manifest (`marge.model.lineage`)."""
+    before_manifest: Callable[[], None] | None = None
+    """Called once every file but the manifest is written (the fault suite dies there)."""
+    part_bytes: int = PART_BYTES
+    """Tensors larger than this are split into parts, so that the ranks' shares balance."""
+
+
 class CheckpointWrite:
     """One checkpoint being written into `directory` (format 2).
 
@@ -232,9 +253,10 @@ class CheckpointWrite:
     entries, the small files and the folder's entries; the manifest, then the rename into place, each synced too."""
 
     def __init__(self, directory: Path, model: nn.Module, optimizer, scheduler, step: int, tokenizer_dir: Path,
-                 training_state: dict[str, Any], *, group=None, background: bool = False, before_manifest=None,
-                 part_bytes: int = PART_BYTES, staging: Path | None = None, generation: int | None = None):
+                 training_state: dict[str, Any], how: WriteSettings = WriteSettings()):
         started = time.perf_counter()
+        group, background, before_manifest, part_bytes, staging, generation = (
+            how.group, how.background, how.before_manifest, how.part_bytes, how.staging, how.generation)
         self.directory, self.step, self.group, self.generation = Path(directory), step, group, generation
         self.staging = Path(staging) if staging is not None else None
         self.folder = self.staging or self.directory
@@ -356,7 +378,7 @@ def save_checkpoint(directory: Path, model: Marge, optimizer, scheduler, step: i
 
     `before_manifest` is called with every file written but the manifest (the fault suite dies there)."""
     return CheckpointWrite(directory, model, optimizer, scheduler, step, tokenizer_dir, training_state,
-                           group=group, before_manifest=before_manifest).wait()
+                           WriteSettings(group=group, before_manifest=before_manifest)).wait()
 
 
 def save_checkpoint_v1(directory: Path, model: Marge, optimizer, scheduler, step: int, tokenizer_dir: Path,
