@@ -174,7 +174,7 @@ def dry_run(cfg: PipelineConfig, reuse_folder: bool = False) -> dict:
 
 def compiled_facts(spec: RunSpec) -> dict[str, Any]:
     """What a dry run shows of the run's spec: what spec.json would hold, less the config it was given."""
-    return {key: value for key, value in spec.to_dict().items() if key not in ("config", "run", "spec_version")}
+    return {key: value for key, value in spec.to_dict().items() if key not in ("config", "spec_version")}
 
 
 def final_g_health(cfg: PipelineConfig, paths: RunPaths, corpus: Corpus) -> dict | None:

@@ -228,7 +228,7 @@ class SingleProcessRun:
 
     def __init__(self, out_dir: Path, cfg: PipelineConfig, device: torch.device, resume: bool):
         self.out_dir = Path(out_dir).resolve()
-        self.cfg, self.device, self.resume = cfg, device, resume
+        self.device, self.resume = device, resume
         self.corpus = open_corpus(cfg)
         self.tokenizer = self.corpus.tokenizer()
         self.spec = spec = compile_spec(with_probes(cfg, self.corpus), self.tokenizer.vocab_size)

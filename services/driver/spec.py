@@ -47,8 +47,6 @@ class RunSpec:
 
     config: PipelineConfig
     """The sections as loaded, with the run's endpoints, absolute paths and probe files filled in."""
-    vocab_size: int
-    """The model's vocabulary: `model.vocab_size` when the config sets it, else the tokenizer's (the corpus's)."""
     model: MargeConfig | VecoConfig
     """The architecture: `model.preset` plus overrides, of the objectives' model family."""
     slots: Slots
@@ -58,6 +56,11 @@ class RunSpec:
     batch_shape: BatchShape
     """What the batcher builds for the run's objectives."""
     paths: RunPaths
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: `model.vocab_size` when the config sets it, else the tokenizer's (the corpus's)."""
+        return self.model.vocab_size
 
     @property
     def execution(self) -> dict[str, Any]:
@@ -87,8 +90,6 @@ class RunSpec:
         """Plain JSON values: what spec.json holds (the config's secrets left out, as in the run's config.yaml)."""
         return {
             "spec_version": SPEC_VERSION,
-            "run": {"name": self.paths.name, "dir": str(self.paths.run_dir), "corpus": str(self.paths.corpus),
-                    "seed": self.config.run.seed, "max_steps": self.config.run.max_steps},
             "objectives": list(self.config.objectives.enabled),
             "model_family": self.config.objectives.model_family,
             "model": dataclasses.asdict(self.model),
@@ -111,9 +112,8 @@ def compile_spec(cfg: PipelineConfig, vocab_size: int | None = None) -> RunSpec:
     """`cfg` compiled: every fact two stages share, computed here and nowhere else. `vocab_size` is the tokenizer's
     (the corpus's); None when the corpus is not there yet (a dry run): `model.vocab_size`, else
     `data.vocab_size`, the tokenizer's size once it is trained."""
-    vocab = vocab_size if vocab_size is not None else cfg.model.get("vocab_size", cfg.data.vocab_size)
-    model = cfg.model_config(vocab_size=vocab)
-    return RunSpec(cfg, model.vocab_size, model, cfg.slots(), cfg.version_plan(), cfg.batch_shape(), cfg.paths())
+    model = cfg.model_config(vocab_size=vocab_size if vocab_size is not None else cfg.data.vocab_size)
+    return RunSpec(cfg, model, cfg.slots(), cfg.version_plan(), cfg.batch_shape(), cfg.paths())
 
 
 def read_spec(run_dir: str | Path) -> dict[str, Any] | None:
